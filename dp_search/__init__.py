@@ -1,0 +1,1 @@
+"""meshplan.dp_search"""

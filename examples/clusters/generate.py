@@ -1,0 +1,174 @@
+"""Write the example cluster files in this folder from one table of figures.
+
+Run ``python examples/clusters/generate.py`` after changing a figure; the
+files are built as ClusterSpec objects, so each one is valid by construction.
+``--check`` only compares the files on disk with what would be written and
+exits 1 on a difference.
+
+Figures are the public datasheet numbers cited in each file's ``sources``.
+Peak FLOP/s are dense (no structured sparsity).  Memory is the nominal
+capacity; the usable amount is smaller (CUDA context, XLA allocator fraction).
+Latencies are not datasheet figures but estimates of the per-step cost of a
+collective: ~5 us over NVLink (NCCL small-message latency), ~10 us across
+InfiniBand, ~40 us for TCP over 25 Gbit/s Ethernet.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+try:
+    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+except ImportError:  # meshplan not installed: load planner/ as the package without its __init__
+    _pkg = types.ModuleType("meshplan")
+    _pkg.__path__ = [str(ROOT / "planner")]
+    sys.modules["meshplan"] = _pkg
+    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+
+GIB = 2**30
+T = 1e12
+
+LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: ~5 us per step of a "
+                "collective over NVLink, ~10 us across InfiniBand, ~40 us over 25 Gbit/s "
+                "Ethernet (TCP).")
+MEMORY_NOTE = ("memory_bytes is the nominal capacity; the usable amount is smaller "
+               "(CUDA context, XLA allocator fraction).")
+
+# -- AWS p3.16xlarge: Alpa's testbed -------------------------------------------
+P3_DEVICE = DeviceSpec(
+    kind="V100-SXM2-16GB",
+    memory_bytes=16 * GIB,
+    memory_bandwidth_bytes_per_s=900e9,
+    # V100 has no bfloat16 units: XLA computes bf16 matmuls at about the fp32
+    # rate, so bfloat16 gets the fp32 figure rather than the fp16 tensor-core one.
+    peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
+                "float64": 7.8 * T},
+)
+P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=5e-6)
+P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=40e-6)
+P3_TEXT = (
+    "AWS p3.16xlarge: 8 x NVIDIA V100-SXM2 16 GB per host, the testbed of Alpa "
+    "(Zheng et al., OSDI'22). Within a host the GPUs are joined by NVLink 2 in a "
+    "hybrid cube-mesh: each GPU has 6 links of 25 GB/s per direction (300 GB/s "
+    "aggregate bidirectional, 150 GB/s per direction), but not every pair of GPUs is "
+    "directly linked, so 150 GB/s is optimistic for all-to-all patterns. Between "
+    "hosts, 25 Gbit/s networking = 3.125e9 bytes/s per host. V100 lacks bfloat16 "
+    "hardware, so bfloat16 is given the fp32 rate. " + MEMORY_NOTE + " " + LATENCY_NOTE)
+P3_SOURCES = (
+    "NVIDIA Tesla V100 GPU datasheet (SXM2): 125 TFLOP/s tensor (fp16), 15.7 TFLOP/s "
+    "fp32, 7.8 TFLOP/s fp64, 16 GB HBM2 at 900 GB/s, NVLink 300 GB/s "
+    "- https://www.nvidia.com/en-us/data-center/v100/",
+    "NVIDIA DGX-1 with Tesla V100 system architecture whitepaper: hybrid cube-mesh "
+    "NVLink topology, 6 NVLink 2 links of 25 GB/s per direction per GPU",
+    "Amazon EC2 P3 instances: p3.16xlarge has 8 V100 16 GB with NVLink and 25 Gbit/s "
+    "network bandwidth - https://aws.amazon.com/ec2/instance-types/p3/",
+    "Zheng et al., Alpa: Automating Inter- and Intra-Operator Parallelism for "
+    "Distributed Deep Learning, OSDI 2022 (arXiv:2201.12023): p3.16xlarge testbed",
+)
+
+# -- DGX A100 (80 GB): Megatron-LM's testbed (Selene) ----------------------------
+A100_DEVICE = DeviceSpec(
+    kind="A100-SXM4-80GB",
+    memory_bytes=80 * GIB,
+    memory_bandwidth_bytes_per_s=2.039e12,
+    # float64 is the FP64 tensor-core rate that DGEMM reaches (9.7 without).
+    peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
+                "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
+)
+A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=5e-6)
+A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=10e-6)
+A100_TEXT = (
+    "NVIDIA DGX A100 (80 GB): 8 x A100-SXM4-80GB per host, the testbed of Megatron-LM "
+    "(Narayanan et al., SC'21, on Selene). NVLink 3 through NVSwitch gives every GPU "
+    "300 GB/s per direction to any other GPU of its host. Between hosts, 8 x 200 Gbit/s "
+    "HDR InfiniBand (one HCA per GPU) = 200e9 bytes/s per host. Peak figures are dense; "
+    "float64 is the FP64 tensor-core rate. " + MEMORY_NOTE + " " + LATENCY_NOTE)
+A100_SOURCES = (
+    "NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM): 312 TFLOP/s bf16/fp16, 156 "
+    "TFLOP/s tf32, 19.5 TFLOP/s fp32, 19.5 TFLOP/s fp64 tensor core, 624 TOPS int8 "
+    "(dense), HBM2e 2,039 GB/s, NVLink 600 GB/s bidirectional "
+    "- https://www.nvidia.com/en-us/data-center/a100/",
+    "NVIDIA DGX A100 datasheet and user guide: 8 x A100 80 GB, 6 NVSwitches, 8 x "
+    "single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute traffic "
+    "- https://www.nvidia.com/en-us/data-center/dgx-a100/",
+    "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
+    "Using Megatron-LM, SC 2021 (arXiv:2104.04473): DGX A100 80 GB nodes with 8 x "
+    "200 Gbit/s HDR InfiniBand each, up to 3072 GPUs (384 nodes)",
+)
+
+# -- DGX H100 -----------------------------------------------------------------------
+H100_DEVICE = DeviceSpec(
+    kind="H100-SXM5-80GB",
+    memory_bytes=80 * GIB,
+    memory_bandwidth_bytes_per_s=3.35e12,
+    peak_flops={"bfloat16": 989.4 * T, "float16": 989.4 * T, "tfloat32": 494.7 * T,
+                "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
+                "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
+)
+H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=5e-6)
+H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=10e-6)
+H100_TEXT = (
+    "NVIDIA DGX H100: 8 x H100-SXM5-80GB per host. NVLink 4 through NVSwitch gives "
+    "every GPU 450 GB/s per direction (900 GB/s bidirectional). Between hosts, 8 x "
+    "400 Gbit/s NDR InfiniBand (one ConnectX-7 per GPU) = 400e9 bytes/s per host. "
+    "Peak figures are dense; float64 is the FP64 tensor-core rate. " + MEMORY_NOTE + " "
+    + LATENCY_NOTE)
+H100_SOURCES = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB): HBM3 3.35 TB/s, NVLink "
+    "900 GB/s bidirectional - https://www.nvidia.com/en-us/data-center/h100/",
+    "NVIDIA H100 Tensor Core GPU Architecture whitepaper: dense peaks of 989.4 TFLOP/s "
+    "bf16/fp16, 494.7 tf32, 1978.9 fp8 and int8, 66.9 fp32 and fp64 tensor core",
+    "NVIDIA DGX H100 datasheet and user guide: 8 x H100 SXM5 80 GB, 4 NVSwitch chips, "
+    "8 x ConnectX-7 400 Gb/s NDR InfiniBand for compute traffic "
+    "- https://www.nvidia.com/en-us/data-center/dgx-h100/",
+)
+
+FAMILIES = (
+    # (name prefix, host counts, device, intra link, inter link, description, sources)
+    ("aws-p3.16xlarge", (1, 2, 4, 8), P3_DEVICE, P3_INTRA, P3_INTER, P3_TEXT, P3_SOURCES),
+    ("dgx-a100", (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384), A100_DEVICE, A100_INTRA,
+     A100_INTER, A100_TEXT, A100_SOURCES),
+    ("dgx-h100", (1, 8, 64), H100_DEVICE, H100_INTRA, H100_INTER, H100_TEXT, H100_SOURCES),
+)
+
+
+def build_all() -> dict[str, ClusterSpec]:
+    """File name -> ClusterSpec for every example cluster."""
+    out = {}
+    for prefix, host_counts, device, intra, inter, text, sources in FAMILIES:
+        for hosts in host_counts:
+            name = f"{prefix}-x{hosts}"
+            out[f"{name}.json"] = ClusterSpec(
+                name=name, num_hosts=hosts, devices_per_host=8, device=device,
+                intra_host=intra, inter_host=inter, description=text, sources=sources)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare the files on disk instead of writing them")
+    args = parser.parse_args(argv)
+    stale = []
+    for file_name, spec in build_all().items():
+        path = HERE / file_name
+        text = spec.to_json(indent=2) + "\n"
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(file_name)
+        else:
+            path.write_text(text, encoding="utf-8")
+    if stale:
+        print("out of date (run examples/clusters/generate.py): " + ", ".join(stale),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

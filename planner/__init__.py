@@ -1,0 +1,21 @@
+"""meshplan: automatic intra- and inter-operator parallelization for JAX."""
+from __future__ import annotations
+
+from .cluster import ClusterSpec, DeviceSpec, LinkSpec, load_cluster, parse_cluster
+from .errors import (ClusterSpecError, InfeasiblePlanError, MeshplanError, ModelConfigError,
+                     PlanFormatError, RuntimeStageError, SolverError, StalePlanError,
+                     TraceError, UnsupportedPrimitiveError)
+from .graph import Graph, GraphInput, GraphOutput, Node, Tensor
+from .trace import trace
+
+Cluster = ClusterSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec", "load_cluster", "parse_cluster",
+    "Graph", "GraphInput", "GraphOutput", "Node", "Tensor", "trace",
+    "MeshplanError", "ClusterSpecError", "TraceError", "UnsupportedPrimitiveError",
+    "InfeasiblePlanError", "SolverError", "PlanFormatError", "StalePlanError",
+    "ModelConfigError", "RuntimeStageError",
+]

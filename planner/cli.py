@@ -1,0 +1,184 @@
+"""The ``meshplan`` command line.
+
+Exit status 0 on success, 2 on bad input with one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .errors import MeshplanError, ModelConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"meshplan: error: {message} (see '{self.prog} --help')\n")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to plan: a train step, example arguments, and where they came from."""
+    name: str
+    train_step: Callable
+    args: tuple
+    batch_argnums: tuple[int, ...]
+    model_config: dict[str, Any] | None
+    init: Callable[[int], tuple] | None = None
+
+
+def _parse_model_args(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ModelConfigError(f"--model-arg expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_target(args: argparse.Namespace) -> Target:
+    """The train step named by ``--model``/``--model-arg`` or ``--fn``."""
+    if getattr(args, "fn", None):
+        return _load_fn(args.fn)
+    from .models import build_model
+    m = build_model(args.model, _parse_model_args(args.model_arg or []))
+    return Target(name=m.preset or m.name, train_step=m.train_step, args=tuple(m.abstract_args),
+                  batch_argnums=tuple(m.batch_argnums), model_config=dict(m.config), init=m.init)
+
+
+def _load_fn(spec: str) -> Target:
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ModelConfigError(f"--fn expects MODULE:FUNCTION, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelConfigError(f"--fn {spec}: cannot import module {module_name!r}: {e}") from e
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ModelConfigError(f"--fn {spec}: module {module_name!r} has no function {func_name!r}")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and callable(result[0])):
+        raise ModelConfigError(f"--fn {spec}: the function must return (train_step, example_args) "
+                               "or (train_step, example_args, batch_argnums)")
+    batch_argnums = tuple(result[2]) if len(result) == 3 else (1,)
+    return Target(name=func_name, train_step=result[0], args=tuple(result[1]),
+                  batch_argnums=batch_argnums, model_config=None)
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="built-in model or preset (mlp, gpt, moe, wresnet, gpt-1.3b, ...)")
+    g.add_argument("--fn", help="MODULE:FUNCTION returning (train_step, example_args)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a size of the built-in model (repeatable)")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .trace import trace
+    target = load_target(args)
+    graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
+                  name=target.name)
+    s = graph.summary(top=args.top)
+    if target.model_config is not None:
+        s["model_config"] = target.model_config
+    print(f"{target.name}: {s['num_ops']} ops, {s['total_flops']:.4g} FLOPs per step "
+          f"({s['matmul_flops']:.4g} in matmuls/convolutions)")
+    if target.model_config:
+        print("  config: " + ", ".join(f"{k}={v}" for k, v in target.model_config.items()))
+    print(f"  parameters:      {s['num_params']:,} ({_human_bytes(s['param_bytes'])})")
+    print(f"  optimizer state: {_human_bytes(s['opt_state_bytes'])}")
+    print(f"  other state:     {_human_bytes(s['state_bytes'])}")
+    print(f"  batch:           {_human_bytes(s['batch_bytes'])}")
+    print(f"  intermediates:   {_human_bytes(s['activation_bytes'])} (sum of all, before liveness)")
+    print(f"  fingerprint:     {s['fingerprint']}")
+    print("  ops by primitive: " + ", ".join(
+        f"{k} {v}" for k, v in list(s["ops_by_primitive"].items())[:12]))
+    print(f"  biggest ops by FLOPs:")
+    for b in s["biggest_ops"]:
+        shapes = " ".join("x".join(map(str, sh)) or "()" for sh in b["output_shapes"])
+        print(f"    n{b['node']:<6} {b['primitive']:<22} {b['flops']:.3g} FLOPs -> {shapes}  {b['scope']}")
+    for w in s["warnings"]:
+        print(f"  warning: {w}")
+    if args.json:
+        _write_json(args.json, s)
+    return 0
+
+
+def _write_json(path: str, data: Any) -> None:
+    """Write JSON atomically: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MeshplanError(f"cannot write {path}: {e.strerror}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from .cluster import load_cluster
+    spec = load_cluster(args.path)
+    if args.cluster_cmd == "validate":
+        print(f"{args.path}: ok ({spec.name}: {spec.num_hosts} host(s) x "
+              f"{spec.devices_per_host} {spec.device.kind})")
+    else:
+        print(spec.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshplan", description="Automatic parallelization planner for JAX.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    pi = sub.add_parser("inspect", help="trace a model and print a graph summary")
+    _add_target_args(pi)
+    pi.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
+    pi.add_argument("--top", type=int, default=10, help="how many of the biggest ops to list")
+    pi.set_defaults(func=cmd_inspect)
+
+    pc = sub.add_parser("cluster", help="validate or show a cluster JSON file")
+    csub = pc.add_subparsers(dest="cluster_cmd", required=True, parser_class=_Parser)
+    for name, text in (("validate", "check a cluster file"), ("show", "describe a cluster file")):
+        c = csub.add_parser(name, help=text)
+        c.add_argument("path")
+        c.set_defaults(func=cmd_cluster)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MeshplanError as e:
+        print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshplan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

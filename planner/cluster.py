@@ -1,0 +1,617 @@
+"""ClusterSpec: an abstract description of the devices a plan targets.
+
+A cluster is ``num_hosts`` hosts with ``devices_per_host`` identical devices
+each.  The planner only ever sees this abstract description (shapes, memory,
+FLOP/s and link figures); real devices are bound in ``meshplan.runtime``.
+
+JSON format (``"format": "meshplan.cluster/1"``)::
+
+    {
+      "format": "meshplan.cluster/1",
+      "name": "dgx-a100-x2",
+      "description": "free text",                      # optional
+      "sources": ["citation", ...],                      # optional
+      "num_hosts": 2,
+      "devices_per_host": 8,
+      "num_devices": 16,                                 # optional; must equal hosts * devices_per_host
+      "device": {
+        "kind": "A100-SXM4-80GB",
+        "memory_bytes": 85899345920,
+        "memory_bandwidth_bytes_per_s": 2.039e12,
+        "peak_flops": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}
+      },
+      "links": {
+        "intra_host": {"bandwidth_bytes_per_s": 300e9, "latency_s": 5e-6},
+        "inter_host": {"bandwidth_bytes_per_s": 200e9, "latency_s": 1e-5}
+      }
+    }
+
+``links.intra_host.bandwidth_bytes_per_s`` is per device, per direction.
+``links.inter_host.bandwidth_bytes_per_s`` is the whole host's network
+bandwidth per direction (all NICs together); the cost model shares it among
+the devices of a host that communicate across hosts at the same time.
+
+Parsing is strict: unknown keys, missing keys, wrong types and impossible
+values raise :class:`~meshplan.errors.ClusterSpecError` naming the JSON path
+of the culprit (``$.device.peak_flops.bfloat16``) and what to change.
+Bandwidths, memory and FLOP/s must be positive; a latency may be zero (an
+idealised link) but not negative.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import ClusterSpecError
+
+CLUSTER_FORMAT = "meshplan.cluster/1"
+
+# dtype names a cluster file may give a peak FLOP/s figure for.
+KNOWN_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn",
+                "float8_e5m2", "int8", "tfloat32")
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+    "fp32": "float32", "f32": "float32", "single": "float32",
+    "fp64": "float64", "f64": "float64", "double": "float64", "tf32": "tfloat32",
+    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
+    "i8": "int8", "s8": "int8", "complex64": "float32", "complex128": "float64",
+}
+# Where flops_for looks when the exact dtype has no figure (before float32).
+_FLOPS_FALLBACK = {
+    "bfloat16": ("float16",),
+    "float16": ("bfloat16",),
+    "float8_e4m3fn": ("float8_e5m2", "bfloat16", "float16"),
+    "float8_e5m2": ("float8_e4m3fn", "bfloat16", "float16"),
+}
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "latency_s": self.latency_s}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    # (dtype name, FLOP/s) pairs, sorted by dtype name.
+    peak_flops: tuple[tuple[str, float], ...]
+
+    def __post_init__(self) -> None:
+        # Accept a mapping or unsorted pairs; store the canonical sorted tuple.
+        pairs = self.peak_flops.items() if isinstance(self.peak_flops, Mapping) else self.peak_flops
+        object.__setattr__(self, "peak_flops",
+                           tuple(sorted((str(k), float(v)) for k, v in pairs)))
+
+    def flops_for(self, dtype: Any) -> float:
+        """Peak FLOP/s for ``dtype`` (a numpy/jax dtype or its name).
+
+        Without an exact figure: float16 and bfloat16 stand in for each other,
+        a float8 uses the other float8 then the 16-bit figure, float64 is half
+        the float32 figure, and everything else (tfloat32, integers, bool,
+        unknown names) uses the float32 figure.  If float32 itself is missing
+        the smallest figure given is used, a conservative guess.
+        """
+        table = dict(self.peak_flops)
+        if not table:
+            raise ClusterSpecError("$.device.peak_flops",
+                                   "is empty; give at least a float32 figure")
+        name = _dtype_name(dtype)
+        if name in table:
+            return table[name]
+        for alt in _FLOPS_FALLBACK.get(name, ()):
+            if alt in table:
+                return table[alt]
+        f32 = table.get("float32", min(table.values()))
+        return f32 / 2 if name == "float64" else f32
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "memory_bytes": self.memory_bytes,
+                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+                "peak_flops": dict(self.peak_flops)}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    num_hosts: int
+    devices_per_host: int
+    device: DeviceSpec
+    intra_host: LinkSpec
+    inter_host: LinkSpec
+    description: str = ""
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sources", tuple(self.sources))
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(num_hosts, devices_per_host)``: the physical mesh."""
+        return (self.num_hosts, self.devices_per_host)
+
+    @property
+    def inter_host_bandwidth_per_device(self) -> float:
+        """A host's network bandwidth shared evenly by its devices."""
+        return self.inter_host.bandwidth_bytes_per_s / self.devices_per_host
+
+    # -- JSON --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": CLUSTER_FORMAT,
+            "name": self.name,
+            "description": self.description,
+            "sources": list(self.sources),
+            "num_hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "num_devices": self.num_devices,
+            "device": self.device.to_dict(),
+            "links": {"intra_host": self.intra_host.to_dict(),
+                      "inter_host": self.inter_host.to_dict()},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<dict>") -> ClusterSpec:
+        return parse_cluster(data, source=source)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<json>") -> ClusterSpec:
+        return parse_cluster(_decode_json(text, source), source=source)
+
+    # -- derived specs -------------------------------------------------------
+    def with_devices(self, num_hosts: int, devices_per_host: int) -> ClusterSpec:
+        """The same hardware cut down to ``num_hosts`` x ``devices_per_host``.
+
+        Used for submeshes: both counts must fit inside this cluster.
+        """
+        for key, value, limit in (("num_hosts", num_hosts, self.num_hosts),
+                                  ("devices_per_host", devices_per_host,
+                                   self.devices_per_host)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterSpecError(f"$.{key}", f"a submesh needs a positive integer "
+                                       f"{key}, got {_show(value)}")
+            if value > limit:
+                raise ClusterSpecError(f"$.{key}", f"a submesh of {self.name!r} can have at "
+                                       f"most {limit} {key.replace('_', ' ')}, got {value}")
+        if (num_hosts, devices_per_host) == self.shape:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}[{num_hosts}x{devices_per_host}]",
+                                   num_hosts=num_hosts, devices_per_host=devices_per_host)
+
+    @classmethod
+    def local(cls) -> ClusterSpec:
+        """Describe the devices JAX sees (``jax.devices()``) in this process.
+
+        Memory is the allocator limit XLA reports when it reports one (for CPU,
+        the host's physical memory split evenly among the local devices).
+        Peak FLOP/s and the intra-host link come from a table of datasheet
+        figures for known device kinds; link figures are platform defaults,
+        not measurements.
+        """
+        import jax  # lazily: parsing cluster files must not need jax
+
+        devices = jax.devices()
+        hosts, per_host = jax.process_count(), jax.local_device_count()
+        platform = devices[0].platform.lower()
+        kind = str(devices[0].device_kind).strip() or platform
+        notes = []
+        if hosts * per_host != len(devices):
+            notes.append(f"{hosts} processes with {per_host} local devices do not make up "
+                         f"the {len(devices)} devices; treated as one host")
+            hosts, per_host = 1, len(devices)
+        known = _known_device(platform, kind)
+        if known is None:
+            known = _generic_device(platform)
+            warnings.warn(f"meshplan: no datasheet figures for device kind {kind!r} on "
+                          f"{platform}; using rough defaults (see ClusterSpec.describe())",
+                          stacklevel=2)
+        memory = _allocator_limit(jax.local_devices()[0])
+        if memory is not None:
+            notes.append("memory is the XLA allocator limit")
+        elif platform == "cpu":
+            memory = max(1, _physical_memory() // per_host)
+            notes.append("memory is the host's physical memory split among local devices")
+        else:
+            memory = _memory_from_kind(kind) or known.memory_bytes
+            notes.append("memory is the nominal figure for the device kind")
+        notes_text = "; ".join(notes)
+        description = (f"Described from jax.devices(): {len(devices)} x {kind!r} on {platform}. "
+                       f"{known.note} {notes_text[:1].upper()}{notes_text[1:]}. Link figures "
+                       f"are platform defaults (estimates), not measurements; "
+                       f"`meshplan calibrate` measures them.")
+        return cls(
+            name=f"local-{platform}-{hosts}x{per_host}", num_hosts=hosts,
+            devices_per_host=per_host,
+            device=DeviceSpec(kind=kind, memory_bytes=int(memory),
+                              memory_bandwidth_bytes_per_s=known.memory_bandwidth,
+                              peak_flops=known.flops),
+            intra_host=known.intra_host, inter_host=known.inter_host,
+            description=description, sources=(known.source,))
+
+    # -- printing ------------------------------------------------------------
+    def describe(self) -> str:
+        d = self.device
+        flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in d.peak_flops)
+        lines = [
+            f"cluster {self.name}: {self.num_hosts} host(s) x {self.devices_per_host} "
+            f"device(s) = {self.num_devices} devices",
+            f"  device      {d.kind}, {d.memory_bytes / 2**30:.1f} GiB, "
+            f"memory {d.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s",
+            f"  peak        {flops} TFLOP/s",
+            f"  intra-host  {_link_text(self.intra_host)} per device per direction",
+            f"  inter-host  {_link_text(self.inter_host)} per host per direction "
+            f"({self.inter_host_bandwidth_per_device / 1e9:.4g} GB/s per device)",
+        ]
+        if self.description:
+            lines.append(f"  about       {self.description}")
+        if self.sources:
+            lines.append("  sources")
+            lines.extend(f"    - {s}" for s in self.sources)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _link_text(link: LinkSpec) -> str:
+    return f"{link.bandwidth_bytes_per_s / 1e9:.4g} GB/s, {link.latency_s * 1e6:.3g} us"
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        name = dtype.strip().lower()
+    else:
+        try:
+            import numpy as np
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype).lower()
+    return _DTYPE_ALIASES.get(name, name)
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+
+_TOP_REQUIRED = ("format", "name", "num_hosts", "devices_per_host", "device", "links")
+_TOP_OPTIONAL = ("description", "sources", "num_devices")
+_DEVICE_KEYS = ("kind", "memory_bytes", "memory_bandwidth_bytes_per_s", "peak_flops")
+_LINKS_KEYS = ("intra_host", "inter_host")
+_LINK_KEYS = ("bandwidth_bytes_per_s", "latency_s")
+
+_HINTS = {
+    "format": f'add "format": "{CLUSTER_FORMAT}"',
+    "name": 'add a short name, e.g. "name": "my-cluster"',
+    "num_hosts": 'add the number of hosts, e.g. "num_hosts": 1',
+    "devices_per_host": 'add the number of devices on each host, e.g. "devices_per_host": 8',
+    "device": 'add a "device" object with ' + ", ".join(_DEVICE_KEYS),
+    "links": 'add a "links" object with "intra_host" and "inter_host"',
+    "kind": 'add the device kind, e.g. "kind": "A100-SXM4-80GB"',
+    "memory_bytes": "add the memory of one device in bytes (an integer)",
+    "memory_bandwidth_bytes_per_s": "add the memory bandwidth of one device in bytes/s",
+    "peak_flops": 'add peak FLOP/s per dtype, e.g. "peak_flops": {"float32": 1.95e13}',
+    "intra_host": 'add the link between devices of one host: {"bandwidth_bytes_per_s": ..., '
+                  '"latency_s": ...}',
+    "inter_host": 'add the network between hosts: {"bandwidth_bytes_per_s": ..., '
+                  '"latency_s": ...}',
+    "bandwidth_bytes_per_s": "add the bandwidth in bytes per second, per direction",
+    "latency_s": "add the latency in seconds, e.g. 5e-06",
+}
+
+
+class _Reader:
+    """Validates one decoded JSON value; every failure names its JSON path."""
+
+    def __init__(self, source: str):
+        self.where = "" if source == "<dict>" else f" (in {source})"
+
+    def fail(self, path: str, problem: str) -> ClusterSpecError:
+        return ClusterSpecError(path, problem + self.where)
+
+    def obj(self, value: Any, path: str, required: tuple[str, ...],
+            optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a JSON object, got {_show(value)}")
+        allowed = required + optional
+        for key in value:
+            if key not in allowed:
+                close = _suggest(str(key), allowed)
+                hint = f"did you mean {close!r}? " if close else ""
+                raise self.fail(f"{path}.{key}", f"unknown key {key!r}; {hint}allowed keys "
+                                f"here: {', '.join(allowed)}")
+        for key in required:
+            if key not in value:
+                raise self.fail(f"{path}.{key}", f"is missing; {_HINTS[key]}")
+        return value
+
+    def string(self, value: Any, path: str, *, empty_ok: bool = False) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"must be a string, got {_show(value)}")
+        if not empty_ok and not value.strip():
+            raise self.fail(path, "must be a non-empty string")
+        return value
+
+    def count(self, value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(path, f"must be a positive integer, got {_show(value)}")
+        if value < 1:
+            raise self.fail(path, f"must be a positive integer, got {value}")
+        return value
+
+    def number(self, value: Any, path: str, *, zero_ok: bool = False) -> float:
+        want = "a non-negative number" if zero_ok else "a positive number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(path, f"must be {want}, got {_show(value)}")
+        if not math.isfinite(value):
+            raise self.fail(path, f"must be {want}, got {_show(value)} (not finite)")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise self.fail(path, f"must be {want}, got {value}")
+        return float(value)
+
+    def link(self, value: Any, path: str) -> LinkSpec:
+        d = self.obj(value, path, _LINK_KEYS)
+        return LinkSpec(
+            bandwidth_bytes_per_s=self.number(d["bandwidth_bytes_per_s"],
+                                              f"{path}.bandwidth_bytes_per_s"),
+            latency_s=self.number(d["latency_s"], f"{path}.latency_s", zero_ok=True))
+
+    def peak_flops(self, value: Any, path: str) -> tuple[tuple[str, float], ...]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a JSON object of dtype name -> FLOP/s, "
+                            f"got {_show(value)}")
+        if not value:
+            raise self.fail(path, 'is empty; give at least one figure, e.g. '
+                            '{"float32": 1.95e13}')
+        pairs = []
+        for key, flops in value.items():
+            if key not in KNOWN_DTYPES:
+                alias = _DTYPE_ALIASES.get(str(key).lower())
+                hint = (f"write {alias!r}" if alias in KNOWN_DTYPES
+                        else f"use one of {', '.join(KNOWN_DTYPES)}")
+                raise self.fail(f"{path}.{key}", f"unknown dtype {key!r}; {hint}")
+            pairs.append((key, self.number(flops, f"{path}.{key}")))
+        return tuple(sorted(pairs))
+
+
+def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
+    """Validate a decoded cluster JSON object and build a :class:`ClusterSpec`.
+
+    ``source`` (a file name) is appended to error messages.
+    """
+    r = _Reader(source)
+    top = r.obj(data, "$", _TOP_REQUIRED, _TOP_OPTIONAL)
+    fmt = top["format"]
+    if fmt != CLUSTER_FORMAT:
+        raise r.fail("$.format", f'must be "{CLUSTER_FORMAT}", got {_show(fmt)}')
+    name = r.string(top["name"], "$.name")
+    description = r.string(top.get("description", ""), "$.description", empty_ok=True)
+    raw_sources = top.get("sources", [])
+    if not isinstance(raw_sources, list):
+        raise r.fail("$.sources", f"must be a list of strings, got {_show(raw_sources)}")
+    sources = tuple(r.string(s, f"$.sources[{i}]") for i, s in enumerate(raw_sources))
+    hosts = r.count(top["num_hosts"], "$.num_hosts")
+    per_host = r.count(top["devices_per_host"], "$.devices_per_host")
+    if "num_devices" in top:
+        total = r.count(top["num_devices"], "$.num_devices")
+        if total != hosts * per_host:
+            raise r.fail("$.num_devices", f"is {total} but num_hosts x devices_per_host = "
+                         f"{hosts} x {per_host} = {hosts * per_host}; fix one of them "
+                         f"or drop num_devices")
+
+    dev = r.obj(top["device"], "$.device", _DEVICE_KEYS)
+    memory = r.count(dev["memory_bytes"], "$.device.memory_bytes")
+    device = DeviceSpec(
+        kind=r.string(dev["kind"], "$.device.kind"),
+        memory_bytes=memory,
+        memory_bandwidth_bytes_per_s=r.number(dev["memory_bandwidth_bytes_per_s"],
+                                              "$.device.memory_bandwidth_bytes_per_s"),
+        peak_flops=r.peak_flops(dev["peak_flops"], "$.device.peak_flops"))
+
+    links = r.obj(top["links"], "$.links", _LINKS_KEYS)
+    return ClusterSpec(
+        name=name, num_hosts=hosts, devices_per_host=per_host, device=device,
+        intra_host=r.link(links["intra_host"], "$.links.intra_host"),
+        inter_host=r.link(links["inter_host"], "$.links.inter_host"),
+        description=description, sources=sources)
+
+
+def _decode_json(text: str, source: str) -> Any:
+    def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ClusterSpecError("$", f"key {key!r} appears twice in one JSON object "
+                                       f"in {source}; keep one")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=reject_duplicates)
+    except json.JSONDecodeError as e:
+        raise ClusterSpecError("$", f"{source} is not valid JSON: {e.msg} at line "
+                               f"{e.lineno}, column {e.colno}; fix the syntax there") from None
+
+
+def load_cluster(path: str | os.PathLike[str]) -> ClusterSpec:
+    """Read and validate a cluster JSON file."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ClusterSpecError("$", f"cluster file {source!r} does not exist; check the "
+                               f"path (examples live in examples/clusters/)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClusterSpecError("$", f"cannot read cluster file {source!r}: {e}") from None
+    return parse_cluster(_decode_json(text, source), source=source)
+
+
+def _suggest(key: str, allowed: tuple[str, ...]) -> str | None:
+    """The allowed key a misspelt ``key`` probably meant, if any."""
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if not close:  # compare first words too: 'bandwith' -> 'bandwidth_bytes_per_s'
+        heads = {a.split("_")[0]: a for a in allowed}
+        close = [heads[h] for h in difflib.get_close_matches(key.split("_")[0], heads, n=1)]
+    return close[0] if close else None
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a JSON value for error messages."""
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"{json.dumps(value)} (a string)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, float) and value.is_integer():
+        return f"{value!r} (a float)"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+# ---------------------------------------------------------------------------
+# Figures for ClusterSpec.local()
+#
+# Peak FLOP/s are dense (no structured sparsity) datasheet figures.  float32 is
+# the non-tensor-core FMA rate; float64 on A100/H100 is the FP64 tensor-core
+# rate that DGEMM reaches.  Intra-host links: NVLink per GPU per direction for
+# SXM parts, a PCIe x16 slot per direction otherwise.  Latencies are estimates.
+
+@dataclass(frozen=True)
+class _Known:
+    match: tuple[str, ...]          # all of these occur in the lower-cased kind
+    flops: tuple[tuple[str, float], ...]
+    memory_bytes: int
+    memory_bandwidth: float
+    intra_host: LinkSpec
+    inter_host: LinkSpec
+    source: str
+    note: str = "Peak FLOP/s are datasheet figures for this device kind."
+
+
+_GIB = 2**30
+_NVLINK2, _NVLINK3, _NVLINK4 = (LinkSpec(b, 5e-6) for b in (150e9, 300e9, 450e9))
+_PCIE3, _PCIE4, _PCIE5 = (LinkSpec(b, 1e-5) for b in (16e9, 32e9, 64e9))
+# Between GPU hosts: a typical 100 Gbit/s NIC (12.5e9 bytes/s), ~10 us.
+_GPU_NET = LinkSpec(12.5e9, 1e-5)
+# TPU: ICI within a slice (order of v4/v5e ICI per chip), data-centre network between hosts.
+_TPU_ICI, _TPU_DCN = LinkSpec(100e9, 5e-6), LinkSpec(12.5e9, 2e-5)
+
+
+def _f(**tflops: float) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted((k, v * 1e12) for k, v in tflops.items()))
+
+
+_A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624)
+_H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, float64=66.9,
+               float8_e4m3fn=1978.9, float8_e5m2=1978.9, int8=1978.9)
+_H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=51.2,
+                float8_e4m3fn=1513, float8_e5m2=1513, int8=1513)
+_KNOWN_GPUS = (
+    _Known(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8), 16 * _GIB, 900e9,
+           _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)"),
+    _Known(("v100",), _f(float16=112, float32=14, float64=7), 16 * _GIB, 900e9,
+           _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)"),
+    _Known(("t4",), _f(float16=65, float32=8.1, int8=130), 16 * _GIB, 320e9,
+           _PCIE3, _GPU_NET, "NVIDIA T4 datasheet"),
+    _Known(("a100", "pcie"), _A100, 80 * _GIB, 1935e9, _PCIE4, _GPU_NET,
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)"),
+    _Known(("a100", "40gb"), _A100, 40 * _GIB, 1555e9, _NVLINK3, _GPU_NET,
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"),
+    _Known(("a100",), _A100, 80 * _GIB, 2039e9, _NVLINK3, _GPU_NET,
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"),
+    _Known(("h100", "pcie"), _H100_PCIE, 80 * _GIB, 2.0e12, _PCIE5, _GPU_NET,
+           "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)"),
+    _Known(("h100",), _H100_SXM, 80 * _GIB, 3.35e12, _NVLINK4, _GPU_NET,
+           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)"),
+    _Known(("h200",), _H100_SXM, 141 * 10**9, 4.8e12, _NVLINK4, _GPU_NET,
+           "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; same compute as H100 SXM)"),
+    _Known(("l4",), _f(bfloat16=121, float16=121, tfloat32=60, float32=30.3,
+                       float8_e4m3fn=242.5, float8_e5m2=242.5, int8=242.5),
+           24 * _GIB, 300e9, _PCIE4, _GPU_NET, "NVIDIA L4 Tensor Core GPU datasheet"),
+)
+# TPUs: float32 matmuls at JAX's default precision run on the bf16 MXU, so only
+# bf16/int8 are given and flops_for("float32") falls back to the bf16 figure.
+_KNOWN_TPUS = (
+    _Known(("v4",), _f(bfloat16=275, int8=275), 32 * _GIB, 1200e9, _TPU_ICI, _TPU_DCN,
+           "Google Cloud TPU v4 documentation"),
+    _Known(("v5", "lite"), _f(bfloat16=197, int8=394), 16 * _GIB, 819e9, _TPU_ICI, _TPU_DCN,
+           "Google Cloud TPU v5e documentation"),
+    _Known(("v6", "lite"), _f(bfloat16=918, int8=1836), 32 * _GIB, 1640e9, _TPU_ICI, _TPU_DCN,
+           "Google Cloud TPU v6e (Trillium) documentation"),
+)
+# CPU (also the fake devices of --xla_force_host_platform_device_count): a
+# modest 5e10 FLOP/s float32 per device -- a few vector cores' worth; virtual
+# devices share one host's cores, so this is nominal.  XLA:CPU computes 16-bit
+# floats through float32, so flops_for gives them the float32 figure.  Devices
+# exchange data through host memory (~10 GB/s, ~10 us); processes on different
+# hosts talk over TCP (gloo), taken as 10 Gbit/s Ethernet at ~50 us.
+_CPU = _Known((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
+              LinkSpec(10e9, 1e-5), LinkSpec(1.25e9, 5e-5),
+              "meshplan default for CPU devices (nominal, not measured)",
+              note="Peak FLOP/s is meshplan's nominal CPU default.")
+
+
+def _known_device(platform: str, kind: str) -> _Known | None:
+    if platform == "cpu":
+        return _CPU
+    table = _KNOWN_TPUS if platform == "tpu" else _KNOWN_GPUS
+    text = kind.lower()
+    for entry in table:
+        if all(re.search(rf"(?<![a-z0-9]){re.escape(m)}(?![0-9])", text) for m in entry.match):
+            return entry
+    return None
+
+
+def _generic_device(platform: str) -> _Known:
+    links = (_TPU_ICI, _TPU_DCN) if platform == "tpu" else (_PCIE4, _GPU_NET)
+    return _Known((), _f(bfloat16=50, float16=50, float32=10), 16 * _GIB, 500e9, *links,
+                  source="meshplan rough default for an unknown accelerator (a guess)",
+                  note="Unknown device kind: peak FLOP/s and memory bandwidth are guesses.")
+
+
+def _allocator_limit(device: Any) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # not every backend implements memory_stats
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if isinstance(limit, (int, float)) and limit > 0 else None
+
+
+def _memory_from_kind(kind: str) -> int | None:
+    m = re.search(r"(\d+)\s*gb", kind.lower())
+    return int(m.group(1)) * _GIB if m else None
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * _GIB

@@ -1,0 +1,62 @@
+"""The error hierarchy of meshplan.
+
+Every error a user can provoke is a :class:`MeshplanError` that also subclasses
+the matching builtin, so ``except ValueError`` keeps working.  Messages say what
+to change, not where the code tripped.
+"""
+from __future__ import annotations
+
+
+class MeshplanError(Exception):
+    """Root of all errors raised by meshplan on purpose."""
+
+
+class ClusterSpecError(MeshplanError, ValueError):
+    """A cluster description is malformed; the message names the JSON path."""
+
+    def __init__(self, path: str, problem: str):
+        self.path = path
+        self.problem = problem
+        super().__init__(f"cluster spec {path}: {problem}")
+
+
+class TraceError(MeshplanError, ValueError):
+    """The function could not be traced into a Graph."""
+
+
+class UnsupportedPrimitiveError(MeshplanError, NotImplementedError):
+    """A primitive that meshplan cannot plan even with a fallback."""
+
+
+class InfeasiblePlanError(MeshplanError, RuntimeError):
+    """No plan fits the memory budget.
+
+    ``budget_bytes`` is the per-device memory available, ``needed_bytes`` the
+    smallest per-device peak meshplan could find (``None`` when unknown).
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int | None = None,
+                 needed_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self.needed_bytes = needed_bytes
+        super().__init__(message)
+
+
+class SolverError(MeshplanError, RuntimeError):
+    """The ILP back end failed or is not installed."""
+
+
+class PlanFormatError(MeshplanError, ValueError):
+    """A plan JSON is malformed or of an unknown format version."""
+
+
+class StalePlanError(MeshplanError, ValueError):
+    """A saved plan does not belong to the function / arguments it is used with."""
+
+
+class ModelConfigError(MeshplanError, ValueError):
+    """Unknown built-in model or a bad --model-arg."""
+
+
+class RuntimeStageError(MeshplanError, RuntimeError):
+    """A stage of a running plan failed; the message names the stage."""

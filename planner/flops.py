@@ -1,0 +1,108 @@
+"""FLOP counts per primitive: a rule table, like jax's own rule registries.
+
+A rule takes the input shapes, output shapes and the (raw) params of one
+equation and returns its floating-point operations.  Primitives in
+:data:`ELEMENTWISE` cost one FLOP per output element, those in
+:data:`DATA_MOVEMENT` cost none; a primitive found in no table gets the
+elementwise estimate and the tracer records a warning.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+Shape = tuple[int, ...]
+FlopRule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], float]
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
+complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv
+erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma
+log log1p logistic lt max min mul ne neg nextafter not or polygamma pow real
+reduce_precision regularized_incomplete_beta rem round rsqrt select_n sign sin
+sinh sqrt square sub tan tanh xor shift_left shift_right_logical
+shift_right_arithmetic population_count clz random_bits random_seed random_wrap
+random_unwrap random_fold_in random_split threefry2x32 erf_inv stop_gradient
+bessel_i0e bessel_i1e zeta optimization_barrier
+""".split())
+
+REDUCTIONS = frozenset("""
+reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor
+argmax argmin cumsum cumprod cummax cummin cumlogsumexp reduce_precision_sum
+""".split())
+
+DATA_MOVEMENT = frozenset("""
+reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
+dynamic_update_slice concatenate pad gather rev iota select_and_gather_add
+copy device_put sharding_constraint stack unstack split convert_layout
+mesh_cast reshard pvary psum_invariant axis_index empty full_like
+""".split())
+
+# Gather/scatter variants move data and may add.
+SCATTERS = frozenset("scatter scatter-add scatter_add scatter_mul scatter_min scatter_max".split())
+
+SORTS = frozenset("sort top_k".split())
+
+
+def _size(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+def dot_general_flops(ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> float:
+    (lhs_contract, _rhs_contract), _batch = params["dimension_numbers"]
+    contract = math.prod(ins[0][d] for d in lhs_contract)
+    return 2.0 * _size(outs[0]) * contract
+
+
+def conv_flops(ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> float:
+    rhs = ins[1]
+    dn = params.get("dimension_numbers")
+    out_feature_dim = dn.rhs_spec[0] if dn is not None else 0
+    per_output = _size(rhs) / max(rhs[out_feature_dim], 1)
+    return 2.0 * _size(outs[0]) * per_output
+
+
+def elementwise_flops(ins, outs, params) -> float:
+    return float(sum(_size(s) for s in outs))
+
+
+def reduction_flops(ins, outs, params) -> float:
+    return float(sum(_size(s) for s in ins))
+
+
+def no_flops(ins, outs, params) -> float:
+    return 0.0
+
+
+def sort_flops(ins, outs, params) -> float:
+    n = _size(ins[0]) if ins else 0
+    dim = params.get("dimension", -1)
+    k = ins[0][dim] if ins and ins[0] else 1
+    return float(n * max(math.log2(max(k, 2)), 1.0))
+
+
+FLOP_RULES: dict[str, FlopRule] = {
+    "dot_general": dot_general_flops,
+    "conv_general_dilated": conv_flops,
+    **{p: elementwise_flops for p in ELEMENTWISE},
+    **{p: reduction_flops for p in REDUCTIONS},
+    **{p: no_flops for p in DATA_MOVEMENT},
+    **{p: elementwise_flops for p in SCATTERS},
+    **{p: sort_flops for p in SORTS},
+    "reduce_window_sum": reduction_flops,
+    "reduce_window_max": reduction_flops,
+    "reduce_window": reduction_flops,
+    "select_and_scatter_add": reduction_flops,
+    "logsumexp": reduction_flops,
+}
+
+
+def is_known(primitive: str) -> bool:
+    return primitive in FLOP_RULES
+
+
+def flops_of(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape],
+             params: dict) -> float:
+    """FLOPs of one equation; unknown primitives cost one FLOP per output element."""
+    rule = FLOP_RULES.get(primitive, elementwise_flops)
+    return float(rule(ins, outs, params))

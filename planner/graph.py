@@ -1,0 +1,288 @@
+"""The Graph IR: a train step as a flat list of operators over tensors.
+
+The tracer (:mod:`meshplan.trace`) builds a :class:`Graph` from a jaxpr by
+inlining nested calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
+``remat2``) and keeping control flow (``scan``, ``while``, ``cond``) as
+composite nodes whose cost covers every iteration.  Everything here is frozen
+data: passes read a Graph, never modify it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+# Roles of a graph input.
+PARAM = "param"          # trainable parameter
+OPT_STATE = "opt_state"  # optimizer state (Adam moments, step count)
+BATCH = "batch"          # the data of one step: split along dim 0
+STATE = "state"          # other carried state (batch-norm statistics, counters)
+ROLES = (PARAM, OPT_STATE, BATCH, STATE)
+
+# Kinds of tensor.
+INPUT = "input"
+INTERMEDIATE = "intermediate"
+LITERAL = "literal"
+CONST = "const"
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ("float32", "bfloat16", "bool", ...)."""
+    if dtype in ("bfloat16",):
+        return 2
+    if dtype.startswith("float8") or dtype in ("int4", "uint4"):
+        return 1
+    if dtype == "key<fry>" or dtype.startswith("key"):
+        return 8
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 4
+
+
+@dataclass(frozen=True)
+class Tensor:
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str = INTERMEDIATE
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * dtype_bytes(self.dtype)
+
+    def __str__(self) -> str:
+        return f"t{self.id}:{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operator.  ``params`` are the primitive's parameters reduced to
+    plain, hashable Python values (tuples, ints, strings)."""
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    flops: float = 0.0
+    bytes_accessed: int = 0
+    remat: bool = False          # traced under jax.checkpoint / remat
+    repeat: int = 1              # iterations folded into a composite (scan length)
+    scope: str = ""              # jax name stack, for readable reports
+    # For composite nodes: the node's own body cost per iteration was
+    # multiplied by ``repeat`` into ``flops``/``bytes_accessed``.
+
+    def param(self, name: str, default: Any = None) -> Any:
+        for k, v in self.params:
+            if k == name:
+                return v
+        return default
+
+    def __str__(self) -> str:
+        ins = ",".join(f"t{i}" for i in self.inputs)
+        outs = ",".join(f"t{i}" for i in self.outputs)
+        extra = f" x{self.repeat}" if self.repeat != 1 else ""
+        remat = " remat" if self.remat else ""
+        return f"n{self.id} {outs} = {self.primitive}({ins}){extra}{remat}  flops={self.flops:.3g}"
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    tensor: int
+    argnum: int
+    path: str        # jax.tree_util.keystr of the leaf inside its argument
+    role: str
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    tensor: int
+    path: str                   # keystr of the leaf inside the function's output
+    updates: int | None = None  # index into Graph.inputs of the input this output replaces
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    tensors: tuple[Tensor, ...]
+    nodes: tuple[Node, ...]
+    inputs: tuple[GraphInput, ...]
+    outputs: tuple[GraphOutput, ...]
+    batch_argnums: tuple[int, ...] = ()
+    fingerprint: str = ""
+    warnings: tuple[str, ...] = ()
+
+    # ---- derived views (computed once, cached on the instance) ----------
+    @functools.cached_property
+    def producer(self) -> dict[int, int]:
+        """tensor id -> id of the node that produces it."""
+        return {t: n.id for n in self.nodes for t in n.outputs}
+
+    @functools.cached_property
+    def consumers(self) -> dict[int, tuple[int, ...]]:
+        """tensor id -> ids of the nodes that read it (in order, no repeats)."""
+        acc: dict[int, list[int]] = {}
+        for n in self.nodes:
+            for t in dict.fromkeys(n.inputs):
+                acc.setdefault(t, []).append(n.id)
+        return {t: tuple(v) for t, v in acc.items()}
+
+    @functools.cached_property
+    def input_of_tensor(self) -> dict[int, GraphInput]:
+        return {i.tensor: i for i in self.inputs}
+
+    def tensor(self, tid: int) -> Tensor:
+        return self.tensors[tid]
+
+    def inputs_with_role(self, *roles: str) -> tuple[GraphInput, ...]:
+        return tuple(i for i in self.inputs if i.role in roles)
+
+    # ---- summary figures -------------------------------------------------
+    @property
+    def total_flops(self) -> float:
+        return float(sum(n.flops for n in self.nodes))
+
+    def flops_by_primitive(self) -> dict[str, float]:
+        acc: Counter = Counter()
+        for n in self.nodes:
+            acc[n.primitive] += n.flops
+        return dict(acc)
+
+    @property
+    def matmul_flops(self) -> float:
+        by = self.flops_by_primitive()
+        return float(by.get("dot_general", 0.0) + by.get("conv_general_dilated", 0.0))
+
+    def role_bytes(self, role: str) -> int:
+        return sum(self.tensors[i.tensor].nbytes for i in self.inputs if i.role == role)
+
+    def role_count(self, role: str) -> int:
+        return sum(self.tensors[i.tensor].size for i in self.inputs if i.role == role)
+
+    @property
+    def num_params(self) -> int:
+        return self.role_count(PARAM)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.role_bytes(PARAM)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of all intermediate tensors (an upper bound on activations:
+        no liveness applied here; the cost model computes real peaks)."""
+        return sum(t.nbytes for t in self.tensors if t.kind == INTERMEDIATE)
+
+    def primitive_counts(self) -> dict[str, int]:
+        return dict(Counter(n.primitive for n in self.nodes).most_common())
+
+    def summary(self, top: int = 10) -> dict[str, Any]:
+        """The figures ``meshplan inspect`` prints, as plain JSON data."""
+        biggest = sorted(self.nodes, key=lambda n: -n.flops)[:top]
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "num_ops": len(self.nodes),
+            "num_tensors": len(self.tensors),
+            "total_flops": self.total_flops,
+            "matmul_flops": self.matmul_flops,
+            "num_params": self.num_params,
+            "param_bytes": self.param_bytes,
+            "opt_state_bytes": self.role_bytes(OPT_STATE),
+            "batch_bytes": self.role_bytes(BATCH),
+            "state_bytes": self.role_bytes(STATE),
+            "activation_bytes": self.activation_bytes,
+            "ops_by_primitive": self.primitive_counts(),
+            "flops_by_primitive": {k: v for k, v in sorted(
+                self.flops_by_primitive().items(), key=lambda kv: -kv[1]) if v},
+            "biggest_ops": [
+                {"node": n.id, "primitive": n.primitive, "flops": n.flops,
+                 "output_shapes": [list(self.tensors[t].shape) for t in n.outputs],
+                 "scope": n.scope}
+                for n in biggest],
+            "warnings": list(self.warnings),
+        }
+
+    def __str__(self) -> str:
+        s = self.summary(top=5)
+        lines = [f"Graph {self.name}  fingerprint {self.fingerprint[:16]}",
+                 f"  {s['num_ops']} ops, {s['num_tensors']} tensors, "
+                 f"{s['total_flops']:.4g} FLOPs/step, {s['num_params']:,} params "
+                 f"({s['param_bytes'] / 2**20:.1f} MiB)"]
+        return "\n".join(lines)
+
+    # ---- serialisation ---------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "meshplan.graph/1",
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "batch_argnums": list(self.batch_argnums),
+            "tensors": [[t.id, list(t.shape), t.dtype, t.kind] for t in self.tensors],
+            "nodes": [{"id": n.id, "primitive": n.primitive, "inputs": list(n.inputs),
+                       "outputs": list(n.outputs), "params": _jsonable(n.params),
+                       "flops": n.flops, "bytes_accessed": n.bytes_accessed,
+                       "remat": n.remat, "repeat": n.repeat, "scope": n.scope}
+                      for n in self.nodes],
+            "inputs": [dataclasses.asdict(i) for i in self.inputs],
+            "outputs": [dataclasses.asdict(o) for o in self.outputs],
+            "warnings": list(self.warnings),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Graph":
+        return cls(
+            name=d["name"],
+            tensors=tuple(Tensor(i, tuple(s), dt, k) for i, s, dt, k in d["tensors"]),
+            nodes=tuple(Node(id=n["id"], primitive=n["primitive"], inputs=tuple(n["inputs"]),
+                             outputs=tuple(n["outputs"]), params=_unjsonable(n["params"]),
+                             flops=n["flops"], bytes_accessed=n["bytes_accessed"],
+                             remat=n["remat"], repeat=n["repeat"], scope=n["scope"])
+                        for n in d["nodes"]),
+            inputs=tuple(GraphInput(**i) for i in d["inputs"]),
+            outputs=tuple(GraphOutput(**o) for o in d["outputs"]),
+            batch_argnums=tuple(d["batch_argnums"]),
+            fingerprint=d["fingerprint"],
+            warnings=tuple(d.get("warnings", ())),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Graph":
+        return cls.from_dict(json.loads(text))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _unjsonable(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_unjsonable(x) for x in v)
+    return v
+
+
+def topological(nodes: Iterable[Node]) -> bool:
+    """True when every node reads only tensors produced earlier (or inputs)."""
+    seen: set[int] = set()
+    produced_later = {t for n in nodes for t in n.outputs}
+    for n in nodes:
+        for t in n.inputs:
+            if t in produced_later and t not in seen:
+                return False
+        seen.update(n.outputs)
+    return True

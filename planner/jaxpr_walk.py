@@ -1,0 +1,142 @@
+"""Flatten a closed jaxpr into one stream of equations.
+
+Calls that only group equations (``jit``, ``custom_jvp_call``,
+``custom_vjp_call``, ``remat2`` ...) are inlined; control flow (``scan``,
+``while``, ``cond``) stays one composite equation.  Each value gets a global
+integer id, so the tracer can build the Graph IR from the stream and the
+runtime can evaluate the very same stream, tensor for tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from jax.extend import core as jcore
+
+# primitive name -> name of the param holding the inlined (Closed)Jaxpr
+INLINE_CALLS: dict[str, str] = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "custom_lin": None,  # type: ignore[dict-item]  # never inlined; listed for clarity
+}
+INLINE_CALLS = {k: v for k, v in INLINE_CALLS.items() if v is not None}
+REMAT_CALLS = frozenset({"remat2", "checkpoint", "remat"})
+COMPOSITES = frozenset({"scan", "while", "cond"})
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A literal operand (a Python/numpy scalar baked into the jaxpr)."""
+    value: Any
+    aval: Any
+
+
+@dataclass(frozen=True)
+class FlatEqn:
+    eqn: Any                        # the original jax JaxprEqn
+    invars: tuple[int | Lit, ...]   # global ids, or literals
+    outvars: tuple[int, ...]
+    remat: bool
+    scope: str
+
+
+@dataclass(frozen=True)
+class FlatJaxpr:
+    invars: tuple[int, ...]
+    constvars: tuple[int, ...]
+    consts: tuple[Any, ...]
+    eqns: tuple[FlatEqn, ...]
+    outvars: tuple[int | Lit, ...]
+    avals: dict[int, Any]           # global id -> abstract value
+
+
+def _closed_parts(j: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(open jaxpr, consts) of a Jaxpr or ClosedJaxpr."""
+    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+        return j.jaxpr, tuple(j.consts)
+    return j, ()
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.avals: dict[int, Any] = {}
+        self.eqns: list[FlatEqn] = []
+        self.constvars: list[int] = []
+        self.consts: list[Any] = []
+
+    def fresh(self, aval: Any) -> int:
+        i = self.next_id
+        self.next_id += 1
+        self.avals[i] = aval
+        return i
+
+    def read(self, env: dict[Any, int], v: Any) -> int | Lit:
+        if isinstance(v, jcore.Literal):
+            return Lit(v.val, v.aval)
+        return env[v]
+
+    def walk(self, jaxpr: Any, env: dict[Any, int], remat: bool) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = tuple(self.read(env, v) for v in eqn.invars)
+            if name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
+                inner, consts = _closed_parts(eqn.params[INLINE_CALLS[name]])
+                inner_env: dict[Any, int] = {}
+                for cv, c in zip(inner.constvars, consts):
+                    inner_env[cv] = self.add_const(cv.aval, c)
+                for iv, x in zip(inner.invars, ins):
+                    inner_env[iv] = x if isinstance(x, int) else self.materialize(x)
+                self.walk(inner, inner_env, remat or name in REMAT_CALLS)
+                for ov, iv in zip(eqn.outvars, inner.outvars):
+                    r = self.read(inner_env, iv)
+                    env[ov] = r if isinstance(r, int) else self.materialize(r)
+                continue
+            outs = tuple(self.fresh(v.aval) for v in eqn.outvars)
+            for ov, i in zip(eqn.outvars, outs):
+                env[ov] = i
+            self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack)))
+
+    def add_const(self, aval: Any, value: Any) -> int:
+        i = self.fresh(aval)
+        self.constvars.append(i)
+        self.consts.append(value)
+        return i
+
+    def materialize(self, lit: Lit) -> int:
+        """A literal passed where a variable is expected becomes a constant."""
+        return self.add_const(lit.aval, lit.value)
+
+
+def flatten(closed: Any) -> FlatJaxpr:
+    """Flatten ``closed`` (a ClosedJaxpr from ``jax.make_jaxpr``)."""
+    jaxpr, consts = _closed_parts(closed)
+    f = _Flattener()
+    env: dict[Any, int] = {}
+    for cv, c in zip(jaxpr.constvars, consts):
+        env[cv] = f.add_const(cv.aval, c)
+    invars = tuple(f.fresh(v.aval) for v in jaxpr.invars)
+    for v, i in zip(jaxpr.invars, invars):
+        env[v] = i
+    f.walk(jaxpr, env, remat=False)
+    outs = tuple(f.read(env, v) for v in jaxpr.outvars)
+    return FlatJaxpr(invars, tuple(f.constvars), tuple(f.consts), tuple(f.eqns), outs, f.avals)
+
+
+def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+    """(param name, jaxpr) for every jaxpr held in the params of a composite."""
+    for k, v in eqn.params.items():
+        if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
+            yield k, v
+        elif isinstance(v, tuple):
+            for j, b in enumerate(v):
+                if hasattr(b, "eqns") or (hasattr(b, "jaxpr") and hasattr(b, "consts")):
+                    yield f"{k}[{j}]", b

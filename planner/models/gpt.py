@@ -1,0 +1,174 @@
+"""A GPT-2/3 style decoder-only transformer in plain JAX.
+
+Layout (pre-LayerNorm, tied output embedding)::
+
+    params["wte"]  [vocab, hidden]         token embedding (also the output layer)
+    params["wpe"]  [seq_len, hidden]       learned position embedding
+    params["h{i}"] = {"ln1": {scale, bias},
+                      "attn": {"qkv": {w [h, 3h], b}, "proj": {w [h, h], b}},
+                      "ln2": {scale, bias},
+                      "mlp": {"fc": {w [h, 4h], b}, "proj": {w [4h, h], b}}}
+    params["ln_f"] {scale, bias}
+
+With ``scan_layers=True`` the blocks are stored once as ``params["h"]`` with a
+leading ``[layers]`` dimension on every leaf and applied with ``jax.lax.scan``.
+Parameter count: 12·l·h² + 13·l·h + (V + s)·h + 2h.
+
+The attention, MLP, embedding and LM-head helpers are shared with ``moe.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import ModelConfigError
+from .common import (F32, FLOAT_DTYPES, Batch, InitFn, Params, State, TrainStep,
+                     adam_train_step, dense, dense_init, layer_norm, layer_norm_init,
+                     normal, softmax_cross_entropy, to_dtype)
+
+DEFAULTS: dict[str, Any] = {
+    "batch": 8,
+    "seq_len": 32,
+    "hidden": 64,
+    "layers": 2,
+    "heads": 4,
+    "vocab": 256,
+    "dtype": "float32",
+    "compute_dtype": "float32",
+    "scan_layers": False,
+    "learning_rate": 1e-3,
+}
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES}
+NON_NEGATIVE: tuple[str, ...] = ()
+
+INIT_STD = 0.02
+
+
+def check_heads(model: str, config: Mapping[str, Any]) -> None:
+    if config["hidden"] % config["heads"] != 0:
+        raise ModelConfigError(
+            f"model '{model}': hidden ({config['hidden']}) must be divisible by "
+            f"heads ({config['heads']})")
+
+
+def finalize(config: dict[str, Any]) -> dict[str, Any]:
+    check_heads("gpt", config)
+    return config
+
+
+# ---------------------------------------------------------------- building blocks
+
+def init_attention(key: jax.Array, hidden: int, layers: int, dtype: jnp.dtype) -> Params:
+    k_qkv, k_proj = jax.random.split(key)
+    resid_std = INIT_STD / math.sqrt(2 * layers)  # GPT-2's scaled residual init
+    return {"qkv": dense_init(k_qkv, hidden, 3 * hidden, dtype, std=INIT_STD),
+            "proj": dense_init(k_proj, hidden, hidden, dtype, std=resid_std)}
+
+
+def attention(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
+    """Causal multi-head self-attention with a fused qkv projection."""
+    b, s, h = x.shape
+    head_dim = h // heads
+    qkv = dense(p["qkv"], x, cdt).reshape(b, s, 3, heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(F32) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
+    ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
+    return dense(p["proj"], ctx, cdt)
+
+
+def init_mlp(key: jax.Array, hidden: int, ffn: int, layers: int, dtype: jnp.dtype) -> Params:
+    k_fc, k_proj = jax.random.split(key)
+    resid_std = INIT_STD / math.sqrt(2 * layers)
+    return {"fc": dense_init(k_fc, hidden, ffn, dtype, std=INIT_STD),
+            "proj": dense_init(k_proj, ffn, hidden, dtype, std=resid_std)}
+
+
+def mlp(p: Params, x: jax.Array, cdt: jnp.dtype) -> jax.Array:
+    return dense(p["proj"], jax.nn.gelu(dense(p["fc"], x, cdt)), cdt)
+
+
+def init_block(key: jax.Array, hidden: int, layers: int, dtype: jnp.dtype) -> Params:
+    k_attn, k_mlp = jax.random.split(key)
+    return {"ln1": layer_norm_init(hidden, dtype),
+            "attn": init_attention(k_attn, hidden, layers, dtype),
+            "ln2": layer_norm_init(hidden, dtype),
+            "mlp": init_mlp(k_mlp, hidden, 4 * hidden, layers, dtype)}
+
+
+def block(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
+    x = x + attention(p["attn"], layer_norm(p["ln1"], x), heads, cdt)
+    return x + mlp(p["mlp"], layer_norm(p["ln2"], x), cdt)
+
+
+def init_embeddings(key: jax.Array, vocab: int, seq_len: int, hidden: int,
+                    dtype: jnp.dtype) -> Params:
+    k_wte, k_wpe = jax.random.split(key)
+    return {"wte": normal(k_wte, (vocab, hidden), INIT_STD, dtype),
+            "wpe": normal(k_wpe, (seq_len, hidden), INIT_STD / 2, dtype)}
+
+
+def embed(params: Params, input_ids: jax.Array, cdt: jnp.dtype) -> jax.Array:
+    tokens = jnp.take(params["wte"], input_ids, axis=0).astype(cdt)
+    return tokens + params["wpe"].astype(cdt)[None]
+
+
+def lm_loss(params: Params, x: jax.Array, labels: jax.Array, cdt: jnp.dtype) -> jax.Array:
+    """Final LayerNorm, tied output projection ``x @ wte.T``, next-token xent."""
+    x = layer_norm(params["ln_f"], x)
+    logits = jnp.einsum("bsh,vh->bsv", x, params["wte"].astype(cdt))
+    return softmax_cross_entropy(logits, labels)
+
+
+def lm_batch(key: jax.Array, batch: int, seq_len: int, vocab: int) -> Batch:
+    """Random tokens; the labels are the inputs shifted left by one."""
+    input_ids = jax.random.randint(key, (batch, seq_len), 0, vocab, jnp.int32)
+    return {"input_ids": input_ids, "labels": jnp.roll(input_ids, -1, axis=1)}
+
+
+# ---------------------------------------------------------------- the model
+
+def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
+    batch_size: int = config["batch"]
+    seq_len: int = config["seq_len"]
+    hidden: int = config["hidden"]
+    layers: int = config["layers"]
+    heads: int = config["heads"]
+    vocab: int = config["vocab"]
+    scan_layers: bool = config["scan_layers"]
+    dtype = to_dtype(config["dtype"])
+    cdt = to_dtype(config["compute_dtype"])
+
+    def loss_fn(params: Params, extra: dict[str, Any], batch: Batch
+                ) -> tuple[jax.Array, dict[str, Any]]:
+        x = embed(params, batch["input_ids"], cdt)
+        if scan_layers:
+            def body(carry: jax.Array, p: Params) -> tuple[jax.Array, None]:
+                return block(p, carry, heads, cdt), None
+            x, _ = jax.lax.scan(body, x, params["h"])
+        else:
+            for i in range(layers):
+                x = block(params[f"h{i}"], x, heads, cdt)
+        return lm_loss(params, x, batch["labels"], cdt), extra
+
+    tx, train_step = adam_train_step(loss_fn, config["learning_rate"])
+
+    def init(seed: int) -> tuple[State, Batch]:
+        k_emb, k_blocks, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)
+        params: Params = init_embeddings(k_emb, vocab, seq_len, hidden, dtype)
+        block_keys = jax.random.split(k_blocks, layers)
+        if scan_layers:
+            params["h"] = jax.vmap(lambda k: init_block(k, hidden, layers, dtype))(block_keys)
+        else:
+            for i in range(layers):
+                params[f"h{i}"] = init_block(block_keys[i], hidden, layers, dtype)
+        params["ln_f"] = layer_norm_init(hidden, dtype)
+        state: State = {"params": params, "opt_state": tx.init(params)}
+        return state, lm_batch(k_data, batch_size, seq_len, vocab)
+
+    return train_step, init

@@ -1,0 +1,293 @@
+"""Trace a JAX function into the Graph IR.
+
+``trace(fn, *args)`` runs ``jax.make_jaxpr`` (arguments may be concrete arrays
+or ``jax.ShapeDtypeStruct`` pytrees: nothing is allocated), flattens nested
+calls, counts FLOPs per node from the rule table in :mod:`meshplan.flops`,
+labels each input leaf with a role (parameter, optimizer state, batch, other
+state) and links each output leaf to the input it updates.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import flops as flop_rules
+from .errors import TraceError
+from .graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
+                    Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes)
+from .jaxpr_walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
+
+_OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
+_STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)
+
+
+def infer_role(argname: str, path: str, dtype: str, is_batch: bool) -> str:
+    """Role of one input leaf, from its argument name, pytree path and dtype.
+
+    Optimizer state is recognised by its path (optax states: ``mu``, ``nu``,
+    ``count``; any key containing ``opt``); batch-norm statistics and counters
+    are plain state; remaining floating-point leaves are parameters.
+    """
+    if is_batch:
+        return BATCH
+    words = f"{argname} {path}".replace("'", " ").replace("[", " ").replace("]", " ").replace(".", " ")
+    if _OPT_WORDS.search(words):
+        return OPT_STATE
+    is_float = dtype == "bfloat16" or np.issubdtype(np.dtype(dtype), np.floating)
+    if not is_float:
+        return STATE
+    if _STATE_WORDS.search(words):
+        return STATE
+    return PARAM
+
+
+def _dtype_name(aval: Any) -> str:
+    return str(np.dtype(aval.dtype)) if aval.dtype != "bfloat16" else "bfloat16"
+
+
+def _shape(aval: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in getattr(aval, "shape", ()))
+
+
+def _sanitize(v: Any) -> Any:
+    """Reduce a primitive param to plain, hashable, JSON-able, deterministic data."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_sanitize(x) for x in v)
+    if isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic)):
+        return str(np.dtype(v))
+    if hasattr(v, "dtype") and hasattr(v, "name") and not hasattr(v, "shape"):
+        return str(v.name)
+    if hasattr(v, "lhs_spec") and hasattr(v, "rhs_spec"):  # ConvDimensionNumbers
+        return (tuple(v.lhs_spec), tuple(v.rhs_spec), tuple(v.out_spec))
+    if isinstance(v, np.ndarray):
+        return tuple(v.tolist()) if v.size <= 16 else f"array{v.shape}"
+    if hasattr(v, "jaxpr") or hasattr(v, "eqns") or callable(v):
+        return None  # bodies are fingerprinted separately; functions are not data
+    text = repr(v)
+    return type(v).__name__ if " at 0x" in text else text
+
+
+def _node_params(eqn: Any) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for k in sorted(eqn.params):
+        v = eqn.params[k]
+        s = _sanitize(v)
+        if s is None and v is not None:
+            continue
+        out.append((k, s))
+    return tuple(out)
+
+
+def _body_cost(body: Any, warnings: set[str]) -> tuple[float, int]:
+    """FLOPs and bytes of one execution of a nested jaxpr."""
+    flat = flatten(body)
+    total_f, total_b = 0.0, 0
+    for fe in flat.eqns:
+        f, b = _eqn_cost(fe, lambda i: flat.avals[i] if isinstance(i, int) else i.aval, warnings)
+        total_f += f
+        total_b += b
+    return total_f, total_b
+
+
+def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str]) -> tuple[float, int]:
+    eqn = fe.eqn
+    name = eqn.primitive.name
+    in_avals = [aval_of(i) for i in fe.invars]
+    out_avals = [aval_of(o) for o in fe.outvars]
+    nbytes = sum(_nbytes(a) for a in in_avals + out_avals)
+    if name in COMPOSITES:
+        f, b, _ = _composite_cost(eqn, warnings)
+        return f, b + nbytes
+    if not flop_rules.is_known(name):
+        warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
+                     "and planned replicated")
+    f = flop_rules.flops_of(name, [_shape(a) for a in in_avals], [_shape(a) for a in out_avals],
+                            eqn.params)
+    return f, nbytes
+
+
+def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
+    """(flops, bytes, repeat) of a scan / while / cond over all its iterations."""
+    name = eqn.primitive.name
+    if name == "scan":
+        f, b = _body_cost(eqn.params["jaxpr"], warnings)
+        n = int(eqn.params["length"])
+        return f * n, b * n, n
+    if name == "while":
+        f1, b1 = _body_cost(eqn.params["body_jaxpr"], warnings)
+        f2, b2 = _body_cost(eqn.params["cond_jaxpr"], warnings)
+        warnings.add("while loop: trip count unknown at trace time, costed as one iteration")
+        return f1 + f2, b1 + b2, 1
+    if name == "cond":
+        costs = [_body_cost(br, warnings) for br in eqn.params["branches"]]
+        return max(c[0] for c in costs), max(c[1] for c in costs), 1
+    raise AssertionError(name)
+
+
+def _nbytes(aval: Any) -> int:
+    shape = _shape(aval)
+    try:
+        return int(np.prod(shape, dtype=np.int64)) * dtype_bytes(_dtype_name(aval))
+    except Exception:
+        return 0
+
+
+def _argnames(fn: Callable, nargs: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (names + [f"arg{i}" for i in range(len(names), nargs)])[:nargs]
+
+
+def _body_digest(eqn: Any) -> str:
+    h = hashlib.sha256()
+    for k, j in sub_jaxprs(eqn):
+        h.update(k.encode())
+        h.update(str(j).encode())
+    return h.hexdigest()[:16]
+
+
+def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
+          name: str | None = None) -> Graph:
+    """Trace ``fn(*args)`` into a :class:`Graph` without running it."""
+    batch_argnums = tuple(int(b) for b in batch_argnums)
+    for b in batch_argnums:
+        if not 0 <= b < len(args):
+            raise TraceError(f"batch_argnums={batch_argnums} names argument {b}, but the function "
+                             f"was given {len(args)} argument(s); pass batch_argnums=() if there is no batch")
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except Exception as e:  # the user's function failed: say so, keep the cause
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    return graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
+                            name=name or getattr(fn, "__name__", "fn"),
+                            argnames=_argnames(fn, len(args)))
+
+
+def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
+                     batch_argnums: tuple[int, ...], name: str,
+                     argnames: Sequence[str]) -> Graph:
+    flat: FlatJaxpr = flatten(closed)
+    warnings: set[str] = set()
+    tensors: dict[int, Tensor] = {}
+    const_set = set(flat.constvars)
+    in_set = set(flat.invars)
+    for i, aval in flat.avals.items():
+        kind = INPUT if i in in_set else CONST if i in const_set else INTERMEDIATE
+        tensors[i] = Tensor(i, _shape(aval), _dtype_name(aval), kind)
+    next_id = len(tensors)
+
+    def tid(x: int | Lit) -> int:
+        nonlocal next_id
+        if isinstance(x, int):
+            return x
+        t = Tensor(next_id, _shape(x.aval), _dtype_name(x.aval), LITERAL)
+        tensors[next_id] = t
+        next_id += 1
+        return t.id
+
+    nodes: list[Node] = []
+    for fe in flat.eqns:
+        eqn = fe.eqn
+        prim = eqn.primitive.name
+        in_ids = tuple(tid(x) for x in fe.invars)
+        aval_of = (lambda i: flat.avals[i] if isinstance(i, int) else i.aval)
+        f, b = _eqn_cost(fe, aval_of, warnings)
+        params = _node_params(eqn)
+        repeat = 1
+        if prim in COMPOSITES:
+            repeat = _composite_cost(eqn, set())[2]
+            params = params + (("body", _body_digest(eqn)),)
+        nodes.append(Node(id=len(nodes), primitive=prim, inputs=in_ids, outputs=fe.outvars,
+                          params=params, flops=f, bytes_accessed=b, remat=fe.remat,
+                          repeat=repeat, scope=fe.scope))
+    out_ids = tuple(tid(x) for x in flat.outvars)
+
+    # ---- inputs: one per leaf of args, with role and path ----------------
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+    if len(leaves_with_path) != len(flat.invars):
+        raise TraceError(f"internal: {len(leaves_with_path)} argument leaves but "
+                         f"{len(flat.invars)} jaxpr inputs")
+    inputs = []
+    for (path, _leaf), t in zip(leaves_with_path, flat.invars):
+        argnum = int(path[0].idx)
+        sub = jax.tree_util.keystr(tuple(path[1:]))
+        role = infer_role(argnames[argnum], sub, tensors[t].dtype, argnum in batch_argnums)
+        inputs.append(GraphInput(tensor=t, argnum=argnum, path=sub, role=role))
+
+    outputs = _link_outputs(out_shape, out_ids, args, inputs, batch_argnums)
+    tensor_tuple = tuple(tensors[i] for i in range(next_id))
+    g = Graph(name=name, tensors=tensor_tuple, nodes=tuple(nodes), inputs=tuple(inputs),
+              outputs=outputs, batch_argnums=batch_argnums, warnings=tuple(sorted(warnings)))
+    for w in g.warnings:
+        import warnings as _w
+        _w.warn(f"meshplan: {w}", stacklevel=3)
+    return _with_fingerprint(g)
+
+
+def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
+                  inputs: Sequence[GraphInput], batch_argnums: tuple[int, ...]
+                  ) -> tuple[GraphOutput, ...]:
+    """Pair each output leaf with the input it replaces.
+
+    An element of a tuple output whose pytree structure, shapes and dtypes
+    equal those of a non-batch argument is that argument's new value (the
+    ``new_state`` of ``(new_state, metrics)``).
+    """
+    out_leaves = jax.tree_util.tree_flatten_with_path(out_shape)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in out_leaves]
+    updates: list[int | None] = [None] * len(out_leaves)
+    parts = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    offset = 0
+    input_index = {(i.argnum, i.path): k for k, i in enumerate(inputs)}
+    used_args: set[int] = set()
+    for part in parts:
+        n = len(jax.tree_util.tree_leaves(part))
+        sig = _signature(part)
+        for a, arg in enumerate(args):
+            if a in batch_argnums or a in used_args or _signature(arg) != sig:
+                continue
+            used_args.add(a)
+            for j, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(part)[0]):
+                updates[offset + j] = input_index[(a, jax.tree_util.keystr(p))]
+            break
+        offset += n
+    return tuple(GraphOutput(tensor=t, path=p, updates=u)
+                 for t, p, u in zip(out_ids, paths, updates))
+
+
+def _signature(tree: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l))))
+                          for l in leaves)
+
+
+def _with_fingerprint(g: Graph) -> Graph:
+    data = {
+        "tensors": [[list(t.shape), t.dtype, t.kind] for t in g.tensors],
+        "nodes": [[n.primitive, list(n.inputs), list(n.outputs), _jsonable(n.params), n.remat]
+                  for n in g.nodes],
+        "inputs": [[i.tensor, i.argnum, i.path, i.role] for i in g.inputs],
+        "outputs": [[o.tensor, o.path, o.updates] for o in g.outputs],
+        "batch_argnums": list(g.batch_argnums),
+    }
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    import dataclasses
+    return dataclasses.replace(g, fingerprint=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v

@@ -1,0 +1,184 @@
+"""Tracing to the Graph IR: nested jaxprs, composites, roles, fingerprints."""
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from meshplan.graph import BATCH, OPT_STATE, PARAM, STATE, Graph, topological
+from meshplan.trace import trace
+from meshplan.errors import TraceError
+
+
+def _mlp_step():
+    opt = optax.adam(1e-3)
+
+    def loss_fn(p, b):
+        h = jax.nn.relu(b["x"] @ p["w1"])
+        return ((h @ p["w2"] - b["y"]) ** 2).mean()
+
+    def step(state, batch):
+        l, g = jax.value_and_grad(loss_fn)(state["params"], batch)
+        u, o = opt.update(g, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt_state": o}, {"loss": l}
+
+    p = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
+    state = {"params": p, "opt_state": opt.init(p)}
+    batch = {"x": jnp.ones((32, 8)), "y": jnp.ones((32, 4))}
+    return step, state, batch
+
+
+def test_roles_outputs_and_topology():
+    step, state, batch = _mlp_step()
+    g = trace(step, state, batch)
+    roles = {i.path: i.role for i in g.inputs}
+    assert roles["['params']['w1']"] == PARAM
+    assert roles["['opt_state'][0].mu['w1']"] == OPT_STATE
+    assert roles["['opt_state'][0].count"] == OPT_STATE
+    assert {i.role for i in g.inputs if i.argnum == 1} == {BATCH}
+    # every state output updates the same-path input; the loss updates nothing
+    for o in g.outputs:
+        if o.path.startswith("[0]"):
+            assert o.updates is not None
+            assert g.inputs[o.updates].path == o.path[3:]
+            assert g.tensors[o.tensor].shape == g.tensors[g.inputs[o.updates].tensor].shape
+        else:
+            assert o.updates is None
+    assert topological(g.nodes)
+    assert g.num_params == 8 * 16 + 16 * 4
+    # forward: 2 matmuls; backward: dW1, dW2 and dH (dX is not needed)
+    assert g.matmul_flops == 2 * 32 * (8 * 16 + 16 * 4) * 2 + 2 * 32 * 16 * 4
+
+
+def test_abstract_args_trace_without_allocation():
+    step, state, batch = _mlp_step()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+    g1 = trace(step, *abstract)
+    g2 = trace(step, state, batch)
+    assert g1.fingerprint == g2.fingerprint
+
+
+def test_fingerprint_stable_and_shape_sensitive():
+    step, state, batch = _mlp_step()
+    f1 = trace(step, state, batch).fingerprint
+    f2 = trace(step, state, batch).fingerprint
+    assert f1 == f2
+    batch2 = {"x": jnp.ones((64, 8)), "y": jnp.ones((64, 4))}
+    assert trace(step, state, batch2).fingerprint != f1
+    assert trace(step, state, batch, batch_argnums=()).fingerprint != f1
+
+
+def test_fingerprint_same_in_another_process():
+    code = textwrap.dedent("""
+        import sys; sys.path.insert(0, %r)
+        from test_trace import _mlp_step
+        from meshplan.trace import trace
+        step, s, b = _mlp_step(); print(trace(step, s, b).fingerprint)
+    """ % (str(__import__("pathlib").Path(__file__).parent),))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "123"}, check=True)
+    step, state, batch = _mlp_step()
+    assert out.stdout.strip() == trace(step, state, batch).fingerprint
+
+
+def test_inlines_jit_custom_jvp_custom_vjp_and_remat():
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, g: (g * r,))
+
+    def fn(w, x):
+        h = jax.jit(lambda a, b: a @ b)(x, w)
+        h = jax.nn.relu(h)                      # custom_jvp_call
+        h = f(h)                                # custom_vjp_call (no grad here)
+        h = jax.checkpoint(lambda h: jnp.tanh(h) * 2.0)(h)   # remat2
+        return h.sum()
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    prims = {e.primitive.name for e in jax.make_jaxpr(fn)(w, x).jaxpr.eqns}
+    assert {"jit", "custom_jvp_call", "custom_vjp_call", "remat2"} <= prims
+    g = trace(fn, w, x, batch_argnums=())
+    got = {n.primitive for n in g.nodes}
+    assert not got & {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "remat2"}
+    assert {"dot_general", "max", "sin", "tanh"} <= got
+    remat_prims = {n.primitive for n in g.nodes if n.remat}
+    assert "tanh" in remat_prims and "dot_general" not in remat_prims
+    assert topological(g.nodes)
+    # and under grad too (the checkpointed body is differentiated)
+    g2 = trace(jax.grad(fn), w, x, batch_argnums=())
+    assert any(n.remat for n in g2.nodes)
+
+
+def test_scan_is_a_composite_costing_every_iteration():
+    def body(c, w):
+        return jnp.tanh(c @ w), None
+
+    def fn(ws, x):
+        c, _ = jax.lax.scan(body, x, ws)
+        return c.sum()
+
+    for layers in (1, 3, 24):
+        ws, x = jnp.ones((layers, 16, 16)), jnp.ones((8, 16))
+        g = trace(fn, ws, x, batch_argnums=())
+        (scan,) = [n for n in g.nodes if n.primitive == "scan"]
+        assert scan.repeat == layers
+        assert scan.flops == pytest.approx(layers * (2 * 8 * 16 * 16 + 8 * 16))
+
+
+def test_cond_costs_its_most_expensive_branch_and_while_is_composite():
+    def fn(w, x):
+        y = jax.lax.cond(x.sum() > 0, lambda x: x @ w, lambda x: x * 2.0, x)
+        _, z = jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 0.5), (0, y))
+        return z.sum()
+
+    w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        g = trace(fn, w, x, batch_argnums=())
+    (cond,) = [n for n in g.nodes if n.primitive == "cond"]
+    assert cond.flops == 2 * 8 * 16 * 16
+    assert any(n.primitive == "while" for n in g.nodes)
+    assert any("while loop" in w for w in g.warnings)
+
+
+def test_unknown_primitive_warns_and_gets_generic_cost():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    mystery = Primitive("mystery_op")
+    mystery.def_abstract_eval(lambda x: x)
+    mystery.def_impl(lambda x: x)
+    mlir.register_lowering(mystery, lambda ctx, x: [x])
+
+    def fn(x):
+        return mystery.bind(x * 2.0).sum()
+
+    with pytest.warns(UserWarning, match="mystery_op"):
+        g = trace(fn, jnp.ones((4, 8)), batch_argnums=())
+    (node,) = [n for n in g.nodes if n.primitive == "mystery_op"]
+    assert node.flops == 32
+
+
+def test_graph_json_roundtrip():
+    step, state, batch = _mlp_step()
+    g = trace(step, state, batch)
+    g2 = Graph.from_json(g.to_json())
+    assert g2 == g
+
+
+def test_bad_batch_argnums_and_failing_function():
+    step, state, batch = _mlp_step()
+    with pytest.raises(TraceError, match="batch_argnums"):
+        trace(step, state, batch, batch_argnums=(5,))
+
+    def broken(x):
+        return x @ jnp.ones((3, 3))
+
+    with pytest.raises(TraceError, match="could not trace"):
+        trace(broken, jnp.ones((2, 2)), batch_argnums=())
