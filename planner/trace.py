@@ -59,6 +59,12 @@ def _sanitize(v: Any) -> Any:
     """Reduce a primitive param to plain, hashable, JSON-able, deterministic data."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
     if isinstance(v, (tuple, list)):
         return tuple(_sanitize(x) for x in v)
     if isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic)):

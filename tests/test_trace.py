@@ -182,3 +182,18 @@ def test_bad_batch_argnums_and_failing_function():
 
     with pytest.raises(TraceError, match="could not trace"):
         trace(broken, jnp.ones((2, 2)), batch_argnums=())
+
+
+def test_params_are_plain_python_values():
+    step, state, batch = _mlp_step()
+    g = trace(step, state, batch)
+
+    def check(v):
+        if isinstance(v, tuple):
+            for x in v:
+                check(x)
+        else:
+            assert v is None or type(v) in (bool, int, float, str), (type(v), v)
+            assert not (isinstance(v, str) and v.startswith("np."))
+    for n in g.nodes:
+        check(n.params)

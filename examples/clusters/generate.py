@@ -8,9 +8,11 @@ exits 1 on a difference.
 Figures are the public datasheet numbers cited in each file's ``sources``.
 Peak FLOP/s are dense (no structured sparsity).  Memory is the nominal
 capacity; the usable amount is smaller (CUDA context, XLA allocator fraction).
-Latencies are not datasheet figures but estimates of the per-step cost of a
-collective: ~5 us over NVLink (NCCL small-message latency), ~10 us across
-InfiniBand, ~40 us for TCP over 25 Gbit/s Ethernet.
+Latencies are not datasheet figures but estimates of the cost of one step of a
+ring collective (the alpha of the alpha-beta model, charged 2(n-1) times per
+all-reduce): ~1 us over NVLink/NVSwitch (an 8-GPU small-message NCCL
+all-reduce then costs ~14 us), ~5 us across InfiniBand, ~20 us for TCP over
+25 Gbit/s Ethernet.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ except ImportError:  # meshplan not installed: load planner/ as the package with
 GIB = 2**30
 T = 1e12
 
-LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: ~5 us per step of a "
-                "collective over NVLink, ~10 us across InfiniBand, ~40 us over 25 Gbit/s "
+LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: the cost of one step of a ring "
+                "collective, ~1 us over NVLink, ~5 us across InfiniBand, ~20 us over 25 Gbit/s "
                 "Ethernet (TCP).")
 MEMORY_NOTE = ("memory_bytes is the nominal capacity; the usable amount is smaller "
                "(CUDA context, XLA allocator fraction).")
@@ -49,8 +51,8 @@ P3_DEVICE = DeviceSpec(
     peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
                 "float64": 7.8 * T},
 )
-P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=5e-6)
-P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=40e-6)
+P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6)
+P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6)
 P3_TEXT = (
     "AWS p3.16xlarge: 8 x NVIDIA V100-SXM2 16 GB per host, the testbed of Alpa "
     "(Zheng et al., OSDI'22). Within a host the GPUs are joined by NVLink 2 in a "
@@ -80,8 +82,8 @@ A100_DEVICE = DeviceSpec(
     peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
                 "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
 )
-A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=5e-6)
-A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=10e-6)
+A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6)
+A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6)
 A100_TEXT = (
     "NVIDIA DGX A100 (80 GB): 8 x A100-SXM4-80GB per host, the testbed of Megatron-LM "
     "(Narayanan et al., SC'21, on Selene). NVLink 3 through NVSwitch gives every GPU "
@@ -110,8 +112,8 @@ H100_DEVICE = DeviceSpec(
                 "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
                 "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
 )
-H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=5e-6)
-H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=10e-6)
+H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6)
+H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6)
 H100_TEXT = (
     "NVIDIA DGX H100: 8 x H100-SXM5-80GB per host. NVLink 4 through NVSwitch gives "
     "every GPU 450 GB/s per direction (900 GB/s bidirectional). Between hosts, 8 x "

@@ -1,0 +1,56 @@
+"""Alpha-beta ring model of collectives over one or more mesh axes.
+
+Each function returns ``(seconds, result_bytes)``: the time of the collective
+and the bytes of its result on one device, which is what XLA's per-device HLO
+shows and what ``comm_bytes_per_device`` adds up.
+"""
+from __future__ import annotations
+
+from .mesh import MeshModel
+
+Cost = tuple[float, float]
+ZERO: Cost = (0.0, 0.0)
+
+
+def all_reduce(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
+    """All-reduce of a ``nbytes`` buffer: 2(n-1)a + 2(n-1)/n * S/B."""
+    if not axes or nbytes <= 0:
+        return ZERO
+    n, bw, lat = mm.group_link(axes)
+    if n == 1:
+        return ZERO
+    return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw, nbytes
+
+
+def all_gather(mm: MeshModel, axes: tuple[int, ...], result_bytes: float) -> Cost:
+    """All-gather producing ``result_bytes`` per device: (n-1)a + (n-1)/n * S/B."""
+    if not axes or result_bytes <= 0:
+        return ZERO
+    n, bw, lat = mm.group_link(axes)
+    if n == 1:
+        return ZERO
+    return (n - 1) * lat + (n - 1) / n * result_bytes / bw, result_bytes
+
+
+def reduce_scatter(mm: MeshModel, axes: tuple[int, ...], input_bytes: float) -> Cost:
+    """Reduce-scatter of an ``input_bytes`` buffer (result is input/n)."""
+    if not axes or input_bytes <= 0:
+        return ZERO
+    n, bw, lat = mm.group_link(axes)
+    if n == 1:
+        return ZERO
+    return (n - 1) * lat + (n - 1) / n * input_bytes / bw, input_bytes / n
+
+
+def all_to_all(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
+    """All-to-all of a ``nbytes`` buffer per device: (n-1)a + (n-1)/n * S/B."""
+    if not axes or nbytes <= 0:
+        return ZERO
+    n, bw, lat = mm.group_link(axes)
+    if n == 1:
+        return ZERO
+    return (n - 1) * lat + (n - 1) / n * nbytes / bw, nbytes
+
+
+def add(*costs: Cost) -> Cost:
+    return sum(c[0] for c in costs), sum(c[1] for c in costs)

@@ -1,0 +1,143 @@
+"""meshplan.ilp: the intra-operator pass.
+
+``solve_intra_op(graph, cluster, mesh)`` chooses a layout for every tensor and
+a strategy for every operator of ``graph`` on one logical mesh, minimising
+compute + communication + resharding time under the per-device memory budget;
+``best_intra_op`` tries every mesh shape worth trying and keeps the fastest.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cluster import ClusterSpec
+from ..cost_model.memory import liveness
+from ..cost_model.mesh import MeshModel, default_axis_names, mesh_model, mesh_shapes
+from ..cost_model.sharding import ISpec, num_shards, spec_names
+from ..errors import InfeasiblePlanError
+from ..graph import Graph
+from ..plan import LogicalMesh, Spec
+from .build import Built, build_problem
+from .core import IlpProblem, Solution, brute_force, solve
+
+__all__ = ["IntraOpResult", "solve_intra_op", "best_intra_op", "candidate_meshes",
+           "IlpProblem", "Solution", "brute_force", "solve", "build_problem"]
+
+
+@dataclass(frozen=True)
+class IntraOpResult:
+    mesh: LogicalMesh
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+    peak_memory_bytes: int
+    input_specs: tuple[Spec, ...]            # one per Graph.inputs
+    output_specs: tuple[Spec | None, ...]    # one per Graph.outputs
+    constraints: tuple[tuple[int, Spec], ...]
+    strategies: tuple[tuple[int, str], ...]
+    solution: Solution
+    num_groups: int
+
+    def describe(self) -> str:
+        s = self.solution
+        return (f"mesh {self.mesh}: {self.objective_s * 1e3:.3f} ms (compute {self.compute_s * 1e3:.3f}, "
+                f"comm {self.comm_s * 1e3:.3f}), peak {self.peak_memory_bytes / 2**20:.1f} MiB, "
+                f"{self.num_groups} groups, {s.num_variables} variables, {s.num_constraints} "
+                f"constraints, {s.solve_s:.2f} s ({s.backend}, {s.status})")
+
+
+def candidate_meshes(num_devices: int, max_rank: int = 3) -> list[LogicalMesh]:
+    return [LogicalMesh(default_axis_names(len(s)), s) for s in mesh_shapes(num_devices, max_rank)]
+
+
+def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
+                   submesh: tuple[int, int] | None = None, backend: str = "highs",
+                   time_limit: float | None = 60.0, memory_budget: float | None = None
+                   ) -> IntraOpResult:
+    mm = mesh_model(cluster, mesh, submesh=submesh)
+    built = build_problem(graph, mm, memory_budget=memory_budget)
+    sol = solve(built.problem, backend=backend, time_limit=time_limit)
+    return decode(graph, mm, built, sol)
+
+
+def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpResult:
+    groups, choice = built.groups, sol.choice
+    names = mm.mesh.axes
+    tensor_spec: dict[int, ISpec] = {}
+    for g, c in zip(groups, choice):
+        tensor_spec.update(g.specs[c])
+    compute = sum(g.compute[c] for g, c in zip(groups, choice))
+    comm = sum(g.comm[c] for g, c in zip(groups, choice))
+    comm_bytes = sum(g.comm_bytes[c] for g, c in zip(groups, choice))
+    for u, v, sec, byt in built.edge_costs:
+        comm += float(sec[choice[u], choice[v]])
+        comm_bytes += float(byt[choice[u], choice[v]])
+
+    input_specs = tuple(spec_names(tensor_spec[i.tensor], names) for i in graph.inputs)
+    output_specs = tuple(spec_names(tensor_spec[o.tensor], names) if o.tensor in tensor_spec
+                         else None for o in graph.outputs)
+    constraints, strategies = [], []
+    for g, c in zip(groups, choice):
+        if g.root_node is None:
+            continue
+        node = graph.nodes[g.root_node]
+        strategies.append((node.id, g.strategies[c].name))
+        for t in node.outputs:
+            if graph.tensors[t].shape:
+                constraints.append((t, spec_names(tensor_spec[t], names)))
+    peak = peak_memory(graph, mm, tensor_spec)
+    return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
+                         output_specs, tuple(constraints), tuple(strategies), sol, len(groups))
+
+
+def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:
+    """Resident inputs plus the peak of live intermediates, per device."""
+    shape = mm.shape
+
+    def local(t: int) -> float:
+        spec = tensor_spec.get(t)
+        nb = graph.tensors[t].nbytes
+        return nb / num_shards(spec, shape) if spec is not None else nb
+
+    resident = sum(local(i.tensor) for i in graph.inputs)
+    live = liveness(graph)
+    n = len(graph.nodes)
+    delta = np.zeros(n + 1)
+    for t, (a, b) in live.intervals.items():
+        v = local(t)
+        delta[a] += v
+        delta[b + 1] -= v
+    act = float(np.max(np.cumsum(delta)[:n])) if n else 0.0
+    return int(resident + act)
+
+
+def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
+                  submesh: tuple[int, int] | None = None, backend: str = "highs",
+                  time_limit: float | None = 60.0, memory_budget: float | None = None
+                  ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
+    """The fastest plan over ``meshes`` (default: every mesh shape of the device count)."""
+    n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
+    meshes = meshes or candidate_meshes(n)
+    results: list[IntraOpResult | InfeasiblePlanError] = []
+    for mesh in meshes:
+        try:
+            results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh, backend=backend,
+                                          time_limit=time_limit, memory_budget=memory_budget))
+        except InfeasiblePlanError as e:
+            results.append(e)
+    ok = [r for r in results if isinstance(r, IntraOpResult)]
+    if not ok:
+        errs = [r for r in results if isinstance(r, InfeasiblePlanError)]
+        need = min((e.needed_bytes or 0) for e in errs)
+        raise InfeasiblePlanError(
+            f"the model does not fit on {n} device(s) with any mesh shape: it needs at least "
+            f"{need / 2**30:.2f} GiB per device, the budget is "
+            f"{(errs[0].budget_bytes or 0) / 2**30:.2f} GiB; use more devices, pipeline stages "
+            "(method=Auto()/PipeshardParallel) or a cluster with more memory per device",
+            budget_bytes=errs[0].budget_bytes, needed_bytes=need)
+    best = min(ok, key=lambda r: (round(r.objective_s, 12), len(r.mesh.shape)))
+    return best, results

@@ -1,0 +1,134 @@
+"""Strategies of one operator on a logical mesh, from its OpSpace.
+
+A strategy assigns every mesh axis (of size > 1) to one label of the OpSpace
+or to none.  From that follow the layout of every operand and result, the
+share of the work each device does, and the collectives that combine partial
+sums (all-reduce, or reduce-scatter onto a result dimension).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..cost_model.collectives import all_reduce, reduce_scatter
+from ..cost_model.compute import compute_time
+from ..cost_model.mesh import MeshModel
+from ..cost_model.sharding import ISpec, num_shards, replicated
+from ..graph import Graph, Node
+from .rules import OpSpace, op_space
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    in_specs: tuple[ISpec | None, ...]   # None: operand taken as it is (scalar, literal)
+    out_specs: tuple[ISpec, ...]
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+
+    @property
+    def cost(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def node_dtype(graph: Graph, node: Node) -> str:
+    ts = node.inputs if node.primitive in ("dot_general", "conv_general_dilated") else node.outputs
+    for t in ts:
+        return graph.tensors[t].dtype
+    return "float32"
+
+
+def node_space(graph: Graph, node: Node) -> OpSpace | None:
+    ins = [graph.tensors[t].shape for t in node.inputs]
+    outs = [graph.tensors[t].shape for t in node.outputs]
+    return op_space(node.primitive, ins, outs, dict(node.params))
+
+
+def replicated_strategy(graph: Graph, node: Node, mm: MeshModel) -> Strategy:
+    ins = tuple(replicated(len(graph.tensors[t].shape)) if graph.tensors[t].shape else None
+                for t in node.inputs)
+    outs = tuple(replicated(len(graph.tensors[t].shape)) for t in node.outputs)
+    t = compute_time(mm.device, node.flops, node.bytes_accessed, node_dtype(graph, node))
+    return Strategy("R", ins, outs, t, 0.0, 0.0)
+
+
+def _spec(labels: Sequence[int], per_label: dict[int, tuple[int, ...]]) -> ISpec:
+    return tuple(per_label.get(l, ()) for l in labels)
+
+
+def _name(assign: Sequence[tuple[int, int | None]], space: OpSpace, axis_names,
+          rs_dim: int | None) -> str:
+    parts = []
+    out0 = space.out_labels[0] if space.out_labels else ()
+    for a, lab in assign:
+        if lab is None:
+            continue
+        if lab in out0:
+            parts.append(f"{axis_names[a]}:o{out0.index(lab)}")
+        elif lab in space.reduce:
+            parts.append(f"{axis_names[a]}:sum" + (f">rs{rs_dim}" if rs_dim is not None else ""))
+        else:
+            for k, ls in enumerate(space.in_labels):
+                if ls is not None and lab in ls:
+                    parts.append(f"{axis_names[a]}:i{k}.{ls.index(lab)}")
+                    break
+    return " ".join(parts) or "R"
+
+
+def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
+                         ) -> list[Strategy]:
+    shape = mm.shape
+    axes = [a for a, n in enumerate(shape) if n > 1]
+    labels = sorted(l for l in space.sizes if l not in space.blocked and space.sizes[l] > 1)
+    out_shapes = [graph.tensors[t].shape for t in node.outputs]
+    dtype = node_dtype(graph, node)
+    out_bytes = [graph.tensors[t].nbytes for t in node.outputs]
+    seen: dict[tuple, Strategy] = {}
+    for choice in itertools.product([None] + labels, repeat=len(axes)):
+        per_label: dict[int, tuple[int, ...]] = {}
+        for a, lab in zip(axes, choice):
+            if lab is not None:
+                per_label[lab] = per_label.get(lab, ()) + (a,)
+        if any(space.sizes[l] % math.prod(shape[a] for a in ax) for l, ax in per_label.items()):
+            continue
+        in_specs = tuple(None if ls is None else _spec(ls, per_label) for ls in space.in_labels)
+        out_specs = tuple(_spec(ls, per_label) for ls in space.out_labels)
+        shards = math.prod(shape[a] for ax in per_label.values() for a in ax)
+        t_comp = compute_time(mm.device, node.flops / shards, node.bytes_accessed / shards, dtype)
+        red_axes = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
+        local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
+        assign = list(zip(axes, choice))
+        variants: list[tuple[tuple[ISpec, ...], float, float, int | None]] = []
+        if red_axes:
+            t_c = sum(all_reduce(mm, red_axes, b)[0] for b in local_out)
+            b_c = sum(all_reduce(mm, red_axes, b)[1] for b in local_out)
+            variants.append((out_specs, t_c, b_c, None))
+            if space.reduce_scatter and len(out_specs) == 1:
+                n_red = math.prod(shape[a] for a in red_axes)
+                for d, (dim_axes, size) in enumerate(zip(out_specs[0], out_shapes[0])):
+                    if dim_axes or size % n_red or space.out_labels[0][d] in space.blocked:
+                        continue
+                    spec = tuple(red_axes if k == d else x for k, x in enumerate(out_specs[0]))
+                    t_rs, b_rs = reduce_scatter(mm, red_axes, local_out[0])
+                    variants.append(((spec,), t_rs, b_rs, d))
+        else:
+            variants.append((out_specs, 0.0, 0.0, None))
+        for o_specs, t_c, b_c, rs in variants:
+            key = (in_specs, o_specs)
+            strat = Strategy(_name(assign, space, mm.mesh.axes, rs), in_specs, o_specs,
+                             t_comp, t_c, b_c)
+            if key not in seen or strat.cost < seen[key].cost:
+                seen[key] = strat
+    return list(seen.values())
+
+
+def node_strategies(graph: Graph, node: Node, mm: MeshModel) -> list[Strategy]:
+    """All strategies of ``node``; a single replicated one when it has no rule."""
+    space = node_space(graph, node)
+    if space is None:
+        return [replicated_strategy(graph, node, mm)]
+    strategies = enumerate_strategies(graph, node, space, mm)
+    return strategies or [replicated_strategy(graph, node, mm)]

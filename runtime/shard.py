@@ -1,0 +1,384 @@
+"""Run a one-stage (intra-operator) plan with ``jax.sharding``.
+
+The plan says how every argument leaf, every output leaf and some
+intermediate tensors are split over a logical mesh.  This module binds the
+logical mesh to real devices and builds one jitted program:
+
+* the function is traced with ``jax.make_jaxpr`` and flattened with
+  :func:`meshplan.jaxpr_walk.flatten`, the very stream of equations the
+  planner saw, so the integer tensor ids in ``Stage.constraints`` name the
+  same values here;
+* an evaluator replays that stream equation by equation (as
+  ``jax.core.eval_jaxpr`` does) and wraps every constrained value in
+  ``jax.lax.with_sharding_constraint``;
+* the evaluator is jitted with the planned ``in_shardings`` /
+  ``out_shardings`` and donation, once per abstract signature of the
+  arguments.
+
+Everything a user can get wrong (a plan for other shapes, a batch that does
+not divide over the mesh, too few devices) is refused with a
+:class:`~meshplan.MeshplanError` before XLA sees it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from meshplan.errors import RuntimeStageError, StalePlanError
+from meshplan.jaxpr_walk import FlatJaxpr, Lit, flatten
+from meshplan.plan import LogicalMesh, Plan, Spec, Stage, arg_prefixes, spec_axes, spec_str
+
+__all__ = ["build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable"]
+
+
+# ---------------------------------------------------------------------------
+# Meshes and specs
+# ---------------------------------------------------------------------------
+
+def build_mesh(logical_mesh: LogicalMesh,
+               devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``jax.sharding.Mesh`` of ``logical_mesh``'s shape and axis names.
+
+    ``devices`` (default: the first ``logical_mesh.size`` of ``jax.devices()``
+    sorted by id) fill the mesh in row-major order.  All axes are
+    ``AxisType.Auto`` so that jit propagates shardings between the planned
+    ones.
+    """
+    if devices is None:
+        devices = _sorted_devices()[:logical_mesh.size]
+    devices = list(devices)
+    if len(devices) < logical_mesh.size:
+        raise RuntimeStageError(
+            f"the plan's mesh {logical_mesh} needs {logical_mesh.size} devices, but only "
+            f"{len(devices)} are available ({_platforms(devices)}); re-plan for this machine "
+            "(cluster=meshplan.Cluster.local()) or run where enough devices exist")
+    if len(devices) > logical_mesh.size:
+        raise RuntimeStageError(
+            f"the plan's mesh {logical_mesh} has {logical_mesh.size} devices, but "
+            f"{len(devices)} were given to build it; pass exactly {logical_mesh.size}")
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    return Mesh(grid.reshape(logical_mesh.shape), logical_mesh.axes,
+                axis_types=(AxisType.Auto,) * len(logical_mesh.axes))
+
+
+def stage_devices(stage: Stage, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices of ``stage``: its plan device ids taken as positions in
+    ``devices`` (default ``jax.devices()`` sorted by id)."""
+    pool = _sorted_devices() if devices is None else list(devices)
+    missing = [d for d in stage.devices if not 0 <= d < len(pool)]
+    if missing:
+        raise RuntimeStageError(
+            f"the plan places its stage on device ids {_short(stage.devices)}, but only "
+            f"{len(pool)} devices are available ({_platforms(pool)}); re-plan for this machine "
+            "(cluster=meshplan.Cluster.local()) or run where enough devices exist")
+    return [pool[d] for d in stage.devices]
+
+
+def to_partition_spec(spec: Spec) -> PartitionSpec:
+    """The ``PartitionSpec`` of a plan spec (tuples of axis names stay tuples)."""
+    return PartitionSpec(*spec)
+
+
+def check_spec(spec: Spec, shape: Sequence[int], mesh: LogicalMesh, what: str) -> None:
+    """Refuse a spec that cannot split a tensor of ``shape`` over ``mesh``.
+
+    Raises :class:`StalePlanError` when the rank differs, an axis is unknown
+    or used twice, or a dimension does not divide by the product of the mesh
+    axes that split it.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(spec) != len(shape):
+        raise StalePlanError(
+            f"{what}: the plan gives {spec_str(spec)} ({len(spec)} dimension(s)) for a tensor of "
+            f"shape {shape} ({len(shape)} dimension(s)); the plan was made for other arguments: "
+            "re-plan with these arguments")
+    axes = spec_axes(spec)
+    unknown = [a for a in axes if a not in mesh.axes]
+    if unknown:
+        raise StalePlanError(f"{what}: the plan's spec {spec_str(spec)} names mesh axis "
+                             f"{unknown[0]!r}, which the mesh ({mesh}) does not have; re-plan")
+    if len(set(axes)) != len(axes):
+        raise StalePlanError(f"{what}: the plan's spec {spec_str(spec)} uses a mesh axis twice; re-plan")
+    for dim, (size, d) in enumerate(zip(shape, spec)):
+        names = (d,) if isinstance(d, str) else (d or ())
+        ways = int(np.prod([mesh.axis_size(a) for a in names], dtype=np.int64))
+        if size % ways:
+            raise StalePlanError(
+                f"{what}: dimension {dim} has size {size}, which the plan splits {ways} ways over "
+                f"mesh axis {'x'.join(names)} ({mesh}); {size} is not divisible by {ways}. Use a "
+                f"size that is a multiple of {ways} (e.g. the batch size) or re-plan for these shapes")
+
+
+def _section_keys(plan: Plan, nargs: int) -> dict[int, tuple[Mapping[str, Spec], str]]:
+    """argnum -> (the spec table its leaves are keyed in, the key prefix).
+
+    Non-batch arguments live in ``stages[0].params``, batch arguments in
+    ``plan.batch``; each section numbers its own arguments (see
+    :func:`meshplan.plan.arg_prefixes`).  ``plan.arg_prefixes`` wins where it
+    names an argument.
+    """
+    batch = [a for a in range(nargs) if a in plan.batch_argnums]
+    other = [a for a in range(nargs) if a not in plan.batch_argnums]
+    prefixes = dict(arg_prefixes(other)) | dict(arg_prefixes(batch)) | dict(plan.arg_prefixes)
+    params = dict(plan.stages[0].params)
+    batch_table = dict(plan.batch)
+    return {a: (batch_table if a in plan.batch_argnums else params, prefixes[a])
+            for a in range(nargs)}
+
+
+def arg_specs(plan: Plan, args: Sequence[Any]) -> tuple[Any, ...]:
+    """PartitionSpecs for ``args``: a tuple of pytrees shaped like ``args``.
+
+    A leaf's key is its argument's prefix followed by ``keystr`` of its path
+    inside the argument.  Leaves the plan does not name are replicated
+    (``P()``); a spec that does not fit the leaf raises :class:`StalePlanError`.
+    """
+    if not plan.stages:
+        raise StalePlanError("the plan has no stages; re-plan")
+    mesh = plan.stages[0].logical_mesh
+    sections = _section_keys(plan, len(args))
+    out = []
+    for argnum, arg in enumerate(args):
+        table, prefix = sections[argnum]
+
+        def one(path: Any, leaf: Any, table: Mapping[str, Spec] = table, prefix: str = prefix,
+                argnum: int = argnum) -> PartitionSpec:
+            key = prefix + jax.tree_util.keystr(path)
+            spec = table.get(key)
+            if spec is None:
+                return PartitionSpec()
+            check_spec(spec, _shape_of(leaf), mesh, f"argument {argnum} leaf {key or '<root>'}")
+            return to_partition_spec(spec)
+
+        out.append(jax.tree_util.tree_map_with_path(one, arg))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# The evaluator: replay the flat equation stream with sharding constraints
+# ---------------------------------------------------------------------------
+
+def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding]
+                   ) -> Callable[..., list[Any]]:
+    """A function of the flat input leaves that computes the flat outputs.
+
+    It binds every equation of ``flat`` in order, like ``jax.core.eval_jaxpr``,
+    and passes each value whose global id is in ``constraints`` through
+    ``with_sharding_constraint``.
+    """
+    def evaluate(*invals: Any) -> list[Any]:
+        env: dict[int, Any] = {}
+
+        def write(i: int, value: Any) -> None:
+            sharding = constraints.get(i)
+            if sharding is not None:
+                value = jax.lax.with_sharding_constraint(value, sharding)
+            env[i] = value
+
+        def read(x: int | Lit) -> Any:
+            return x.value if isinstance(x, Lit) else env[x]
+
+        for i, c in zip(flat.constvars, flat.consts):
+            write(i, c)
+        for i, v in zip(flat.invars, invals, strict=True):
+            write(i, v)
+        for fe in flat.eqns:
+            eqn = fe.eqn
+            subfuns, bind_params = _bind_params(eqn)
+            ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+            with ctx:
+                outs = eqn.primitive.bind(*subfuns, *(read(x) for x in fe.invars), **bind_params)
+            if not eqn.primitive.multiple_results:
+                outs = (outs,)
+            for i, v in zip(fe.outvars, outs, strict=True):
+                write(i, v)
+        return [read(x) for x in flat.outvars]
+
+    return evaluate
+
+
+def _bind_params(eqn: Any) -> tuple[Sequence[Any], dict[str, Any]]:
+    """(sub-functions, params) to bind ``eqn`` with.  jax 0.10 returns the
+    params alone from ``get_bind_params``; older versions a pair."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        return got
+    return (), got
+
+
+# ---------------------------------------------------------------------------
+# The executable
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """Everything built for one abstract signature of the arguments."""
+    jitted: Any                       # the jax.jit of the evaluator
+    in_shardings: tuple[Any, ...]     # per argument: pytree of NamedSharding
+    out_shardings: Any                # pytree like fn's output: NamedSharding or None
+    flat_in_shardings: tuple[NamedSharding, ...]
+
+
+class ShardExecutable:
+    """``fn`` run under a one-stage plan; called like ``fn``.
+
+    ``args`` are example arguments (arrays or ``jax.ShapeDtypeStruct``) that
+    fix the shardings reported by ``in_shardings`` / ``out_shardings``; other
+    argument shapes compile their own program on first use.  ``donate_argnums``
+    defaults to ``(0,)`` (the train state) unless argument 0 is a batch
+    argument.  ``devices`` is the pool the plan's device ids index (default
+    ``jax.devices()`` sorted by id).
+
+    ``out_shardings`` holds ``None`` for output leaves the plan leaves open:
+    jit chooses their sharding.
+    """
+
+    def __init__(self, fn: Callable[..., Any], plan: Plan, args: Sequence[Any], *,
+                 donate_argnums: Sequence[int] | None = None,
+                 devices: Sequence[jax.Device] | None = None) -> None:
+        if len(plan.stages) != 1:
+            raise RuntimeStageError(
+                f"ShardExecutable runs one-stage plans; this plan has {len(plan.stages)} stages "
+                "(use the pipeline runtime for it)")
+        self.fn = fn
+        self.plan = plan
+        self.stage = plan.stages[0]
+        if donate_argnums is None:
+            donate_argnums = (0,) if args and 0 not in plan.batch_argnums else ()
+        self.donate_argnums = tuple(int(a) for a in donate_argnums)
+        self.mesh = build_mesh(self.stage.logical_mesh, stage_devices(self.stage, devices))
+        self._cache: dict[Any, _Compiled] = {}
+        first = self._entry(tuple(args))
+        self.in_shardings = first.in_shardings
+        self.out_shardings = first.out_shardings
+
+    # ---- public -----------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        entry = self._entry(args)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        placed = [_place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
+        return entry.jitted(*jax.tree_util.tree_unflatten(treedef, placed))
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """The ``jax.stages.Lowered`` of the step exactly as ``__call__`` runs it
+        (``args`` may be ``jax.ShapeDtypeStruct`` pytrees)."""
+        entry = self._entry(args)
+        return entry.jitted.lower(*_abstract_args(args, entry.in_shardings))
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", "fn")
+        return f"ShardExecutable({name}, mesh {self.stage.logical_mesh}, {len(self._cache)} signature(s))"
+
+    # ---- building ---------------------------------------------------------
+    def _entry(self, args: tuple[Any, ...]) -> _Compiled:
+        key = _signature(args)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(args)
+            self._cache[key] = entry
+        return entry
+
+    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+        logical = self.stage.logical_mesh
+        named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+        specs = arg_specs(self.plan, args)
+        in_shardings = jax.tree_util.tree_map(named, specs,
+                                              is_leaf=lambda x: isinstance(x, PartitionSpec))
+        flat_in = tuple(jax.tree_util.tree_leaves(
+            in_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
+
+        closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
+        flat = flatten(closed)
+        constraints: dict[int, NamedSharding] = {}
+        for tid, spec in self.stage.constraints:
+            aval = flat.avals.get(tid)
+            if aval is None or not hasattr(aval, "shape"):
+                continue  # a literal of the Graph, not a value of the stream
+            check_spec(spec, aval.shape, logical, f"constraint on tensor t{tid}")
+            constraints[tid] = named(to_partition_spec(spec))
+
+        out_table = dict(self.stage.outputs)
+
+        def out_one(path: Any, leaf: Any) -> NamedSharding | None:
+            key = jax.tree_util.keystr(path)
+            spec = out_table.get(key)
+            if spec is None:
+                return None
+            check_spec(spec, _shape_of(leaf), logical, f"output leaf {key or '<root>'}")
+            return named(to_partition_spec(spec))
+
+        out_shardings = jax.tree_util.tree_map_with_path(out_one, out_shape)
+        out_treedef = jax.tree_util.tree_structure(out_shape)
+        evaluate = make_evaluator(flat, constraints)
+
+        def step(*step_args: Any) -> Any:
+            outs = evaluate(*jax.tree_util.tree_leaves(step_args))
+            return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+        step.__name__ = getattr(self.fn, "__name__", "step")
+        step.__qualname__ = step.__name__
+        jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
+                         donate_argnums=tuple(a for a in self.donate_argnums if a < len(args)))
+        return _Compiled(jitted, in_shardings, out_shardings, flat_in)
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def _sorted_devices() -> list[jax.Device]:
+    return sorted(jax.devices(), key=lambda d: d.id)
+
+
+def _platforms(devices: Sequence[jax.Device]) -> str:
+    kinds = sorted({getattr(d, "platform", "?") for d in devices}) or ["none"]
+    return "/".join(kinds)
+
+
+def _short(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    return str(ids) if len(ids) <= 8 else f"[{ids[0]}, {ids[1]}, ..., {ids[-1]}]"
+
+
+def _shape_of(leaf: Any) -> tuple[int, ...]:
+    shape = getattr(leaf, "shape", None)
+    return tuple(shape) if shape is not None else np.shape(leaf)
+
+
+def _abstract(leaf: Any) -> tuple[Any, ...]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
+    a = np.asarray(leaf)
+    return (a.shape, str(a.dtype), isinstance(leaf, (bool, int, float, complex)))
+
+
+def _signature(args: tuple[Any, ...]) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple(_abstract(x) for x in leaves)
+
+
+def _place(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` on ``sharding``; arrays already placed that way are passed through."""
+    if isinstance(x, jax.Array) and not x.is_deleted():
+        current = getattr(x, "sharding", None)
+        if current is not None and (current == sharding
+                                    or current.is_equivalent_to(sharding, x.ndim)):
+            return x
+    return jax.device_put(x, sharding)
+
+
+def _abstract_args(args: tuple[Any, ...], in_shardings: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every array replaced by a ShapeDtypeStruct carrying its
+    planned sharding (so lowering never trips over where an array lives)."""
+    def one(x: Any, s: NamedSharding) -> Any:
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s,
+                                        weak_type=bool(getattr(x, "weak_type", False)))
+        return x
+    return tuple(jax.tree_util.tree_map(one, a, s) for a, s in zip(args, in_shardings))

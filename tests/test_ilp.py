@@ -1,0 +1,167 @@
+"""The intra-operator ILP: optimality against brute force, textbook plans, memory."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshplan
+from meshplan.cost_model.mesh import mesh_model
+from meshplan.cost_model.sharding import spec_from_names
+from meshplan.errors import InfeasiblePlanError
+from meshplan.graph import OPT_STATE, PARAM
+from meshplan.ilp import best_intra_op, build_problem, candidate_meshes, solve_intra_op
+from meshplan.ilp.core import Edge, IlpProblem, MemoryRow, brute_force, solve
+from meshplan.models import build_model
+from meshplan.plan import LogicalMesh
+from meshplan.trace import trace
+
+A100 = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+
+
+def random_problem(rng, n_groups, max_strats=4, memory=False):
+    sizes = rng.integers(1, max_strats + 1, size=n_groups)
+    p = IlpProblem([f"g{i}" for i in range(n_groups)],
+                   [rng.random(k) * rng.choice([1.0, 10.0]) for k in sizes])
+    for _ in range(rng.integers(1, 2 * n_groups + 1)):
+        u, v = rng.choice(n_groups, 2, replace=False)
+        m = rng.random((sizes[u], sizes[v]))
+        m[rng.random(m.shape) < 0.3] = 0.0
+        p.edges.append(Edge(int(u), int(v), m))
+    if memory:
+        for _ in range(2):
+            coefs = {g: rng.random(sizes[g]) * 10 for g in range(n_groups)}
+            p.memory.append(MemoryRow(coefs, sum(float(np.median(c)) for c in coefs.values())))
+    return p
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_core_equals_brute_force_on_random_instances(seed):
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng, int(rng.integers(2, 8)), memory=bool(seed % 2))
+    best, best_val = brute_force(p)
+    if best is None:
+        with pytest.raises(InfeasiblePlanError):
+            solve(p)
+        return
+    sol = solve(p)
+    assert sol.objective == pytest.approx(best_val, rel=1e-6, abs=1e-9)
+    assert p.feasible(list(sol.choice))
+
+
+def test_cbc_backend_agrees_with_highs():
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, 6, memory=True)
+    best, val = brute_force(p)
+    assert best is not None
+    assert solve(p, backend="cbc").objective == pytest.approx(val, rel=1e-6)
+
+
+def _forward(w1, w2, x):
+    return jnp.tanh(x @ w1) @ w2
+
+
+@pytest.mark.parametrize("mesh, shapes, budget", [
+    (LogicalMesh(("x",), (4,)), [(16, 32), (32, 8), (64, 16)], None),
+    (LogicalMesh(("x",), (4,)), [(16, 32), (32, 8), (64, 16)], 6_000),
+    (LogicalMesh(("x", "y"), (2, 2)), [(8, 8), (4, 8)], None),
+])
+def test_graph_ilp_equals_brute_force(mesh, shapes, budget):
+    if len(shapes) == 3:
+        fn, args = _forward, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    else:
+        fn = lambda w, x: x @ w  # noqa: E731
+        args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    g = trace(fn, *args, batch_argnums=())
+    mm = mesh_model(A100, mesh)
+    built = build_problem(g, mm, memory_budget=budget)
+    p = built.problem
+    n_combos = math.prod(len(c) for c in p.costs)
+    assert n_combos <= 200_000 and sum(len(c) > 1 for c in p.costs) <= 10
+    best, val = brute_force(p)
+    sol = solve(p)
+    assert sol.objective == pytest.approx(val, rel=1e-9, abs=1e-15)
+
+
+def _dot_strategies(g, result):
+    chosen = dict(result.strategies)
+    return [(n, chosen[n.id]) for n in g.nodes if n.primitive == "dot_general" and n.id in chosen]
+
+
+def test_large_batch_small_weights_is_data_parallel():
+    m = build_model("mlp", dict(batch="65536", in_dim="256", hidden="256", layers="2", out_dim="256"))
+    g = trace(m.train_step, *m.abstract_args)
+    r = solve_intra_op(g, A100, LogicalMesh(("x",), (8,)))
+    specs = {i.path: s for i, s in zip(g.inputs, r.input_specs)}
+    assert specs["['x']"] == ("x", None) and specs["['y']"] == ("x", None)
+    for node, strat in _dot_strategies(g, r):
+        # every matmul splits the batch: forward/backward on rows, weight gradients sum over it
+        assert strat in ("x:o0", "x:sum", "x:sum>rs0", "x:sum>rs1"), (node, strat)
+    # communication is the gradient reduction: at most ~one all-reduce of all weights
+    weight_bytes = g.param_bytes
+    assert r.comm_bytes <= 1.2 * weight_bytes
+
+
+def test_small_batch_huge_hidden_is_megatron():
+    m = build_model("mlp", dict(batch="8", in_dim="8192", hidden="32768", layers="1", out_dim="8192"))
+    g = trace(m.train_step, *m.abstract_args)
+    r = solve_intra_op(g, A100, LogicalMesh(("x",), (8,)))
+    specs = {i.path: s for i, s in zip(g.inputs, r.input_specs)}
+    assert specs["['params']['dense0']['w']"] == (None, "x")     # column split
+    assert specs["['params']['head']['w']"] == ("x", None)       # row split
+    fwd = [s for n, s in _dot_strategies(g, r)][:2]
+    assert fwd == ["x:o1", "x:sum"]    # one all-reduce in the forward pass
+
+
+def test_optimizer_state_sharded_when_replicas_do_not_fit():
+    m = build_model("mlp", dict(batch="64", in_dim="2048", hidden="2048", layers="2", out_dim="2048"))
+    g = trace(m.train_step, *m.abstract_args)
+    mesh = LogicalMesh(("x",), (8,))
+    free = solve_intra_op(g, A100, mesh)
+    state_bytes = g.param_bytes + g.role_bytes(OPT_STATE)
+    budget = 0.6 * state_bytes      # the replicated state alone does not fit
+    r = solve_intra_op(g, A100, mesh, memory_budget=budget)
+    assert r.peak_memory_bytes <= budget
+    sharded = [i.path for i, s in zip(g.inputs, r.input_specs)
+               if i.role in (PARAM, OPT_STATE) and any(d is not None for d in s)]
+    assert len(sharded) >= 6
+    assert r.objective_s >= free.objective_s - 1e-12
+
+
+def test_infeasible_budget_says_what_is_needed():
+    m = build_model("mlp")
+    g = trace(m.train_step, *m.abstract_args)
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_intra_op(g, A100, LogicalMesh(("x",), (8,)), memory_budget=1000)
+    e = info.value
+    assert e.budget_bytes == 1000 and e.needed_bytes > 1000
+    assert "GiB" in str(e) and "devices" in str(e)
+    assert isinstance(e, meshplan.MeshplanError)
+
+
+def test_three_d_mesh_and_candidates():
+    assert [m.shape for m in candidate_meshes(8)] == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    m = build_model("mlp")
+    g = trace(m.train_step, *m.abstract_args)
+    best, results = best_intra_op(g, A100)
+    assert len(results) == 4
+    assert best.objective_s == min(r.objective_s for r in results)
+    r3 = [r for r in results if len(r.mesh.shape) == 3][0]
+    assert len(r3.input_specs) == len(g.inputs)
+
+
+def test_odd_sizes_only_split_where_divisible():
+    m = build_model("mlp", dict(batch="12", in_dim="30", hidden="20", layers="2", out_dim="6"))
+    g = trace(m.train_step, *m.abstract_args)
+    for mesh in (LogicalMesh(("x",), (8,)), LogicalMesh(("x", "y"), (2, 4))):
+        r = solve_intra_op(g, A100, mesh)
+        for inp, spec in zip(g.inputs, r.input_specs):
+            shape = g.tensors[inp.tensor].shape
+            for size, axes in zip(shape, spec_from_names(spec, mesh.axes)):
+                assert size % math.prod(mesh.shape[a] for a in axes) == 0
+        for t, spec in r.constraints:
+            shape = g.tensors[t].shape
+            for size, axes in zip(shape, spec_from_names(spec, mesh.axes)):
+                assert size % math.prod(mesh.shape[a] for a in axes) == 0
