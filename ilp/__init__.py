@@ -20,7 +20,7 @@ from ..cost_model.sharding import ISpec, num_shards, spec_names
 from ..errors import InfeasiblePlanError
 from ..graph import Graph
 from ..plan import LogicalMesh, Spec
-from .build import Built, build_problem
+from .build import Built, InputFilter, build_problem
 from .core import IlpProblem, Solution, brute_force, solve
 
 __all__ = ["IntraOpResult", "solve_intra_op", "best_intra_op", "candidate_meshes",
@@ -50,16 +50,36 @@ class IntraOpResult:
                 f"constraints, {s.solve_s:.2f} s ({s.backend}, {s.status})")
 
 
-def candidate_meshes(num_devices: int, max_rank: int = 3) -> list[LogicalMesh]:
-    return [LogicalMesh(default_axis_names(len(s)), s) for s in mesh_shapes(num_devices, max_rank)]
+def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
+                     cluster: ClusterSpec | None = None,
+                     submesh: tuple[int, int] | None = None) -> list[LogicalMesh]:
+    """Logical meshes worth trying for ``num_devices``.
+
+    Every ordered factorisation into at most ``max_rank`` axes (default: 2 below
+    16 devices, 3 from 16 on).  Given the cluster, a permutation of a shape
+    whose axes have identical link figures is dropped: it plans the same.
+    """
+    if max_rank is None:
+        max_rank = 2 if num_devices < 16 else 3
+    out, seen = [], set()
+    for shape in mesh_shapes(num_devices, max_rank):
+        mesh = LogicalMesh(default_axis_names(len(shape)), shape)
+        if cluster is not None:
+            links = mesh_model(cluster, mesh, submesh=submesh).links
+            key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency) for l in links])))
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(mesh)
+    return out
 
 
 def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    submesh: tuple[int, int] | None = None, backend: str = "highs",
-                   time_limit: float | None = 60.0, memory_budget: float | None = None
-                   ) -> IntraOpResult:
+                   time_limit: float | None = 60.0, memory_budget: float | None = None,
+                   input_filter: InputFilter | None = None) -> IntraOpResult:
     mm = mesh_model(cluster, mesh, submesh=submesh)
-    built = build_problem(graph, mm, memory_budget=memory_budget)
+    built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter)
     sol = solve(built.problem, backend=backend, time_limit=time_limit)
     return decode(graph, mm, built, sol)
 
@@ -117,16 +137,18 @@ def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> i
 
 def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
                   submesh: tuple[int, int] | None = None, backend: str = "highs",
-                  time_limit: float | None = 60.0, memory_budget: float | None = None
+                  time_limit: float | None = 60.0, memory_budget: float | None = None,
+                  input_filter: InputFilter | None = None
                   ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
     """The fastest plan over ``meshes`` (default: every mesh shape of the device count)."""
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
-    meshes = meshes or candidate_meshes(n)
+    meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
     results: list[IntraOpResult | InfeasiblePlanError] = []
     for mesh in meshes:
         try:
             results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh, backend=backend,
-                                          time_limit=time_limit, memory_budget=memory_budget))
+                                          time_limit=time_limit, memory_budget=memory_budget,
+                                          input_filter=input_filter))
         except InfeasiblePlanError as e:
             results.append(e)
     ok = [r for r in results if isinstance(r, IntraOpResult)]

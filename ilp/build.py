@@ -20,14 +20,18 @@ live intermediates at the peaks of the liveness profile.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+import math
 
 import numpy as np
 
+from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time
 from ..cost_model.memory import liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, enumerate_specs, num_shards, replicated, reshard_cost
-from ..graph import CONST, LITERAL, Graph
+from ..graph import CONST, LITERAL, Graph, GraphInput
 from .core import Edge, IlpProblem, MemoryRow
 from .strategies import Strategy, node_dtype, node_space, node_strategies
 
@@ -67,36 +71,86 @@ class Built:
 
 
 def _follow_input(space, node, graph) -> int | None:
-    """Position of the operand an elementwise node follows, if any."""
-    if space is None or not space.elementwise or len(node.outputs) != 1:
+    """Position of the operand a node follows, if any.
+
+    Elementwise nodes follow their first same-shaped operand; any other node
+    with exactly one laid-out operand (the others scalars or indices) follows
+    that operand, its layout mapped through the node's labels.
+    """
+    if space is None or len(node.outputs) != 1:
         return None
-    out_shape = graph.tensors[node.outputs[0]].shape
-    for k, t in enumerate(node.inputs):
-        tt = graph.tensors[t]
-        if tt.shape == out_shape and tt.kind not in (LITERAL, CONST):
-            return k
-    return None
+    if space.elementwise:
+        out_shape = graph.tensors[node.outputs[0]].shape
+        for k, t in enumerate(node.inputs):
+            tt = graph.tensors[t]
+            if tt.shape == out_shape and tt.kind not in (LITERAL, CONST) and space.in_labels[k]:
+                return k
+        return None
+    laid_out = [k for k, labs in enumerate(space.in_labels)
+                if labs and graph.tensors[node.inputs[k]].kind not in (LITERAL, CONST)]
+    others = [k for k, labs in enumerate(space.in_labels) if labs and k not in laid_out]
+    return laid_out[0] if len(laid_out) == 1 and not others else None
 
 
-def _follower_read_spec(main_spec: ISpec, out_shape, in_shape) -> ISpec | None:
-    if len(in_shape) == 0:
-        return None
-    if len(in_shape) != len(out_shape):
-        return replicated(len(in_shape))
-    return tuple(ax if a == b else () for ax, a, b in zip(main_spec, in_shape, out_shape))
+@dataclass(frozen=True)
+class _Mapped:
+    """A follower's layout under one layout of the operand it follows."""
+    main_req: ISpec                      # the operand as the node needs it
+    out: ISpec
+    reads: tuple[tuple[int, ISpec], ...]  # other operands: (position, layout)
+    reduce_axes: tuple[int, ...]
+    shards: int
+
+
+def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
+    """Carry the layout ``spec`` of operand ``k`` through the node's labels.
+    Axes on labels the node cannot split are gathered first."""
+    per_label: dict[int, tuple[int, ...]] = {}
+    for lab, axes in zip(space.in_labels[k], spec):
+        if axes and lab not in space.blocked:
+            per_label[lab] = axes
+    for lab in list(per_label):
+        if space.sizes[lab] % math.prod(mesh_shape[a] for a in per_label[lab]):
+            del per_label[lab]
+    main_req = tuple(per_label.get(l, ()) for l in space.in_labels[k])
+    out = tuple(per_label.get(l, ()) for l in space.out_labels[0])
+    reads = tuple((p, tuple(per_label.get(l, ()) for l in labs))
+                  for p, labs in enumerate(space.in_labels) if labs is not None and p != k)
+    red = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
+    shards = math.prod(mesh_shape[a] for ax in per_label.values() for a in ax)
+    return _Mapped(main_req, out, reads, red, shards)
+
+
+InputFilter = Callable[[GraphInput, ISpec], bool]
 
 
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
-                  memory_budget: float | None = None, grad_accum: int = 1) -> Built:
+                  memory_budget: float | None = None,
+                  input_filter: InputFilter | None = None) -> Built:
+    """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
+    the layouts an input can take (hand-made methods such as data parallel)."""
     shape = mm.shape
     groups: list[Group] = []
     group_of_tensor: dict[int, int] = {}
     strat_cache: dict[tuple, list[Strategy]] = {}
 
+    reshard_cache: dict[tuple, tuple[float, float]] = {}
+
+    def reshard(t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
+        if src == dst:
+            return 0.0, 0.0
+        key = (t, src, dst)
+        if key not in reshard_cache:
+            tt = graph.tensors[t]
+            reshard_cache[key] = reshard_cost(mm, tt.shape, tt.nbytes, src, dst)
+        return reshard_cache[key]
+
     # ---- placeholders for inputs -----------------------------------------
     for k, inp in enumerate(graph.inputs):
         t = graph.tensors[inp.tensor]
         specs = enumerate_specs(t.shape, shape) or (replicated(len(t.shape)),)
+        if input_filter is not None:
+            specs = tuple(s for s in specs if input_filter(inp, s)) or (replicated(len(t.shape)),)
         strategies = [Strategy("in", (), (s,), 0.0, 0.0, 0.0) for s in specs]
         g = Group(len(groups), f"in{k}", None, k, strategies)
         g.specs = [{inp.tensor: s} for s in specs]
@@ -119,20 +173,28 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             out_shape = graph.tensors[out_t].shape
             dtype = node_dtype(graph, node)
             # XLA fuses chains of elementwise ops: count the result's bytes only
+            nbytes = graph.tensors[out_t].nbytes if space.elementwise else node.bytes_accessed
             out_bytes = graph.tensors[out_t].nbytes
+            mapped_cache: dict[ISpec, _Mapped] = {}
             for i in range(g.size):
                 ms = g.specs[i][main]
-                g.specs[i][out_t] = ms
-                shards = num_shards(ms, shape)
-                t = compute_time(mm.device, node.flops / shards, out_bytes / shards, dtype)
-                g.cost[i] += t
+                mp = mapped_cache.get(ms)
+                if mp is None:
+                    mp = mapped_cache[ms] = _map_through(space, k, ms, shape, out_shape)
+                g.specs[i][out_t] = mp.out
+                t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+                c_time, c_bytes = reshard(main, ms, mp.main_req)
+                if mp.reduce_axes:
+                    r_time, r_bytes = all_reduce(mm, mp.reduce_axes,
+                                                 out_bytes / num_shards(mp.out, shape))
+                    c_time, c_bytes = c_time + r_time, c_bytes + r_bytes
+                g.cost[i] += t + c_time
                 g.compute[i] += t
-                for p, tin in enumerate(node.inputs):
-                    if p == k:
-                        continue
-                    rs = _follower_read_spec(ms, out_shape, graph.tensors[tin].shape)
-                    if rs is not None:
-                        g.reads[i].append((tin, rs))
+                g.comm[i] += c_time
+                g.comm_bytes[i] += c_bytes
+                for p, rs in mp.reads:
+                    if graph.tensors[node.inputs[p]].shape:
+                        g.reads[i].append((node.inputs[p], rs))
             g.members.append(node.id)
             group_of_tensor[out_t] = g.gid
             continue
@@ -157,16 +219,6 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
 
     # ---- reads -> edges (or costs inside a group) ------------------------------
     edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    reshard_cache: dict[tuple, tuple[float, float]] = {}
-
-    def reshard(t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
-        if src == dst:
-            return 0.0, 0.0
-        key = (t, src, dst)
-        if key not in reshard_cache:
-            tt = graph.tensors[t]
-            reshard_cache[key] = reshard_cost(mm, tt.shape, tt.nbytes, src, dst)
-        return reshard_cache[key]
 
     def add_read(h: Group, g: Group, t: int, j: int, req: ISpec) -> None:
         if h.gid == g.gid:

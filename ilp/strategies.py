@@ -125,10 +125,22 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
     return list(seen.values())
 
 
-def node_strategies(graph: Graph, node: Node, mm: MeshModel) -> list[Strategy]:
-    """All strategies of ``node``; a single replicated one when it has no rule."""
+MAX_STRATEGIES = 64
+
+
+def node_strategies(graph: Graph, node: Node, mm: MeshModel,
+                    max_strategies: int = MAX_STRATEGIES) -> list[Strategy]:
+    """The strategies of ``node``; a single replicated one when it has no rule.
+
+    On meshes of three or more axes an operator can have hundreds of
+    strategies; only the ``max_strategies`` cheapest by their own compute and
+    communication time are kept (ties broken by name, so the cut is
+    deterministic).  The ILP is exact over the strategies it is given.
+    """
     space = node_space(graph, node)
     if space is None:
         return [replicated_strategy(graph, node, mm)]
     strategies = enumerate_strategies(graph, node, space, mm)
+    if len(strategies) > max_strategies:
+        strategies = sorted(strategies, key=lambda s: (s.cost, s.name))[:max_strategies]
     return strategies or [replicated_strategy(graph, node, mm)]

@@ -7,6 +7,9 @@ from .errors import (ClusterSpecError, InfeasiblePlanError, MeshplanError, Model
                      TraceError, UnsupportedPrimitiveError)
 from .graph import Graph, GraphInput, GraphOutput, Node, Tensor
 from .trace import trace
+from .methods import Auto, DataParallel, Manual, PipeshardParallel, ShardParallel
+from .plan import LogicalMesh, Plan, PlanPredicted, Predicted, Stage
+from .api import Parallelized, parallelize, plan
 
 Cluster = ClusterSpec
 
@@ -15,6 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec", "load_cluster", "parse_cluster",
     "Graph", "GraphInput", "GraphOutput", "Node", "Tensor", "trace",
+    "Auto", "DataParallel", "Manual", "PipeshardParallel", "ShardParallel",
+    "LogicalMesh", "Plan", "PlanPredicted", "Predicted", "Stage",
+    "Parallelized", "parallelize", "plan",
     "MeshplanError", "ClusterSpecError", "TraceError", "UnsupportedPrimitiveError",
     "InfeasiblePlanError", "SolverError", "PlanFormatError", "StalePlanError",
     "ModelConfigError", "RuntimeStageError",

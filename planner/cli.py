@@ -118,23 +118,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for w in s["warnings"]:
         print(f"  warning: {w}")
     if args.json:
-        _write_json(args.json, s)
+        _write_text(args.json, json.dumps(s, indent=2) + "\n")
     return 0
-
-
-def _write_json(path: str, data: Any) -> None:
-    """Write JSON atomically: a crash never leaves a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise MeshplanError(f"cannot write {path}: {e.strerror}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -148,6 +133,137 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(arg: str):
+    from .cluster import ClusterSpec, load_cluster
+    return ClusterSpec.local() if arg == "local" else load_cluster(arg)
+
+
+def _method(args: argparse.Namespace):
+    from . import methods as M
+    name = args.method
+    if name == "shard":
+        mesh = _parse_mesh(args.mesh) if args.mesh else None
+        return M.ShardParallel(mesh_shape=mesh, time_limit=args.time_limit)
+    if name == "data":
+        return M.DataParallel(time_limit=args.time_limit)
+    if name == "manual":
+        return M.Manual(dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
+                        num_micro_batches=args.micro_batches or 1,
+                        schedule=args.schedule if args.schedule != "auto" else "1f1b",
+                        time_limit=args.time_limit)
+    if name == "pipeshard":
+        return M.PipeshardParallel(num_micro_batches=args.micro_batches, schedule=args.schedule,
+                                   stages=args.pp or "auto", time_limit=args.time_limit)
+    return M.Auto(time_limit=args.time_limit)
+
+
+def _parse_mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().replace("*", "x").split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise ModelConfigError(f"--mesh expects sizes like 2x4, got {text!r}")
+    return shape
+
+
+def _make_plan(args: argparse.Namespace):
+    from .api import plan_graph
+    from .trace import trace
+    target = load_target(args)
+    cluster = _cluster(args.cluster)
+    graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
+                  name=target.name)
+    return target, graph, plan_graph(graph, cluster, _method(args))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    _, _, plan = _make_plan(args)
+    print(plan)
+    if args.json:
+        _write_text(args.json, plan.to_json())
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Plan (or load) a plan, run it on the local devices and compare with the
+    unparallelized step."""
+    import jax
+    import numpy as np
+    from .api import parallelize
+    from .plan import Plan
+    target = load_target(args)
+    if target.init is None:
+        raise ModelConfigError("meshplan run needs a built-in model (--model) with concrete data")
+    if args.plan:
+        try:
+            text = open(args.plan).read()
+        except OSError as e:
+            raise ModelConfigError(f"cannot read plan {args.plan}: {e.strerror}") from e
+        step = parallelize(target.train_step, plan=Plan.from_json(text))
+    else:
+        from .cluster import ClusterSpec
+        step = parallelize(target.train_step, cluster=ClusterSpec.local(), method=_method(args),
+                           batch_argnums=target.batch_argnums)
+    state, batch = target.init(0)
+    ref_state = state
+    par_state = jax.tree.map(lambda x: np.array(x), state)
+    reference = jax.jit(target.train_step)
+    print(f"running {target.name} for {args.steps} step(s) on {len(jax.devices())} "
+          f"{jax.devices()[0].platform} device(s)")
+    for k in range(args.steps):
+        ref_state, ref_metrics = reference(ref_state, batch)
+        par_state, metrics = step(par_state, batch)
+        print(f"  step {k + 1}: loss {float(metrics['loss']):.6f} "
+              f"(unparallelized {float(ref_metrics['loss']):.6f})")
+    print(step.plan)
+    # Per tensor: ||a - b|| / max(||b||, floor), the floor being one optimizer
+    # step (learning rate) per element, so tensors near zero are judged by the
+    # size of an update rather than their own (Adam turns rounding noise of
+    # vanishing gradients into update-sized differences).
+    lr = float((target.model_config or {}).get("learning_rate", 1e-3))
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(par_state), jax.tree.leaves(ref_state)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        floor = lr * np.sqrt(max(b.size, 1))
+        worst = max(worst, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor)))
+    loss_rel = abs(float(metrics["loss"]) - float(ref_metrics["loss"])) / max(
+        abs(float(ref_metrics["loss"])), 1e-12)
+    ok = loss_rel <= 1e-5 and worst <= args.tolerance
+    print(f"loss relative error {loss_rel:.2e}; largest per-tensor relative error of the "
+          f"new state {worst:.2e} (tolerance {args.tolerance:g}): {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        raise MeshplanError("the parallel step does not match the unparallelized step")
+    return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MeshplanError(f"cannot write {path}: {e.strerror}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=["auto", "shard", "pipeshard", "data", "manual"],
+                   default="auto")
+    p.add_argument("--mesh", help="logical mesh for --method shard, e.g. 2x4")
+    p.add_argument("--dp", type=int)
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--micro-batches", type=int, dest="micro_batches")
+    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
+    p.add_argument("--time-limit", type=float, default=60.0, dest="time_limit",
+                   help="seconds per ILP solve (default 60)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="meshplan", description="Automatic parallelization planner for JAX.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -157,6 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
     pi.add_argument("--top", type=int, default=10, help="how many of the biggest ops to list")
     pi.set_defaults(func=cmd_inspect)
+
+    pp = sub.add_parser("plan", help="plan a model for a cluster and print the plan")
+    _add_target_args(pp)
+    pp.add_argument("--cluster", required=True, help="cluster JSON file, or 'local'")
+    _add_method_args(pp)
+    pp.add_argument("--json", metavar="OUT.json", help="write the plan JSON")
+    pp.add_argument("--timeline", metavar="OUT.png", help="draw the pipeline schedule")
+    pp.set_defaults(func=cmd_plan)
+
+    pr = sub.add_parser("run", help="plan a built-in model, run it on the local devices and "
+                                    "compare with the unparallelized step")
+    _add_target_args(pr)
+    _add_method_args(pr)
+    pr.add_argument("--plan", help="run this saved plan instead of planning")
+    pr.add_argument("--steps", type=int, default=3)
+    pr.add_argument("--tolerance", type=float, default=1e-3,
+                    help="largest accepted per-tensor relative error of the new state")
+    pr.set_defaults(func=cmd_run)
 
     pc = sub.add_parser("cluster", help="validate or show a cluster JSON file")
     csub = pc.add_subparsers(dest="cluster_cmd", required=True, parser_class=_Parser)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The main job: trace a built-in GPT and summarise its graph
-# (installs what it needs into ./.venv first).
+# The main job: plan a built-in GPT for 8 virtual CPU devices, run the plan for
+# three steps and check it against the unparallelized step
+# (installs what it needs into ./.venv first).  Extra arguments go to
+# `meshplan run`, e.g. `bash scripts/main.sh --method data`.
 source "$(dirname "$0")/_env.sh"
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
-meshplan inspect --model gpt "$@"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+meshplan run --model gpt "$@"

@@ -142,10 +142,16 @@ def test_infeasible_budget_says_what_is_needed():
 
 
 def test_three_d_mesh_and_candidates():
-    assert [m.shape for m in candidate_meshes(8)] == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    assert [m.shape for m in candidate_meshes(8, 3)] == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    # inside one host all axes have the same links: (4, 2) plans like (2, 4)
+    assert [m.shape for m in candidate_meshes(8, cluster=A100)] == [(8,), (2, 4)]
+    two_hosts = meshplan.load_cluster("examples/clusters/dgx-a100-x2.json")
+    shapes16 = [m.shape for m in candidate_meshes(16, cluster=two_hosts)]
+    assert (2, 8) in shapes16 and (8, 2) in shapes16 and any(len(s) == 3 for s in shapes16)
     m = build_model("mlp")
     g = trace(m.train_step, *m.abstract_args)
-    best, results = best_intra_op(g, A100)
+    meshes = candidate_meshes(8, 3)
+    best, results = best_intra_op(g, A100, meshes=meshes)
     assert len(results) == 4
     assert best.objective_s == min(r.objective_s for r in results)
     r3 = [r for r in results if len(r.mesh.shape) == 3][0]

@@ -207,10 +207,18 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------- training
 
-def adam_train_step(loss_fn: LossFn, learning_rate: float
+OPTIMIZERS = {"adam": optax.adam, "sgd": optax.sgd}
+
+
+def adam_train_step(loss_fn: LossFn, learning_rate: float, optimizer: str = "adam"
                     ) -> tuple[optax.GradientTransformation, TrainStep]:
-    """The train step shared by all models: value_and_grad, then optax Adam."""
-    tx = optax.adam(learning_rate)
+    """The train step shared by all models: value_and_grad, then an optax
+    optimizer (Adam by default; plain SGD is there for exact numerics checks:
+    Adam's normalisation amplifies rounding differences of tiny gradients)."""
+    if optimizer not in OPTIMIZERS:
+        from ..errors import ModelConfigError
+        raise ModelConfigError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZERS)}")
+    tx = OPTIMIZERS[optimizer](learning_rate)
 
     def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
         params = state["params"]

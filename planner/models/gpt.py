@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "compute_dtype": "float32",
     "scan_layers": False,
     "learning_rate": 1e-3,
+    "optimizer": "adam",
 }
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES}
 NON_NEGATIVE: tuple[str, ...] = ()
@@ -156,7 +157,7 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
                 x = block(params[f"h{i}"], x, heads, cdt)
         return lm_loss(params, x, batch["labels"], cdt), extra
 
-    tx, train_step = adam_train_step(loss_fn, config["learning_rate"])
+    tx, train_step = adam_train_step(loss_fn, config["learning_rate"], config["optimizer"])
 
     def init(seed: int) -> tuple[State, Batch]:
         k_emb, k_blocks, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "compute_dtype": "float32",
     "learning_rate": 1e-3,
+    "optimizer": "adam",
 }
 CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ("gelu", "relu"),
@@ -71,7 +72,7 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
             loss = jnp.mean(jnp.square(out - batch["y"].astype(F32)))
         return loss, extra
 
-    tx, train_step = adam_train_step(loss_fn, config["learning_rate"])
+    tx, train_step = adam_train_step(loss_fn, config["learning_rate"], config["optimizer"])
 
     def init(seed: int) -> tuple[State, Batch]:
         key = jax.random.PRNGKey(seed)

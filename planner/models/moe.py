@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "compute_dtype": "float32",
     "learning_rate": 1e-3,
+    "optimizer": "adam",
 }
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES}
 NON_NEGATIVE: tuple[str, ...] = ("expert_group_size",)
@@ -179,7 +180,7 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
         loss = lm_loss(params, x, batch["labels"], cdt) + aux_weight * aux_total
         return loss, extra
 
-    tx, train_step = adam_train_step(loss_fn, config["learning_rate"])
+    tx, train_step = adam_train_step(loss_fn, config["learning_rate"], config["optimizer"])
 
     def init(seed: int) -> tuple[State, Batch]:
         k_emb, k_blocks, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)

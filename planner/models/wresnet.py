@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "compute_dtype": "float32",
     "learning_rate": 1e-3,
+    "optimizer": "adam",
 }
 CHOICES: dict[str, tuple[str, ...]] = {
     "block": ("basic", "bottleneck"),
@@ -212,7 +213,7 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
         logits, new_stats = forward(params, extra["batch_stats"], batch["images"])
         return softmax_cross_entropy(logits, batch["labels"]), {"batch_stats": new_stats}
 
-    tx, train_step = adam_train_step(loss_fn, config["learning_rate"])
+    tx, train_step = adam_train_step(loss_fn, config["learning_rate"], config["optimizer"])
 
     def init(seed: int) -> tuple[State, Batch]:
         k_stem, k_stages, k_head, k_x, k_y = jax.random.split(jax.random.PRNGKey(seed), 5)

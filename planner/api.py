@@ -1,0 +1,274 @@
+"""The public API: ``meshplan.plan`` and ``meshplan.parallelize``.
+
+This module sits on top of every pass: it traces, asks the ILP (and the
+inter-operator pass) for a plan, turns the answer into a :class:`Plan`, and
+hands the plan to the runtime.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .cluster import ClusterSpec
+from .errors import InfeasiblePlanError, MeshplanError, StalePlanError
+from .graph import BATCH, Graph
+from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, ShardParallel
+from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
+from .trace import trace
+
+
+# --------------------------------------------------------------------------
+# planning
+# --------------------------------------------------------------------------
+
+def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
+         method: Method | None = None, batch_argnums: Sequence[int] = (1,)) -> Plan:
+    """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
+    ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees."""
+    cluster = cluster or ClusterSpec.local()
+    graph = trace(fn, *_abstract(args), batch_argnums=batch_argnums,
+                  name=getattr(fn, "__name__", "fn"))
+    return plan_graph(graph, cluster, method or ShardParallel())
+
+
+def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method) -> Plan:
+    """Plan an already traced graph (the CLI's entry point)."""
+    if isinstance(method, ShardParallel):
+        return _plan_shard(graph, cluster, method)
+    if isinstance(method, DataParallel):
+        return _plan_data(graph, cluster, method)
+    if isinstance(method, Manual):
+        return _plan_manual(graph, cluster, method)
+    if isinstance(method, (Auto, PipeshardParallel)):
+        return _plan_pipeline(graph, cluster, method)
+    raise MeshplanError(f"unknown method {method!r}: use meshplan.Auto(), ShardParallel(), "
+                        "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
+
+
+def _plan_shard(graph: Graph, cluster: ClusterSpec, method: ShardParallel) -> Plan:
+    from meshplan.ilp import best_intra_op, candidate_meshes
+    meshes = None
+    if method.mesh_shape is not None:
+        shape = tuple(int(s) for s in method.mesh_shape)
+        if math.prod(shape) != cluster.num_devices:
+            raise MeshplanError(f"ShardParallel(mesh_shape={shape}) has {math.prod(shape)} devices "
+                                f"but the cluster has {cluster.num_devices}")
+        names = method.axis_names or _default_names(len(shape))
+        meshes = [LogicalMesh(tuple(names), shape)]
+    best, _ = best_intra_op(graph, cluster, meshes=meshes, backend=method.backend,
+                            time_limit=method.time_limit)
+    return plan_from_intra_op(graph, cluster, best, "shard")
+
+
+def _plan_data(graph: Graph, cluster: ClusterSpec, method: DataParallel) -> Plan:
+    from meshplan.ilp import solve_intra_op
+    n = cluster.num_devices
+    _check_batch_divisible(graph, n, "DataParallel")
+    mesh = LogicalMesh(("data",), (n,))
+
+    def only_dp(inp, spec) -> bool:
+        if inp.role == BATCH and spec:
+            return spec[0] == ((0,) if n > 1 else ()) and all(not d for d in spec[1:])
+        return all(not d for d in spec)
+
+    r = solve_intra_op(graph, cluster, mesh, input_filter=only_dp, backend=method.backend,
+                       time_limit=method.time_limit)
+    return plan_from_intra_op(graph, cluster, r, "data")
+
+
+def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
+    from meshplan.ilp import solve_intra_op
+    n = cluster.num_devices
+    if method.dp * method.tp * method.pp != n:
+        raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
+                            f"{method.dp * method.tp * method.pp} devices but the cluster has {n}")
+    if method.pp > 1:
+        return _plan_pipeline(graph, cluster, method)
+    _check_batch_divisible(graph, method.dp, "Manual(dp=...)")
+    mesh = LogicalMesh(("data", "model"), (method.dp, method.tp))
+
+    def megatron(inp, spec) -> bool:
+        axes_used = {a for d in spec for a in d}
+        if inp.role == BATCH and spec:
+            return spec[0] == ((0,) if method.dp > 1 else ()) and 0 not in {a for d in spec[1:] for a in d}
+        return 0 not in axes_used        # parameters split over "model" only (no ZeRO)
+
+    r = solve_intra_op(graph, cluster, mesh, input_filter=megatron, backend=method.backend,
+                       time_limit=method.time_limit)
+    return plan_from_intra_op(graph, cluster, r, "manual")
+
+
+def _plan_pipeline(graph: Graph, cluster: ClusterSpec, method: Method) -> Plan:
+    try:
+        from meshplan.dp_search import plan_pipeline  # type: ignore[attr-defined]
+    except ImportError:
+        plan_pipeline = None
+    if plan_pipeline is None:
+        if isinstance(method, Auto):
+            p = _plan_shard(graph, cluster, ShardParallel(time_limit=method.time_limit,
+                                                          backend=method.backend))
+            return replace(p, method="auto", notes=p.notes + (
+                "the inter-operator (pipeline) pass is not available in this version: "
+                "Auto planned one stage",))
+        raise MeshplanError("pipeline planning (PipeshardParallel, Manual(pp>1)) is not "
+                            "available in this version of meshplan; use ShardParallel()")
+    return plan_pipeline(graph, cluster, method)
+
+
+def _check_batch_divisible(graph: Graph, n: int, what: str) -> None:
+    for inp in graph.inputs:
+        if inp.role == BATCH:
+            shape = graph.tensors[inp.tensor].shape
+            if shape and shape[0] % n:
+                raise InfeasiblePlanError(
+                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
+                    f"which does not split over {n} devices; use a batch size divisible by {n} "
+                    "or ShardParallel()")
+
+
+def _default_names(rank: int) -> tuple[str, ...]:
+    from meshplan.cost_model import default_axis_names
+    return default_axis_names(rank)
+
+
+def section_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
+    nonbatch = sorted({i.argnum for i in graph.inputs if i.argnum not in graph.batch_argnums})
+    return arg_prefixes(nonbatch) + arg_prefixes(sorted(set(graph.batch_argnums)))
+
+
+def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: str,
+                       notes: tuple[str, ...] = ()) -> Plan:
+    """A one-stage Plan from the ILP's answer."""
+    from meshplan.cost_model.mesh import default_submesh
+    prefixes = dict(section_prefixes(graph))
+    params, batch = [], []
+    for inp, spec in zip(graph.inputs, result.input_specs):
+        key = prefixes.get(inp.argnum, "") + inp.path
+        (batch if inp.argnum in graph.batch_argnums else params).append((key, spec))
+    outputs = tuple((o.path, s) for o, s in zip(graph.outputs, result.output_specs) if s is not None)
+    n = result.mesh.size
+    stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
+                  logical_mesh=result.mesh, remat=False, params=tuple(params),
+                  predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
+                  outputs=outputs, constraints=result.constraints, strategies=result.strategies)
+    it = result.compute_s + result.comm_s
+    tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
+    predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
+                              peak_memory_bytes=int(result.peak_memory_bytes),
+                              comm_bytes_per_device=int(round(result.comm_bytes)))
+    return Plan(graph_fingerprint=graph.fingerprint, cluster=cluster, method=method,
+                stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
+                predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
+                arg_prefixes=section_prefixes(graph), notes=notes)
+
+
+# --------------------------------------------------------------------------
+# parallelize
+# --------------------------------------------------------------------------
+
+def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = jax.numpy.asarray(x) if not hasattr(x, "shape") else x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return tuple(jax.tree.map(one, tuple(args)))
+
+
+def _signature(args: Sequence[Any]) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+    return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l))))
+                          for l in leaves)
+
+
+class Parallelized:
+    """A train step run under a plan.  Call it like the original function."""
+
+    def __init__(self, fn: Callable, *, cluster: ClusterSpec | None, method: Method | None,
+                 batch_argnums: Sequence[int], donate_argnums: Any, plan: Plan | None):
+        self.fn = fn
+        self.cluster = cluster
+        self.method = method or ShardParallel()
+        self.batch_argnums = tuple(batch_argnums) if plan is None else tuple(plan.batch_argnums)
+        self.donate_argnums = donate_argnums
+        self._given_plan = plan
+        self._cache: dict[Any, tuple[Plan, Any]] = {}
+        self._last: Plan | None = plan
+        functools.update_wrapper(self, fn)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the most recent call (or the plan given)."""
+        return self._last
+
+    def plan_for(self, *args: Any) -> Plan:
+        return self._entry(args)[0]
+
+    def _entry(self, args: Sequence[Any]) -> tuple[Plan, Any]:
+        sig = _signature(args)
+        hit = self._cache.get(sig)
+        if hit is not None:
+            self._last = hit[0]
+            return hit
+        abstract = _abstract(args)
+        graph = trace(self.fn, *abstract, batch_argnums=self.batch_argnums,
+                      name=getattr(self.fn, "__name__", "fn"))
+        if self._given_plan is not None:
+            p = self._given_plan
+            if p.graph_fingerprint != graph.fingerprint:
+                raise StalePlanError(
+                    f"the saved plan was made for another function or other argument shapes "
+                    f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
+                    f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
+        else:
+            p = plan_graph(graph, self.cluster or ClusterSpec.local(), self.method)
+        executable = self._executable(p, graph, abstract)
+        self._cache[sig] = (p, executable)
+        self._last = p
+        return p, executable
+
+    def _executable(self, p: Plan, graph: Graph, abstract: tuple[Any, ...]) -> Any:
+        from meshplan.runtime import ShardExecutable
+        if len(p.stages) != 1:
+            raise MeshplanError("this version of meshplan runs one-stage plans only; pipeline "
+                                "execution is not available yet (plan with ShardParallel())")
+        return ShardExecutable(self.fn, p, abstract, donate_argnums=self._donate(graph))
+
+    def _donate(self, graph: Graph) -> tuple[int, ...]:
+        if self.donate_argnums == "auto":
+            updated = {graph.inputs[o.updates].argnum for o in graph.outputs if o.updates is not None}
+            return tuple(sorted(a for a in updated if a not in graph.batch_argnums))
+        if self.donate_argnums is None:
+            return ()
+        if isinstance(self.donate_argnums, int):
+            return (self.donate_argnums,)
+        return tuple(self.donate_argnums)
+
+    def __call__(self, *args: Any) -> Any:
+        _, executable = self._entry(args)
+        return executable(*args)
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """The ``jax.stages.Lowered`` of the step exactly as it runs."""
+        _, executable = self._entry(args)
+        return executable.lower(*args)
+
+    def __repr__(self) -> str:
+        return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
+
+
+def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = None,
+                method: Method | None = None, batch_argnums: Sequence[int] = (1,),
+                donate_argnums: Any = "auto", plan: Plan | None = None) -> Any:
+    """Run ``fn`` in parallel: ``meshplan.parallelize(step, cluster=..., method=...)``
+    or as a decorator, with or without arguments."""
+    def wrap(f: Callable) -> Parallelized:
+        return Parallelized(f, cluster=cluster, method=method, batch_argnums=batch_argnums,
+                            donate_argnums=donate_argnums, plan=plan)
+    if fn is None:
+        return wrap
+    return wrap(fn)
