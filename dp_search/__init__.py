@@ -1,1 +1,350 @@
-"""meshplan.dp_search"""
+"""meshplan.dp_search: the inter-operator pass.
+
+``plan_pipeline`` cuts the step into layers (:mod:`.layers`), costs every
+distinct layer on every logical mesh of every candidate submesh with the ILP
+(cached by a structural hash, so identical transformer blocks are solved
+once), and runs Alpa's stage-submesh DP (:mod:`.stage_dp`) for each number of
+micro-batches and each schedule, keeping the fastest plan that fits.
+
+A stage's latency is the sum of its layers' ILP latencies on the stage's
+logical mesh (resharding between layers of one stage is not modelled: the
+layers of a stage share a mesh and identical blocks agree on their boundary
+layout), plus sending the activations and their gradients to the next stage.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..cluster import ClusterSpec
+from ..cost_model.mesh import mesh_model
+from ..cost_model.sharding import num_shards, spec_from_names
+from ..errors import InfeasiblePlanError, MeshplanError
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
+from ..ilp import IntraOpResult, candidate_meshes, solve_intra_op
+from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
+from .layers import BOUNDARY, Layering, assign_layers, layer_subgraph
+from .stage_dp import DPResult, StageChoice, Submesh, brute_force, stage_dp, submesh_shapes
+
+__all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "brute_force",
+           "submesh_shapes", "Submesh"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    num_micro_batches: tuple[int, ...] | None = None   # None: searched
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
+    num_layers: int | None = None                       # None: from marks, else chosen
+    num_stages: int | None = None                       # None: searched
+    fixed: tuple[int, int, int] | None = None           # Manual (dp, tp, pp)
+    time_limit: float = 60.0
+    backend: str = "highs"
+    memory_fraction: float = 0.9
+    allow_remat: bool = True
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    time_s: float
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+    resident_bytes: float      # parameters, optimizer state, other state on one device
+    activation_bytes: float    # live intermediates (incl. incoming boundary) per micro-batch
+    boundary_bytes: float      # incoming activations per micro-batch (what remat keeps)
+    forward_fraction: float    # share of the layer's time spent in its forward pass
+    result: IntraOpResult
+
+
+@dataclass
+class _Search:
+    cluster: ClusterSpec
+    options: PipelineOptions
+    cache: dict = field(default_factory=dict)
+    solves: int = 0
+    hits: int = 0
+
+    def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+                   fwd_flops: float) -> LayerCost | None:
+        mm = mesh_model(self.cluster, mesh, submesh=submesh)
+        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links))
+        if key in self.cache:
+            self.hits += 1
+            return self.cache[key]
+        self.solves += 1
+        try:
+            r = solve_intra_op(sub, self.cluster, mesh, submesh=submesh,
+                               backend=self.options.backend, time_limit=self.options.time_limit,
+                               memory_budget=self.cluster.device.memory_bytes
+                               * self.options.memory_fraction)
+        except InfeasiblePlanError:
+            self.cache[key] = None
+            return None
+        resident = boundary = 0.0
+        for inp, spec in zip(sub.inputs, r.input_specs):
+            t = sub.tensors[inp.tensor]
+            local = t.nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
+            if inp.role in (PARAM, OPT_STATE, STATE):
+                resident += local
+            elif inp.role == BOUNDARY:
+                boundary += local
+        total_flops = sum(n.flops for n in sub.nodes) or 1.0
+        lc = LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
+                       max(r.peak_memory_bytes - resident, 0.0), boundary,
+                       min(fwd_flops / total_flops, 1.0), r)
+        self.cache[key] = lc
+        return lc
+
+
+def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
+    if fixed:
+        bad = [b for b in fixed if b < 1 or batch % b]
+        if bad:
+            raise MeshplanError(f"num_micro_batches={bad[0]} does not divide the batch size {batch}")
+        return list(fixed)
+    out = [b for b in (1, 2, 4, 8, 16, 32, 64) if batch % b == 0 and b <= batch]
+    return out or [1]
+
+
+def _batch_size(graph: Graph) -> int:
+    sizes = {graph.tensors[i.tensor].shape[0] for i in graph.inputs
+             if i.role == BATCH and graph.tensors[i.tensor].shape}
+    if not sizes:
+        raise MeshplanError("pipeline planning needs a batch: pass batch_argnums naming the "
+                            "arguments whose dimension 0 is the batch")
+    if len(sizes) > 1:
+        raise MeshplanError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
+                  retrace: Callable[[int], Graph] | None = None,
+                  options: PipelineOptions | None = None) -> Plan:
+    """The fastest pipeline plan (possibly one stage) for ``graph``.
+
+    ``retrace(B)`` returns the step traced with the batch split into ``B``
+    micro-batches; without it only ``B = 1`` is considered.
+    """
+    opts = options or _options_from_method(method)
+    batch = _batch_size(graph)
+    mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
+    if retrace is None:
+        mbs = [b for b in mbs if b == 1] or [mbs[0]]
+    search = _Search(cluster, opts)
+    t0 = time.perf_counter()
+    best: tuple[float, Plan] | None = None
+    errors: list[str] = []
+    for B in mbs:
+        g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+        try:
+            p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
+        except InfeasiblePlanError as e:
+            errors.append(str(e))
+            continue
+        if best is None or p.predicted.iteration_s < best[0]:
+            best = (p.predicted.iteration_s, p)
+    if best is None:
+        raise InfeasiblePlanError(
+            "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
+            f"or remat ({errors[-1] if errors else 'no candidates'}); use more devices or a "
+            "cluster with more memory per device",
+            budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
+    plan = best[1]
+    note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {search.solves} layer ILP "
+            f"solves ({search.hits} cache hits), {time.perf_counter() - t0:.1f} s")
+    from dataclasses import replace
+    return replace(plan, notes=plan.notes + (note,))
+
+
+def _options_from_method(method) -> PipelineOptions:
+    from ..methods import Auto, Manual, PipeshardParallel
+    if isinstance(method, Manual):
+        return PipelineOptions(num_micro_batches=(method.num_micro_batches,),
+                               schedules=(method.schedule,), num_stages=method.pp,
+                               fixed=(method.dp, method.tp, method.pp),
+                               time_limit=method.time_limit, backend=method.backend,
+                               allow_remat=False)
+    if isinstance(method, PipeshardParallel):
+        mb = None if method.num_micro_batches is None else (int(method.num_micro_batches),)
+        sched = SCHEDULES if method.schedule == "auto" else (method.schedule,)
+        stages = None if method.stages == "auto" else int(method.stages)
+        return PipelineOptions(num_micro_batches=mb, schedules=sched, num_stages=stages,
+                               time_limit=method.time_limit, backend=method.backend)
+    if isinstance(method, Auto):
+        return PipelineOptions(time_limit=method.time_limit, backend=method.backend)
+    raise MeshplanError(f"{method!r} is not a pipeline method")
+
+
+def _stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed) -> list[LogicalMesh]:
+    n = sub.size
+    if fixed is not None:
+        dp, tp, _ = fixed
+        return [LogicalMesh(("data", "model"), (dp, tp))]
+    meshes = candidate_meshes(n, 2, cluster=cluster, submesh=(sub.hosts, sub.devices_per_host))
+    if sub.hosts > 1:   # keep the fast axis inside a host (one axis may cross hosts)
+        meshes = [m for m in meshes if len(m.shape) == 1 or m.shape[-1] <= sub.devices_per_host]
+    return meshes
+
+
+def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
+                            opts: PipelineOptions, search: _Search, method) -> Plan:
+    layering = assign_layers(g, opts.num_layers or _default_layers(g, cluster))
+    L = layering.num_layers
+    subs = [layer_subgraph(g, layering, l, l) for l in range(L)]
+    fwd_flops = [sum(n.flops for n in g.nodes if layering.forward[n.id]
+                     and layering.layer_of_node[n.id] == l) for l in range(L)]
+    if opts.fixed is not None:
+        dp, tp, pp = opts.fixed
+        submeshes = [_fixed_submesh(cluster, dp * tp)]
+        max_stages = pp
+    else:
+        submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+                     if s.hosts == 1 or s.hosts & (s.hosts - 1) == 0 or s.hosts == cluster.num_hosts]
+        max_stages = opts.num_stages
+    budget = cluster.device.memory_bytes * opts.memory_fraction
+    p2p_bw = (cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
+              if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s)
+    meshes_of = [_stage_meshes(cluster, s, opts.fixed) for s in submeshes]
+    costs: dict[tuple[int, int], LayerCost | None] = {}
+
+    def layer(l: int, m: int, k: int) -> LayerCost | None:
+        key = (l, m, k)
+        if key not in costs:
+            s = submeshes[m]
+            costs[key] = search.layer_cost(subs[l], meshes_of[m][k], (s.hosts, s.devices_per_host),
+                                           fwd_flops[l])
+        return costs[key]
+
+    best_plans = []
+    for schedule in opts.schedules:
+        choice: dict[tuple, tuple] = {}
+
+        def stage_cost(i: int, j: int, m: int, s: int, schedule=schedule, choice=choice):
+            in_flight = B if schedule == "gpipe" else min(B, s)
+            best = None
+            for k in range(len(meshes_of[m])):
+                parts = [layer(l, m, k) for l in range(i, j + 1)]
+                if any(p is None for p in parts):
+                    continue
+                t = sum(p.time_s for p in parts)
+                resident = sum(p.resident_bytes for p in parts)
+                act = sum(p.activation_bytes for p in parts)
+                send = 2 * layering.cut_bytes[j] / p2p_bw if j < L - 1 else 0.0
+                options = [(t + send, False, resident + in_flight * act)]
+                if opts.allow_remat:
+                    t_r = sum(p.time_s * (1 + p.forward_fraction) for p in parts)
+                    keep = sum(p.boundary_bytes for p in parts)
+                    peak = max(p.activation_bytes for p in parts)
+                    options.append((t_r + send, True, resident + in_flight * keep + peak))
+                for lat, remat, mem in options:
+                    if mem <= budget and (best is None or lat < best[0]):
+                        best = (lat, remat, mem, k)
+            if best is None:
+                return None
+            choice[i, j, m, s] = best
+            return best[0]
+
+        res = stage_dp(L, submeshes, cluster.num_devices, B, stage_cost, max_stages=max_stages)
+        if res is None or (opts.fixed is not None and len(res.stages) != opts.fixed[2]):
+            continue
+        total = res.total_s
+        n_st = len(res.stages)
+        if schedule == "interleaved":
+            if n_st < 2 or any(st.last - st.first < 1 for st in res.stages):
+                continue
+            # two model chunks per device: bubble halves, stage-to-stage traffic doubles
+            t_max = max(st.latency for st in res.stages)
+            sends = sum(2 * layering.cut_bytes[st.last] / p2p_bw for st in res.stages[:-1])
+            total = B * t_max + (sum(st.latency for st in res.stages) - t_max) / 2 + sends
+        best_plans.append((total, schedule, res, dict(choice)))
+    if not best_plans:
+        raise InfeasiblePlanError(f"no stage assignment fits with {B} micro-batch(es)")
+    total, schedule, res, choice = min(best_plans, key=lambda x: x[0])
+    return _make_plan(full, g, layering, subs, submeshes, meshes_of, res, choice, schedule,
+                      B, total, cluster, method, layer)
+
+
+def _default_layers(g: Graph, cluster: ClusterSpec) -> int:
+    return max(2, min(16, cluster.num_devices, len(g.nodes) // 50 or 2))
+
+
+def _fixed_submesh(cluster: ClusterSpec, n: int) -> Submesh:
+    dph = cluster.devices_per_host
+    if n <= dph:
+        return Submesh(1, n)
+    if n % dph:
+        raise MeshplanError(f"a stage of {n} devices is not whole hosts of {dph}")
+    return Submesh(n // dph, dph)
+
+
+def _place(submeshes: Sequence[Submesh], stages: Sequence[StageChoice], cluster: ClusterSpec
+           ) -> list[tuple[int, ...]]:
+    """Device ids per stage: whole hosts first, then pieces of hosts, first fit."""
+    dph = cluster.devices_per_host
+    free = {h: list(range(h * dph, (h + 1) * dph)) for h in range(cluster.num_hosts)}
+    out: list[tuple[int, ...] | None] = [None] * len(stages)
+    order = sorted(range(len(stages)), key=lambda k: -submeshes[stages[k].submesh].size)
+    for k in order:
+        sub = submeshes[stages[k].submesh]
+        if sub.hosts > 1 or sub.devices_per_host == dph:
+            hosts = [h for h in free if len(free[h]) == dph][:sub.hosts]
+            ids = [d for h in hosts for d in free.pop(h)]
+        else:
+            h = next(h for h in free if len(free[h]) >= sub.devices_per_host)
+            ids, free[h] = free[h][:sub.devices_per_host], free[h][sub.devices_per_host:]
+            if not free[h]:
+                free.pop(h)
+        out[k] = tuple(ids)
+    return [o for o in out if o is not None]
+
+
+def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshes_of,
+               res: DPResult, choice, schedule: str, B: int, total: float,
+               cluster: ClusterSpec, method, layer) -> Plan:
+    nonbatch = sorted({i.argnum for i in full.inputs if i.argnum not in full.batch_argnums})
+    pre = dict(arg_prefixes(nonbatch) + arg_prefixes(sorted(set(full.batch_argnums))))
+    placements = _place(submeshes, res.stages, cluster)
+    stages, batch_specs = [], {}
+    n_stages = len(res.stages)
+    peak_mem = 0
+    comm_bytes = 0.0
+    for k, (st, devices) in enumerate(zip(res.stages, placements)):
+        lat, remat, mem, mesh_k = choice[st.first, st.last, st.submesh, n_stages - k]
+        mesh = meshes_of[st.submesh][mesh_k]
+        params: dict[str, tuple] = {}
+        compute = comm = cbytes = 0.0
+        for l in range(st.first, st.last + 1):
+            lc = layer(l, st.submesh, mesh_k)
+            compute += lc.compute_s
+            comm += lc.comm_s
+            cbytes += lc.comm_bytes
+            for inp, spec in zip(subs[l].inputs, lc.result.input_specs):
+                if inp.role == BOUNDARY:
+                    continue
+                key = pre.get(inp.argnum, "") + inp.path
+                if inp.role == BATCH:
+                    batch_specs.setdefault(key, spec)
+                else:
+                    params.setdefault(key, spec)
+        sub = submeshes[st.submesh]
+        stages.append(Stage(layers=(st.first, st.last), devices=devices,
+                            submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
+                            remat=remat, params=tuple(sorted(params.items())),
+                            predicted=Predicted(compute, comm, int(mem))))
+        peak_mem = max(peak_mem, int(mem))
+        comm_bytes = max(comm_bytes, cbytes * B)
+    tflops = full.total_flops / cluster.num_devices / total / 1e12 if total > 0 else 0.0
+    name = getattr(method, "name", "auto")
+    return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=name,
+                stages=tuple(stages), num_micro_batches=B,
+                schedule=schedule if n_stages > 1 else "none",
+                batch=tuple(sorted(batch_specs.items())),
+                predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes)),
+                function=full.name, batch_argnums=full.batch_argnums,
+                arg_prefixes=tuple(sorted(pre.items())),
+                notes=(f"{layering.num_layers} layers "
+                       f"({'user marks' if layering.marked else 'clustered'})",))

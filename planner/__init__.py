@@ -10,6 +10,7 @@ from .trace import trace
 from .methods import Auto, DataParallel, Manual, PipeshardParallel, ShardParallel
 from .plan import LogicalMesh, Plan, PlanPredicted, Predicted, Stage
 from .api import Parallelized, parallelize, plan
+from .markers import grad, mark_pipeline_boundary, value_and_grad
 
 Cluster = ClusterSpec
 
@@ -20,7 +21,7 @@ __all__ = [
     "Graph", "GraphInput", "GraphOutput", "Node", "Tensor", "trace",
     "Auto", "DataParallel", "Manual", "PipeshardParallel", "ShardParallel",
     "LogicalMesh", "Plan", "PlanPredicted", "Predicted", "Stage",
-    "Parallelized", "parallelize", "plan",
+    "Parallelized", "parallelize", "plan", "grad", "value_and_grad", "mark_pipeline_boundary",
     "MeshplanError", "ClusterSpecError", "TraceError", "UnsupportedPrimitiveError",
     "InfeasiblePlanError", "SolverError", "PlanFormatError", "StalePlanError",
     "ModelConfigError", "RuntimeStageError",

@@ -15,7 +15,7 @@ import jax
 
 from .cluster import ClusterSpec
 from .errors import InfeasiblePlanError, MeshplanError, StalePlanError
-from .graph import BATCH, Graph
+from .graph import BATCH, Graph, strip_markers
 from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, ShardParallel
 from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .trace import trace
@@ -30,21 +30,42 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
     ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees."""
     cluster = cluster or ClusterSpec.local()
-    graph = trace(fn, *_abstract(args), batch_argnums=batch_argnums,
-                  name=getattr(fn, "__name__", "fn"))
-    return plan_graph(graph, cluster, method or ShardParallel())
+    abstract = _abstract(args)
+    name = getattr(fn, "__name__", "fn")
+    graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
+    return plan_graph(graph, cluster, method or ShardParallel(),
+                      retrace=retracer(fn, abstract, tuple(batch_argnums), name))
 
 
-def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method) -> Plan:
-    """Plan an already traced graph (the CLI's entry point)."""
+def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
+             name: str) -> Callable[[int], Graph]:
+    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
+    def shrink(x: Any, B: int) -> Any:
+        if not getattr(x, "shape", ()):
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] // B,) + tuple(x.shape[1:]), x.dtype)
+
+    def retrace(B: int) -> Graph:
+        args = list(abstract)
+        for a in batch_argnums:
+            args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
+        return trace(fn, *args, batch_argnums=batch_argnums, name=name)
+    return retrace
+
+
+def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
+               retrace: Callable[[int], Graph] | None = None) -> Plan:
+    """Plan an already traced graph (the CLI's entry point).  ``retrace(B)``
+    lets the pipeline search re-trace the step for B micro-batches."""
+    if isinstance(method, (Auto, PipeshardParallel)) or (isinstance(method, Manual) and method.pp > 1):
+        return _plan_pipeline(graph, cluster, method, retrace)
+    graph = strip_markers(graph)
     if isinstance(method, ShardParallel):
         return _plan_shard(graph, cluster, method)
     if isinstance(method, DataParallel):
         return _plan_data(graph, cluster, method)
     if isinstance(method, Manual):
         return _plan_manual(graph, cluster, method)
-    if isinstance(method, (Auto, PipeshardParallel)):
-        return _plan_pipeline(graph, cluster, method)
     raise MeshplanError(f"unknown method {method!r}: use meshplan.Auto(), ShardParallel(), "
                         "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
 
@@ -86,8 +107,6 @@ def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
     if method.dp * method.tp * method.pp != n:
         raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
                             f"{method.dp * method.tp * method.pp} devices but the cluster has {n}")
-    if method.pp > 1:
-        return _plan_pipeline(graph, cluster, method)
     _check_batch_divisible(graph, method.dp, "Manual(dp=...)")
     mesh = LogicalMesh(("data", "model"), (method.dp, method.tp))
 
@@ -102,21 +121,21 @@ def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
     return plan_from_intra_op(graph, cluster, r, "manual")
 
 
-def _plan_pipeline(graph: Graph, cluster: ClusterSpec, method: Method) -> Plan:
-    try:
-        from meshplan.dp_search import plan_pipeline  # type: ignore[attr-defined]
-    except ImportError:
-        plan_pipeline = None
-    if plan_pipeline is None:
-        if isinstance(method, Auto):
-            p = _plan_shard(graph, cluster, ShardParallel(time_limit=method.time_limit,
-                                                          backend=method.backend))
-            return replace(p, method="auto", notes=p.notes + (
-                "the inter-operator (pipeline) pass is not available in this version: "
-                "Auto planned one stage",))
-        raise MeshplanError("pipeline planning (PipeshardParallel, Manual(pp>1)) is not "
-                            "available in this version of meshplan; use ShardParallel()")
-    return plan_pipeline(graph, cluster, method)
+def _plan_pipeline(graph: Graph, cluster: ClusterSpec, method: Method,
+                   retrace: Callable[[int], Graph] | None) -> Plan:
+    from meshplan.dp_search import plan_pipeline
+    p = plan_pipeline(graph, cluster, method, retrace=retrace)
+    if isinstance(method, Auto) and len(p.stages) == 1:
+        # one stage: the whole-graph ILP is more exact than the sum of layer costs
+        try:
+            s = _plan_shard(strip_markers(graph), cluster,
+                            ShardParallel(time_limit=method.time_limit, backend=method.backend))
+        except InfeasiblePlanError:
+            return p
+        if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
+            return replace(s, method="auto", notes=s.notes + p.notes + (
+                "one stage is fastest: planned by the whole-graph ILP",))
+    return p
 
 
 def _check_batch_divisible(graph: Graph, n: int, what: str) -> None:
@@ -198,6 +217,7 @@ class Parallelized:
         self._given_plan = plan
         self._cache: dict[Any, tuple[Plan, Any]] = {}
         self._last: Plan | None = plan
+        self._fast: tuple[Plan, Any] | None = None   # [fast path] (plan, executable) of the last call
         functools.update_wrapper(self, fn)
 
     @property
@@ -209,6 +229,11 @@ class Parallelized:
         return self._entry(args)[0]
 
     def _entry(self, args: Sequence[Any]) -> tuple[Plan, Any]:
+        # [multi-host] in a multi-process run the batch arguments hold this
+        # process's rows: plan and compile for the global batch (dim 0 times
+        # jax.process_count()); with one process the args come back unchanged.
+        from meshplan.runtime.multihost import agree_on_plan, global_view
+        args = global_view(args, self.batch_argnums)
         sig = _signature(args)
         hit = self._cache.get(sig)
         if hit is not None:
@@ -225,7 +250,18 @@ class Parallelized:
                     f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
         else:
-            p = plan_graph(graph, self.cluster or ClusterSpec.local(), self.method)
+            name = getattr(self.fn, "__name__", "fn")
+            p = plan_graph(graph, self.cluster or ClusterSpec.local(), self.method,
+                           retrace=retracer(self.fn, abstract, self.batch_argnums, name))
+            if len(p.stages) > 1 and isinstance(self.method, Auto):
+                one = _plan_shard(strip_markers(graph), self.cluster or ClusterSpec.local(),
+                                  ShardParallel(time_limit=self.method.time_limit))
+                p = replace(one, method="auto", notes=one.notes + (
+                    f"the best plan has {len(p.stages)} pipeline stages "
+                    f"({p.predicted.iteration_s * 1e3:.3f} ms/iteration predicted), but this version "
+                    "cannot execute pipelines yet: running the best one-stage plan",))
+        # [multi-host] every process runs process 0's plan (one process: p itself)
+        p = agree_on_plan(p)
         executable = self._executable(p, graph, abstract)
         self._cache[sig] = (p, executable)
         self._last = p
@@ -249,8 +285,22 @@ class Parallelized:
         return tuple(self.donate_argnums)
 
     def __call__(self, *args: Any) -> Any:
-        _, executable = self._entry(args)
-        return executable(*args)
+        # [fast path] straight to the program of the last call; jit's own
+        # dispatch checks the arguments, FastPathMiss says they do not fit
+        fast = self._fast
+        if fast is not None:
+            from meshplan.runtime import FastPathMiss
+            try:
+                out = fast[1].call_fast(args)
+            except FastPathMiss:
+                pass
+            else:
+                self._last = fast[0]
+                return out
+        hit = self._entry(args)
+        out = hit[1](*args)
+        self._fast = hit
+        return out
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step exactly as it runs."""

@@ -168,13 +168,14 @@ def _parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def _make_plan(args: argparse.Namespace):
-    from .api import plan_graph
+    from .api import plan_graph, retracer
     from .trace import trace
     target = load_target(args)
     cluster = _cluster(args.cluster)
     graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
                   name=target.name)
-    return target, graph, plan_graph(graph, cluster, _method(args))
+    retrace = retracer(target.train_step, target.args, target.batch_argnums, target.name)
+    return target, graph, plan_graph(graph, cluster, _method(args), retrace=retrace)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

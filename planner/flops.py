@@ -36,6 +36,7 @@ reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
 dynamic_update_slice concatenate pad gather rev iota select_and_gather_add
 copy device_put sharding_constraint stack unstack split convert_layout
 mesh_cast reshard pvary psum_invariant axis_index empty full_like
+meshplan_pipeline_boundary meshplan_grad_boundary
 """.split())
 
 # Gather/scatter variants move data and may add.

@@ -286,3 +286,31 @@ def topological(nodes: Iterable[Node]) -> bool:
                 return False
         seen.update(n.outputs)
     return True
+
+
+IDENTITY_MARKERS = frozenset({"meshplan_pipeline_boundary", "meshplan_grad_boundary"})
+
+
+def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> Graph:
+    """The same computation without identity marker nodes: readers of a
+    marker's result read the marked value instead; nodes are renumbered, tensor
+    ids are kept (so shardings found for the stripped graph apply to the
+    original)."""
+    if not any(n.primitive in markers for n in graph.nodes):
+        return graph
+    alias: dict[int, int] = {}
+    for n in graph.nodes:
+        if n.primitive in markers:
+            for i, o in zip(n.inputs, n.outputs):
+                alias[o] = alias.get(i, i)
+
+    def a(t: int) -> int:
+        return alias.get(t, t)
+
+    nodes = []
+    for n in graph.nodes:
+        if n.primitive in markers:
+            continue
+        nodes.append(dataclasses.replace(n, id=len(nodes), inputs=tuple(a(t) for t in n.inputs)))
+    outputs = tuple(dataclasses.replace(o, tensor=a(o.tensor)) for o in graph.outputs)
+    return dataclasses.replace(graph, nodes=tuple(nodes), outputs=outputs)

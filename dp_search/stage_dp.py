@@ -1,0 +1,153 @@
+"""The stage-submesh dynamic program of Alpa (Zheng et al., OSDI'22, sec. 5.2).
+
+Layers ``0..L-1`` are cut into contiguous stages; stage ``k`` runs on a
+submesh; the submeshes together use every device.  With ``B`` micro-batches
+the pipeline latency is ``sum_k t_k + (B - 1) * max_k t_k``.  For a fixed
+``t_max`` the DP minimises ``sum_k t_k`` over stages with ``t_k <= t_max``;
+enumerating ``t_max`` over the distinct stage latencies finds the optimum.
+
+The core is pure: ``cost(first, last, submesh_index, stages_left)`` gives a
+stage's latency per micro-batch, or ``None`` when it does not fit (memory may
+depend on ``stages_left``: under 1F1B a stage keeps that many micro-batches of
+activations in flight).  :func:`brute_force` enumerates every assignment for
+tests.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Sequence
+
+StageCost = Callable[[int, int, int, int], "float | None"]
+
+
+@dataclass(frozen=True)
+class Submesh:
+    hosts: int
+    devices_per_host: int
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.devices_per_host
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    first: int
+    last: int
+    submesh: int        # index into the submesh list
+    latency: float
+
+
+@dataclass(frozen=True)
+class DPResult:
+    total_s: float
+    stages: tuple[StageChoice, ...]
+    t_max: float
+
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[Submesh]:
+    """(1, 1), (1, 2), (1, 4) ... (1, devices_per_host), then 2 .. num_hosts whole hosts."""
+    out = []
+    d = 1
+    while d <= devices_per_host:
+        if devices_per_host % d == 0:
+            out.append(Submesh(1, d))
+        d *= 2
+    if out[-1].devices_per_host != devices_per_host:
+        out.append(Submesh(1, devices_per_host))
+    out += [Submesh(h, devices_per_host) for h in range(2, num_hosts + 1)]
+    return out
+
+
+def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> float:
+    return sum(latencies) + (num_micro_batches - 1) * max(latencies)
+
+
+def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
+             num_micro_batches: int, cost: StageCost, *,
+             max_stages: int | None = None) -> DPResult | None:
+    """The optimal stages, or ``None`` when no assignment fits."""
+    L, B = num_layers, num_micro_batches
+    max_stages = min(max_stages or L, L)
+    sizes = [s.size for s in submeshes]
+
+    @lru_cache(maxsize=None)
+    def c(i: int, j: int, m: int, s: int) -> float | None:
+        return cost(i, j, m, s)
+
+    latencies = sorted({v for i in range(L) for j in range(i, L) for m in range(len(sizes))
+                        for s in range(1, max_stages + 1)
+                        if (v := c(i, j, m, s)) is not None})
+    if not latencies:
+        return None
+    best: DPResult | None = None
+    for t_max in (latencies if B > 1 else latencies[-1:]):
+        if best is not None and (B - 1) * t_max >= best.total_s:
+            break
+        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c)
+        if res is None:
+            continue
+        total, stages = res
+        total += (B - 1) * max(st.latency for st in stages)
+        if best is None or total < best.total_s - 1e-15:
+            best = DPResult(total, stages, t_max)
+    return best
+
+
+def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
+            c: Callable) -> tuple[float, tuple[StageChoice, ...]] | None:
+    INF = math.inf
+    min_size = min(sizes)
+
+    @lru_cache(maxsize=None)
+    def F(s: int, k: int, d: int) -> tuple[float, tuple[StageChoice, ...]]:
+        if k == L:
+            return (0.0, ()) if s == 0 and d == 0 else (INF, ())
+        if s == 0 or d < s * min_size or L - k < s:
+            return INF, ()
+        best: tuple[float, tuple[StageChoice, ...]] = (INF, ())
+        for j in range(k, L - s + 1):
+            for m, size in enumerate(sizes):
+                if size > d:
+                    continue
+                t = c(k, j, m, s)
+                if t is None or t > t_max:
+                    continue
+                rest, stages = F(s - 1, j + 1, d - size)
+                if t + rest < best[0]:
+                    best = (t + rest, (StageChoice(k, j, m, t),) + stages)
+        return best
+
+    results = [F(s, 0, D) for s in range(1, max_stages + 1)]
+    total, stages = min(results, key=lambda r: r[0])
+    if total == INF:
+        return None
+    return total, stages
+
+
+def brute_force(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
+                num_micro_batches: int, cost: StageCost) -> float | None:
+    """Every cut of the layers, every submesh per stage (tests only)."""
+    L = num_layers
+    best = None
+    for n_cuts in range(L):
+        for cuts in itertools.combinations(range(1, L), n_cuts):
+            bounds = list(zip((0,) + cuts, cuts + (L,)))
+            S = len(bounds)
+            for subs in itertools.product(range(len(submeshes)), repeat=S):
+                if sum(submeshes[m].size for m in subs) != total_devices:
+                    continue
+                lat = []
+                for k, ((a, b), m) in enumerate(zip(bounds, subs)):
+                    t = cost(a, b - 1, m, S - k)
+                    if t is None:
+                        break
+                    lat.append(t)
+                else:
+                    v = pipeline_latency(lat, num_micro_batches)
+                    if best is None or v < best:
+                        best = v
+    return best

@@ -1,0 +1,146 @@
+"""The inter-operator pass: stage DP against brute force, layering, markers, plans."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshplan
+from meshplan.dp_search import PipelineOptions, plan_pipeline
+from meshplan.dp_search.layers import assign_layers, forward_nodes, layer_subgraph
+from meshplan.dp_search.stage_dp import brute_force, stage_dp, submesh_shapes
+from meshplan.markers import mark_pipeline_boundary, value_and_grad
+from meshplan.models import build_model
+from meshplan.trace import trace
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stage_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 6))
+    hosts, dph = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+    subs = submesh_shapes(hosts, dph)
+    B = int(rng.integers(1, 6))
+    table = {}
+    for i in range(L):
+        for j in range(i, L):
+            for m in range(len(subs)):
+                for s in range(1, L + 1):
+                    base = rng.random() * (j - i + 1) / subs[m].size ** rng.random()
+                    table[i, j, m, s] = None if rng.random() < 0.15 else base
+    cost = lambda i, j, m, s: table[i, j, m, s]  # noqa: E731
+    r = stage_dp(L, subs, hosts * dph, B, cost)
+    bf = brute_force(L, subs, hosts * dph, B, cost)
+    if bf is None:
+        assert r is None
+    else:
+        assert r is not None and r.total_s == pytest.approx(bf, rel=1e-12)
+        assert sum(subs[st.submesh].size for st in r.stages) == hosts * dph
+        assert [st.first for st in r.stages][0] == 0 and r.stages[-1].last == L - 1
+
+
+def test_submesh_shapes():
+    assert [(s.hosts, s.devices_per_host) for s in submesh_shapes(2, 8)] == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+
+
+def _gpt(layers=4):
+    m = build_model("gpt", {"layers": str(layers), "hidden": "128", "seq_len": "64", "vocab": "512"})
+    return m, trace(m.train_step, *m.abstract_args)
+
+
+def test_layers_put_forward_backward_and_update_of_a_block_together():
+    m, g = _gpt(4)
+    lay = assign_layers(g, 6)
+    assert lay.num_layers == 6
+    # identical middle blocks hash equal
+    hashes = [layer_subgraph(g, lay, l, l).fingerprint for l in range(lay.num_layers)]
+    assert len(set(hashes)) < lay.num_layers
+    # every parameter's forward readers and its update live in one layer (the
+    # tied embedding is read by the first and the last layer)
+    layers_of = {}
+    for n in g.nodes:
+        for t in n.inputs:
+            inp = g.input_of_tensor.get(t)
+            if inp is not None and inp.role == "param":
+                layers_of.setdefault(inp.path, set()).add(lay.layer_of_node[n.id])
+    spread = {p: ls for p, ls in layers_of.items() if len(ls) > 1 and "wte" not in p}
+    assert not spread, spread
+    # backward work is spread over the layers, not piled into one
+    bwd = [sum(n.flops for n in g.nodes if not lay.forward[n.id] and lay.layer_of_node[n.id] == l)
+           for l in range(lay.num_layers)]
+    assert max(bwd) < 0.6 * sum(bwd)
+
+
+def test_user_marks_define_the_layers():
+    opt = optax.sgd(0.1)
+
+    def loss_fn(p, x):
+        h = jnp.tanh(x @ p["w0"])
+        h = mark_pipeline_boundary(h)
+        h = jnp.tanh(h @ p["w1"])
+        h = mark_pipeline_boundary(h)
+        return (h @ p["w2"]).mean()
+
+    def step(state, x):
+        loss, g = value_and_grad(loss_fn)(state["params"], x)
+        u, o = opt.update(g, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt_state": o}, loss
+
+    p = {f"w{i}": jnp.ones((16, 16)) * 0.1 for i in range(3)}
+    state = {"params": p, "opt_state": opt.init(p)}
+    x = jnp.ones((8, 16))
+    g = trace(step, state, x)
+    lay = assign_layers(g)
+    assert lay.marked and lay.num_layers == 3
+    for n in g.nodes:
+        for t in n.inputs:
+            inp = g.input_of_tensor.get(t)
+            if inp is not None and inp.role == "param":
+                assert lay.layer_of_node[n.id] == int(inp.path[-3]), (inp.path, n)
+    # markers change no numbers
+    s1, l1 = jax.jit(step)(state, x)
+    assert np.isfinite(float(l1))
+
+
+def test_pipeline_plan_on_a_small_cluster_is_consistent():
+    m, g = _gpt(4)
+    from meshplan.api import retracer
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    p = plan_pipeline(g, cluster, meshplan.PipeshardParallel(num_micro_batches=2),
+                      retrace=retracer(m.train_step, m.abstract_args, (1,), "gpt"))
+    devices = [d for s in p.stages for d in s.devices]
+    assert sorted(devices) == list(range(8))
+    assert p.num_micro_batches == 2
+    firsts = [s.layers[0] for s in p.stages]
+    assert firsts[0] == 0 and firsts == sorted(firsts)
+    for a, b in zip(p.stages, p.stages[1:]):
+        assert b.layers[0] == a.layers[1] + 1
+    # every parameter is placed on exactly one stage (the tied embedding may be on two)
+    keys = [k for s in p.stages for k, _ in s.params if "['params']" in k]
+    want = {jax.tree_util.keystr(path) for path, _ in
+            jax.tree_util.tree_flatten_with_path(m.abstract_args[0])[0]
+            if jax.tree_util.keystr(path).startswith("['params']")}
+    assert set(keys) == want
+    assert meshplan.Plan.from_json(p.to_json()) == p
+
+
+def test_manual_pipeline_plan_has_the_requested_shape():
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="gpipe"))
+    assert len(p.stages) == 2 and p.num_micro_batches == 4 and p.schedule == "gpipe"
+    for s in p.stages:
+        assert s.logical_mesh.shape == (2, 2) and len(s.devices) == 4
+
+
+def test_auto_plans_and_parallelize_runs_one_stage():
+    m = build_model("mlp", {"optimizer": "sgd"})
+    state, batch = m.init(0)
+    step = meshplan.parallelize(m.train_step, cluster=meshplan.Cluster.local(),
+                                method=meshplan.Auto(time_limit=30))
+    new_state, metrics = step(jax.tree.map(np.array, state), batch)
+    ref_state, ref_metrics = jax.jit(m.train_step)(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
+    assert len(step.plan.stages) == 1 and step.plan.method == "auto"
