@@ -167,7 +167,7 @@ def _options_from_method(method) -> PipelineOptions:
                                schedules=(method.schedule,), num_stages=method.pp,
                                fixed=(method.dp, method.tp, method.pp),
                                time_limit=method.time_limit, backend=method.backend,
-                               allow_remat=False)
+                               allow_remat=True)
     if isinstance(method, PipeshardParallel):
         mb = None if method.num_micro_batches is None else (int(method.num_micro_batches),)
         sched = SCHEDULES if method.schedule == "auto" else (method.schedule,)

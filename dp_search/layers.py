@@ -85,7 +85,7 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     cands = sorted(set(c for c in candidates if 0 <= c < n - 1))
     pts = [-1] + cands + [n - 1]
-    for slack in (imbalance, 1.0, 3.0, float("inf")):
+    for slack in (0.1, 0.25, imbalance, 1.0, 3.0, float("inf")):
         cap = (1 + slack) * prefix[-1] / num_layers
         low = prefix[-1] / num_layers / (1 + slack) / 2
         INF = float("inf")
@@ -153,17 +153,25 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         for t in graph.nodes[nid].outputs:
             tensor_layer[t] = layer[nid]
     forward_values = set(tensor_layer)
+    pending = []
     for n in graph.nodes:
         if layer[n.id] >= 0:
             continue
         fl = [tensor_layer[t] for t in n.inputs if t in forward_values]
+        bl = [tensor_layer[t] for t in n.inputs if t in tensor_layer]
         if fl:
             layer[n.id] = max(fl)
-        else:
-            bl = [tensor_layer[t] for t in n.inputs if t in tensor_layer]
-            layer[n.id] = min(bl) if bl else L - 1
+        elif bl:
+            layer[n.id] = min(bl)
+        else:   # reads only state the forward pass never touches (optimizer moments)
+            pending.append(n)
+            continue
         for t in n.outputs:
             tensor_layer[t] = layer[n.id]
+    # ... such nodes run where their first consumer runs
+    for n in reversed(pending):
+        users = [layer[c] for t in n.outputs for c in graph.consumers.get(t, ()) if layer[c] >= 0]
+        layer[n.id] = min(users) if users else L - 1
     flops_per_layer = [0.0] * L
     for n in graph.nodes:
         flops_per_layer[layer[n.id]] += n.flops
@@ -175,8 +183,18 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
     """The nodes of layers ``first..last`` as a Graph of their own: values from
     other layers enter as inputs (role ``boundary``), values other layers or the
     step's outputs need leave as outputs."""
-    keep = [n for n in graph.nodes if first <= layering.layer_of_node[n.id] <= last]
-    keep_ids = {n.id for n in keep}
+    const = constant_nodes(graph)
+    keep_ids = {n.id for n in graph.nodes if first <= layering.layer_of_node[n.id] <= last}
+    # values computed from constants alone (masks, iotas) are recomputed in
+    # every layer that reads them instead of crossing layer boundaries
+    stack = [t for nid in keep_ids for t in graph.nodes[nid].inputs]
+    while stack:
+        t = stack.pop()
+        p = graph.producer.get(t)
+        if p is not None and p in const and p not in keep_ids:
+            keep_ids.add(p)
+            stack.extend(graph.nodes[p].inputs)
+    keep = [n for n in graph.nodes if n.id in keep_ids]
     produced = {t for n in keep for t in n.outputs}
     orig_inputs = graph.input_of_tensor
     inputs: list[GraphInput] = []
@@ -209,6 +227,18 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
                               inputs=tuple(inputs), outputs=tuple(outputs), warnings=())
     sub = strip_markers(sub)
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
+
+
+def constant_nodes(graph: Graph) -> set[int]:
+    """Nodes whose value depends on no input of the step (only literals/constants)."""
+    out: set[int] = set()
+    produced_by_const: set[int] = set()
+    for n in graph.nodes:
+        if all(graph.tensors[t].kind not in (INPUT, INTERMEDIATE) or t in produced_by_const
+               for t in n.inputs):
+            out.add(n.id)
+            produced_by_const.update(n.outputs)
+    return out
 
 
 def structural_hash(graph: Graph) -> str:

@@ -184,6 +184,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         _write_text(args.json, plan.to_json())
         print(f"plan written to {args.json}")
+    if args.timeline:
+        from .timeline import draw
+        draw(plan, args.timeline)
+        print(f"timeline written to {args.timeline}")
     return 0
 
 

@@ -144,3 +144,39 @@ def test_auto_plans_and_parallelize_runs_one_stage():
     ref_state, ref_metrics = jax.jit(m.train_step)(state, batch)
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
     assert len(step.plan.stages) == 1 and step.plan.method == "auto"
+
+
+def test_timeline_simulation_follows_the_schedule(tmp_path):
+    from meshplan.timeline import draw, simulate
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    for schedule in ("gpipe", "1f1b"):
+        p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                          method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4,
+                                                 schedule=schedule))
+        blocks = simulate(p)
+        assert len(blocks) == 2 * 2 * 4
+        # no stage runs two blocks at once; backward of a micro-batch after its forward
+        for k in range(2):
+            mine = sorted((b for b in blocks if b.stage == k), key=lambda b: b.start)
+            assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
+        end = {(b.kind, b.stage, b.micro_batch): b.end for b in blocks}
+        assert all(end["B", 0, i] > end["F", 1, i] for i in range(4))
+        order0 = [b.kind for b in sorted((b for b in blocks if b.stage == 0), key=lambda b: b.start)]
+        if schedule == "gpipe":
+            assert order0 == ["F"] * 4 + ["B"] * 4
+        else:
+            assert order0[:2] == ["F", "F"] and order0[2] == "B"   # one warm-up forward, then 1F1B
+        png = tmp_path / f"{schedule}.png"
+        draw(p, str(png))
+        assert png.stat().st_size > 1000
+
+
+def test_constant_masks_are_recomputed_not_sent_between_layers():
+    m, g = _gpt(4)
+    lay = assign_layers(g, 4)
+    for l in range(lay.num_layers):
+        sub = layer_subgraph(g, lay, l, l)
+        big = [i for i in sub.inputs if i.role == "boundary"
+               and len(g.tensors[i.tensor].shape) == 4]   # [batch, heads, seq, seq] masks
+        assert not big
