@@ -210,6 +210,15 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
               if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s)
     meshes_of = [_stage_meshes(cluster, s, opts.fixed) for s in submeshes]
     costs: dict[tuple[int, int], LayerCost | None] = {}
+    # parameters, optimizer and other state of each layer, unsharded: a stage
+    # whose state cannot fit even when split over all its devices is skipped
+    # before any ILP is solved
+    state_bytes = [sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
+                                          if i.role in (PARAM, OPT_STATE, STATE)))
+                   for sub in subs]
+    state_prefix = [0.0]
+    for b in state_bytes:
+        state_prefix.append(state_prefix[-1] + b)
 
     def layer(l: int, m: int, k: int) -> LayerCost | None:
         key = (l, m, k)
@@ -225,6 +234,8 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
 
         def stage_cost(i: int, j: int, m: int, s: int, schedule=schedule, choice=choice):
             in_flight = B if schedule == "gpipe" else min(B, s)
+            if (state_prefix[j + 1] - state_prefix[i]) / submeshes[m].size > budget:
+                return None
             best = None
             for k in range(len(meshes_of[m])):
                 parts = [layer(l, m, k) for l in range(i, j + 1)]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from ..errors import ModelConfigError
+from ..markers import value_and_grad  # jax.value_and_grad + end-of-backward marker
 
 Params = dict[str, Any]
 PyTree = Any
@@ -223,7 +224,7 @@ def adam_train_step(loss_fn: LossFn, learning_rate: float, optimizer: str = "ada
     def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
         params = state["params"]
         extra = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
-        (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, new_extra), grads = value_and_grad(loss_fn, has_aux=True)(
             params, extra, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
