@@ -25,7 +25,7 @@ from ..errors import InfeasiblePlanError, MeshplanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
-from .layers import BOUNDARY, Layering, assign_layers, layer_subgraph
+from .layers import BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, layer_subgraph
 from .stage_dp import DPResult, StageChoice, Submesh, brute_force, stage_dp, submesh_shapes
 
 __all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "brute_force",
@@ -69,9 +69,11 @@ class _Search:
     hits: int = 0
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-                   fwd_flops: float) -> LayerCost | None:
+                   fwd_flops: float, grads: frozenset[int] = frozenset(),
+                   grad_accum: int = 1) -> LayerCost | None:
         mm = mesh_model(self.cluster, mesh, submesh=submesh)
-        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links))
+        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
+               grad_accum)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
@@ -80,7 +82,8 @@ class _Search:
             r = solve_intra_op(sub, self.cluster, mesh, submesh=submesh,
                                backend=self.options.backend, time_limit=self.options.time_limit,
                                memory_budget=self.cluster.device.memory_bytes
-                               * self.options.memory_fraction)
+                               * self.options.memory_fraction,
+                               accumulate=grads, grad_accum=grad_accum)
         except InfeasiblePlanError:
             self.cache[key] = None
             return None
@@ -197,6 +200,8 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
     subs = [layer_subgraph(g, layering, l, l) for l in range(L)]
     fwd_flops = [sum(n.flops for n in g.nodes if layering.forward[n.id]
                      and layering.layer_of_node[n.id] == l) for l in range(L)]
+    # parameter gradients: what the end-of-backward marker (meshplan.grad) marks
+    grads = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
     if opts.fixed is not None:
         dp, tp, pp = opts.fixed
         submeshes = [_fixed_submesh(cluster, dp * tp)]
@@ -225,7 +230,7 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
         if key not in costs:
             s = submeshes[m]
             costs[key] = search.layer_cost(subs[l], meshes_of[m][k], (s.hosts, s.devices_per_host),
-                                           fwd_flops[l])
+                                           fwd_flops[l], grads, B)
         return costs[key]
 
     best_plans = []

@@ -77,9 +77,12 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
 def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    submesh: tuple[int, int] | None = None, backend: str = "highs",
                    time_limit: float | None = 60.0, memory_budget: float | None = None,
-                   input_filter: InputFilter | None = None) -> IntraOpResult:
+                   input_filter: InputFilter | None = None,
+                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1
+                   ) -> IntraOpResult:
     mm = mesh_model(cluster, mesh, submesh=submesh)
-    built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter)
+    built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
+                          accumulate=accumulate, grad_accum=grad_accum)
     sol = solve(built.problem, backend=backend, time_limit=time_limit)
     return decode(graph, mm, built, sol)
 

@@ -126,9 +126,13 @@ InputFilter = Callable[[GraphInput, ISpec], bool]
 
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   memory_budget: float | None = None,
-                  input_filter: InputFilter | None = None) -> Built:
+                  input_filter: InputFilter | None = None,
+                  accumulate: frozenset[int] = frozenset(), grad_accum: int = 1) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
-    the layouts an input can take (hand-made methods such as data parallel)."""
+    the layouts an input can take (hand-made methods such as data parallel).
+    ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
+    micro-batches their reduction is paid once per iteration, so per
+    micro-batch it costs ``1 / grad_accum``."""
     shape = mm.shape
     groups: list[Group] = []
     group_of_tensor: dict[int, int] = {}
@@ -283,6 +287,17 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         rows.append(MemoryRow(coefs, budget, name=f"mem_node{step}"))
     if not rows:
         rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
+
+    # Gradient accumulation: the groups that make parameter gradients
+    # communicate once per iteration, not once per micro-batch.
+    if grad_accum > 1:
+        for gid in {group_of_tensor[t] for t in accumulate if t in group_of_tensor}:
+            g = groups[gid]
+            for i in range(g.size):
+                saved = g.comm[i] * (1 - 1 / grad_accum)
+                g.cost[i] -= saved
+                g.comm[i] -= saved
+                g.comm_bytes[i] /= grad_accum
 
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)

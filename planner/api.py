@@ -57,7 +57,8 @@ def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
                retrace: Callable[[int], Graph] | None = None) -> Plan:
     """Plan an already traced graph (the CLI's entry point).  ``retrace(B)``
     lets the pipeline search re-trace the step for B micro-batches."""
-    if isinstance(method, (Auto, PipeshardParallel)) or (isinstance(method, Manual) and method.pp > 1):
+    if isinstance(method, (Auto, PipeshardParallel)) or (
+            isinstance(method, Manual) and (method.pp > 1 or method.num_micro_batches > 1)):
         return _plan_pipeline(graph, cluster, method, retrace)
     graph = strip_markers(graph)
     if isinstance(method, ShardParallel):
