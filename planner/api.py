@@ -218,6 +218,7 @@ class Parallelized:
         self._given_plan = plan
         self._cache: dict[Any, tuple[Plan, Any]] = {}
         self._last: Plan | None = plan
+        self._fast: tuple[Plan, Any] | None = None   # [fast path] (plan, executable) of the last call
         functools.update_wrapper(self, fn)
 
     @property
@@ -229,6 +230,11 @@ class Parallelized:
         return self._entry(args)[0]
 
     def _entry(self, args: Sequence[Any]) -> tuple[Plan, Any]:
+        # [multi-host] in a multi-process run the batch arguments hold this
+        # process's rows: plan and compile for the global batch (dim 0 times
+        # jax.process_count()); with one process the args come back unchanged.
+        from meshplan.runtime.multihost import agree_on_plan, global_view
+        args = global_view(args, self.batch_argnums)
         sig = _signature(args)
         hit = self._cache.get(sig)
         if hit is not None:
@@ -255,6 +261,8 @@ class Parallelized:
                     f"the best plan has {len(p.stages)} pipeline stages "
                     f"({p.predicted.iteration_s * 1e3:.3f} ms/iteration predicted), but this version "
                     "cannot execute pipelines yet: running the best one-stage plan",))
+        # [multi-host] every process runs process 0's plan (one process: p itself)
+        p = agree_on_plan(p)
         executable = self._executable(p, graph, abstract)
         self._cache[sig] = (p, executable)
         self._last = p
@@ -278,8 +286,22 @@ class Parallelized:
         return tuple(self.donate_argnums)
 
     def __call__(self, *args: Any) -> Any:
-        _, executable = self._entry(args)
-        return executable(*args)
+        # [fast path] straight to the program of the last call; jit's own
+        # dispatch checks the arguments, FastPathMiss says they do not fit
+        fast = self._fast
+        if fast is not None:
+            from meshplan.runtime import FastPathMiss
+            try:
+                out = fast[1].call_fast(args)
+            except FastPathMiss:
+                pass
+            else:
+                self._last = fast[0]
+                return out
+        hit = self._entry(args)
+        out = hit[1](*args)
+        self._fast = hit
+        return out
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step exactly as it runs."""

@@ -5,9 +5,14 @@
   argument specs to devices.
 * :func:`parse_collectives` / :func:`collective_bytes` read the collectives of
   a compiled program's per-device HLO.
+* :mod:`~meshplan.runtime.multihost`: runs whose mesh spans several JAX
+  processes -- process-local batches (:func:`global_view`), one plan for all
+  processes (:func:`agree_on_plan`), outputs read back with :func:`to_host`.
 """
 from .hlo import Collective, collective_bytes, parse_collectives, summary
-from .shard import ShardExecutable, arg_specs, build_mesh
+from .multihost import agree_on_plan, global_view, is_multiprocess, to_host
+from .shard import FastPathMiss, ShardExecutable, arg_specs, build_mesh
 
-__all__ = ["ShardExecutable", "build_mesh", "arg_specs", "Collective", "collective_bytes",
-           "parse_collectives", "summary"]
+__all__ = ["ShardExecutable", "FastPathMiss", "build_mesh", "arg_specs", "Collective",
+           "collective_bytes", "parse_collectives", "summary", "to_host", "global_view",
+           "agree_on_plan", "is_multiprocess"]

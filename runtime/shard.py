@@ -33,7 +33,10 @@ from meshplan.errors import RuntimeStageError, StalePlanError
 from meshplan.jaxpr_walk import FlatJaxpr, Lit, flatten
 from meshplan.plan import LogicalMesh, Plan, Spec, Stage, arg_prefixes, spec_axes, spec_str
 
-__all__ = ["build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable"]
+from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
+                        global_view, is_multiprocess, place_global)
+
+__all__ = ["build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "FastPathMiss"]
 
 
 # ---------------------------------------------------------------------------
@@ -216,6 +219,16 @@ def _bind_params(eqn: Any) -> tuple[Sequence[Any], dict[str, Any]]:
 # The executable
 # ---------------------------------------------------------------------------
 
+class FastPathMiss(Exception):
+    """Raised by :meth:`ShardExecutable.call_fast` when the arguments do not fit
+    the program of the last call (another signature, arrays placed elsewhere);
+    nothing has run and nothing was donated: take the full path."""
+
+
+class _SignatureChanged(Exception):
+    """Raised while jit re-traces a program for arguments it was not built for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     """Everything built for one abstract signature of the arguments."""
@@ -223,6 +236,24 @@ class _Compiled:
     in_shardings: tuple[Any, ...]     # per argument: pytree of NamedSharding
     out_shardings: Any                # pytree like fn's output: NamedSharding or None
     flat_in_shardings: tuple[NamedSharding, ...]
+    treedef: Any                      # of the (global) argument tuple
+    batch_leaves: tuple[int, ...]     # flat indices of the leaves of batch arguments
+    flat_avals: tuple[Any, ...]       # (global) abstract value of every flat leaf
+    # (argnum, key path) of one leaf per donated argument: checked before each
+    # fast call (jax 0.10.2 crashes the process on a jit call with a donated array)
+    donated_probes: tuple[tuple[int, tuple[Any, ...]], ...] = ()
+    # (argnum, key path, shape) of the first leaf of each batch argument: a
+    # batch of another size misses the fast path without a jit re-trace
+    shape_probes: tuple[tuple[int, tuple[Any, ...], tuple[int, ...]], ...] = ()
+    # multi-process: flat leaf index -> assembler of its process-local rows
+    assemblers: dict[int, BatchAssembler] = dataclasses.field(default_factory=dict)
+
+    def assembler(self, i: int) -> BatchAssembler:
+        a = self.assemblers.get(i)
+        if a is None:
+            a = self.assemblers[i] = BatchAssembler(self.flat_in_shardings[i],
+                                                    self.flat_avals[i].shape)
+        return a
 
 
 class ShardExecutable:
@@ -237,6 +268,17 @@ class ShardExecutable:
 
     ``out_shardings`` holds ``None`` for output leaves the plan leaves open:
     jit chooses their sharding.
+
+    Calls after the first go straight to the jitted program of the previous
+    call (jit's own C++ dispatch checks shapes, dtypes and shardings); only
+    when that program does not fit -- other shapes, arrays placed elsewhere --
+    are the arguments matched to a signature and placed as planned.
+
+    In a multi-process run (``jax.process_count() > 1``) the mesh must span
+    every process; batch arguments are process-local and every other argument
+    is the same host value in each process or a global array (see
+    :mod:`meshplan.runtime.multihost`).  ``jax.ShapeDtypeStruct`` batch leaves
+    (for ``args`` and :meth:`lower`) describe the *global* batch.
     """
 
     def __init__(self, fn: Callable[..., Any], plan: Plan, args: Sequence[Any], *,
@@ -253,34 +295,114 @@ class ShardExecutable:
             donate_argnums = (0,) if args and 0 not in plan.batch_argnums else ()
         self.donate_argnums = tuple(int(a) for a in donate_argnums)
         self.mesh = build_mesh(self.stage.logical_mesh, stage_devices(self.stage, devices))
+        self.multiprocess = is_multiprocess()
+        if self.multiprocess:
+            check_mesh_spans_processes(self.mesh)
         self._cache: dict[Any, _Compiled] = {}
+        self._last: _Compiled | None = None
         first = self._entry(tuple(args))
         self.in_shardings = first.in_shardings
         self.out_shardings = first.out_shardings
 
     # ---- public -----------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
+        if self._last is not None:
+            try:
+                return self.call_fast(args)
+            except FastPathMiss:
+                pass
         entry = self._entry(args)
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        placed = [_place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
-        return entry.jitted(*jax.tree_util.tree_unflatten(treedef, placed))
+        placed = self._place_all(entry, args)
+        out = entry.jitted(*placed)
+        self._last = entry
+        return out
+
+    def call_fast(self, args: tuple[Any, ...]) -> Any:
+        """Run ``args`` with the program of the last call, as a hand-written
+        ``jax.jit`` would; raises :class:`FastPathMiss` (before anything runs)
+        when they do not fit it."""
+        entry = self._last
+        if entry is None:
+            raise FastPathMiss("no call yet")
+        if not self.multiprocess:      # (there the batch assembly checks every shape)
+            for argnum, path, shape in entry.shape_probes:
+                leaf = _follow(args, argnum, path)
+                if getattr(leaf, "shape", None) != shape:
+                    raise FastPathMiss("another batch shape")
+        for argnum, path in entry.donated_probes:
+            leaf = _follow(args, argnum, path)
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise RuntimeStageError(
+                    f"argument {argnum} of {getattr(self.fn, '__name__', 'the step')} was donated "
+                    "to an earlier call and has been deleted; pass the state that call returned")
+        if self.multiprocess:
+            args = self._assemble_batches(entry, args)
+        try:
+            return entry.jitted(*args)
+        except _SignatureChanged as e:
+            raise FastPathMiss(str(e)) from None
+        except (ValueError, TypeError) as e:
+            # e.g. an argument committed to another sharding: jit refuses it
+            # before running; the full path places it.  A donated (deleted)
+            # argument is the caller's error: report it as jit does.
+            if any(isinstance(x, jax.Array) and x.is_deleted()
+                   for x in jax.tree_util.tree_leaves(args)):
+                raise
+            raise FastPathMiss(str(e)) from e
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step exactly as ``__call__`` runs it
         (``args`` may be ``jax.ShapeDtypeStruct`` pytrees)."""
         entry = self._entry(args)
-        return entry.jitted.lower(*_abstract_args(args, entry.in_shardings))
+        view = self._global_view(args)
+        return entry.jitted.lower(*_abstract_args(view, entry.in_shardings))
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", "fn")
         return f"ShardExecutable({name}, mesh {self.stage.logical_mesh}, {len(self._cache)} signature(s))"
 
+    # ---- placing ----------------------------------------------------------
+    def _global_view(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not self.multiprocess:
+            return tuple(args)
+        return global_view(args, self.plan.batch_argnums)
+
+    def _place_all(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if not self.multiprocess:
+            placed = [_place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
+        else:
+            batch = set(entry.batch_leaves)
+            placed = []
+            for i, (x, s) in enumerate(zip(leaves, entry.flat_in_shardings)):
+                if i in batch and is_local_batch_leaf(x):
+                    placed.append(entry.assembler(i)(x))
+                else:
+                    placed.append(place_global(x, s, entry.flat_avals[i].dtype))
+        return tuple(jax.tree_util.tree_unflatten(treedef, placed))
+
+    def _assemble_batches(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Multi-process fast path: the process-local batch leaves become
+        global arrays; the state must already be placed."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if treedef != entry.treedef:
+            raise FastPathMiss("another argument structure")
+        for i in entry.batch_leaves:
+            x = leaves[i]
+            if is_local_batch_leaf(x):
+                a = entry.assembler(i)
+                if tuple(np.shape(x)) != a.local_shape:
+                    raise FastPathMiss("another batch shape")
+                leaves[i] = a(x)
+        return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+
     # ---- building ---------------------------------------------------------
     def _entry(self, args: tuple[Any, ...]) -> _Compiled:
-        key = _signature(args)
+        view = self._global_view(tuple(args))
+        key = _signature(view)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(args)
+            entry = self._build(view)
             self._cache[key] = entry
         return entry
 
@@ -292,9 +414,18 @@ class ShardExecutable:
                                               is_leaf=lambda x: isinstance(x, PartitionSpec))
         flat_in = tuple(jax.tree_util.tree_leaves(
             in_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
+        leaves, in_treedef = jax.tree_util.tree_flatten(args)
+        batch_leaves: list[int] = []
+        offset = 0
+        for argnum, arg in enumerate(args):
+            count = len(jax.tree_util.tree_leaves(arg))
+            if argnum in self.plan.batch_argnums:
+                batch_leaves.extend(range(offset, offset + count))
+            offset += count
 
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
         flat = flatten(closed)
+        in_avals = tuple(flat.avals[i] for i in flat.invars)
         constraints: dict[int, NamedSharding] = {}
         for tid, spec in self.stage.constraints:
             aval = flat.avals.get(tid)
@@ -315,17 +446,42 @@ class ShardExecutable:
 
         out_shardings = jax.tree_util.tree_map_with_path(out_one, out_shape)
         out_treedef = jax.tree_util.tree_structure(out_shape)
+        if self.multiprocess:
+            # constants captured on one local device cannot join a program
+            # that spans processes: give them to XLA as host values
+            flat = dataclasses.replace(flat, consts=tuple(
+                np.asarray(c) if isinstance(c, jax.Array) else c for c in flat.consts))
         evaluate = make_evaluator(flat, constraints)
+        expected = tuple((tuple(a.shape), a.dtype) for a in in_avals)
 
         def step(*step_args: Any) -> Any:
-            outs = evaluate(*jax.tree_util.tree_leaves(step_args))
+            flat_args, treedef = jax.tree_util.tree_flatten(step_args)
+            # jit re-traces when called with other shapes (the fast path
+            # tries the last program first): refuse to replay this stream
+            if treedef != in_treedef or len(flat_args) != len(expected) or any(
+                    tuple(x.shape) != shape or x.dtype != dtype
+                    for x, (shape, dtype) in zip(flat_args, expected)):
+                raise _SignatureChanged("the arguments do not match this program")
+            outs = evaluate(*flat_args)
             return jax.tree_util.tree_unflatten(out_treedef, outs)
 
         step.__name__ = getattr(self.fn, "__name__", "step")
         step.__qualname__ = step.__name__
+        donated = tuple(a for a in self.donate_argnums if a < len(args))
         jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
-                         donate_argnums=tuple(a for a in self.donate_argnums if a < len(args)))
-        return _Compiled(jitted, in_shardings, out_shardings, flat_in)
+                         donate_argnums=donated)
+        probes, shapes = [], []
+        for a in range(len(args)):
+            with_path = jax.tree_util.tree_flatten_with_path(args[a])[0]
+            if not with_path:
+                continue
+            path, leaf = with_path[0]
+            if a in donated:
+                probes.append((a, tuple(path)))
+            if a in self.plan.batch_argnums and hasattr(leaf, "shape"):
+                shapes.append((a, tuple(path), tuple(leaf.shape)))
+        return _Compiled(jitted, in_shardings, out_shardings, flat_in, in_treedef,
+                         tuple(batch_leaves), in_avals, tuple(probes), tuple(shapes))
 
 
 # ---------------------------------------------------------------------------
@@ -363,6 +519,26 @@ def _signature(args: tuple[Any, ...]) -> Any:
     return treedef, tuple(_abstract(x) for x in leaves)
 
 
+def _follow(args: tuple[Any, ...], argnum: int, path: tuple[Any, ...]) -> Any:
+    """The leaf at ``path`` inside ``args[argnum]``, or None (a path that does
+    not lead anywhere: the arguments have another structure)."""
+    try:
+        node = args[argnum]
+        for key in path:
+            if isinstance(key, jax.tree_util.DictKey):
+                node = node[key.key]
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                node = node[key.idx]
+            elif isinstance(key, jax.tree_util.GetAttrKey):
+                node = getattr(node, key.name)
+            else:                      # a custom node: flatten what is left
+                node = jax.tree_util.tree_leaves(node)[0]
+                break
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    return node
+
+
 def _place(x: Any, sharding: NamedSharding) -> Any:
     """``x`` on ``sharding``; arrays already placed that way are passed through."""
     if isinstance(x, jax.Array) and not x.is_deleted():
@@ -377,7 +553,7 @@ def _abstract_args(args: tuple[Any, ...], in_shardings: tuple[Any, ...]) -> tupl
     """``args`` with every array replaced by a ShapeDtypeStruct carrying its
     planned sharding (so lowering never trips over where an array lives)."""
     def one(x: Any, s: NamedSharding) -> Any:
-        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s,
                                         weak_type=bool(getattr(x, "weak_type", False)))
         return x
