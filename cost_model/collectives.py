@@ -33,9 +33,14 @@ def all_gather(mm: MeshModel, axes: tuple[int, ...], result_bytes: float) -> Cos
 
 
 def reduce_scatter(mm: MeshModel, axes: tuple[int, ...], input_bytes: float) -> Cost:
-    """Reduce-scatter of an ``input_bytes`` buffer (result is input/n)."""
+    """Reduce-scatter of an ``input_bytes`` buffer (result is input/n).
+
+    Where XLA has no native reduce-scatter (its CPU back end) the partitioner's
+    all-reduce + slice stays as it is: the cost and bytes of a full all-reduce."""
     if not axes or input_bytes <= 0:
         return ZERO
+    if not mm.native_reduce_scatter:
+        return all_reduce(mm, axes, input_bytes)
     n, bw, lat = mm.group_link(axes)
     if n == 1:
         return ZERO
@@ -52,5 +57,20 @@ def all_to_all(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     return (n - 1) * lat + (n - 1) / n * nbytes / bw, nbytes
 
 
+def collective_permute(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
+    """Each device sends one ``nbytes`` buffer to another: one step, a + S/B."""
+    if not axes or nbytes <= 0:
+        return ZERO
+    n, bw, lat = mm.group_link(axes)
+    if n == 1:
+        return ZERO
+    return lat + nbytes / bw, nbytes
+
+
 def add(*costs: Cost) -> Cost:
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
+
+
+def reduce_scatter_kind(mm: MeshModel) -> str:
+    """The HLO collective a reduce-scatter becomes on ``mm``'s devices."""
+    return "reduce-scatter" if mm.native_reduce_scatter else "all-reduce"

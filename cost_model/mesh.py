@@ -30,6 +30,10 @@ class MeshModel:
     links: tuple[AxisLink, ...]
     device: DeviceSpec
     memory_budget: int          # bytes per device available to the plan
+    # XLA's GPU and TPU pipelines turn an all-reduce followed by a slice into a
+    # reduce-scatter; its CPU pipeline keeps the full all-reduce (and slices
+    # locally), so there a reduce-scatter costs, and shows, a whole all-reduce.
+    native_reduce_scatter: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -76,7 +80,14 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
             links.append(AxisLink(cluster.intra_host.bandwidth_bytes_per_s,
                                   cluster.intra_host.latency_s, False))
     budget = int(cluster.device.memory_bytes * memory_fraction)
-    return MeshModel(mesh, tuple(links), cluster.device, budget)
+    return MeshModel(mesh, tuple(links), cluster.device, budget,
+                     native_reduce_scatter=not is_cpu(cluster.device))
+
+
+def is_cpu(device: DeviceSpec) -> bool:
+    """A host-CPU device (XLA's CPU back end), as ``ClusterSpec.local()`` names it."""
+    return device.kind.strip().lower() in ("cpu", "host", "host cpu") or \
+        device.kind.strip().lower().startswith("cpu")
 
 
 def default_submesh(cluster: ClusterSpec, num_devices: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
-from .collectives import Cost, ZERO, add, all_gather, all_to_all
+from .collectives import Cost, ZERO, add, all_gather, all_to_all, collective_permute
 from .mesh import MeshModel
 
 ISpec = tuple[tuple[int, ...], ...]
@@ -60,35 +60,187 @@ def enumerate_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
 
 def reshard_cost(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
                  dst: ISpec) -> Cost:
-    """Time and result bytes of turning a tensor laid out as ``src`` into ``dst``.
+    """Time and result bytes of turning a tensor laid out as ``src`` into ``dst``
+    (the sum of :func:`reshard_steps`)."""
+    steps = reshard_steps(mm, shape, nbytes, src, dst)
+    return (sum(s[1] for s in steps), sum(s[2] for s in steps)) if steps else ZERO
 
-    Per mesh axis: kept on the same dimension -> nothing; dropped -> all-gather;
-    moved to another dimension -> all-to-all; added -> a local slice (free).
-    A dimension whose axes change order is gathered and re-sliced.
+
+def reshard_steps(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
+                  dst: ISpec) -> tuple[tuple[str, float, float, ISpec], ...]:
+    """The collectives XLA's SPMD partitioner emits to turn ``src`` into ``dst``:
+    ``(kind, seconds, result bytes per device, layout after the step)``.
+
+    Modelled on what XLA was measured to do (``benchmarks/reshard_calibration.py``):
+
+    * every block a device needs lies inside one block of the source layout
+      (each dimension's split count divides the new one): a local slice when
+      that block is the device's own (the source axes of every dimension are
+      a prefix of the new ones), else one collective-permute of the new block;
+    * axes moving from several dimensions into one, or an axis
+      leaving a dimension where it is not the minor-most split while the
+      splits under it go elsewhere: XLA gathers the tensor whole (one
+      all-gather per dimension, from the last) and slices;
+    * otherwise, in order: slice the new axes (those of dimensions that lose
+      axes, or that a moving axis leaves, come last); one all-to-all per batch
+      of axes moving into dimensions that lose none; all-gather the dropped
+      axes, one all-gather per dimension from the last (a collective-permute
+      first when a dropped axis is not the minor-most of its dimension, or
+      when new axes split the dimension more coarsely: then the gather stays
+      within the new blocks); the remaining all-to-alls; a collective-permute
+      when a dimension's axes end up in another order than wanted, or when a
+      major split left a dimension whose minor split stays.
+
+    Two reshardings of one tensor from one layout that share a step emit the
+    same collective, which XLA computes once (see ``ilp.explain``).
     """
     if src == dst:
-        return ZERO
+        return ()
     shp = mm.shape
+    rank = len(src)
+
+    def ways(axes) -> int:
+        return math.prod(shp[a] for a in axes)
+
+    every = tuple(sorted({a for d in src for a in d} | {a for d in dst for a in d}))
+    # 1. containment: no data has to be merged, at most moved between devices
+    if all(ways(dst[d]) % ways(src[d]) == 0 for d in range(rank)):
+        if all(tuple(dst[d][:len(src[d])]) == tuple(src[d]) for d in range(rank)):
+            return ()
+        b = nbytes / num_shards(dst, shp)
+        return (("collective-permute",) + collective_permute(mm, every, b) + (tuple(dst),),)
     src_dim = {a: d for d, axes in enumerate(src) for a in axes}
     dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
-    gather, move = [], []
-    for a, d in src_dim.items():
-        if a not in dst_dim:
-            gather.append(a)
-        elif dst_dim[a] != d:
-            move.append(a)
-        elif src[d] != dst[d] and _order_changed(src[d], dst[d], a):
-            gather.append(a)
-    if not gather and not move:
-        return ZERO  # only slicing
-    cur_shards = num_shards(src, shp)
-    costs = []
-    if move:
-        costs.append(all_to_all(mm, tuple(sorted(move)), nbytes / cur_shards))
-    if gather:
-        remaining = cur_shards // math.prod(shp[a] for a in gather)
-        costs.append(all_gather(mm, tuple(sorted(gather)), nbytes / remaining))
-    return add(*costs)
+    moved = [a for a in src_dim if a in dst_dim and dst_dim[a] != src_dim[a]]
+    dropped = {a for a in src_dim if a not in dst_dim}
+    new = [a for a in dst_dim if a not in src_dim]
+
+    # 2. the cases XLA handles by gathering the whole tensor
+    def whole_move(a: int) -> bool:
+        d = src[src_dim[a]]
+        return all(b in dst_dim and dst_dim[b] == dst_dim[a] for b in d) and \
+            tuple(x for x in dst[dst_dim[a]] if x in d) == tuple(d)
+
+    def breaks(a: int) -> bool:
+        d = src[src_dim[a]]
+        if d[-1] == a or whole_move(a):
+            return False
+        minor = d[d.index(a) + 1:]
+        return any(b not in dst_dim or dst_dim[b] != src_dim[a] for b in minor)
+
+    merges = any(len({src_dim[a] for a in dst[d] if a in moved}) > 1 for d in range(rank))
+    # a split of several axes that loses one and sends another elsewhere
+    torn = any(any(a in dropped for a in d) and any(a in moved for a in d) for d in src)
+    if merges or torn or any(breaks(a) for a in moved):
+        return _replicate(mm, src, nbytes)
+
+    steps: list[tuple[str, float, float, ISpec]] = []
+    cur = [list(d) for d in src]
+
+    def spec() -> ISpec:
+        return tuple(tuple(d) for d in cur)
+
+    def shards() -> int:
+        return math.prod(shp[a] for d in cur for a in d)
+
+    losing = {src_dim[a] for a in dropped}
+    vacated = {src_dim[a] for a in moved}
+    # 3. with a gather, new axes are sliced last (XLA gathers the value as it
+    #    comes and slices the result); otherwise they are sliced first (the
+    #    all-to-alls move less), except on a dimension past every moving axis
+    #    or one a moving axis leaves (a permute follows when that dimension
+    #    ends up split by several axes)
+    late, reorder = [], False
+    last_moving = max((max(src_dim[a], dst_dim[a]) for a in moved), default=-1)
+    for a in new:
+        if dropped or (len(dst[dst_dim[a]]) == 1 and dst_dim[a] > last_moving):
+            late.append(a)
+        elif dst_dim[a] in vacated:
+            late.append(a)
+            reorder = len(dst[dst_dim[a]]) > 1 or reorder
+        else:
+            cur[dst_dim[a]].append(a)
+    # a major split leaving a dimension whose minor split stays moves blocks
+    reorder = reorder or any(src[src_dim[a]][-1] != a and not whole_move(a) for a in moved)
+    # 4. axes moving into a dimension that loses none: all-to-all first, on
+    #    the still finely split tensor (the shard count stays)
+    early = [] if dropped else list(moved)
+    _all_to_alls(mm, early, src_dim, dst_dim, cur, nbytes, steps, spec, shards)
+    # 5. all-gather the dropped axes, one dimension at a time from the last
+    for d in reversed(range(rank)):
+        drop = [a for a in cur[d] if a in dropped]
+        if not drop:
+            continue
+        keep = [a for a in cur[d] if a not in dropped]
+        coarser = [a for a in late if dst_dim[a] == d]
+        if not keep and coarser and ways(drop) % ways(coarser) == 0:
+            # a coarser split by other axes: permute the blocks, then gather
+            # only within the new blocks
+            steps.append(("collective-permute",) + collective_permute(mm, every, nbytes / shards())
+                         + (spec(),))
+            cur[d] = list(coarser)
+            for a in coarser:
+                late.remove(a)
+            steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / shards())
+                         + (spec(),))
+            continue
+        if cur[d][len(cur[d]) - len(drop):] != drop:
+            # the kept axes are not the major part: reorder the blocks first
+            steps.append(("collective-permute",) + collective_permute(mm, every, nbytes / shards())
+                         + (spec(),))
+            cur[d] = keep + drop
+        for a in drop:
+            cur[d].remove(a)
+        steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / shards())
+                     + (spec(),))
+    # 6. the other moved axes, after the gathers that make room for them
+    _all_to_alls(mm, [a for a in moved if a not in early], src_dim, dst_dim, cur, nbytes,
+                 steps, spec, shards)
+    # 7. the remaining new axes are local slices
+    for a in late:
+        cur[dst_dim[a]].append(a)
+    # 8. axes of a dimension in another order than wanted: permute the blocks
+    if spec() != tuple(dst) or reorder:
+        b = nbytes / num_shards(dst, shp)
+        cur = [list(d) for d in dst]
+        steps.append(("collective-permute",) + collective_permute(mm, every, b) + (spec(),))
+    return tuple(s for s in steps if s[2] > 0 or s[1] > 0)
+
+
+def _replicate(mm: MeshModel, src: ISpec, nbytes: float):
+    """XLA's fallback: gather the tensor whole, one dimension at a time from
+    the last (the slicing that follows is local)."""
+    shp = mm.shape
+    cur = [list(d) for d in src]
+    steps = []
+    for d in reversed(range(len(src))):
+        if not cur[d]:
+            continue
+        axes = tuple(sorted(cur[d]))
+        cur[d] = []
+        left = math.prod(shp[a] for x in cur for a in x)
+        after = tuple(tuple(x) for x in cur)
+        steps.append(("all-gather",) + all_gather(mm, axes, nbytes / left) + (after,))
+    return tuple(s for s in steps if s[2] > 0 or s[1] > 0)
+
+
+def _all_to_alls(mm, axes, src_dim, dst_dim, cur, nbytes, steps, spec, shards) -> None:
+    """Move ``axes`` to their new dimensions: one all-to-all for a batch of
+    axes none of which moves into a dimension another one leaves (XLA moves
+    those together), a new batch otherwise.  The shard count stays."""
+    pending = list(axes)
+    while pending:
+        batch = []
+        for a in pending:
+            if all(dst_dim[a] != src_dim[b] and dst_dim[b] != src_dim[a] for b in batch):
+                batch.append(a)
+        for a in batch:
+            pending.remove(a)
+            # a split moving as a whole keeps its order
+            cur[src_dim[a]].remove(a)
+            cur[dst_dim[a]].append(a)
+        steps.append(("all-to-all",) + all_to_all(mm, tuple(sorted(batch)), nbytes / shards())
+                     + (spec(),))
 
 
 def _order_changed(src_axes: tuple[int, ...], dst_axes: tuple[int, ...], a: int) -> bool:

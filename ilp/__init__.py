@@ -20,11 +20,12 @@ from ..cost_model.sharding import ISpec, num_shards, spec_names
 from ..errors import InfeasiblePlanError
 from ..graph import Graph
 from ..plan import LogicalMesh, Spec
-from .build import Built, InputFilter, build_problem
+from .build import Built, InputFilter, PlannedCollective, build_problem, explain, read_layouts
 from .core import IlpProblem, Solution, brute_force, solve
 
 __all__ = ["IntraOpResult", "solve_intra_op", "best_intra_op", "candidate_meshes",
-           "IlpProblem", "Solution", "brute_force", "solve", "build_problem"]
+           "IlpProblem", "Solution", "brute_force", "solve", "build_problem", "explain",
+           "PlannedCollective"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class IntraOpResult:
     strategies: tuple[tuple[int, str], ...]
     solution: Solution
     num_groups: int
+    comm_by_kind: tuple[tuple[str, float], ...] = ()      # HLO collective kind -> bytes
+    collectives: tuple[PlannedCollective, ...] = ()       # every collective of the plan
+    # (tensor id of the reader's first result, operand position, layout): the
+    # operands the plan reshards before an operator reads them
+    read_constraints: tuple[tuple[int, int, Spec], ...] = ()
 
     def describe(self) -> str:
         s = self.solution
@@ -94,27 +100,41 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
     for g, c in zip(groups, choice):
         tensor_spec.update(g.specs[c])
     compute = sum(g.compute[c] for g, c in zip(groups, choice))
-    comm = sum(g.comm[c] for g, c in zip(groups, choice))
-    comm_bytes = sum(g.comm_bytes[c] for g, c in zip(groups, choice))
-    for u, v, sec, byt in built.edge_costs:
-        comm += float(sec[choice[u], choice[v]])
-        comm_bytes += float(byt[choice[u], choice[v]])
 
     input_specs = tuple(spec_names(tensor_spec[i.tensor], names) for i in graph.inputs)
-    output_specs = tuple(spec_names(tensor_spec[o.tensor], names) if o.tensor in tensor_spec
-                         else None for o in graph.outputs)
-    constraints, strategies = [], []
-    for g, c in zip(groups, choice):
-        if g.root_node is None:
-            continue
-        node = graph.nodes[g.root_node]
-        strategies.append((node.id, g.strategies[c].name))
-        for t in node.outputs:
-            if graph.tensors[t].shape:
-                constraints.append((t, spec_names(tensor_spec[t], names)))
+    # The new value of an updated input leaves the step in that input's layout
+    # (the alias edge paid for the resharding): its buffer is the donated one.
+    output_specs = tuple(
+        input_specs[o.updates] if o.updates is not None and graph.tensors[o.tensor].shape
+        else spec_names(tensor_spec[o.tensor], names) if o.tensor in tensor_spec else None
+        for o in graph.outputs)
+    # Every laid-out intermediate is pinned to its planned layout: the ILP's
+    # costs (followers included) assume these layouts, and a tensor left open
+    # is laid out by XLA's propagation, which may pick another one and add
+    # collectives the plan never paid for.
+    strategies = [(graph.nodes[g.root_node].id, g.strategies[c].name)
+                  for g, c in zip(groups, choice) if g.root_node is not None]
+    inputs = {i.tensor for i in graph.inputs}
+    constraints = [(t, spec_names(spec, names)) for t, spec in sorted(tensor_spec.items())
+                   if t not in inputs and graph.tensors[t].shape]
+    # Where a reader takes an operand in another layout than the value has,
+    # the plan reshards: (first result of the reader, operand position, layout).
+    read_constraints = tuple(
+        (graph.nodes[nid].outputs[0], p, spec_names(req, names))
+        for nid, p, req in read_layouts(graph, mm, built, choice) if graph.nodes[nid].outputs)
     peak = peak_memory(graph, mm, tensor_spec)
+    planned = tuple(explain(graph, mm, built, choice))
+    # What XLA emits for these layouts: one collective per distinct resharding
+    # step (the objective charges every reader of a tensor separately, an
+    # upper bound of this).
+    comm = sum(pc.seconds for pc in planned)
+    comm_bytes = sum(pc.nbytes for pc in planned)
+    by_kind: dict[str, float] = {}
+    for pc in planned:
+        by_kind[pc.kind] = by_kind.get(pc.kind, 0.0) + pc.nbytes
     return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
-                         output_specs, tuple(constraints), tuple(strategies), sol, len(groups))
+                         output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
+                         tuple(sorted(by_kind.items())), planned, read_constraints)
 
 
 def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:

@@ -19,6 +19,7 @@ live intermediates at the peaks of the liveness profile.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,10 +29,12 @@ import numpy as np
 
 from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time
+from ..cost_model.fusion import fused_bytes
 from ..cost_model.memory import liveness, peak_steps
 from ..cost_model.mesh import MeshModel
-from ..cost_model.sharding import ISpec, enumerate_specs, num_shards, replicated, reshard_cost
-from ..graph import CONST, LITERAL, Graph, GraphInput
+from ..cost_model.sharding import (ISpec, enumerate_specs, num_shards, replicated,
+                                   reshard_steps)
+from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
 from .core import Edge, IlpProblem, MemoryRow
 from .strategies import Strategy, node_dtype, node_space, node_strategies
 
@@ -54,6 +57,8 @@ class Group:
     compute: list[float] = field(default_factory=list)
     comm: list[float] = field(default_factory=list)
     comm_bytes: list[float] = field(default_factory=list)
+    # per strategy: HLO collective kind -> bytes of the comm_bytes above
+    comm_kinds: list[dict[str, float]] = field(default_factory=list)
     members: list[int] = field(default_factory=list)   # follower node ids
 
     @property
@@ -68,6 +73,9 @@ class Built:
     group_of_tensor: dict[int, int]
     edge_costs: list[tuple[int, int, np.ndarray, np.ndarray]]   # (u, v, seconds, bytes)
     resident_rows: dict[int, np.ndarray]
+    # groups whose own communication is paid once per ``grad_accum`` micro-batches
+    accumulated: frozenset[int] = frozenset()
+    grad_accum: int = 1
 
 
 def _follow_input(space, node, graph) -> int | None:
@@ -124,6 +132,14 @@ def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
 InputFilter = Callable[[GraphInput, ISpec], bool]
 
 
+def _restrict(g: Group, ok: list[int]) -> None:
+    """Keep only the strategies ``ok`` of group ``g``."""
+    for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
+                 "comm_kinds"):
+        vals = getattr(g, name)
+        setattr(g, name, [vals[j] for j in ok])
+
+
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   memory_budget: float | None = None,
                   input_filter: InputFilter | None = None,
@@ -136,18 +152,48 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     shape = mm.shape
     groups: list[Group] = []
     group_of_tensor: dict[int, int] = {}
+    traffic = fused_bytes(graph)
     strat_cache: dict[tuple, list[Strategy]] = {}
 
-    reshard_cache: dict[tuple, tuple[float, float]] = {}
+    reshard_cache: dict[tuple, tuple] = {}
+    column_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def reshard_k(t: int, src: ISpec, dst: ISpec) -> tuple:
+        """(kind, seconds, bytes, layout after) steps of a resharding of tensor ``t``."""
+        if src == dst:
+            return ()
+        tt = graph.tensors[t]
+        key = (tt.shape, tt.nbytes, src, dst)     # shared by the tensors of every layer
+        hit = reshard_cache.get(key)
+        if hit is None:
+            hit = reshard_cache[key] = reshard_steps(mm, tt.shape, tt.nbytes, src, dst)
+        return hit
+
+    def reshard_column(h: "Group", t: int, req: ISpec) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds and bytes of resharding ``t`` from each strategy of ``h`` to ``req``."""
+        tt = graph.tensors[t]
+        srcs = tuple(sp[t] for sp in h.specs)
+        key = (tt.shape, tt.nbytes, srcs, req)
+        hit = column_cache.get(key)
+        if hit is None:
+            sec = np.zeros(len(srcs))
+            byt = np.zeros(len(srcs))
+            for i, src in enumerate(srcs):
+                c, b = reshard(t, src, req)
+                sec[i], byt[i] = c, b
+            hit = column_cache[key] = (sec, byt)
+        return hit
 
     def reshard(t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
-        if src == dst:
+        steps = reshard_k(t, src, dst)
+        if not steps:
             return 0.0, 0.0
-        key = (t, src, dst)
-        if key not in reshard_cache:
-            tt = graph.tensors[t]
-            reshard_cache[key] = reshard_cost(mm, tt.shape, tt.nbytes, src, dst)
-        return reshard_cache[key]
+        return sum(x[1] for x in steps), sum(x[2] for x in steps)
+
+    def add_kinds(d: dict[str, float], steps) -> None:
+        for kind, _, b, *_ in steps:
+            if b:
+                d[kind] = d.get(kind, 0.0) + b
 
     # ---- placeholders for inputs -----------------------------------------
     for k, inp in enumerate(graph.inputs):
@@ -163,11 +209,26 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         g.compute = [0.0] * len(specs)
         g.comm = [0.0] * len(specs)
         g.comm_bytes = [0.0] * len(specs)
+        g.comm_kinds = [{} for _ in specs]
         groups.append(g)
         group_of_tensor[inp.tensor] = g.gid
 
     # ---- operators: new groups or followers ---------------------------------
     for node in graph.nodes:
+        if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
+            # markers change no value: each result is its operand, layout and all
+            loose = []
+            for t_in, t_out in zip(node.inputs, node.outputs):
+                h = group_of_tensor.get(t_in)
+                if h is None:
+                    loose.append(t_out)
+                    continue
+                for spec in groups[h].specs:
+                    spec[t_out] = spec[t_in]
+                group_of_tensor[t_out] = h
+            if not loose:
+                continue
+            node = dataclasses.replace(node, inputs=(), outputs=tuple(loose))
         space = node_space(graph, node)
         k = _follow_input(space, node, graph)
         main = node.inputs[k] if k is not None else None
@@ -176,8 +237,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             out_t = node.outputs[0]
             out_shape = graph.tensors[out_t].shape
             dtype = node_dtype(graph, node)
-            # XLA fuses chains of elementwise ops: count the result's bytes only
-            nbytes = graph.tensors[out_t].nbytes if space.elementwise else node.bytes_accessed
+            # XLA fuses chains of elementwise ops: count what the fusion moves
+            nbytes = traffic.get(node.id, node.bytes_accessed)
             out_bytes = graph.tensors[out_t].nbytes
             mapped_cache: dict[ISpec, _Mapped] = {}
             for i in range(g.size):
@@ -187,11 +248,13 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                     mp = mapped_cache[ms] = _map_through(space, k, ms, shape, out_shape)
                 g.specs[i][out_t] = mp.out
                 t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
-                c_time, c_bytes = reshard(main, ms, mp.main_req)
+                steps = reshard_k(main, ms, mp.main_req)
                 if mp.reduce_axes:
-                    r_time, r_bytes = all_reduce(mm, mp.reduce_axes,
-                                                 out_bytes / num_shards(mp.out, shape))
-                    c_time, c_bytes = c_time + r_time, c_bytes + r_bytes
+                    steps = steps + (("all-reduce",) + all_reduce(
+                        mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+                c_time = sum(x[1] for x in steps)
+                c_bytes = sum(x[2] for x in steps)
+                add_kinds(g.comm_kinds[i], steps)
                 g.cost[i] += t + c_time
                 g.compute[i] += t
                 g.comm[i] += c_time
@@ -202,12 +265,13 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             g.members.append(node.id)
             group_of_tensor[out_t] = g.gid
             continue
+        moved = traffic.get(node.id, node.bytes_accessed)
         key = (node.primitive, tuple(graph.tensors[t].shape for t in node.inputs),
                tuple(graph.tensors[t].shape for t in node.outputs), node.params,
-               node.flops, node.bytes_accessed)
+               node.flops, moved)
         strategies = strat_cache.get(key)
         if strategies is None:
-            strategies = node_strategies(graph, node, mm)
+            strategies = node_strategies(graph, node, mm, bytes_accessed=moved)
             strat_cache[key] = strategies
         g = Group(len(groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
         for s in strategies:
@@ -217,27 +281,46 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             g.compute.append(s.compute_s)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
+            g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
         groups.append(g)
         for t in node.outputs:
             group_of_tensor[t] = g.gid
+
+    # ---- inputs a hand-made method pins to one layout ----------------------------
+    # (DataParallel's replicated weights and batch-split data, say): the
+    # operators read them as they are laid out, never through a collective,
+    # or the method would quietly become another one.
+    if input_filter is not None:
+        pinned = {graph.inputs[g.input_index].tensor: g.specs[0][graph.inputs[g.input_index].tensor]
+                  for g in groups if g.input_index is not None and g.size == 1}
+        for g in groups:
+            if g.input_index is not None or not pinned:
+                continue
+            ok = [j for j in range(g.size)
+                  if not any(t in pinned and reshard_k(t, pinned[t], req)
+                             for t, req in g.reads[j])]
+            if ok and len(ok) < g.size:
+                _restrict(g, ok)
 
     # ---- reads -> edges (or costs inside a group) ------------------------------
     edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def add_read(h: Group, g: Group, t: int, j: int, req: ISpec) -> None:
         if h.gid == g.gid:
-            c, b = reshard(t, g.specs[j][t], req)
-            g.cost[j] += c
-            g.comm[j] += c
-            g.comm_bytes[j] += b
+            steps = reshard_k(t, g.specs[j][t], req)
+            if steps:
+                c, b = sum(x[1] for x in steps), sum(x[2] for x in steps)
+                g.cost[j] += c
+                g.comm[j] += c
+                g.comm_bytes[j] += b
+                add_kinds(g.comm_kinds[j], steps)
             return
         if (h.gid, g.gid) not in edge_acc:
             edge_acc[h.gid, g.gid] = (np.zeros((h.size, g.size)), np.zeros((h.size, g.size)))
         sec, byt = edge_acc[h.gid, g.gid]
-        for i in range(h.size):
-            c, b = reshard(t, h.specs[i][t], req)
-            sec[i, j] += c
-            byt[i, j] += b
+        c, b = reshard_column(h, t, req)
+        sec[:, j] += c
+        byt[:, j] += b
 
     for g in groups:
         for j in range(g.size):
@@ -290,8 +373,9 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
 
     # Gradient accumulation: the groups that make parameter gradients
     # communicate once per iteration, not once per micro-batch.
+    accumulated = frozenset(group_of_tensor[t] for t in accumulate if t in group_of_tensor)
     if grad_accum > 1:
-        for gid in {group_of_tensor[t] for t in accumulate if t in group_of_tensor}:
+        for gid in accumulated:
             g = groups[gid]
             for i in range(g.size):
                 saved = g.comm[i] * (1 - 1 / grad_accum)
@@ -303,4 +387,134 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]
     problem = IlpProblem([g.name for g in groups], costs, edges, rows)
-    return Built(problem, groups, group_of_tensor, edge_costs, resident)
+    return Built(problem, groups, group_of_tensor, edge_costs, resident,
+                 accumulated if grad_accum > 1 else frozenset(), grad_accum)
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective the chosen plan implies (for reports and verification)."""
+    kind: str          # HLO opcode family: all-reduce, all-gather, all-to-all, ...
+    seconds: float
+    nbytes: float      # result bytes on one device
+    tensor: int        # the tensor it acts on (the result, for a reduction)
+    where: str         # which operator or read causes it
+    key: tuple = ()    # reshardings: (tensor, source layout, layout after the step)
+    group: int = -1    # the ILP group that pays for it
+    internal: bool = True   # paid inside the group (not on an edge between groups)
+
+
+def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
+            dedupe: bool = True) -> list[PlannedCollective]:
+    """Every collective the choice ``choice`` (one strategy per group) implies,
+    in the order of the groups: the partial-sum reductions of operators, the
+    reshardings inside a group and those on the reads between groups.
+
+    With ``dedupe`` a resharding step that several readers of one tensor share
+    (same tensor, same source layout, same collective, same result layout) is
+    listed once: XLA emits one collective for them (common-subexpression
+    elimination), while the ILP's objective charges every reader."""
+    groups = built.groups
+    shape = mm.shape
+    spec_of: dict[int, ISpec] = {}
+    for g, c in zip(groups, choice):
+        spec_of.update(g.specs[c])
+    out: list[PlannedCollective] = []
+
+    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool) -> None:
+        tt = graph.tensors[t]
+        for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
+            out.append(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after),
+                                         gid, internal))
+
+    gt = built.group_of_tensor
+    for g, c in zip(groups, choice):
+        if g.root_node is not None:
+            node = graph.nodes[g.root_node]
+            s = g.strategies[c]
+            if s.comm_bytes:
+                out.append(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
+                                             node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
+                                             (), g.gid, True))
+        for nid in g.members:
+            node = graph.nodes[nid]
+            space = node_space(graph, node)
+            k = _follow_input(space, node, graph)
+            main = node.inputs[k]
+            out_t = node.outputs[0]
+            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
+            where = f"n{nid} {node.primitive} (follower)"
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True)
+            if mp.reduce_axes:
+                sec, b = all_reduce(mm, mp.reduce_axes,
+                                    graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
+                out.append(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True))
+        seen: set[tuple[int, ISpec]] = set()
+        for t, req in g.reads[c]:
+            if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
+                continue
+            seen.add((t, req))
+            what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
+                    if g.root_node is not None else f"read by {g.name}")
+            steps_of(t, spec_of[t], req, what, g.gid, gt[t] == g.gid)
+    for o in graph.outputs:
+        if o.updates is None or o.tensor not in gt:
+            continue
+        in_t = graph.inputs[o.updates].tensor
+        if not graph.tensors[in_t].shape:
+            continue
+        p = gt[in_t]
+        steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
+                 p, gt[o.tensor] == p)
+    if built.accumulated and built.grad_accum > 1:
+        f = 1.0 / built.grad_accum
+        out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
+               if pc.group in built.accumulated and pc.internal else pc for pc in out]
+    if dedupe:
+        seen_keys: set[tuple] = set()
+        kept = []
+        for pc in out:
+            if pc.key:
+                if pc.key in seen_keys:
+                    continue
+                seen_keys.add(pc.key)
+            kept.append(pc)
+        out = kept
+    return out
+
+
+def read_layouts(graph: Graph, mm: MeshModel, built: Built, choice, *,
+                 all_reads: bool = False) -> list[tuple[int, int, ISpec]]:
+    """``(node id, operand position, layout)`` for every operand that the chosen
+    strategies read in a layout other than the one its producer leaves: where
+    the plan reshards (with ``all_reads``, every laid-out operand).  A runtime
+    that constrains each operand as its reader takes it makes XLA do exactly
+    these reshardings; with one constraint per value only, XLA's partitioner
+    picks its own algorithm for such a reader."""
+    shape = mm.shape
+    spec_of: dict[int, ISpec] = {}
+    for g, c in zip(built.groups, choice):
+        spec_of.update(g.specs[c])
+    out = []
+
+    def add(nid: int, p: int, t: int, req: ISpec) -> None:
+        if t in spec_of and graph.tensors[t].shape and (all_reads or spec_of[t] != req):
+            out.append((nid, p, req))
+
+    for g, c in zip(built.groups, choice):
+        if g.root_node is not None:
+            node = graph.nodes[g.root_node]
+            s = g.strategies[c]
+            for p, (t, req) in enumerate(zip(node.inputs, s.in_specs)):
+                if req is not None:
+                    add(node.id, p, t, req)
+        for nid in g.members:
+            node = graph.nodes[nid]
+            space = node_space(graph, node)
+            k = _follow_input(space, node, graph)
+            main = node.inputs[k]
+            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[node.outputs[0]].shape)
+            add(nid, k, main, mp.main_req)
+            for p, req in mp.reads:
+                add(nid, p, node.inputs[p], req)
+    return out

@@ -249,6 +249,14 @@ def squeeze_rule(ins, outs, params) -> OpSpace:
     return L.space([inl], [tuple(inl[d] for d in range(len(ins[0])) if d not in dims)])
 
 
+def rev_rule(ins, outs, params) -> OpSpace:
+    """rev: the reversed dimensions stay whole, the others may be split."""
+    dims = set(d % max(len(ins[0]), 1) for d in params.get("dimensions", ()))
+    L = _Labels()
+    inl = L.fresh(ins[0], blocked_dims=dims)
+    return L.space([inl], [inl])
+
+
 def iota_rule(ins, outs, params) -> OpSpace:
     L = _Labels()
     return L.space([None] * len(ins), [L.fresh(outs[0])])
@@ -275,20 +283,30 @@ def gather_rule(ins, outs, params) -> OpSpace | None:
     for d in range(len(indices)):
         if idx_l[d] is None:
             idx_l[d] = L.new(indices[d])
+    trivial = []
     for d in range(len(operand)):
         if op_l[d] is None:
             whole = d not in start_map and d not in collapsed and slice_sizes[d] == operand[d]
-            op_l[d] = L.new(operand[d], not whole)
+            if not whole and d in start_map and slice_sizes[d] == 1:
+                # an indexed dimension sliced one element at a time may be split:
+                # each device gathers what falls in its range (zeros elsewhere)
+                # and an all-reduce adds the pieces (XLA's trivial-slice gather)
+                op_l[d] = L.new(operand[d])
+                trivial.append(op_l[d])
+            else:
+                op_l[d] = L.new(operand[d], not whole)
     out_l: list[int | None] = [None] * len(out)
     window = [d for d in range(len(operand)) if d not in collapsed and d not in op_batch]
     for od, d in zip(offset_dims, window):
-        out_l[od] = op_l[d] if out[od] == operand[d] else L.new(out[od], True)
+        out_l[od] = (op_l[d] if out[od] == operand[d] and op_l[d] not in trivial
+                     else L.new(out[od], True))
     batch_out = [d for d in range(len(out)) if d not in offset_dims]
     for od, idd in zip(batch_out, [d for d in range(len(indices)) if d != ivd]):
         out_l[od] = idx_l[idd] if out[od] == indices[idd] else L.new(out[od], True)
     if any(l is None for l in out_l):
         return None
-    return L.space([tuple(op_l), tuple(idx_l)] + [None] * (len(ins) - 2), [tuple(out_l)])
+    return L.space([tuple(op_l), tuple(idx_l)] + [None] * (len(ins) - 2), [tuple(out_l)],
+                   reduce=trivial)
 
 
 def scatter_rule(reduce_updates: bool) -> Rule:
@@ -312,13 +330,21 @@ def scatter_rule(reduce_updates: bool) -> Rule:
             if idx_l[d] is None:
                 idx_l[d] = L.new(indices[d], not reduce_updates)
                 scatter_labels.append(idx_l[d])
+        trivial = []
         for d in range(len(operand)):
             if op_l[d] is None:
-                op_l[d] = L.new(operand[d], d in sd_to_od or d in inserted)
+                if d in sd_to_od and d in inserted:
+                    # scattered one element at a time: each device applies the
+                    # updates that fall in its range (XLA's trivial-slice scatter)
+                    op_l[d] = L.new(operand[d])
+                    trivial.append(op_l[d])
+                else:
+                    op_l[d] = L.new(operand[d], d in sd_to_od or d in inserted)
         upd_l: list[int | None] = [None] * len(updates)
         window = [d for d in range(len(operand)) if d not in inserted and d not in op_batch]
         for ud, d in zip(uwd, window):
-            upd_l[ud] = op_l[d] if updates[ud] == operand[d] else L.new(updates[ud], True)
+            upd_l[ud] = (op_l[d] if updates[ud] == operand[d] and op_l[d] not in trivial
+                         else L.new(updates[ud], True))
         scatter_dims = [d for d in range(len(updates)) if d not in uwd]
         for ud, idd in zip(scatter_dims, [d for d in range(len(indices)) if d != ivd]):
             upd_l[ud] = idx_l[idd] if updates[ud] == indices[idd] else L.new(updates[ud], True)
@@ -358,6 +384,7 @@ RULES: dict[str, Rule] = {
     "concatenate": concatenate_rule,
     "squeeze": squeeze_rule,
     "iota": iota_rule,
+    "rev": rev_rule,
     "gather": gather_rule,
     "scatter-add": scatter_rule(True),
     "scatter_add": scatter_rule(True),

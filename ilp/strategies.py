@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cost_model.collectives import all_reduce, reduce_scatter
+from ..cost_model.collectives import all_reduce, reduce_scatter, reduce_scatter_kind
 from ..cost_model.compute import compute_time
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated
@@ -28,6 +28,7 @@ class Strategy:
     compute_s: float
     comm_s: float
     comm_bytes: float
+    collective: str = ""      # the HLO kind of the collective in comm_*, if any
 
     @property
     def cost(self) -> float:
@@ -47,11 +48,13 @@ def node_space(graph: Graph, node: Node) -> OpSpace | None:
     return op_space(node.primitive, ins, outs, dict(node.params))
 
 
-def replicated_strategy(graph: Graph, node: Node, mm: MeshModel) -> Strategy:
+def replicated_strategy(graph: Graph, node: Node, mm: MeshModel,
+                        bytes_accessed: float | None = None) -> Strategy:
     ins = tuple(replicated(len(graph.tensors[t].shape)) if graph.tensors[t].shape else None
                 for t in node.inputs)
     outs = tuple(replicated(len(graph.tensors[t].shape)) for t in node.outputs)
-    t = compute_time(mm.device, node.flops, node.bytes_accessed, node_dtype(graph, node))
+    moved = node.bytes_accessed if bytes_accessed is None else bytes_accessed
+    t = compute_time(mm.device, node.flops, moved, node_dtype(graph, node))
     return Strategy("R", ins, outs, t, 0.0, 0.0)
 
 
@@ -78,14 +81,15 @@ def _name(assign: Sequence[tuple[int, int | None]], space: OpSpace, axis_names,
     return " ".join(parts) or "R"
 
 
-def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
-                         ) -> list[Strategy]:
+def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel,
+                         bytes_accessed: float | None = None) -> list[Strategy]:
     shape = mm.shape
     axes = [a for a, n in enumerate(shape) if n > 1]
     labels = sorted(l for l in space.sizes if l not in space.blocked and space.sizes[l] > 1)
     out_shapes = [graph.tensors[t].shape for t in node.outputs]
     dtype = node_dtype(graph, node)
     out_bytes = [graph.tensors[t].nbytes for t in node.outputs]
+    moved = node.bytes_accessed if bytes_accessed is None else bytes_accessed
     seen: dict[tuple, Strategy] = {}
     for choice in itertools.product([None] + labels, repeat=len(axes)):
         per_label: dict[int, tuple[int, ...]] = {}
@@ -97,15 +101,15 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         in_specs = tuple(None if ls is None else _spec(ls, per_label) for ls in space.in_labels)
         out_specs = tuple(_spec(ls, per_label) for ls in space.out_labels)
         shards = math.prod(shape[a] for ax in per_label.values() for a in ax)
-        t_comp = compute_time(mm.device, node.flops / shards, node.bytes_accessed / shards, dtype)
+        t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype)
         red_axes = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
         local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
         assign = list(zip(axes, choice))
-        variants: list[tuple[tuple[ISpec, ...], float, float, int | None]] = []
+        variants: list[tuple[tuple[ISpec, ...], float, float, int | None, str]] = []
         if red_axes:
             t_c = sum(all_reduce(mm, red_axes, b)[0] for b in local_out)
             b_c = sum(all_reduce(mm, red_axes, b)[1] for b in local_out)
-            variants.append((out_specs, t_c, b_c, None))
+            variants.append((out_specs, t_c, b_c, None, "all-reduce"))
             if space.reduce_scatter and len(out_specs) == 1:
                 n_red = math.prod(shape[a] for a in red_axes)
                 for d, (dim_axes, size) in enumerate(zip(out_specs[0], out_shapes[0])):
@@ -113,13 +117,13 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
                         continue
                     spec = tuple(red_axes if k == d else x for k, x in enumerate(out_specs[0]))
                     t_rs, b_rs = reduce_scatter(mm, red_axes, local_out[0])
-                    variants.append(((spec,), t_rs, b_rs, d))
+                    variants.append(((spec,), t_rs, b_rs, d, reduce_scatter_kind(mm)))
         else:
-            variants.append((out_specs, 0.0, 0.0, None))
-        for o_specs, t_c, b_c, rs in variants:
+            variants.append((out_specs, 0.0, 0.0, None, ""))
+        for o_specs, t_c, b_c, rs, kind in variants:
             key = (in_specs, o_specs)
             strat = Strategy(_name(assign, space, mm.mesh.axes, rs), in_specs, o_specs,
-                             t_comp, t_c, b_c)
+                             t_comp, t_c, b_c, kind)
             if key not in seen or strat.cost < seen[key].cost:
                 seen[key] = strat
     return list(seen.values())
@@ -129,7 +133,8 @@ MAX_STRATEGIES = 64
 
 
 def node_strategies(graph: Graph, node: Node, mm: MeshModel,
-                    max_strategies: int = MAX_STRATEGIES) -> list[Strategy]:
+                    max_strategies: int = MAX_STRATEGIES,
+                    bytes_accessed: float | None = None) -> list[Strategy]:
     """The strategies of ``node``; a single replicated one when it has no rule.
 
     On meshes of three or more axes an operator can have hundreds of
@@ -139,8 +144,8 @@ def node_strategies(graph: Graph, node: Node, mm: MeshModel,
     """
     space = node_space(graph, node)
     if space is None:
-        return [replicated_strategy(graph, node, mm)]
-    strategies = enumerate_strategies(graph, node, space, mm)
+        return [replicated_strategy(graph, node, mm, bytes_accessed)]
+    strategies = enumerate_strategies(graph, node, space, mm, bytes_accessed)
     if len(strategies) > max_strategies:
         strategies = sorted(strategies, key=lambda s: (s.cost, s.name))[:max_strategies]
-    return strategies or [replicated_strategy(graph, node, mm)]
+    return strategies or [replicated_strategy(graph, node, mm, bytes_accessed)]

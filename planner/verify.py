@@ -1,0 +1,278 @@
+"""Check the planner's predictions against what XLA really compiles.
+
+``verify(model, mesh_shape)`` plans a built-in model with
+``ShardParallel(mesh_shape)`` on the local devices, lowers and compiles the
+step exactly as the runtime runs it, and compares
+
+* communication: the plan's ``comm_bytes_per_device`` against the sum of the
+  collectives' result bytes in the compiled per-device HLO (the convention of
+  DESIGN.md, counted by :func:`meshplan.runtime.hlo.collective_bytes`), with a
+  per-kind breakdown on both sides;
+* memory: the plan's peak bytes per device against
+  ``compiled.memory_analysis()``, read as
+
+      argument + output - alias + temp
+
+  ``argument`` are the (sharded) inputs, resident for the whole step;
+  ``output`` are the results, of which ``alias`` bytes reuse donated input
+  buffers (the updated parameters and optimizer state) and so cost nothing
+  extra; ``temp`` is XLA's buffer assignment for every intermediate, which
+  already packs buffers by liveness, so it is XLA's own peak of live
+  intermediates (an upper bound: the allocation is one arena sized for the
+  worst point, plus fragmentation).  The planner predicts the same sum:
+  resident inputs plus the peak of live intermediates, where the updated
+  inputs take over the donated buffers.
+
+Everything is per device.  A relative error is ``(predicted - actual) /
+actual`` (0 when both are 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["VerifyRow", "verify", "compiled_memory", "markdown_table", "csv_text",
+           "predicted_breakdown"]
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    model: str
+    mesh_shape: tuple[int, ...]
+    predicted_comm_bytes: int
+    actual_comm_bytes: int
+    predicted_by_kind: tuple[tuple[str, int], ...]      # kind -> bytes (the plan's view)
+    actual_by_kind: tuple[tuple[str, int, int], ...]    # kind -> (count, bytes) in the HLO
+    predicted_memory_bytes: int
+    actual_memory_bytes: int
+    memory_parts: tuple[tuple[str, int], ...]           # argument/output/alias/temp bytes
+    plan_s: float
+    compile_s: float
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def comm_rel_error(self) -> float:
+        return _rel(self.predicted_comm_bytes, self.actual_comm_bytes)
+
+    @property
+    def memory_rel_error(self) -> float:
+        return _rel(self.predicted_memory_bytes, self.actual_memory_bytes)
+
+    @property
+    def comm_ok(self) -> bool:
+        return abs(self.comm_rel_error) <= 0.10
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["comm_rel_error"] = self.comm_rel_error
+        d["memory_rel_error"] = self.memory_rel_error
+        return d
+
+
+def _rel(pred: float, actual: float) -> float:
+    if actual == 0:
+        return 0.0 if pred == 0 else math.inf
+    return (pred - actual) / actual
+
+
+def compiled_memory(compiled: Any) -> tuple[int, dict[str, int]]:
+    """Peak bytes per device of a compiled program: argument + output - alias + temp."""
+    ma = compiled.memory_analysis()
+    if isinstance(ma, (list, tuple)):       # some versions give one per device
+        ma = ma[0]
+    parts = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
+             for k in ("argument", "output", "alias", "temp")}
+    total = parts["argument"] + parts["output"] - parts["alias"] + parts["temp"]
+    return total, parts
+
+
+def predicted_breakdown(result: Any) -> dict[str, int]:
+    """The ILP answer's communication bytes per collective kind."""
+    by = getattr(result, "comm_by_kind", None)
+    return {k: int(round(v)) for k, v in (by or ())}
+
+
+def _local_cluster(num_devices: int):
+    import jax
+    from .cluster import ClusterSpec
+    if len(jax.devices()) < num_devices:
+        raise RuntimeError(
+            f"verify needs {num_devices} devices, jax sees {len(jax.devices())}: set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax")
+    return ClusterSpec.local()
+
+
+@contextlib.contextmanager
+def operand_constraints(read_constraints: Sequence[tuple[int, int, Any]]):
+    """Run the runtime with the plan's operand constraints (a preview).
+
+    ``IntraOpResult.read_constraints`` lists the operands the plan reshards
+    before an operator reads them: (first result of the reader, operand
+    position, layout).  The runtime constrains values where they are made
+    only; XLA's partitioner then chooses on its own how a dot or convolution
+    gets from the operand's layout to its result's, which need not be the
+    plan's way.  Inside this context the runtime's evaluator also passes each
+    listed operand through ``with_sharding_constraint`` as its reader takes it,
+    which is what a runtime that carried ``read_constraints`` in the Stage
+    would do.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from .jaxpr_walk import Lit
+    from .runtime import shard
+
+    table: dict[int, list[tuple[int, Any]]] = {}
+    for tid, pos, spec in read_constraints:
+        table.setdefault(int(tid), []).append((int(pos), spec))
+    original = shard.make_evaluator
+
+    def make_evaluator(flat, constraints):
+        mesh = next((s.mesh for s in constraints.values()), None)
+        if mesh is None or not table:
+            return original(flat, constraints)
+        ops = {tid: [(p, NamedSharding(mesh, PartitionSpec(*spec))) for p, spec in v]
+               for tid, v in table.items()}
+
+        def evaluate(*invals):
+            env: dict[int, Any] = {}
+
+            def write(i, value):
+                sh = constraints.get(i)
+                env[i] = value if sh is None else jax.lax.with_sharding_constraint(value, sh)
+
+            def read(x):
+                return x.value if isinstance(x, Lit) else env[x]
+
+            for i, c in zip(flat.constvars, flat.consts):
+                write(i, c)
+            for i, v in zip(flat.invars, invals, strict=True):
+                write(i, v)
+            for fe in flat.eqns:
+                eqn = fe.eqn
+                subfuns, params = shard._bind_params(eqn)
+                args = [read(x) for x in fe.invars]
+                for p, sh in (ops.get(fe.outvars[0], ()) if fe.outvars else ()):
+                    if p < len(args) and getattr(args[p], "ndim", 0):
+                        args[p] = jax.lax.with_sharding_constraint(args[p], sh)
+                ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+                with ctx:
+                    outs = eqn.primitive.bind(*subfuns, *args, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = (outs,)
+                for i, v in zip(fe.outvars, outs, strict=True):
+                    write(i, v)
+            return [read(x) for x in flat.outvars]
+
+        return evaluate
+
+    shard.make_evaluator = make_evaluator
+    try:
+        yield
+    finally:
+        shard.make_evaluator = original
+
+
+def verify(model_name: str, mesh_shape: Sequence[int], *,
+           overrides: Mapping[str, Any] | None = None, cluster: Any = None,
+           time_limit: float = 60.0, backend: str = "highs",
+           with_operand_constraints: bool = False) -> VerifyRow:
+    """Plan ``model_name`` on ``mesh_shape`` (local devices), compile it and
+    compare predicted with compiled communication and memory per device.
+
+    ``with_operand_constraints`` compiles under :func:`operand_constraints`
+    (the runtime as it would run with the plan's operand constraints)."""
+    import jax
+
+    from .api import parallelize, plan_from_intra_op
+    from .methods import ShardParallel
+    from .models import build_model
+    from .plan import LogicalMesh
+    from .trace import trace
+    from .cost_model import default_axis_names
+    from .ilp import solve_intra_op
+    from .runtime import hlo
+
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    n = math.prod(mesh_shape)
+    cluster = cluster or _local_cluster(n)
+    model = build_model(model_name, dict(overrides or {}))
+    args = model.abstract_args
+
+    t0 = time.perf_counter()
+    graph = trace(model.train_step, *args, batch_argnums=(1,), name=model_name)
+    mesh = LogicalMesh(default_axis_names(len(mesh_shape)), mesh_shape)
+    result = solve_intra_op(graph, cluster, mesh, backend=backend, time_limit=time_limit)
+    plan = plan_from_intra_op(graph, cluster, result, "shard")
+    plan_s = time.perf_counter() - t0
+
+    step = parallelize(model.train_step, plan=plan)
+    t0 = time.perf_counter()
+    with (operand_constraints(getattr(result, "read_constraints", ()))
+          if with_operand_constraints else contextlib.nullcontext()):
+        compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    actual = hlo.collective_bytes(text)
+    by_kind = hlo.summary(text)
+    mem, parts = compiled_memory(compiled)
+    return VerifyRow(
+        model=model_name, mesh_shape=mesh_shape,
+        predicted_comm_bytes=int(plan.predicted.comm_bytes_per_device),
+        actual_comm_bytes=int(actual),
+        predicted_by_kind=tuple(sorted(predicted_breakdown(result).items())),
+        actual_by_kind=tuple(sorted((k, c, b) for k, (c, b) in by_kind.items())),
+        predicted_memory_bytes=int(plan.predicted.peak_memory_bytes),
+        actual_memory_bytes=int(mem), memory_parts=tuple(parts.items()),
+        plan_s=plan_s, compile_s=compile_s,
+        overrides=tuple(sorted((str(k), str(v)) for k, v in (overrides or {}).items())))
+
+
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+          "collective-permute": "CP"}
+
+
+def _kinds(items) -> str:
+    return " ".join(f"{_SHORT.get(k, k)}:{_kb(b)}" for k, *_, b in items) or "-"
+
+
+def _kb(b: float) -> str:
+    return f"{b / 1024:.1f}K"
+
+
+def markdown_table(rows: Sequence[VerifyRow]) -> str:
+    head = ("| model | mesh | pred comm | HLO comm | err | pred by kind | HLO by kind | "
+            "pred mem | XLA mem | mem err |")
+    sep = "|" + "---|" * 10
+    lines = [head, sep]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {'x'.join(map(str, r.mesh_shape))} | {r.predicted_comm_bytes:,} | "
+            f"{r.actual_comm_bytes:,} | {r.comm_rel_error:+.1%} | {_kinds(r.predicted_by_kind)} | "
+            f"{_kinds(r.actual_by_kind)} | {r.predicted_memory_bytes:,} | "
+            f"{r.actual_memory_bytes:,} | {r.memory_rel_error:+.1%} |")
+    return "\n".join(lines)
+
+
+def csv_text(rows: Sequence[VerifyRow]) -> str:
+    cols = ["model", "mesh", "predicted_comm_bytes", "actual_comm_bytes", "comm_rel_error",
+            "predicted_by_kind", "actual_by_kind", "predicted_memory_bytes",
+            "actual_memory_bytes", "memory_rel_error", "argument_bytes", "output_bytes",
+            "alias_bytes", "temp_bytes", "plan_s", "compile_s"]
+    out = [",".join(cols)]
+    for r in rows:
+        parts = dict(r.memory_parts)
+        out.append(",".join(str(x) for x in [
+            r.model, "x".join(map(str, r.mesh_shape)), r.predicted_comm_bytes,
+            r.actual_comm_bytes, f"{r.comm_rel_error:.4f}",
+            " ".join(f"{k}={b}" for k, b in r.predicted_by_kind),
+            " ".join(f"{k}={c}/{b}" for k, c, b in r.actual_by_kind),
+            r.predicted_memory_bytes, r.actual_memory_bytes, f"{r.memory_rel_error:.4f}",
+            parts.get("argument", 0), parts.get("output", 0), parts.get("alias", 0),
+            parts.get("temp", 0), f"{r.plan_s:.2f}", f"{r.compile_s:.2f}"]))
+    return "\n".join(out) + "\n"
