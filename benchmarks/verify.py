@@ -30,13 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meshes", nargs="*", default=["x".join(map(str, m)) for m in MESHES])
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--no-operand-constraints", dest="operand_constraints", action="store_false",
-                    help="skip the second compilation with the plan's operand constraints")
     a = ap.parse_args(argv)
 
     from meshplan.verify import csv_text, markdown_table, verify
 
-    rows, pinned = [], []
+    rows = []
     for model in a.models.split(","):
         for m in a.meshes:
             shape = tuple(int(x) for x in m.split("x"))
@@ -45,16 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model:8s} {m:6s} comm {r.predicted_comm_bytes:>10,} vs {r.actual_comm_bytes:>10,} "
                   f"({r.comm_rel_error:+.1%})  mem {r.predicted_memory_bytes:>10,} vs "
                   f"{r.actual_memory_bytes:>10,} ({r.memory_rel_error:+.1%})", flush=True)
-            if a.operand_constraints:
-                r2 = verify(model, shape, with_operand_constraints=True)
-                pinned.append(r2)
-                print(f"{'':15s} with operand constraints: {r2.actual_comm_bytes:>10,} "
-                      f"({r2.comm_rel_error:+.1%})", flush=True)
     table = markdown_table(rows)
     print()
     print(table)
     bad = [r for r in rows if not r.comm_ok]
-    table2 = markdown_table(pinned) if pinned else ""
     if not a.no_write:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -65,20 +57,10 @@ def main(argv: list[str] | None = None) -> int:
               "`compiled.as_text()` (AR all-reduce, AG all-gather, RS reduce-scatter, "
               "A2A all-to-all, CP collective-permute; K = KiB).  Memory: the plan's peak vs "
               "`memory_analysis()` argument + output - alias + temp.", "",
-              "## The runtime as it is", "", table, "",
+              table, "",
               f"{len(rows) - len(bad)}/{len(rows)} cases within 10% on communication.", ""]
-        if pinned:
-            ok2 = sum(r.comm_ok for r in pinned)
-            md += ["## With the plan's operand constraints (proposed runtime change)", "",
-                   "Same plans, compiled with every operand the plan reshards pinned, as its "
-                   "reader takes it, by `with_sharding_constraint` "
-                   "(`meshplan.verify.operand_constraints`, i.e. what the runtime would do "
-                   "with `IntraOpResult.read_constraints` carried in the Stage).", "",
-                   table2, "", f"{ok2}/{len(pinned)} cases within 10% on communication.", ""]
         (out / "verify.md").write_text("\n".join(md))
         (out / "verify.csv").write_text(csv_text(rows))
-        if pinned:
-            (out / "verify_operand_constraints.csv").write_text(csv_text(pinned))
     return 0
 
 

@@ -174,7 +174,8 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
     stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
                   logical_mesh=result.mesh, remat=False, params=tuple(params),
                   predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
-                  outputs=outputs, constraints=result.constraints, strategies=result.strategies)
+                  outputs=outputs, constraints=result.constraints, strategies=result.strategies,
+                  read_constraints=tuple(getattr(result, "read_constraints", ())))
     it = result.compute_s + result.comm_s
     tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
     predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,

@@ -123,6 +123,9 @@ class Stage:
     outputs: SpecTable = ()         # output leaf path (keystr of the output) -> spec
     constraints: tuple[tuple[int, Spec], ...] = ()   # graph tensor id -> spec
     strategies: tuple[tuple[int, str], ...] = ()     # graph node id -> chosen strategy name
+    # Operands the plan reshards before their reader takes them:
+    # (first result tensor id of the reader, operand position, layout read).
+    read_constraints: tuple[tuple[int, int, Spec], ...] = ()
 
     def param_spec(self, path: str) -> Spec | None:
         return dict(self.params).get(path)
@@ -139,6 +142,7 @@ class Stage:
             "outputs": {p: spec_to_json(s) for p, s in self.outputs},
             "constraints": [[t, spec_to_json(s)] for t, s in self.constraints],
             "strategies": [[n, s] for n, s in self.strategies],
+            "read_constraints": [[t, p, spec_to_json(s)] for t, p, s in self.read_constraints],
         }
 
     @classmethod
@@ -154,6 +158,8 @@ class Stage:
             outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
             constraints=tuple((int(t), spec_from_json(s)) for t, s in d.get("constraints", [])),
             strategies=tuple((int(n), str(s)) for n, s in d.get("strategies", [])),
+            read_constraints=tuple((int(t), int(p), spec_from_json(s))
+                                   for t, p, s in d.get("read_constraints", [])),
         )
 
 

@@ -28,7 +28,6 @@ actual`` (0 when both are 0).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -107,86 +106,14 @@ def _local_cluster(num_devices: int):
     return ClusterSpec.local()
 
 
-@contextlib.contextmanager
-def operand_constraints(read_constraints: Sequence[tuple[int, int, Any]]):
-    """Run the runtime with the plan's operand constraints (a preview).
-
-    ``IntraOpResult.read_constraints`` lists the operands the plan reshards
-    before an operator reads them: (first result of the reader, operand
-    position, layout).  The runtime constrains values where they are made
-    only; XLA's partitioner then chooses on its own how a dot or convolution
-    gets from the operand's layout to its result's, which need not be the
-    plan's way.  Inside this context the runtime's evaluator also passes each
-    listed operand through ``with_sharding_constraint`` as its reader takes it,
-    which is what a runtime that carried ``read_constraints`` in the Stage
-    would do.
-    """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from .jaxpr_walk import Lit
-    from .runtime import shard
-
-    table: dict[int, list[tuple[int, Any]]] = {}
-    for tid, pos, spec in read_constraints:
-        table.setdefault(int(tid), []).append((int(pos), spec))
-    original = shard.make_evaluator
-
-    def make_evaluator(flat, constraints):
-        mesh = next((s.mesh for s in constraints.values()), None)
-        if mesh is None or not table:
-            return original(flat, constraints)
-        ops = {tid: [(p, NamedSharding(mesh, PartitionSpec(*spec))) for p, spec in v]
-               for tid, v in table.items()}
-
-        def evaluate(*invals):
-            env: dict[int, Any] = {}
-
-            def write(i, value):
-                sh = constraints.get(i)
-                env[i] = value if sh is None else jax.lax.with_sharding_constraint(value, sh)
-
-            def read(x):
-                return x.value if isinstance(x, Lit) else env[x]
-
-            for i, c in zip(flat.constvars, flat.consts):
-                write(i, c)
-            for i, v in zip(flat.invars, invals, strict=True):
-                write(i, v)
-            for fe in flat.eqns:
-                eqn = fe.eqn
-                subfuns, params = shard._bind_params(eqn)
-                args = [read(x) for x in fe.invars]
-                for p, sh in (ops.get(fe.outvars[0], ()) if fe.outvars else ()):
-                    if p < len(args) and getattr(args[p], "ndim", 0):
-                        args[p] = jax.lax.with_sharding_constraint(args[p], sh)
-                ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-                with ctx:
-                    outs = eqn.primitive.bind(*subfuns, *args, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = (outs,)
-                for i, v in zip(fe.outvars, outs, strict=True):
-                    write(i, v)
-            return [read(x) for x in flat.outvars]
-
-        return evaluate
-
-    shard.make_evaluator = make_evaluator
-    try:
-        yield
-    finally:
-        shard.make_evaluator = original
-
-
 def verify(model_name: str, mesh_shape: Sequence[int], *,
            overrides: Mapping[str, Any] | None = None, cluster: Any = None,
-           time_limit: float = 60.0, backend: str = "highs",
-           with_operand_constraints: bool = False) -> VerifyRow:
+           time_limit: float = 60.0, backend: str = "highs") -> VerifyRow:
     """Plan ``model_name`` on ``mesh_shape`` (local devices), compile it and
     compare predicted with compiled communication and memory per device.
 
-    ``with_operand_constraints`` compiles under :func:`operand_constraints`
-    (the runtime as it would run with the plan's operand constraints)."""
+    The step is compiled as ``parallelize`` runs it: every planned layout and
+    every operand the plan reshards pinned by ``with_sharding_constraint``."""
     import jax
 
     from .api import parallelize, plan_from_intra_op
@@ -213,9 +140,7 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
 
     step = parallelize(model.train_step, plan=plan)
     t0 = time.perf_counter()
-    with (operand_constraints(getattr(result, "read_constraints", ()))
-          if with_operand_constraints else contextlib.nullcontext()):
-        compiled = step.lower(*args).compile()
+    compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     actual = hlo.collective_bytes(text)

@@ -167,14 +167,20 @@ def arg_specs(plan: Plan, args: Sequence[Any]) -> tuple[Any, ...]:
 # The evaluator: replay the flat equation stream with sharding constraints
 # ---------------------------------------------------------------------------
 
-def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding]
+def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
+                   reads: Mapping[int, Sequence[tuple[int, NamedSharding]]] | None = None
                    ) -> Callable[..., list[Any]]:
     """A function of the flat input leaves that computes the flat outputs.
 
     It binds every equation of ``flat`` in order, like ``jax.core.eval_jaxpr``,
     and passes each value whose global id is in ``constraints`` through
-    ``with_sharding_constraint``.
+    ``with_sharding_constraint``.  ``reads`` maps the first result id of an
+    equation to (operand position, sharding) pairs: those operands are
+    constrained as that equation reads them.  Without them XLA's partitioner
+    picks its own way from an operand's layout to what a dot or convolution
+    needs, which need not be the (costed) way the plan chose.
     """
+    reads = reads or {}
     def evaluate(*invals: Any) -> list[Any]:
         env: dict[int, Any] = {}
 
@@ -195,8 +201,12 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding]
             eqn = fe.eqn
             subfuns, bind_params = _bind_params(eqn)
             ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+            args = [read(x) for x in fe.invars]
+            for pos, sharding in (reads.get(fe.outvars[0], ()) if fe.outvars else ()):
+                if pos < len(args) and getattr(args[pos], "ndim", 0):
+                    args[pos] = jax.lax.with_sharding_constraint(args[pos], sharding)
             with ctx:
-                outs = eqn.primitive.bind(*subfuns, *(read(x) for x in fe.invars), **bind_params)
+                outs = eqn.primitive.bind(*subfuns, *args, **bind_params)
             if not eqn.primitive.multiple_results:
                 outs = (outs,)
             for i, v in zip(fe.outvars, outs, strict=True):
@@ -434,6 +444,12 @@ class ShardExecutable:
             check_spec(spec, aval.shape, logical, f"constraint on tensor t{tid}")
             constraints[tid] = named(to_partition_spec(spec))
 
+        reads: dict[int, list[tuple[int, NamedSharding]]] = {}
+        for tid, pos, spec in self.stage.read_constraints:
+            if tid not in flat.avals:
+                continue
+            reads.setdefault(tid, []).append((pos, named(to_partition_spec(spec))))
+
         out_table = dict(self.stage.outputs)
 
         def out_one(path: Any, leaf: Any) -> NamedSharding | None:
@@ -451,7 +467,7 @@ class ShardExecutable:
             # that spans processes: give them to XLA as host values
             flat = dataclasses.replace(flat, consts=tuple(
                 np.asarray(c) if isinstance(c, jax.Array) else c for c in flat.consts))
-        evaluate = make_evaluator(flat, constraints)
+        evaluate = make_evaluator(flat, constraints, reads)
         expected = tuple((tuple(a.shape), a.dtype) for a in in_avals)
 
         def step(*step_args: Any) -> Any:

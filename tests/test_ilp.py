@@ -255,3 +255,29 @@ def test_deep_gpt_plans_quickly():
     r = solve_intra_op(g, A100, LogicalMesh(("x", "y"), (2, 4)))
     assert time.perf_counter() - t0 < 60
     assert r.solution.status == "optimal"
+
+
+def test_gpt_on_one_dgx_is_batch_times_megatron():
+    # GPT-style block with a 4096 hidden size and 2048-token sequences on the
+    # 2 x 4 mesh of one DGX A100: the MLP of every block runs Megatron's
+    # column-then-row split over one mesh axis while the batch is split over
+    # the other (the weights' remaining dimension is sharded ZeRO-style over
+    # the batch axis).
+    m = build_model("gpt", dict(hidden=4096, heads=32, seq_len=2048, vocab=51200, batch=16,
+                                layers=1, dtype="float32", compute_dtype="bfloat16"))
+    g = trace(m.train_step, *m.abstract_args)
+    r = solve_intra_op(g, A100, LogicalMesh(("x", "y"), (2, 4)))
+    specs = {i.path: s for i, s in zip(g.inputs, r.input_specs)}
+    fc = specs["['params']['h0']['mlp']['fc']['w']"]
+    proj = specs["['params']['h0']['mlp']['proj']['w']"]
+    tp = fc[1]
+    assert tp in ("x", "y") and proj[0] == tp, (fc, proj)    # column then row, same axis
+    dp = "y" if tp == "x" else "x"
+    weights = ((4096, 16384), (16384, 4096))
+    mlp = [s for n, s in _dot_strategies(g, r)
+           if g.tensors[n.inputs[1]].shape in weights and len(g.tensors[n.outputs[0]].shape) == 3][:2]
+    assert len(mlp) == 2, mlp
+    for s in mlp:
+        assert f"{dp}:o0" in s.split(), s                      # the batch on the other axis
+    assert mlp[0].split()[0 if tp == "x" else 1] == f"{tp}:o2"  # column split: output features
+    assert mlp[1].split()[0 if tp == "x" else 1].startswith(f"{tp}:sum")  # row split: partial sums

@@ -9,9 +9,9 @@ from meshplan.verify import VerifyRow, csv_text, markdown_table, verify
     ("mlp", (8,), {"batch": 256, "hidden": 512}),
 ])
 def test_plan_run_as_planned_communicates_as_predicted(model, mesh, overrides):
-    # with every reshard the plan makes pinned where it happens, XLA emits
-    # exactly the collectives the cost model predicts
-    r = verify(model, mesh, overrides=overrides, with_operand_constraints=True)
+    # the runtime pins every reshard the plan makes where it happens, so XLA
+    # emits the collectives the cost model predicts
+    r = verify(model, mesh, overrides=overrides)
     assert isinstance(r, VerifyRow)
     assert r.actual_comm_bytes > 0
     assert abs(r.comm_rel_error) <= 0.05, (r.predicted_by_kind, r.actual_by_kind)
@@ -22,9 +22,8 @@ def test_plan_run_as_planned_communicates_as_predicted(model, mesh, overrides):
     assert 0.5 < r.predicted_memory_bytes / r.actual_memory_bytes < 2.0
 
 
-def test_runtime_as_is_and_reports():
+def test_reports():
     r = verify("gpt", (2, 4), overrides={"layers": 1})
-    assert abs(r.comm_rel_error) <= 0.25
     table = markdown_table([r])
     assert "| gpt | 2x4 |" in table and "AR:" in table
     text = csv_text([r])
