@@ -81,19 +81,23 @@ class Built:
 def _follow_input(space, node, graph) -> int | None:
     """Position of the operand a node follows, if any.
 
-    Elementwise nodes follow their first same-shaped operand; any other node
+    Elementwise nodes follow their first same-shaped operand (one that depends
+    on the step's inputs when there is one); any other node
     with exactly one laid-out operand (the others scalars or indices) follows
     that operand, its layout mapped through the node's labels.
     """
     if space is None or len(node.outputs) != 1:
         return None
     if space.elementwise:
+        # a value made from constants alone (a causal mask) adapts to the
+        # data it meets for free (each device makes its slice), never the
+        # other way round: follow a data operand when there is one
         out_shape = graph.tensors[node.outputs[0]].shape
-        for k, t in enumerate(node.inputs):
-            tt = graph.tensors[t]
-            if tt.shape == out_shape and tt.kind not in (LITERAL, CONST) and space.in_labels[k]:
-                return k
-        return None
+        cands = [k for k, t in enumerate(node.inputs)
+                 if graph.tensors[t].shape == out_shape
+                 and graph.tensors[t].kind not in (LITERAL, CONST) and space.in_labels[k]]
+        data = [k for k in cands if node.inputs[k] not in graph.constant_tensors]
+        return (data or cands or [None])[0]
     laid_out = [k for k, labs in enumerate(space.in_labels)
                 if labs and graph.tensors[node.inputs[k]].kind not in (LITERAL, CONST)]
     others = [k for k, labs in enumerate(space.in_labels) if labs and k not in laid_out]

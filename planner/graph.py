@@ -138,6 +138,17 @@ class Graph:
         return {t: tuple(v) for t, v in acc.items()}
 
     @functools.cached_property
+    def constant_tensors(self) -> frozenset[int]:
+        """Intermediates that depend on no input of the step: values computed
+        from literals and constants alone (causal masks, iotas, filled arrays)."""
+        out: set[int] = set()
+        for n in self.nodes:
+            if all(self.tensors[t].kind not in (INPUT, INTERMEDIATE) or t in out
+                   for t in n.inputs):
+                out.update(n.outputs)
+        return frozenset(out)
+
+    @functools.cached_property
     def input_of_tensor(self) -> dict[int, GraphInput]:
         return {i.tensor: i for i in self.inputs}
 

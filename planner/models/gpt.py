@@ -70,11 +70,15 @@ def init_attention(key: jax.Array, hidden: int, layers: int, dtype: jnp.dtype) -
 
 
 def attention(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
-    """Causal multi-head self-attention with a fused qkv projection."""
+    """Causal multi-head self-attention with a fused qkv projection.
+
+    The fused projection's columns are grouped by head (head-major, then q/k/v,
+    then the head dimension, as Megatron-LM lays them out), so splitting its
+    output features over devices splits whole heads."""
     b, s, h = x.shape
     head_dim = h // heads
-    qkv = dense(p["qkv"], x, cdt).reshape(b, s, 3, heads, head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    qkv = dense(p["qkv"], x, cdt).reshape(b, s, heads, 3, head_dim)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(F32) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(F32).min)
