@@ -18,6 +18,7 @@ import sys
 import time
 
 import meshplan
+from meshplan.errors import InfeasiblePlanError
 from meshplan.api import plan_graph, retracer
 from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
@@ -27,14 +28,18 @@ CLUSTER_OF = {256: "dgx-a100-x32", 512: "dgx-a100-x64", 1024: "dgx-a100-x128",
               1536: "dgx-a100-x192", 128: "dgx-a100-x16", 64: "dgx-a100-x8", 32: "dgx-a100-x4"}
 
 
-def stage_shape(plan) -> tuple[int, int, int]:
-    s = plan.stages[0]
-    shape = dict(zip(s.logical_mesh.axes, s.logical_mesh.shape))
-    if len(s.logical_mesh.shape) == 1:
-        dp, tp = s.logical_mesh.shape[0], 1
-    else:
-        dp, tp = s.logical_mesh.shape[0], s.logical_mesh.shape[-1]
-    return dp, tp, len(plan.stages)
+def stage_shape(plan) -> tuple[str, str, int]:
+    """(tp, dp, pp) of a plan: tp = the size of the last (fastest) mesh axis of
+    each stage, dp = the rest of the stage's devices; written once when all
+    stages agree, else per stage separated by '/'."""
+    tps, dps = [], []
+    for s in plan.stages:
+        shape = s.logical_mesh.shape
+        tp = shape[-1] if len(shape) > 1 else 1
+        tps.append(tp)
+        dps.append(s.logical_mesh.size // tp)
+    one = lambda xs: str(xs[0]) if len(set(xs)) == 1 else "/".join(map(str, xs))  # noqa: E731
+    return one(tps), one(dps), len(plan.stages)
 
 
 def run_row(name: str, searched: bool) -> dict:
@@ -55,7 +60,7 @@ def run_row(name: str, searched: bool) -> dict:
     own = plan_graph(graph, cluster, meshplan.PipeshardParallel(num_micro_batches=mbs,
                                                                 schedule="1f1b"), retrace=rt)
     t2 = time.perf_counter()
-    odp, otp, opp = stage_shape(own)
+    otp, odp, opp = stage_shape(own)
     return {
         "model": f"megatron-{name}", "gpus": gpus,
         "published (tp,pp,dp,mb)": f"({tp},{pp},{dp},{mb_pub})",
@@ -78,17 +83,26 @@ def main(argv=None) -> int:
     rows = []
     for name in args.rows.split(","):
         print(f"planning megatron-{name} ...", file=sys.stderr, flush=True)
-        rows.append(run_row(name, args.micro_batches == "searched"))
+        try:
+            rows.append(run_row(name, args.micro_batches == "searched"))
+        except InfeasiblePlanError as e:
+            # the row stays in the table: a configuration the cost model
+            # believes does not fit is a finding, not a crash
+            info = PRESET_INFO[f"megatron-{name}"]
+            rows.append({"model": f"megatron-{name}", "gpus": info["gpus"],
+                         "published (tp,pp,dp,mb)": f"({info['tp']},{info['pp']},{info['dp']},-)",
+                         "published TFLOP/s": info["tflops_per_gpu"],
+                         "meshplan on published config TFLOP/s": f"does not fit: {e}"})
         print(rows[-1], file=sys.stderr, flush=True)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    keys = list(rows[0])
+    keys = list(max(rows, key=len))
     with open(out / "megatron.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=keys, restval="")
         w.writeheader()
         w.writerows(rows)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     table = "\n".join(lines)
     (out / "megatron.md").write_text(
         "# Megatron-LM Table 1 on DGX A100 (predicted by meshplan's cost model)\n\n"

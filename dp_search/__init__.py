@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import mesh_model
 from ..cost_model.sharding import num_shards, spec_from_names
+from .. import progress
 from ..errors import InfeasiblePlanError, MeshplanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import IntraOpResult, candidate_meshes, solve_intra_op
@@ -32,6 +33,9 @@ __all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "bru
            "submesh_shapes", "Submesh"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# What a searched schedule ("auto") may be: the runtime executes GPipe and
+# 1F1B; interleaved 1F1B is planned only when asked for by name.
+AUTO_SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,11 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     best: tuple[float, Plan] | None = None
     errors: list[str] = []
     for B in mbs:
-        g = graph if B == 1 else retrace(B)  # type: ignore[misc]
         try:
-            p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
+            with progress.step(f"pipeline search with {B} micro-batch(es) "
+                               f"(layer ILPs and stage DP)"):
+                g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+                p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
         except InfeasiblePlanError as e:
             errors.append(str(e))
             continue
@@ -157,8 +163,9 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
             "cluster with more memory per device",
             budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
     plan = best[1]
+    # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {search.solves} layer ILP "
-            f"solves ({search.hits} cache hits), {time.perf_counter() - t0:.1f} s")
+            f"solves ({search.hits} cache hits)")
     from dataclasses import replace
     return replace(plan, notes=plan.notes + (note,))
 
@@ -173,12 +180,13 @@ def _options_from_method(method) -> PipelineOptions:
                                allow_remat=True)
     if isinstance(method, PipeshardParallel):
         mb = None if method.num_micro_batches is None else (int(method.num_micro_batches),)
-        sched = SCHEDULES if method.schedule == "auto" else (method.schedule,)
+        sched = AUTO_SCHEDULES if method.schedule == "auto" else (method.schedule,)
         stages = None if method.stages == "auto" else int(method.stages)
         return PipelineOptions(num_micro_batches=mb, schedules=sched, num_stages=stages,
                                time_limit=method.time_limit, backend=method.backend)
     if isinstance(method, Auto):
-        return PipelineOptions(time_limit=method.time_limit, backend=method.backend)
+        return PipelineOptions(schedules=AUTO_SCHEDULES, time_limit=method.time_limit,
+                               backend=method.backend)
     raise MeshplanError(f"{method!r} is not a pipeline method")
 
 
@@ -195,7 +203,10 @@ def _stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed) -> list[LogicalMesh
 
 def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
                             opts: PipelineOptions, search: _Search, method) -> Plan:
-    layering = assign_layers(g, opts.num_layers or _default_layers(g, cluster))
+    # at least as many layers as a fixed number of stages needs
+    wanted = max(_default_layers(g, cluster), opts.fixed[2] if opts.fixed else 1,
+                 opts.num_stages or 1)
+    layering = assign_layers(g, opts.num_layers or wanted)
     L = layering.num_layers
     subs = [layer_subgraph(g, layering, l, l) for l in range(L)]
     fwd_flops = [sum(n.flops for n in g.nodes if layering.forward[n.id]
@@ -332,13 +343,24 @@ def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshe
         lat, remat, mem, mesh_k = choice[st.first, st.last, st.submesh, n_stages - k]
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
+        # the layers' planned layouts, keyed by tensor ids of the step traced
+        # at micro-batch size (what the pipeline runtime replays): the
+        # intermediates, and the activations / batch pieces entering a layer
+        constraints: dict[int, tuple] = {}
+        reads: dict[tuple[int, int], tuple] = {}
         compute = comm = cbytes = 0.0
         for l in range(st.first, st.last + 1):
             lc = layer(l, st.submesh, mesh_k)
             compute += lc.compute_s
             comm += lc.comm_s
             cbytes += lc.comm_bytes
+            for t, spec in lc.result.constraints:
+                constraints.setdefault(t, spec)
+            for t, pos, spec in getattr(lc.result, "read_constraints", ()):
+                reads.setdefault((t, pos), spec)
             for inp, spec in zip(subs[l].inputs, lc.result.input_specs):
+                if inp.role in (BOUNDARY, BATCH) and g.tensors[inp.tensor].shape:
+                    constraints.setdefault(inp.tensor, spec)
                 if inp.role == BOUNDARY:
                     continue
                 key = pre.get(inp.argnum, "") + inp.path
@@ -350,7 +372,9 @@ def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshe
         stages.append(Stage(layers=(st.first, st.last), devices=devices,
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, params=tuple(sorted(params.items())),
-                            predicted=Predicted(compute, comm, int(mem))))
+                            predicted=Predicted(compute, comm, int(mem)),
+                            constraints=tuple(sorted(constraints.items())),
+                            read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
     tflops = full.total_flops / cluster.num_devices / total / 1e12 if total > 0 else 0.0
@@ -363,4 +387,5 @@ def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshe
                 function=full.name, batch_argnums=full.batch_argnums,
                 arg_prefixes=tuple(sorted(pre.items())),
                 notes=(f"{layering.num_layers} layers "
-                       f"({'user marks' if layering.marked else 'clustered'})",))
+                       f"({'user marks' if layering.marked else 'clustered'})",),
+                layer_of_node=layering.layer_of_node if n_stages > 1 else ())

@@ -6,9 +6,11 @@
    user's ``mark_pipeline_boundary`` marks when there are any, otherwise by a
    dynamic program that balances FLOPs and cuts where few bytes cross
    (Alpa's operator clustering, restricted to cheap cut points).
-3. Every other node joins the largest layer among its *forward* operands (a
-   backward op reads the activations of its own layer, and perhaps values
-   shared by all layers, like a mask made in the first); one that reads no
+3. Every other node joins the largest layer among its *forward* operands,
+   activations before parameters (a backward op reads the activations of its
+   own layer, and perhaps values shared by all layers, like a mask made in
+   the first; a tied embedding read by the first and the last layer must not
+   pull the last layer's backward into the first); one that reads no
    forward value inherits the smallest layer among its operands (the
    gradient arriving from the layer above is of a higher layer).  An update
    reads its parameter, which belongs to the layer of its first forward
@@ -153,11 +155,17 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         for t in graph.nodes[nid].outputs:
             tensor_layer[t] = layer[nid]
     forward_values = set(tensor_layer)
+    graph_inputs = {i.tensor for i in graph.inputs}
     pending = []
     for n in graph.nodes:
         if layer[n.id] >= 0:
             continue
-        fl = [tensor_layer[t] for t in n.inputs if t in forward_values]
+        # the activations a backward op reads place it; a parameter places it
+        # only when it reads no activation (a tied embedding read by the first
+        # and the last layer must not pull the last layer's backward matmul
+        # into the first layer)
+        fl = [tensor_layer[t] for t in n.inputs if t in forward_values and t not in graph_inputs]
+        fl = fl or [tensor_layer[t] for t in n.inputs if t in forward_values]
         bl = [tensor_layer[t] for t in n.inputs if t in tensor_layer]
         if fl:
             layer[n.id] = max(fl)

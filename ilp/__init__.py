@@ -17,6 +17,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.memory import liveness
 from ..cost_model.mesh import MeshModel, default_axis_names, mesh_model, mesh_shapes
 from ..cost_model.sharding import ISpec, num_shards, spec_names
+from .. import progress
 from ..errors import InfeasiblePlanError
 from ..graph import Graph
 from ..plan import LogicalMesh, Spec
@@ -169,9 +170,11 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
     results: list[IntraOpResult | InfeasiblePlanError] = []
     for mesh in meshes:
         try:
-            results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh, backend=backend,
-                                          time_limit=time_limit, memory_budget=memory_budget,
-                                          input_filter=input_filter))
+            with progress.step(f"ILP on mesh {mesh}"):
+                results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh,
+                                              backend=backend, time_limit=time_limit,
+                                              memory_budget=memory_budget,
+                                              input_filter=input_filter))
         except InfeasiblePlanError as e:
             results.append(e)
     ok = [r for r in results if isinstance(r, IntraOpResult)]

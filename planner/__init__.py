@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .cluster import ClusterSpec, DeviceSpec, LinkSpec, load_cluster, parse_cluster
-from .errors import (ClusterSpecError, InfeasiblePlanError, MeshplanError, ModelConfigError,
+from .errors import (CheckpointError, ClusterSpecError, InfeasiblePlanError, MeshplanError,
+                     ModelConfigError,
                      PlanFormatError, RuntimeStageError, SolverError, StalePlanError,
                      TraceError, UnsupportedPrimitiveError)
 from .graph import Graph, GraphInput, GraphOutput, Node, Tensor
@@ -11,6 +12,7 @@ from .methods import Auto, DataParallel, Manual, PipeshardParallel, ShardParalle
 from .plan import LogicalMesh, Plan, PlanPredicted, Predicted, Stage
 from .api import Parallelized, parallelize, plan
 from .markers import grad, mark_pipeline_boundary, value_and_grad
+from .checkpoint import restore_state, save_state
 
 Cluster = ClusterSpec
 
@@ -24,5 +26,5 @@ __all__ = [
     "Parallelized", "parallelize", "plan", "grad", "value_and_grad", "mark_pipeline_boundary",
     "MeshplanError", "ClusterSpecError", "TraceError", "UnsupportedPrimitiveError",
     "InfeasiblePlanError", "SolverError", "PlanFormatError", "StalePlanError",
-    "ModelConfigError", "RuntimeStageError",
+    "ModelConfigError", "RuntimeStageError", "CheckpointError", "save_state", "restore_state",
 ]

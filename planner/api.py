@@ -17,6 +17,7 @@ from .cluster import ClusterSpec
 from .errors import InfeasiblePlanError, MeshplanError, StalePlanError
 from .graph import BATCH, Graph, strip_markers
 from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, ShardParallel
+from . import progress
 from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .trace import trace
 
@@ -32,7 +33,8 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     cluster = cluster or ClusterSpec.local()
     abstract = _abstract(args)
     name = getattr(fn, "__name__", "fn")
-    graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
+    with progress.step(f"tracing {name}"):
+        graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
     return plan_graph(graph, cluster, method or ShardParallel(),
                       retrace=retracer(fn, abstract, tuple(batch_argnums), name))
 
@@ -255,13 +257,6 @@ class Parallelized:
             name = getattr(self.fn, "__name__", "fn")
             p = plan_graph(graph, self.cluster or ClusterSpec.local(), self.method,
                            retrace=retracer(self.fn, abstract, self.batch_argnums, name))
-            if len(p.stages) > 1 and isinstance(self.method, Auto):
-                one = _plan_shard(strip_markers(graph), self.cluster or ClusterSpec.local(),
-                                  ShardParallel(time_limit=self.method.time_limit))
-                p = replace(one, method="auto", notes=one.notes + (
-                    f"the best plan has {len(p.stages)} pipeline stages "
-                    f"({p.predicted.iteration_s * 1e3:.3f} ms/iteration predicted), but this version "
-                    "cannot execute pipelines yet: running the best one-stage plan",))
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
         executable = self._executable(p, graph, abstract)
@@ -271,9 +266,11 @@ class Parallelized:
 
     def _executable(self, p: Plan, graph: Graph, abstract: tuple[Any, ...]) -> Any:
         from meshplan.runtime import ShardExecutable
-        if len(p.stages) != 1:
-            raise MeshplanError("this version of meshplan runs one-stage plans only; pipeline "
-                                "execution is not available yet (plan with ShardParallel())")
+        if len(p.stages) > 1:
+            # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B
+            from meshplan.runtime.pipeline import PipelineExecutable
+            return PipelineExecutable(self.fn, p, abstract,
+                                      layer_of_node=_layer_of_node(p, self.fn, abstract))
         return ShardExecutable(self.fn, p, abstract, donate_argnums=self._donate(graph))
 
     def _donate(self, graph: Graph) -> tuple[int, ...]:
@@ -304,6 +301,14 @@ class Parallelized:
         self._fast = hit
         return out
 
+    @property
+    def last_timeline(self) -> list[Any]:
+        """[pipeline] What the last call of a pipeline plan ran: one
+        ``meshplan.timeline.Block`` per stage program (see
+        ``PipelineExecutable.last_timeline``); ``[]`` for one-stage plans."""
+        ex = self._fast[1] if self._fast is not None else None
+        return list(getattr(ex, "last_timeline", None) or [])
+
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step exactly as it runs."""
         _, executable = self._entry(args)
@@ -311,6 +316,22 @@ class Parallelized:
 
     def __repr__(self) -> str:
         return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
+
+
+def _layer_of_node(p: Plan, fn: Callable, abstract: tuple[Any, ...]) -> tuple[int, ...]:
+    """[pipeline] The layer of every operation of the step at micro-batch size:
+    recorded in the plan, or (a plan file from before the record) the
+    planner's layering recomputed with the plan's number of layers."""
+    if p.layer_of_node:
+        return p.layer_of_node
+    from meshplan.dp_search.layers import assign_layers
+    g = retracer(fn, abstract, tuple(p.batch_argnums), p.function or "fn")(p.num_micro_batches)
+    L = p.stages[-1].layers[1] + 1
+    lay = assign_layers(g, L)
+    if lay.num_layers != L:
+        raise StalePlanError(f"the pipeline plan does not record its layering and its {L} layers "
+                             "cannot be recomputed; re-plan with this version of meshplan")
+    return lay.layer_of_node
 
 
 def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = None,

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from . import progress
 from .errors import MeshplanError, ModelConfigError
 
 
@@ -63,10 +64,18 @@ def _load_fn(spec: str) -> Target:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ModelConfigError(f"--fn {spec}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # the user's module fails while importing
+        raise ModelConfigError(f"--fn {spec}: importing module {module_name!r} failed: "
+                               f"{type(e).__name__}: {e}") from e
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise ModelConfigError(f"--fn {spec}: module {module_name!r} has no function {func_name!r}")
-    result = factory()
+    try:
+        result = factory()
+    except Exception as e:  # the user's function fails (or needs arguments)
+        raise ModelConfigError(f"--fn {spec}: calling {func_name}() failed: {type(e).__name__}: "
+                               f"{e}; it must take no arguments and return (train_step, "
+                               "example_args)") from e
     if not (isinstance(result, tuple) and len(result) in (2, 3) and callable(result[0])):
         raise ModelConfigError(f"--fn {spec}: the function must return (train_step, example_args) "
                                "or (train_step, example_args, batch_argnums)")
@@ -94,8 +103,9 @@ def _human_bytes(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .trace import trace
     target = load_target(args)
-    graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
-                  name=target.name)
+    with progress.step(f"tracing {target.name}"):
+        graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
+                      name=target.name)
     s = graph.summary(top=args.top)
     if target.model_config is not None:
         s["model_config"] = target.model_config
@@ -141,6 +151,9 @@ def _cluster(arg: str):
 def _method(args: argparse.Namespace):
     from . import methods as M
     name = args.method
+    if args.mesh and name != "shard":
+        raise ModelConfigError(f"--mesh applies to --method shard only (got --method {name}); "
+                               "use --dp/--tp/--pp with --method manual")
     if name == "shard":
         mesh = _parse_mesh(args.mesh) if args.mesh else None
         return M.ShardParallel(mesh_shape=mesh, time_limit=args.time_limit)
@@ -172,8 +185,9 @@ def _make_plan(args: argparse.Namespace):
     from .trace import trace
     target = load_target(args)
     cluster = _cluster(args.cluster)
-    graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
-                  name=target.name)
+    with progress.step(f"tracing {target.name}"):
+        graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
+                      name=target.name)
     retrace = retracer(target.train_step, target.args, target.batch_argnums, target.name)
     return target, graph, plan_graph(graph, cluster, _method(args), retrace=retrace)
 
@@ -243,6 +257,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import Options, calibrate
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out):
+        raise MeshplanError(f"--out {args.out} is a directory; give a file name such as "
+                            f"{os.path.join(args.out, 'cluster.json')}")
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise MeshplanError(f"cannot write {args.out}: folder {out_dir} does not exist or is "
+                            "not writable")
+    result = calibrate(name=args.name, options=Options.quick() if args.quick else Options())
+    _write_text(args.out, result.cluster.to_json() + "\n")
+    print(result.cluster.describe())
+    print(f"cluster written to {args.out}")
+    return 0
+
+
 def _write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -256,30 +286,58 @@ def _write_text(path: str, text: str) -> None:
             os.unlink(tmp)
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__   # argparse names the type in its messages
+    return parse
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["auto", "shard", "pipeshard", "data", "manual"],
                    default="auto")
     p.add_argument("--mesh", help="logical mesh for --method shard, e.g. 2x4")
-    p.add_argument("--dp", type=int)
-    p.add_argument("--tp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--micro-batches", type=int, dest="micro_batches")
+    p.add_argument("--dp", type=_positive(int))
+    p.add_argument("--tp", type=_positive(int))
+    p.add_argument("--pp", type=_positive(int))
+    p.add_argument("--micro-batches", type=_positive(int), dest="micro_batches")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
-    p.add_argument("--time-limit", type=float, default=60.0, dest="time_limit",
+    p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 
 
+def _verbosity_parent(default: Any) -> argparse.ArgumentParser:
+    """--quiet/--verbose, accepted before and after the subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_const", dest="verbosity", const=progress.QUIET,
+                   default=default, help="no progress output")
+    g.add_argument("-v", "--verbose", action="store_const", dest="verbosity",
+                   const=progress.VERBOSE, default=default,
+                   help="report every planning step with its time, also when stderr is not a "
+                        "terminal")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshplan", description="Automatic parallelization planner for JAX.")
+    p = _Parser(prog="meshplan", description="Automatic parallelization planner for JAX.",
+                parents=[_verbosity_parent(progress.NORMAL)])
+    flags = [_verbosity_parent(argparse.SUPPRESS)]
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    pi = sub.add_parser("inspect", help="trace a model and print a graph summary")
+    pi = sub.add_parser("inspect", parents=flags, help="trace a model and print a graph summary")
     _add_target_args(pi)
     pi.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
     pi.add_argument("--top", type=int, default=10, help="how many of the biggest ops to list")
     pi.set_defaults(func=cmd_inspect)
 
-    pp = sub.add_parser("plan", help="plan a model for a cluster and print the plan")
+    pp = sub.add_parser("plan", parents=flags, help="plan a model for a cluster and print the plan")
     _add_target_args(pp)
     pp.add_argument("--cluster", required=True, help="cluster JSON file, or 'local'")
     _add_method_args(pp)
@@ -287,28 +345,37 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--timeline", metavar="OUT.png", help="draw the pipeline schedule")
     pp.set_defaults(func=cmd_plan)
 
-    pr = sub.add_parser("run", help="plan a built-in model, run it on the local devices and "
+    pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "
                                     "compare with the unparallelized step")
     _add_target_args(pr)
     _add_method_args(pr)
     pr.add_argument("--plan", help="run this saved plan instead of planning")
-    pr.add_argument("--steps", type=int, default=3)
+    pr.add_argument("--steps", type=_positive(int), default=3)
     pr.add_argument("--tolerance", type=float, default=1e-3,
                     help="largest accepted per-tensor relative error of the new state")
     pr.set_defaults(func=cmd_run)
 
-    pc = sub.add_parser("cluster", help="validate or show a cluster JSON file")
+    pc = sub.add_parser("cluster", parents=flags, help="validate or show a cluster JSON file")
     csub = pc.add_subparsers(dest="cluster_cmd", required=True, parser_class=_Parser)
     for name, text in (("validate", "check a cluster file"), ("show", "describe a cluster file")):
         c = csub.add_parser(name, help=text)
         c.add_argument("path")
         c.set_defaults(func=cmd_cluster)
+
+    pk = sub.add_parser("calibrate", parents=flags,
+                        help="measure the local devices into a cluster JSON")
+    pk.add_argument("--out", required=True, metavar="PATH", help="cluster JSON to write")
+    pk.add_argument("--name", help="cluster name (default calibrated-PLATFORM-HOSTSxDEVICES)")
+    pk.add_argument("--quick", action="store_true",
+                    help="small sizes and few repetitions: seconds, rough figures")
+    pk.set_defaults(func=cmd_calibrate)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    progress.configure(args.verbosity)
     try:
         return int(args.func(args) or 0)
     except MeshplanError as e:

@@ -292,6 +292,7 @@ def _dtype_name(dtype: Any) -> str:
 # ---------------------------------------------------------------------------
 # Parsing
 
+_MAX_COUNT = 2**53          # counts (hosts, devices, bytes) beyond this are not real
 _TOP_REQUIRED = ("format", "name", "num_hosts", "devices_per_host", "device", "links")
 _TOP_OPTIONAL = ("description", "sources", "num_devices")
 _DEVICE_KEYS = ("kind", "memory_bytes", "memory_bandwidth_bytes_per_s", "peak_flops")
@@ -354,13 +355,23 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(path, f"must be a positive integer, got {_show(value)}")
         if value < 1:
-            raise self.fail(path, f"must be a positive integer, got {value}")
+            raise self.fail(path, f"must be a positive integer, got {_show(value)}")
+        if value > _MAX_COUNT:
+            # (found by fuzzing: 10**400 hosts loaded, then broke float arithmetic)
+            raise self.fail(path, f"is implausibly large ({_show(value)}); at most "
+                            f"2**53 = {_MAX_COUNT}")
         return value
 
     def number(self, value: Any, path: str, *, zero_ok: bool = False) -> float:
         want = "a non-negative number" if zero_ok else "a positive number"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(path, f"must be {want}, got {_show(value)}")
+        try:
+            value = float(value)
+        except OverflowError:
+            # (found by fuzzing: an integer beyond float range raised OverflowError)
+            raise self.fail(path, f"must be {want}, got {_show(value)} (too large for a "
+                            "float)") from None
         if not math.isfinite(value):
             raise self.fail(path, f"must be {want}, got {_show(value)} (not finite)")
         if value < 0 or (value == 0 and not zero_ok):
@@ -449,6 +460,13 @@ def _decode_json(text: str, source: str) -> Any:
     except json.JSONDecodeError as e:
         raise ClusterSpecError("$", f"{source} is not valid JSON: {e.msg} at line "
                                f"{e.lineno}, column {e.colno}; fix the syntax there") from None
+    except RecursionError:
+        # (found by fuzzing: "[[[[..." deeper than Python's recursion limit)
+        raise ClusterSpecError("$", f"{source} nests JSON arrays/objects too deeply to be a "
+                               "cluster description") from None
+    except ValueError as e:
+        # (found by fuzzing: an integer literal of more than 4300 digits)
+        raise ClusterSpecError("$", f"{source} is not a usable JSON document: {e}") from None
 
 
 def load_cluster(path: str | os.PathLike[str]) -> ClusterSpec:
@@ -486,6 +504,8 @@ def _show(value: Any) -> str:
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, float) and value.is_integer():
         return f"{value!r} (a float)"
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return f"an integer of {len(str(abs(value))) if value.bit_length() < 14000 else 'many'} digits"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):

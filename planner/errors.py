@@ -60,3 +60,8 @@ class ModelConfigError(MeshplanError, ValueError):
 
 class RuntimeStageError(MeshplanError, RuntimeError):
     """A stage of a running plan failed; the message names the stage."""
+
+
+class CheckpointError(MeshplanError, RuntimeError):
+    """A checkpoint is missing, incomplete (an interrupted save) or does not
+    match the state it is restored into; the message names the path."""

@@ -178,6 +178,10 @@ class Plan:
     # How the keys of params/batch map to arguments: argnum -> prefix used ("" when one arg).
     arg_prefixes: tuple[tuple[int, str], ...] = ()
     notes: tuple[str, ...] = ()
+    # Pipeline plans: the layer of every operation of the step traced at
+    # micro-batch size (the runtime's operation -> stage map; ``Stage.layers``
+    # gives each layer's stage).  Empty for one-stage plans and old files.
+    layer_of_node: tuple[int, ...] = ()
 
     @property
     def logical_mesh(self) -> LogicalMesh:
@@ -199,6 +203,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
             "predicted": self.predicted.to_dict(),
             "notes": list(self.notes),
+            **({"layer_of_node": _rle(self.layer_of_node)} if self.layer_of_node else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -227,6 +232,7 @@ class Plan:
                 stages=tuple(Stage.from_dict(s) for s in d["stages"]),
                 predicted=PlanPredicted(**d["predicted"]),
                 notes=tuple(d.get("notes", ())),
+                layer_of_node=_unrle(d.get("layer_of_node", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):
@@ -268,6 +274,26 @@ class Plan:
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
+
+
+def _rle(values: Sequence[int]) -> list[list[int]]:
+    """``[[value, run length], ...]`` (layers come in long runs)."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([int(v), 1])
+    return out
+
+
+def _unrle(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    out: list[int] = []
+    for v, n in runs:
+        if int(n) < 0:
+            raise ValueError(f"negative run length {n} in layer_of_node")
+        out.extend([int(v)] * int(n))
+    return tuple(out)
 
 
 def _ranges(ids: Iterable[int]) -> str:

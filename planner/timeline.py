@@ -74,8 +74,10 @@ def simulate(plan: Plan) -> list[Block]:
     return blocks
 
 
-def draw(plan: Plan, path: str) -> list[Block]:
-    """Save a picture of the schedule to ``path`` (PNG); returns the blocks."""
+def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Block]:
+    """Save a picture of the schedule to ``path`` (PNG); returns the blocks.
+    ``executed`` (e.g. ``step.last_timeline`` of a pipeline run) is drawn
+    below the planned schedule, on its own time axis."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -85,22 +87,29 @@ def draw(plan: Plan, path: str) -> list[Block]:
         raise MeshplanError("--timeline needs matplotlib: pip install 'meshplan[plot]'") from e
     blocks = simulate(plan)
     p = len(plan.stages)
-    fig, ax = plt.subplots(figsize=(10, 0.6 * p + 1.5))
+    panels = [(blocks, "time (ms, predicted)")]
+    if executed:
+        panels.append((list(executed), "time (ms, executed: start of the call = 0)"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, (0.6 * p + 1.5) * len(panels)),
+                             squeeze=False)
     scale = 1e3
-    for b in blocks:
-        color = "#4c72b0" if b.kind == "F" else "#dd8452"
-        ax.barh(b.stage, (b.end - b.start) * scale, left=b.start * scale, height=0.8,
-                color=color, edgecolor="white", linewidth=0.5)
-        if (b.end - b.start) * scale > 0.02 * max(x.end for x in blocks) * scale:
-            ax.text((b.start + b.end) / 2 * scale, b.stage, f"{b.kind}{b.micro_batch}",
-                    ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {k}\n{s.logical_mesh}" for k, s in enumerate(plan.stages)],
-                       fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms, predicted)")
-    ax.set_title(f"{plan.function}: {plan.schedule}, {plan.num_micro_batches} micro-batches, "
-                 f"{plan.predicted.iteration_s * 1e3:.2f} ms/iteration predicted", fontsize=9)
+    colors = {"F": "#4c72b0", "B": "#dd8452", "A": "#55a868"}
+    for ax, (bl, label) in zip(axes[:, 0], panels):
+        right = max((x.end for x in bl), default=0.0) * scale
+        for b in bl:
+            ax.barh(b.stage, (b.end - b.start) * scale, left=b.start * scale, height=0.8,
+                    color=colors.get(b.kind, "#8c8c8c"), edgecolor="white", linewidth=0.5)
+            if (b.end - b.start) * scale > 0.02 * right:
+                text = b.kind if b.micro_batch < 0 else f"{b.kind}{b.micro_batch}"
+                ax.text((b.start + b.end) / 2 * scale, b.stage, text,
+                        ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(p))
+        ax.set_yticklabels([f"stage {k}\n{s.logical_mesh}" for k, s in enumerate(plan.stages)],
+                           fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+    axes[0, 0].set_title(f"{plan.function}: {plan.schedule}, {plan.num_micro_batches} micro-batches, "
+                         f"{plan.predicted.iteration_s * 1e3:.2f} ms/iteration predicted", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

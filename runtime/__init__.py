@@ -12,7 +12,9 @@
 from .hlo import Collective, collective_bytes, parse_collectives, summary
 from .multihost import agree_on_plan, global_view, is_multiprocess, to_host
 from .shard import FastPathMiss, ShardExecutable, arg_specs, build_mesh
+from .watchdog import PEER_LOST_EXIT_CODE, PeerWatchdog, initialize
 
 __all__ = ["ShardExecutable", "FastPathMiss", "build_mesh", "arg_specs", "Collective",
            "collective_bytes", "parse_collectives", "summary", "to_host", "global_view",
-           "agree_on_plan", "is_multiprocess"]
+           "agree_on_plan", "is_multiprocess", "initialize", "PeerWatchdog",
+           "PEER_LOST_EXIT_CODE"]

@@ -1,10 +1,13 @@
 """The command line: success paths and one-line errors with exit status 2."""
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
+import meshplan
+from meshplan import progress
 from meshplan.cli import main
 
 
@@ -76,3 +79,191 @@ def test_cluster_show_and_validate_ok():
     assert code == 0 and "ok" in out
     code, out, _ = run("cluster", "show", "examples/clusters/aws-p3.16xlarge-x1.json")
     assert code == 0 and "V100" in out
+
+
+# ---------------------------------------------------------------------------
+# every error path of `meshplan plan` / `run` / `calibrate`, in process
+
+USERMOD = '''
+import jax, jax.numpy as jnp
+
+def make():
+    def step(w, x):
+        return jnp.tanh(x @ w).sum()
+    return step, (jax.ShapeDtypeStruct((4, 4), jnp.float32),
+                  jax.ShapeDtypeStruct((8, 4), jnp.float32))
+
+def boom():
+    raise RuntimeError("kaboom")
+
+def wrong():
+    return 42
+
+def needs_arg(x):
+    return x
+
+notcallable = 3
+
+def untraceable():
+    def step(w, x):
+        return undefined_name + w
+    return step, (jax.ShapeDtypeStruct((4, 4), jnp.float32),
+                  jax.ShapeDtypeStruct((8, 4), jnp.float32))
+'''
+
+DGX = "examples/clusters/dgx-a100-x1.json"
+
+
+@pytest.fixture
+def usermod(tmp_path, monkeypatch):
+    (tmp_path / "cli_usermod.py").write_text(USERMOD)
+    (tmp_path / "cli_brokenmod.py").write_text("raise SyntaxError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("cli_usermod", "cli_brokenmod"):
+        sys.modules.pop(name, None)
+    return tmp_path
+
+
+def run_here(argv, capsys):
+    """main(argv) in this process: (exit status, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:          # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _files(tmp_path):
+    src = json.loads(open(DGX).read())
+    (tmp_path / "syntax.json").write_text('{"format": "meshplan.cluster/1", ')
+    bad = dict(src, links={"intra_host": {"bandwidth_bytes_per_s": -1, "latency_s": 0}})
+    (tmp_path / "invalid.json").write_text(json.dumps(bad))
+    tiny = json.loads(json.dumps(src))
+    tiny["device"]["memory_bytes"] = 1000
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny))
+    (tmp_path / "notjson.plan").write_text("not json")
+    (tmp_path / "noformat.plan").write_text('{"format": "meshplan.plan/1"}')
+    (tmp_path / "oldformat.plan").write_text('{"format": "meshplan.plan/0"}')
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--model", "nosuchmodel", "--cluster", DGX], "nosuchmodel"),
+    (["plan", "--model", "gpt", "--model-arg", "hidden=big", "--cluster", DGX], "hidden"),
+    (["plan", "--model", "gpt", "--model-arg", "hidden", "--cluster", DGX], "KEY=VALUE"),
+    (["plan", "--model", "mlp", "--cluster", "{tmp}/missing.json"], "missing.json"),
+    (["plan", "--model", "mlp", "--cluster", "{tmp}/syntax.json"], "not valid JSON"),
+    (["plan", "--model", "mlp", "--cluster", "{tmp}/invalid.json"], "$.links"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "shard", "--mesh", "2xq"], "2xq"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "shard", "--mesh", "3x3"], "9 devices"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--mesh", "2x4"], "--method shard"),
+    (["plan", "--model", "mlp", "--cluster", "{tmp}/tiny.json", "--method", "shard"], "does not fit"),
+    (["plan", "--model", "mlp", "--cluster", "{tmp}/tiny.json", "--method", "data"], "does not fit"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "manual", "--dp", "3"], "3 devices"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "manual", "--dp", "0"], "--dp"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--time-limit", "-1"], "--time-limit"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "pipeshard",
+      "--micro-batches", "7"], "micro_batches=7"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "warp"], "warp"),
+    (["plan", "--model", "mlp"], "--cluster"),
+    (["plan", "--model", "mlp", "--fn", "cli_usermod:make", "--cluster", DGX], "--fn"),
+    (["plan", "--fn", "nocolon", "--cluster", DGX], "MODULE:FUNCTION"),
+    (["plan", "--fn", "no_such_module_xyz:f", "--cluster", DGX], "no_such_module_xyz"),
+    (["plan", "--fn", "cli_brokenmod:f", "--cluster", DGX], "broken on purpose"),
+    (["plan", "--fn", "cli_usermod:nosuch", "--cluster", DGX], "nosuch"),
+    (["plan", "--fn", "cli_usermod:notcallable", "--cluster", DGX], "notcallable"),
+    (["plan", "--fn", "cli_usermod:boom", "--cluster", DGX], "kaboom"),
+    (["plan", "--fn", "cli_usermod:needs_arg", "--cluster", DGX], "no arguments"),
+    (["plan", "--fn", "cli_usermod:wrong", "--cluster", DGX], "train_step, example_args"),
+    (["plan", "--fn", "cli_usermod:untraceable", "--cluster", DGX], "undefined_name"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "shard",
+      "--json", "{tmp}/no/such/dir/p.json"], "p.json"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/missing.plan"], "missing.plan"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/notjson.plan"], "not valid JSON"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/noformat.plan"], "malformed plan"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/oldformat.plan"], "meshplan.plan/0"),
+    (["run", "--fn", "cli_usermod:make"], "--model"),
+    (["run", "--model", "mlp", "--steps", "0"], "--steps"),
+    (["calibrate", "--out", "{tmp}/no/such/dir/c.json"], "c.json"),
+    (["calibrate", "--out", "{tmp}"], "directory"),
+    (["calibrate"], "--out"),
+    (["--quiet", "--verbose", "inspect", "--model", "mlp"], "--verbose"),
+])
+def test_every_error_is_one_line_exit_2(argv, needle, usermod, tmp_path, capsys):
+    _files(tmp_path)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, out, err = run_here(argv, capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("meshplan: error:") and needle in lines[0], lines[0]
+
+
+def test_run_refuses_a_stale_plan(tmp_path, capsys):
+    saved = tmp_path / "mlp.plan.json"
+    assert main(["plan", "--model", "mlp", "--cluster", "local", "--method", "shard",
+                 "--json", str(saved)]) == 0
+    capsys.readouterr()
+    code, _, err = run_here(["run", "--model", "gpt", "--model-arg", "hidden=64",
+                             "--model-arg", "layers=2", "--plan", str(saved)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "another function" in err
+
+
+def test_plan_fn_prints_specs_and_devices_and_writes_json(usermod, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code, text, err = run_here(["plan", "--fn", "cli_usermod:make", "--cluster", DGX,
+                                "--method", "shard", "--json", str(out)], capsys)
+    assert code == 0, err
+    assert err == ""                       # no progress when stderr is not a terminal
+    assert "devices 0-7" in text
+    spec_lines = [l for l in text.splitlines() if "P(" in l]
+    assert len(spec_lines) >= 2            # the weight and the batch, each with its spec
+    plan = meshplan.Plan.from_json(out.read_text())
+    assert plan.function == "make" and plan.stages[0].devices == tuple(range(8))
+
+
+@pytest.mark.parametrize("flags, where", [(["--verbose"], "before"), (["-v"], "after"),
+                                          (["--quiet"], "before")])
+def test_quiet_and_verbose(flags, where, usermod, capsys):
+    base = ["plan", "--fn", "cli_usermod:make", "--cluster", DGX, "--method", "shard"]
+    argv = flags + base if where == "before" else base + flags
+    code, text, err = run_here(argv, capsys)
+    assert code == 0 and "Plan for" in text
+    if "--quiet" in flags:
+        assert err == ""
+    else:
+        assert "meshplan: tracing make:" in err and "meshplan: ILP on mesh" in err
+    progress.configure(progress.NORMAL)
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal(monkeypatch):
+    tty = _Tty()
+    progress.configure(progress.NORMAL, stream=tty)
+    try:
+        with progress.step("fast"):
+            pass
+        assert "fast ..." in tty.getvalue() and "fast:" not in tty.getvalue()
+        monkeypatch.setattr(progress, "SLOW_S", 0.0)     # every step counts as slow
+        with progress.step("outer"):
+            with progress.step("inner"):
+                pass
+        text = tty.getvalue()
+        assert "outer > inner ..." in text and "inner: " in text and "outer: " in text
+        plain = io.StringIO()                             # not a terminal: nothing
+        progress.configure(progress.NORMAL, stream=plain)
+        with progress.step("hidden"):
+            pass
+        assert plain.getvalue() == ""
+        progress.configure(progress.QUIET, stream=tty)
+        before = tty.getvalue()
+        with progress.step("quiet"):
+            pass
+        assert tty.getvalue() == before
+    finally:
+        progress.configure(progress.NORMAL)

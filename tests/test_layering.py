@@ -6,7 +6,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"planner": "meshplan", "cost_model": "meshplan.cost_model", "ilp": "meshplan.ilp",
            "dp_search": "meshplan.dp_search", "runtime": "meshplan.runtime"}
 # Modules of planner that sit on top of everything (public API, CLI, verification).
-TOP = {"__init__", "api", "cli", "verify", "methods_impl", "calibrate"}
+TOP = {"__init__", "api", "cli", "verify", "methods_impl", "calibrate", "checkpoint"}
 ALLOWED = {
     "core": {"core"},
     "cost_model": {"core", "cost_model"},

@@ -1,0 +1,357 @@
+"""``meshplan calibrate``: measure the local devices into a cluster JSON.
+
+What is measured, all local devices at once (each device runs its own copy,
+so devices that share chips or cores -- the fake CPU devices of
+``--xla_force_host_platform_device_count`` -- report their share):
+
+- peak FLOP/s per dtype (float32, bfloat16, float16 where the back end runs
+  them): a jitted ``jnp.matmul`` of two n x n matrices per device, n doubled
+  until one run is long enough to be compute bound; 2 n^3 / time;
+- memory bandwidth: ``z = x + y`` on large per-device arrays (read 2, write 1):
+  3 x array bytes / time;
+- per axis of the physical mesh (hosts x devices per host): ``psum`` inside
+  ``jax.shard_map`` at a small, a middle and a large message size (grown until
+  bandwidth bound), each repeated in a ``fori_loop``; the line t = a + b S
+  through the smallest and the largest gives the ring all-reduce model the
+  cost model uses,
+  t = 2(n-1) alpha + 2(n-1)/n S / B, so alpha = a / 2(n-1), B = 2(n-1) / (n b).
+
+Every time is the median of several timed runs after a warm-up run, each run
+ended by ``block_until_ready``.  The timer is injectable (``timer(fn)`` runs
+``fn`` once and returns seconds) so tests can drive the arithmetic with
+synthetic times; the figure arithmetic lives in small pure functions.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from . import progress
+from .cluster import (ClusterSpec, DeviceSpec, LinkSpec, _allocator_limit, _physical_memory)
+from .errors import MeshplanError
+
+Timer = Callable[[Callable[[], Any]], float]
+
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def wall_timer(fn: Callable[[], Any]) -> float:
+    """Run ``fn`` once (it blocks until its results are ready); seconds taken."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Options:
+    """Sizes and repetitions.  ``Options.quick()`` is for tests and a first look."""
+    repeats: int = 5                    # timed runs; the median is kept
+    warmup: int = 1                     # untimed runs first (compilation)
+    target_s: float = 0.2               # grow a size until one run takes this long
+    matmul_min_n: int = 256
+    matmul_max_n: int = 8192
+    memory_min_bytes: int = 1 << 20     # per device, per array
+    memory_max_bytes: int = 1 << 30
+    collective_small_bytes: int = 1 << 12
+    collective_max_bytes: int = 1 << 28
+    collective_loop: int = 8            # collectives per timed run (fori_loop)
+    dtypes: tuple[str, ...] = MATMUL_DTYPES
+    quick_mode: bool = False
+
+    @classmethod
+    def quick(cls) -> "Options":
+        return cls(repeats=3, target_s=0.005, matmul_min_n=64, matmul_max_n=256,
+                   memory_min_bytes=1 << 16, memory_max_bytes=1 << 22,
+                   collective_small_bytes=1 << 10, collective_max_bytes=1 << 20,
+                   collective_loop=4, quick_mode=True)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured figure and how it was obtained."""
+    what: str            # "matmul float32", "memory", "psum over 'device'"
+    value: float         # FLOP/s or bytes/s (or, for collectives, bandwidth)
+    size: int            # n of the matmul, bytes per device per array, largest message
+    seconds: float       # median time of one run at ``size`` (per collective for psum)
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    cluster: ClusterSpec
+    measurements: tuple[Measurement, ...]
+
+
+# ---------------------------------------------------------------------------
+# pure arithmetic
+
+def matmul_flops(n: int, seconds: float) -> float:
+    """FLOP/s of an n x n by n x n matmul taking ``seconds``."""
+    return 2.0 * n ** 3 / seconds
+
+
+def add_bandwidth(nbytes: int, seconds: float) -> float:
+    """Bytes/s of ``x + y`` over arrays of ``nbytes`` each (two read, one written)."""
+    return 3.0 * nbytes / seconds
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = a + b * s`` through ``(s, t)`` points: ``(a, b)``."""
+    if len(points) < 2:
+        raise ValueError("a line needs at least two points")
+    xs = [float(p[0]) for p in points]
+    ys = [float(p[1]) for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("the points need at least two different sizes")
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def all_reduce_link(points: Sequence[tuple[float, float]], n: int) -> LinkSpec:
+    """The (latency, bandwidth) of a link from all-reduce times over ``n`` devices.
+
+    ``points`` are (bytes per device, seconds per all-reduce).  The ring model
+    t = 2(n-1) alpha + 2(n-1)/n * S/B is the line through the smallest and the
+    largest message (a least-squares line over sizes that far apart would be
+    all slope and no intercept); a negative intercept (noise) becomes zero
+    latency.  A non-positive slope (the large message was
+    no slower than the small one) takes the bandwidth from the largest point
+    alone.
+    """
+    if n < 2:
+        raise ValueError("an all-reduce needs at least two devices")
+    a, b = fit_line([min(points), max(points)])
+    steps = 2 * (n - 1)
+    if b <= 0:
+        s, t = max(points)
+        b, a = t / s, 0.0
+    return LinkSpec(bandwidth_bytes_per_s=steps / n / b, latency_s=max(a, 0.0) / steps)
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+def median_time(fn: Callable[[], Any], timer: Timer, repeats: int, warmup: int) -> float:
+    """Median seconds of ``repeats`` timed runs of ``fn`` after ``warmup`` runs."""
+    for _ in range(warmup):
+        timer(fn)
+    times = [timer(fn) for _ in range(max(1, repeats))]
+    t = statistics.median(times)
+    if not (t > 0 and math.isfinite(t)):
+        raise MeshplanError(f"calibrate: a timed run took {t!r} s; the timer is broken")
+    return t
+
+
+def grow(make: Callable[[int], Callable[[], Any]], sizes: Sequence[int], timer: Timer,
+         opts: Options, growth: float = 2.0) -> tuple[int, float]:
+    """Try ``sizes`` in order (one warm-up and one timed run each) until a run
+    takes ``opts.target_s`` -- or the next size, ``growth`` times slower, would
+    take over 4 x that; the median time at that size: ``(size, seconds)``."""
+    def enough(t: float) -> bool:
+        return t >= opts.target_s or t * growth > 4 * opts.target_s
+
+    for k, size in enumerate(sizes):
+        fn = make(size)
+        timer(fn)                      # warm-up: compile
+        last = k == len(sizes) - 1
+        if enough(timer(fn)) or last:
+            med = median_time(fn, timer, opts.repeats, 0)
+            if enough(med) or last:    # not one noisy run
+                return size, med
+    raise ValueError("no sizes to try")
+
+
+def _doubling(lo: int, hi: int, factor: int = 2) -> list[int]:
+    out, s = [], lo
+    while s < hi:
+        out.append(s)
+        s *= factor
+    out.append(hi)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the jax programs
+
+def _physical_mesh(devices: Sequence[Any]):
+    """(mesh, hosts, per_host): the devices as a ("host", "device") mesh."""
+    import numpy as np
+    from jax.sharding import Mesh
+    by_proc: dict[int, list[Any]] = {}
+    for d in devices:
+        by_proc.setdefault(int(getattr(d, "process_index", 0)), []).append(d)
+    counts = {len(v) for v in by_proc.values()}
+    if len(counts) == 1:
+        hosts, per_host = len(by_proc), counts.pop()
+        ordered = [d for p in sorted(by_proc) for d in sorted(by_proc[p], key=lambda d: d.id)]
+    else:
+        hosts, per_host, ordered = 1, len(devices), list(devices)
+    return Mesh(np.array(ordered, dtype=object).reshape(hosts, per_host), ("host", "device")), \
+        hosts, per_host
+
+
+def _per_device(mesh, body: Callable, shapes: Sequence[tuple[int, ...]], dtype: Any,
+                fill: float) -> Callable[[], Any]:
+    """``body`` run on every device at once on its own arrays of ``shapes``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    spec = P(("host", "device"))
+    sharding = NamedSharding(mesh, spec)
+    n = mesh.size
+    make = jax.jit(lambda: tuple(jnp.full((n,) + tuple(s), fill, dtype) for s in shapes),
+                   out_shardings=tuple(sharding for _ in shapes))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(spec for _ in shapes),
+                              out_specs=spec, check_vma=False))
+    args = make()
+    return lambda: jax.block_until_ready(f(*args))
+
+
+def _matmul_fn(mesh, dtype: str) -> Callable[[int], Callable[[], Any]]:
+    import jax.numpy as jnp
+    return lambda n: _per_device(mesh, lambda a, b: jnp.matmul(a, b), [(n, n), (n, n)],
+                                 jnp.dtype(dtype), 0.5)
+
+
+def _add_fn(mesh) -> Callable[[int], Callable[[], Any]]:
+    import jax.numpy as jnp
+    return lambda nbytes: _per_device(mesh, lambda x, y: x + y,
+                                      [(nbytes // 4,), (nbytes // 4,)], jnp.float32, 1.0)
+
+
+def _psum_fn(mesh, axis: str, loop: int) -> Callable[[int], Callable[[], Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    def body(x):
+        return jax.lax.fori_loop(0, loop, lambda i, y: jax.lax.psum(y, axis), x)
+    # zeros: a psum of zeros stays zero however often it is repeated
+    return lambda nbytes: _per_device(mesh, body, [(max(1, nbytes // 4),)], jnp.float32, 0.0)
+
+
+def _supported(dtype: str, mesh) -> bool:
+    try:
+        _matmul_fn(mesh, dtype)(8)()
+        return True
+    except Exception:  # the back end cannot run this dtype
+        return False
+
+
+# ---------------------------------------------------------------------------
+# the whole calibration
+
+def calibrate(*, name: str | None = None, options: Options | None = None,
+              timer: Timer = wall_timer, devices: Sequence[Any] | None = None) -> Calibration:
+    """Measure ``devices`` (default ``jax.devices()``) and describe them as a cluster."""
+    import jax
+    opts = options or Options()
+    devices = list(devices if devices is not None else jax.devices())
+    if not devices:
+        raise MeshplanError("calibrate: jax sees no devices")
+    mesh, hosts, per_host = _physical_mesh(devices)
+    dev0 = devices[0]
+    platform = str(dev0.platform).lower()
+    kind = str(getattr(dev0, "device_kind", "") or platform).strip()
+    measurements: list[Measurement] = []
+    how: list[str] = []
+
+    # matmul FLOP/s per dtype
+    flops: dict[str, float] = {}
+    sizes = _doubling(opts.matmul_min_n, opts.matmul_max_n)
+    skipped = []
+    for dtype in opts.dtypes:
+        if not _supported(dtype, mesh):
+            skipped.append(dtype)
+            continue
+        with progress.step(f"calibrate: matmul {dtype}"):
+            n, t = grow(_matmul_fn(mesh, dtype), sizes, timer, opts, growth=8)
+        flops[dtype] = matmul_flops(n, t)
+        measurements.append(Measurement(f"matmul {dtype}", flops[dtype], n, t))
+    if not flops:
+        raise MeshplanError(f"calibrate: none of the dtypes {', '.join(opts.dtypes)} runs a "
+                            f"matmul on {platform}")
+    how.append("peak_flops: jitted jnp.matmul of two n x n matrices on every device at once, "
+               "2 n^3 / median time, " + ", ".join(
+                   f"{m.what.split()[1]} n={m.size} {m.seconds * 1e3:.3g} ms" for m in measurements)
+               + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
+
+    # memory bandwidth
+    mem_limit = _allocator_limit(dev0)
+    if mem_limit is not None:
+        memory, mem_how = mem_limit, "the XLA allocator limit (device.memory_stats()['bytes_limit'])"
+    else:
+        memory = max(1, _physical_memory() // per_host)
+        mem_how = (f"device.memory_stats() has no limit on {platform}: the host's physical "
+                   f"memory split among its {per_host} device(s)")
+    hi = max(opts.memory_min_bytes, min(opts.memory_max_bytes, memory // 16))
+    with progress.step("calibrate: memory bandwidth"):
+        nbytes, t = grow(_add_fn(mesh), _doubling(opts.memory_min_bytes, hi, 4), timer, opts,
+                         growth=4)
+    mem_bw = add_bandwidth(nbytes, t)
+    measurements.append(Measurement("memory", mem_bw, nbytes, t))
+    how.append(f"memory_bandwidth_bytes_per_s: jitted x + y of float32 arrays of "
+               f"{nbytes / 2**20:.3g} MiB per device, 3 x array bytes / median time "
+               f"({t * 1e3:.3g} ms)")
+    how.append(f"memory_bytes: {mem_how}")
+
+    # collectives per mesh axis
+    links: dict[str, LinkSpec] = {}
+    small = opts.collective_small_bytes
+    for axis, size, key in (("device", per_host, "intra_host"), ("host", hosts, "inter_host")):
+        if size < 2:
+            continue
+        make = _psum_fn(mesh, axis, opts.collective_loop)
+        with progress.step(f"calibrate: psum over {axis!r} ({size} devices)"):
+            # the large message: grown until a run is long enough (bandwidth bound)
+            large, t_large = grow(make, _doubling(min(small * 16, opts.collective_max_bytes),
+                                                  opts.collective_max_bytes, 4), timer, opts,
+                              growth=4)
+            points = [(float(large), t_large / opts.collective_loop)]
+            for s in sorted({small, int(math.sqrt(small * large))} - {large}):
+                t = median_time(make(s), timer, opts.repeats, opts.warmup) / opts.collective_loop
+                points.append((float(s), t))
+            points.sort()
+        link = all_reduce_link(points, size)
+        if key == "inter_host":   # the JSON wants the whole host's network bandwidth
+            link = replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * per_host)
+        links[key] = link
+        measurements.append(Measurement(f"psum over {axis!r}", link.bandwidth_bytes_per_s,
+                                        large, points[-1][1], link.latency_s))
+        how.append(f"links.{key}: psum over mesh axis {axis!r} ({size} devices) in "
+                   f"jax.shard_map, {opts.collective_loop} in a fori_loop per run, at "
+                   + ", ".join(f"{int(s)} B {t * 1e6:.3g} us" for s, t in points)
+                   + "; the ring model t = 2(n-1) alpha + 2(n-1)/n S/B through the smallest and "
+                     "largest message"
+                   + (f", times {per_host} devices per host" if key == "inter_host" else ""))
+    for key in ("intra_host", "inter_host"):
+        if key not in links:
+            links[key] = getattr(ClusterSpec.local(), key)
+            why = ("only one device per host" if key == "intra_host" else "one host")
+            how.append(f"links.{key}: not measured ({why}); meshplan's platform default")
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        import jaxlib
+        jaxlib_version = f", jaxlib {jaxlib.__version__}"
+    except (ImportError, AttributeError):
+        jaxlib_version = ""
+    description = (
+        f"Measured by `meshplan calibrate{' --quick' if opts.quick_mode else ''}` on {now} "
+        f"with jax {jax.__version__}{jaxlib_version}: {hosts} host(s) x {per_host} "
+        f"{kind!r} ({platform}) device(s), all devices measured at once. "
+        + ". ".join(how) + ".")
+    spec = ClusterSpec(
+        name=name or f"calibrated-{platform}-{hosts}x{per_host}", num_hosts=hosts,
+        devices_per_host=per_host,
+        device=DeviceSpec(kind=kind, memory_bytes=int(memory),
+                          memory_bandwidth_bytes_per_s=mem_bw, peak_flops=flops),
+        intra_host=links["intra_host"], inter_host=links["inter_host"],
+        description=description,
+        sources=(f"meshplan calibrate, {now}, jax {jax.__version__}",))
+    return Calibration(cluster=spec, measurements=tuple(measurements))

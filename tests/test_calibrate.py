@@ -1,0 +1,108 @@
+"""`meshplan calibrate`: the figure arithmetic on synthetic times, and a quick
+real calibration of the 8 fake CPU devices that loads and plans."""
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import meshplan
+from meshplan import calibrate as C
+from meshplan.cli import main
+
+
+def test_matmul_and_bandwidth_arithmetic():
+    assert C.matmul_flops(1000, 2.0) == pytest.approx(1e9)
+    assert C.add_bandwidth(1 << 20, 1e-3) == pytest.approx(3 * (1 << 20) / 1e-3)
+
+
+def test_fit_line_least_squares():
+    a, b = C.fit_line([(0, 1.0), (1, 3.0), (2, 5.0)])
+    assert (a, b) == (pytest.approx(1.0), pytest.approx(2.0))
+    with pytest.raises(ValueError):
+        C.fit_line([(1, 1.0)])
+    with pytest.raises(ValueError):
+        C.fit_line([(1, 1.0), (1, 2.0)])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_reduce_link_recovers_alpha_beta(n):
+    alpha, bw = 7e-6, 40e9
+    ring = lambda s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw
+    link = C.all_reduce_link([(s, ring(s)) for s in (1e3, 1e5, 1e7)], n)
+    assert link.latency_s == pytest.approx(alpha)
+    assert link.bandwidth_bytes_per_s == pytest.approx(bw)
+
+
+def test_all_reduce_link_noise_is_clamped():
+    # negative intercept -> zero latency; flat times -> bandwidth from the largest point
+    link = C.all_reduce_link([(1e3, 1e-9), (1e4, 1e-5)], 2)
+    assert link.latency_s == 0.0 and link.bandwidth_bytes_per_s > 0
+    flat = C.all_reduce_link([(1e3, 1e-3), (1e6, 1e-3)], 4)
+    assert flat.latency_s == 0.0
+    assert flat.bandwidth_bytes_per_s == pytest.approx(2 * 3 / 4 / (1e-3 / 1e6))
+
+
+def test_median_time_and_grow_with_injected_timer():
+    times = iter([5.0, 1.0, 3.0, 2.0])
+    assert C.median_time(lambda: None, lambda fn: next(times), repeats=3, warmup=1) == 2.0
+    made = []
+
+    def make(size):
+        made.append(size)
+        return lambda: size
+
+    # a timer that says how long a size "takes": 1 ms per unit of size
+    size, t = C.grow(make, [1, 2, 4, 8, 16], lambda fn: fn() * 1e-3,
+                     C.Options(repeats=3, target_s=4e-3))
+    assert (size, t) == (4, pytest.approx(4e-3)) and made == [1, 2, 4]
+    with pytest.raises(meshplan.MeshplanError):
+        C.median_time(lambda: None, lambda fn: 0.0, repeats=2, warmup=0)
+
+
+def test_calibrate_with_constant_timer_is_deterministic():
+    opts = C.Options.quick()
+    cal = C.calibrate(name="fake", options=opts, timer=lambda fn: 1e-3)
+    spec = cal.cluster
+    n = opts.matmul_max_n        # a constant 1 ms never reaches the target: largest size
+    assert dict(spec.device.peak_flops)["float32"] == pytest.approx(2 * n ** 3 / 1e-3)
+    assert spec.name == "fake" and spec.num_devices == len(jax.devices())
+    assert meshplan.parse_cluster(json.loads(spec.to_json())) == spec
+
+
+def test_calibrate_quick_writes_a_cluster_that_plans(tmp_path, capsys):
+    out = tmp_path / "local.json"
+    assert main(["calibrate", "--out", str(out), "--quick", "--name", "here"]) == 0
+    assert "cluster written to" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["format"] == "meshplan.cluster/1"
+    spec = meshplan.load_cluster(out)
+    assert spec.name == "here"
+    assert (spec.num_hosts, spec.devices_per_host) == (1, 8)
+    flops = dict(spec.device.peak_flops)
+    assert "float32" in flops
+    for dtype, f in flops.items():
+        assert 1e6 < f < 1e16, (dtype, f)           # 1 MFLOP/s .. 10 PFLOP/s
+    assert 1e6 < spec.device.memory_bandwidth_bytes_per_s < 1e14
+    assert spec.device.memory_bytes > 2**20
+    intra = spec.intra_host
+    assert 1e5 < intra.bandwidth_bytes_per_s < 1e13
+    assert 0 <= intra.latency_s < 0.1
+    d = spec.description
+    assert re.search(r"\d{4}-\d\d-\d\d", d) and jax.__version__ in d
+    for word in ("matmul", "x + y", "psum", "memory_bytes", "cpu", "inter_host"):
+        assert word in d, word
+    # a plan can be made with it
+    assert main(["plan", "--model", "mlp", "--cluster", str(out), "--method", "shard"]) == 0
+    assert "Plan for" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["/nonexistent/dir/c.json", "."])
+def test_calibrate_bad_out_is_one_line_exit_2(where):
+    proc = subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--out", where],
+                          capture_output=True, text=True)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--out" in lines[0] or where in lines[0]

@@ -1,0 +1,96 @@
+"""Determinism: the same function, arguments and cluster give a byte-identical
+plan JSON, in one process and across processes with different hash seeds.
+
+Planning must not depend on ``PYTHONHASHSEED`` (set/dict order of strings),
+on wall-clock time (a search time written into the plan's notes once made
+every pipeline plan differ) or on solver threads.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import meshplan
+from meshplan.models import build_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "dgx-a100-x1.json"
+GPT = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64, "batch": 8}
+
+# label -> (model, config, method expression)
+CASES = {
+    "gpt-shard": ("gpt", GPT, "meshplan.ShardParallel()"),
+    "gpt-manual-pp2": ("gpt", GPT, "meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)"),
+    "mlp-auto": ("mlp", {"layers": 4}, "meshplan.Auto()"),
+    "moe-shard": ("moe", {"layers": 1, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
+                          "batch": 8, "num_experts": 4, "expert_group_size": 16},
+                  "meshplan.ShardParallel()"),
+}
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import meshplan
+    from meshplan.models import build_model
+    cluster = meshplan.load_cluster(sys.argv[1])
+    cases = json.loads(sys.argv[2])
+    out = {}
+    for label, (name, config, method) in cases.items():
+        m = build_model(name, config)
+        out[label] = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                                   method=eval(method)).to_json()
+    print(json.dumps(out))
+""")
+
+
+def _plans_here() -> dict[str, str]:
+    cluster = meshplan.load_cluster(CLUSTER)
+    out = {}
+    for label, (name, config, method) in CASES.items():
+        m = build_model(name, config)
+        out[label] = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                                   method=eval(method)).to_json()
+    return out
+
+
+def _plans_in_subprocess(hash_seed: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)      # planning for a cluster file needs no local devices
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(CLUSTER), json.dumps(CASES)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _same(a: dict[str, str], b: dict[str, str], what: str) -> None:
+    for label in CASES:
+        if a[label] != b[label]:
+            diff = "".join(list(difflib.unified_diff(
+                a[label].splitlines(True), b[label].splitlines(True), "first", "second"))[:60])
+            pytest.fail(f"{label}: plan JSON differs {what}:\n{diff}")
+
+
+def test_plan_json_is_byte_identical_across_runs_and_hash_seeds() -> None:
+    procs = {seed: _plans_in_subprocess(seed) for seed in ("0", "4242")}
+    try:
+        first = _plans_here()
+        second = _plans_here()
+        _same(first, second, "between two runs in one process")
+        for seed, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            _same(first, json.loads(out.strip().splitlines()[-1]),
+                  f"in a process with PYTHONHASHSEED={seed}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for label, text in first.items():
+        notes = json.loads(text)["notes"]
+        assert not any(n.rstrip().endswith(" s") for n in notes), (label, notes)

@@ -1,0 +1,138 @@
+"""Plan files: refused when from a newer/unknown format, never half-written.
+
+* ``Plan.from_json`` (and so ``parallelize(plan=...)`` / ``meshplan run
+  --plan``) refuses a plan of another format version, naming it.
+* ``meshplan plan --json OUT`` writes OUT only once planning succeeded, via
+  a temporary file and an atomic rename: Ctrl-C while planning (a real
+  SIGINT to a subprocess), a solver failure, or an interruption during the
+  write leave no OUT (or the previous OUT intact) and no temporary files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import meshplan
+from meshplan import cli
+from meshplan.models import build_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CLUSTER = str(ROOT / "examples" / "clusters" / "dgx-a100-x1.json")
+
+
+@pytest.fixture(scope="module")
+def plan_json() -> str:
+    m = build_model("mlp", {"optimizer": "sgd"})
+    return meshplan.plan(m.train_step, *m.abstract_args,
+                         cluster=meshplan.load_cluster(CLUSTER),
+                         method=meshplan.DataParallel()).to_json()
+
+
+@pytest.mark.parametrize("version", ["meshplan.plan/2", "meshplan.plan/1.1", "other.plan/1",
+                                     None, 1])
+def test_plan_of_another_format_version_is_refused_naming_it(plan_json, version):
+    d = json.loads(plan_json)
+    if version is None:
+        del d["format"]
+    else:
+        d["format"] = version
+    with pytest.raises(meshplan.PlanFormatError) as e:
+        meshplan.Plan.from_json(json.dumps(d))
+    assert repr(version) in str(e.value)
+    assert "meshplan.plan/1" in str(e.value)       # and what this version reads
+    assert meshplan.Plan.from_json(plan_json).to_json() == plan_json
+
+
+def test_cli_run_refuses_a_newer_plan_file(plan_json, tmp_path, capsys):
+    d = json.loads(plan_json)
+    d["format"] = "meshplan.plan/7"
+    path = tmp_path / "newer.json"
+    path.write_text(json.dumps(d))
+    rc = cli.main(["run", "--model", "mlp", "--plan", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "'meshplan.plan/7'" in err
+
+
+def _leftovers(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("failure, rc, words", [
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (meshplan.SolverError("ILP back end 'highs' found no solution within its time limit"),
+     2, "no solution within its time limit"),
+    (meshplan.InfeasiblePlanError("no plan fits"), 2, "no plan fits"),
+])
+def test_cli_plan_that_fails_writes_no_file(tmp_path, monkeypatch, capsys, failure, rc, words):
+    import meshplan.api
+
+    def fail(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(meshplan.api, "plan_graph", fail)
+    out = tmp_path / "plan.json"
+    got = cli.main(["plan", "--model", "mlp", "--cluster", CLUSTER, "--method", "shard",
+                    "--json", str(out)])
+    assert got == rc
+    assert words in capsys.readouterr().err
+    assert _leftovers(tmp_path) == []
+
+
+def test_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    out = tmp_path / "plan.json"
+    out.write_text("previous plan")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli._write_text(str(out), "new plan " * 1000)
+    monkeypatch.undo()
+    assert out.read_text() == "previous plan"
+    assert _leftovers(tmp_path) == ["plan.json"]
+    cli._write_text(str(out), "new plan")
+    assert out.read_text() == "new plan" and _leftovers(tmp_path) == ["plan.json"]
+
+
+def test_ctrl_c_while_planning_leaves_no_plan_file(tmp_path):
+    """A real SIGINT to ``meshplan plan`` in the middle of the pipeline search."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "meshplan.cli", "--verbose", "plan", "--model", "gpt",
+           "--model-arg", "layers=4", "--model-arg", "hidden=64", "--model-arg", "heads=4",
+           "--model-arg", "seq_len=32", "--model-arg", "vocab=128", "--model-arg", "batch=16",
+           "--cluster", str(ROOT / "examples" / "clusters" / "dgx-a100-x2.json"),
+           "--method", "auto", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # --verbose reports each finished step on stderr: interrupt once tracing
+        # is done, i.e. inside the pipeline search (several seconds at least),
+        # however slowly this machine got there
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "tracing" in line:
+                break
+        assert proc.poll() is None, "".join(seen)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, rest = proc.communicate(timeout=60)
+        stderr = "".join(seen) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    assert not out.exists() and _leftovers(tmp_path) == []
