@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import (BATCH, INPUT, INTERMEDIATE, STATE, Graph, GraphInput, GraphOutput,
-                     IDENTITY_MARKERS, strip_markers)
+                     IDENTITY_MARKERS, forward_nodes, strip_markers)
 
 PIPELINE_BOUNDARY = "meshplan_pipeline_boundary"
 GRAD_BOUNDARY = "meshplan_grad_boundary"
@@ -42,20 +42,6 @@ class Layering:
     flops: tuple[float, ...]              # per layer, all phases
     cut_bytes: tuple[int, ...]            # bytes of forward values crossing each cut (L-1)
     marked: bool                          # cuts came from user marks
-
-
-def forward_nodes(graph: Graph) -> list[bool]:
-    """Ancestors of the outputs that do not update an input (loss, metrics)."""
-    targets = {o.tensor for o in graph.outputs if o.updates is None}
-    is_fwd = [False] * len(graph.nodes)
-    need = set(targets)
-    for n in reversed(graph.nodes):
-        if n.primitive == GRAD_BOUNDARY:
-            continue
-        if any(t in need for t in n.outputs):
-            is_fwd[n.id] = True
-            need.update(n.inputs)
-    return is_fwd
 
 
 def _cut_profile(graph: Graph, fwd_ids: list[int]) -> np.ndarray:

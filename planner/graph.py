@@ -299,7 +299,24 @@ def topological(nodes: Iterable[Node]) -> bool:
     return True
 
 
-IDENTITY_MARKERS = frozenset({"meshplan_pipeline_boundary", "meshplan_grad_boundary"})
+GRAD_MARKER = "meshplan_grad_boundary"      # = meshplan.markers.GRAD_BOUNDARY
+IDENTITY_MARKERS = frozenset({"meshplan_pipeline_boundary", GRAD_MARKER})
+
+
+def forward_nodes(graph: Graph) -> list[bool]:
+    """Per node: is it in the forward pass?  The ancestors of the outputs that
+    update no input (loss, metrics), not looking through the end-of-backward
+    marker (:func:`meshplan.value_and_grad`), so the backward is excluded."""
+    targets = {o.tensor for o in graph.outputs if o.updates is None}
+    is_fwd = [False] * len(graph.nodes)
+    need = set(targets)
+    for n in reversed(graph.nodes):
+        if n.primitive == GRAD_MARKER:
+            continue
+        if any(t in need for t in n.outputs):
+            is_fwd[n.id] = True
+            need.update(n.inputs)
+    return is_fwd
 
 
 def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> Graph:

@@ -25,7 +25,10 @@ class Block:
     end: float
 
 
-def _order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) order one stage runs: GPipe all forwards then
+    all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
+    forward / one backward."""
     if schedule == "gpipe" or stages == 1:
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     warm = min(stages - stage - 1, m)
@@ -44,7 +47,7 @@ def simulate(plan: Plan) -> list[Block]:
     p, m = len(plan.stages), plan.num_micro_batches
     t_f = [(s.predicted.compute_s + s.predicted.comm_s) * FORWARD_SHARE for s in plan.stages]
     t_b = [(s.predicted.compute_s + s.predicted.comm_s) * (1 - FORWARD_SHARE) for s in plan.stages]
-    orders = [_order(plan.schedule, k, p, m) for k in range(p)]
+    orders = [schedule_order(plan.schedule, k, p, m) for k in range(p)]
     pos = [0] * p
     free = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}

@@ -64,7 +64,8 @@ from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.jaxpr_walk import FlatJaxpr, Lit, flatten
 from meshplan.markers import GRAD_BOUNDARY
 from meshplan.plan import Plan, arg_prefixes
-from meshplan.timeline import Block
+from meshplan.graph import forward_nodes
+from meshplan.timeline import Block, schedule_order
 
 from .shard import (FastPathMiss, _signature, build_mesh, check_spec, make_evaluator,
                     stage_devices, to_partition_spec)
@@ -117,23 +118,6 @@ class StepSplit:
     batch_ids: frozenset[int]
     deps: dict[tuple, set[tuple]]     # C task key -> C task keys it reads from (same micro-batch)
     moved: int = 0                    # ops moved off their layer's stage to keep a pipeline
-
-
-def forward_nodes(graph: Any) -> list[bool]:
-    """Ancestors of the outputs that update no input (loss, metrics), not
-    looking through the gradient marker -- the same rule as the planner's
-    ``meshplan.dp_search.layers.forward_nodes`` (the runtime may not import
-    the planner's passes)."""
-    targets = {o.tensor for o in graph.outputs if o.updates is None}
-    is_fwd = [False] * len(graph.nodes)
-    need = set(targets)
-    for n in reversed(graph.nodes):
-        if n.primitive == GRAD_BOUNDARY:
-            continue
-        if any(t in need for t in n.outputs):
-            is_fwd[n.id] = True
-            need.update(n.inputs)
-    return is_fwd
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
@@ -364,24 +348,6 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                     f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
     return StepSplit(p, eqn_stage, phase, tasks, producer, const_eqn, crossing, alias,
                      batch_ids, deps, moved)
-
-
-def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    """The (kind, micro-batch) order one stage runs: GPipe all forwards then
-    all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
-    forward / one backward (as :mod:`meshplan.timeline` draws it)."""
-    if schedule == "gpipe" or stages == 1:
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(stages - stage - 1, m)
-    out = [("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while b < m:
-        if f < m:
-            out.append(("F", f))
-            f += 1
-        out.append(("B", b))
-        b += 1
-    return out
 
 
 def dispatch_order(split: StepSplit, schedule: str, m: int) -> list[tuple[str, int, int]]:
