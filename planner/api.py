@@ -59,6 +59,11 @@ def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
                retrace: Callable[[int], Graph] | None = None) -> Plan:
     """Plan an already traced graph (the CLI's entry point).  ``retrace(B)``
     lets the pipeline search re-trace the step for B micro-batches."""
+    if isinstance(method, Manual):
+        used = method.dp * method.tp * method.pp
+        if used != cluster.num_devices:
+            raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
+                                f"{used} devices but the cluster has {cluster.num_devices}")
     if isinstance(method, (Auto, PipeshardParallel)) or (
             isinstance(method, Manual) and (method.pp > 1 or method.num_micro_batches > 1)):
         return _plan_pipeline(graph, cluster, method, retrace)
@@ -106,10 +111,6 @@ def _plan_data(graph: Graph, cluster: ClusterSpec, method: DataParallel) -> Plan
 
 def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
     from meshplan.ilp import solve_intra_op
-    n = cluster.num_devices
-    if method.dp * method.tp * method.pp != n:
-        raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
-                            f"{method.dp * method.tp * method.pp} devices but the cluster has {n}")
     _check_batch_divisible(graph, method.dp, "Manual(dp=...)")
     mesh = LogicalMesh(("data", "model"), (method.dp, method.tp))
 

@@ -161,6 +161,8 @@ def _files(tmp_path):
     (["plan", "--model", "mlp", "--cluster", "{tmp}/tiny.json", "--method", "data"], "does not fit"),
     (["plan", "--model", "mlp", "--cluster", DGX, "--method", "manual", "--dp", "3"], "3 devices"),
     (["plan", "--model", "mlp", "--cluster", DGX, "--method", "manual", "--dp", "0"], "--dp"),
+    (["plan", "--model", "mlp", "--cluster", DGX, "--method", "manual", "--dp", "2", "--pp", "2"],
+     "4 devices"),
     (["plan", "--model", "mlp", "--cluster", DGX, "--time-limit", "-1"], "--time-limit"),
     (["plan", "--model", "mlp", "--cluster", DGX, "--method", "pipeshard",
       "--micro-batches", "7"], "micro_batches=7"),
