@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+import _fake_devices  # noqa: E402,F401  (before jax: 8 fake CPU devices)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -13,6 +13,8 @@ saved ones bit for bit and where they landed.
 """
 from __future__ import annotations
 
+from _workers import process_rows
+
 import json
 import pathlib
 import sys
@@ -31,8 +33,7 @@ def main(argv: list[str]) -> int:
 
     model = build_model("mlp", {"optimizer": "sgd", "layers": 2, "hidden": 32})
     state, batch = model.init(0)
-    n = jax.tree.leaves(batch)[0].shape[0] // nproc
-    local = jax.tree.map(lambda x: x[pid * n:(pid + 1) * n], batch)
+    local = process_rows(batch, pid, nproc)
     step = meshplan.parallelize(model.train_step, cluster=meshplan.Cluster.local(),
                                 method=meshplan.ShardParallel(mesh_shape=(2, 4)))
     state, _ = step(state, local)

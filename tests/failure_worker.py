@@ -13,6 +13,8 @@ after its third step (a crash in Python rather than a kill).
 """
 from __future__ import annotations
 
+from _workers import process_rows
+
 import os
 import signal
 import sys
@@ -26,13 +28,11 @@ def main(argv: list[str]) -> int:
     from meshplan.runtime import initialize, to_host
     initialize(f"127.0.0.1:{port}", nproc, pid, heartbeat_timeout_s=heartbeat,
                initialization_timeout_s=60)
-    import jax
     from meshplan.models import build_model
 
     model = build_model("mlp", {"optimizer": "sgd", "layers": 1, "hidden": 16})
     state, batch = model.init(0)
-    n = jax.tree.leaves(batch)[0].shape[0] // nproc
-    local = jax.tree.map(lambda x: x[pid * n:(pid + 1) * n], batch)
+    local = process_rows(batch, pid, nproc)
     step = meshplan.parallelize(model.train_step, cluster=meshplan.Cluster.local(),
                                 method=meshplan.DataParallel())
     for k in range(100000):

@@ -18,6 +18,8 @@ each process has (XLA_FLAGS=--xla_force_host_platform_device_count=N).
 """
 from __future__ import annotations
 
+from _workers import process_rows
+
 import json
 import pathlib
 import sys
@@ -81,8 +83,7 @@ def main(argv: list[str]) -> int:
         losses, seconds = [], []
         for k in range(case["steps"]):
             batch = batches[k]
-            n = jax.tree.leaves(batch)[0].shape[0] // nproc
-            local_batch = jax.tree.map(lambda x: x[pid * n:(pid + 1) * n], batch)
+            local_batch = process_rows(batch, pid, nproc)
             t0 = time.perf_counter()
             state, metrics = step(state, local_batch)
             loss = to_host(metrics["loss"])
