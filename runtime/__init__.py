@@ -7,7 +7,9 @@
   a compiled program's per-device HLO.
 * :mod:`~meshplan.runtime.multihost`: runs whose mesh spans several JAX
   processes -- process-local batches (:func:`global_view`), one plan for all
-  processes (:func:`agree_on_plan`), outputs read back with :func:`to_host`.
+  processes (:func:`agree_on_plan`), outputs read back with :func:`to_host`;
+  pipeline plans with one stage per process:
+  :mod:`~meshplan.runtime.pipeline_multihost`.
 """
 from .hlo import Collective, collective_bytes, parse_collectives, summary
 from .multihost import agree_on_plan, global_view, is_multiprocess, to_host

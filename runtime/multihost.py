@@ -273,21 +273,66 @@ def to_host(tree: Any) -> Any:
     """Every leaf of ``tree`` as a NumPy array of its global value, in every
     process.
 
-    Fully addressable and fully replicated arrays are read locally; arrays
-    sharded across processes are gathered with
-    ``jax.experimental.multihost_utils.process_allgather`` -- a collective, so
-    in a multi-process run every process must call ``to_host`` on the same
-    tree.
+    Fully replicated arrays are read locally; arrays sharded across processes
+    are gathered with ``jax.experimental.multihost_utils.process_allgather``;
+    an array that lives on the devices of one process only (a pipeline
+    stage's output: see :mod:`meshplan.runtime.pipeline`) is sent from that
+    process to the others.  These are collectives, so in a multi-process run
+    every process must call ``to_host`` on the same tree.  (Which leaves live
+    on one process is agreed with one small all-gather, made only when the
+    tree holds a ``jax.Array`` that does not span every process.)
     """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not is_multiprocess():
+        return jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
     from jax.experimental import multihost_utils
 
-    def one(x: Any) -> Any:
+    everyone = set(range(jax.process_count()))
+    out: list[Any] = [None] * len(leaves)
+    partial: list[int] = []          # leaves on the devices of some processes only
+    for k, x in enumerate(leaves):
         if not isinstance(x, jax.Array):
-            return np.asarray(x)
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            out[k] = np.asarray(x)
+        elif {d.process_index for d in x.sharding.device_set} != everyone:
+            partial.append(k)
+        elif x.is_fully_replicated:
+            out[k] = np.asarray(x.addressable_data(0))
+        else:
+            out[k] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if partial:
+        _partial_to_host(leaves, partial, out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
-    return jax.tree_util.tree_map(one, tree)
+
+def _partial_to_host(leaves: list[Any], partial: list[int], out: list[Any]) -> None:
+    """Leaves on the devices of some processes only: a process-local array in
+    every process (each reads its own) or an array of one process (that
+    process sends it to the others)."""
+    from jax.experimental import multihost_utils
+
+    held = np.array([leaves[k].is_fully_addressable for k in partial], np.int32)
+    all_held = np.asarray(multihost_utils.process_allgather(held)).reshape(-1, len(partial))
+    by_owner: dict[int, list[int]] = {}
+    for j, k in enumerate(partial):
+        owners = [p for p in range(all_held.shape[0]) if all_held[p, j]]
+        if len(owners) == all_held.shape[0]:
+            out[k] = np.asarray(leaves[k])          # a process-local value everywhere
+        elif len(owners) == 1:
+            by_owner.setdefault(owners[0], []).append(k)
+        else:
+            procs = sorted({d.process_index for d in leaves[k].sharding.device_set})
+            raise RuntimeStageError(
+                f"an array of shape {tuple(leaves[k].shape)} is sharded over the devices of "
+                f"processes {procs}, not all {all_held.shape[0]}: to_host reads arrays of one "
+                "process or of all; reshard it onto every process's devices first")
+    me = jax.process_index()
+    for owner in sorted(by_owner):
+        ks = by_owner[owner]
+        values = []
+        for k in ks:
+            x = leaves[k]
+            host = np.asarray(x) if owner == me else np.zeros(x.shape, x.dtype)
+            values.append(host.astype(np.uint8) if host.dtype == np.bool_ else host)
+        got = multihost_utils.broadcast_one_to_all(values, is_source=owner == me)
+        for k, v in zip(ks, got):
+            out[k] = np.asarray(v).astype(leaves[k].dtype, copy=False)

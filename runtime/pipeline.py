@@ -2,23 +2,9 @@
 
 How a plan becomes programs
 ---------------------------
-The step is traced at the *micro-batch* shapes (the batch arguments' dimension
-0 divided by ``plan.num_micro_batches``) with ``jax.make_jaxpr`` and flattened
-with :func:`meshplan.jaxpr_walk.flatten`: the very equation stream (and integer
-tensor ids) the inter-operator pass planned, so ``Plan.layer_of_node`` gives
-the layer of every equation and ``Stage.layers`` the stage of every layer.
-Every equation then gets a *phase*:
-
-* ``F`` (forward): ancestors of the step's metric outputs (the loss), as the
-  planner's :func:`forward_nodes` defines them;
-* ``B`` (backward): every other equation that must run once per micro-batch:
-  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker)
-  and everything else that reads the batch;
-* ``A`` (apply): what runs once per step after the micro-batches: the
-  equations downstream of the gradients (the optimizer update) and those that
-  read only state (a step counter);
-* values made from constants alone (masks, iotas) are recomputed by every
-  program that reads them instead of being sent between stages.
+The step is traced at the *micro-batch* shapes and cut into per-stage forward
+(``F``), backward (``B``) and update (``A``) work by
+:mod:`meshplan.runtime.pipeline_split` (see there for the phases).
 
 Per stage there is one forward and one backward program (each a ``jax.jit`` of
 an evaluator that replays its equations, with the stage's planned sharding
@@ -35,6 +21,19 @@ Values cross stages only through an explicit ``jax.device_put`` onto a
 ``NamedSharding`` of the receiving stage's mesh (jax 0.10.2 crashed on the
 cached second call of a program given an array of another submesh).  Nothing
 is donated (jax 0.10.2 crashes on a call with an already-donated array).
+
+Across processes (``jax.distributed``; see
+:mod:`meshplan.runtime.pipeline_multihost`): every process runs this driver
+in the same order and dispatches the programs of its own stages only (each
+stage on the devices of one process); a value moves to a stage of another
+process through a two-process collective both issue at the same point of the
+loop.  As in :mod:`meshplan.runtime.multihost`, batch arguments are
+process-local rows (gathered into the global batch on host at the start of
+every step, one collective per batch leaf) and other arguments are the same
+host value in every process or the state the step returned.  Every output is
+a ``jax.Array`` on the mesh of the stage that made it: its data in that
+stage's process, a handle without local data in the others; read it with
+:func:`meshplan.runtime.to_host` in every process.
 
 What is not the same as the undecorated step (with more than one
 micro-batch): metric outputs and other batch-dependent values that the update
@@ -62,320 +61,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.jaxpr_walk import FlatJaxpr, Lit, flatten
-from meshplan.markers import GRAD_BOUNDARY
 from meshplan.plan import Plan, arg_prefixes
 from meshplan.graph import forward_nodes
 from meshplan.timeline import Block, schedule_order
 
 from .shard import (FastPathMiss, _signature, build_mesh, check_spec, make_evaluator,
                     stage_devices, to_partition_spec)
+from .multihost import global_view, is_global_array, is_local_batch_leaf, is_multiprocess, to_host
+from .pipeline_multihost import StageTransport
+from .pipeline_split import (CONCAT, LAST, MEAN, StepSplit, Task, dispatch_order,  # noqa: F401
+                             split_step)
 
-__all__ = ["PipelineExecutable", "StepSplit", "split_step", "schedule_order", "SCHEDULES"]
+__all__ = ["PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
+           "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b")
-
-# kinds of value crossing from the per-micro-batch phase to the update/outputs
-MEAN, LAST, CONCAT = "mean", "last", "concat"
-
-
-# ---------------------------------------------------------------------------
-# The split: every equation to a (phase, stage); tasks and their wiring
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Task:
-    """One program: the equations of one stage in one phase (``level`` orders
-    the apply programs of a step)."""
-    kind: str                     # "F", "B" or "A"
-    stage: int
-    level: int = 0
-    eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
-    inputs: tuple[int, ...] = ()     # ids read from outside the program
-    outputs: tuple[int, ...] = ()    # ids other programs / the step outputs need
-    accumulate: tuple[int, ...] = () # ids summed over micro-batches (C phase)
-
-    @property
-    def key(self) -> tuple:
-        return (self.kind, self.stage) if self.kind != "A" else ("A", self.stage, self.level)
-
-    def name(self) -> str:
-        what = {"F": "forward", "B": "backward", "A": "update"}[self.kind]
-        lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
-        return f"stage {self.stage} {what}{lvl}"
-
-
-@dataclasses.dataclass
-class StepSplit:
-    """The step cut into per-stage programs (pure data; see :func:`split_step`)."""
-    num_stages: int
-    eqn_stage: list[int]
-    eqn_phase: list[str]              # "F", "B", "A", "K" (constant), "M" (gradient marker)
-    tasks: dict[tuple, Task]
-    producer: dict[int, tuple]        # id -> task key that makes it (C and A phases)
-    const_eqn: dict[int, int]         # id -> constant equation making it
-    crossing: dict[int, str]          # C-phase id read after the micro-batches -> MEAN/LAST/CONCAT
-    alias: dict[int, int]             # gradient-marker output id -> its input id
-    batch_ids: frozenset[int]
-    deps: dict[tuple, set[tuple]]     # C task key -> C task keys it reads from (same micro-batch)
-    moved: int = 0                    # ops moved off their layer's stage to keep a pipeline
-
-
-def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
-               stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
-               num_micro_batches: int, concat_outputs: Sequence[int] = ()) -> StepSplit:
-    """Assign every equation of ``flat`` to a stage and phase and build the
-    tasks (see the module doc).  ``concat_outputs``: output ids whose
-    dimension 0 is the batch."""
-    eqns = flat.eqns
-    n = len(eqns)
-    if len(layer_of_node) != n:
-        raise StalePlanError(
-            f"the plan's layering covers {len(layer_of_node)} operations but the step traced at "
-            f"micro-batch size has {n}; the plan was made for another function or other shapes: "
-            "re-plan with these arguments")
-    p = len(stage_layers)
-    stage_of_layer: dict[int, int] = {}
-    for s, (first, last) in enumerate(stage_layers):
-        for l in range(first, last + 1):
-            stage_of_layer[l] = s
-    missing = sorted({l for l in layer_of_node if l not in stage_of_layer})
-    if missing:
-        raise StalePlanError(f"the plan's stages do not cover layer {missing[0]}; re-plan")
-    eqn_stage = [stage_of_layer[l] for l in layer_of_node]
-    batch_ids = frozenset(batch_ids)
-    invars = set(flat.invars)
-    constvars = set(flat.constvars)
-
-    producer_eqn: dict[int, int] = {}
-    for k, fe in enumerate(eqns):
-        for o in fe.outvars:
-            producer_eqn[o] = k
-    # constant equations: read only constants and literals (transitively)
-    const_ids = set(constvars)
-    is_const = [False] * n
-    for k, fe in enumerate(eqns):
-        if all(isinstance(x, Lit) or x in const_ids for x in fe.invars):
-            is_const[k] = True
-            const_ids.update(fe.outvars)
-    # batch dependence and "after the gradients"
-    bdep = set(batch_ids)
-    after = set()
-    markers = [k for k, fe in enumerate(eqns) if fe.eqn.primitive.name == GRAD_BOUNDARY]
-    alias: dict[int, int] = {}
-    for k in markers:
-        for i, o in zip(eqns[k].invars, eqns[k].outvars):
-            if isinstance(i, int):
-                alias[o] = i
-    for k, fe in enumerate(eqns):
-        ins = [x for x in fe.invars if isinstance(x, int)]
-        if k in markers:
-            after.update(fe.outvars)
-            continue
-        if any(x in bdep for x in ins):
-            bdep.update(fe.outvars)
-        if any(x in after for x in ins):
-            after.update(fe.outvars)
-    if not markers and num_micro_batches > 1:
-        raise MeshplanError(
-            "running more than one micro-batch needs to know where the gradients end: compute "
-            "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
-            "num_micro_batches=1)")
-    # C phase: ancestors of the gradients and of everything batch-dependent
-    # that does not come after the gradients
-    need: set[int] = set()
-    for k in markers:
-        need.update(x for x in eqns[k].invars if isinstance(x, int))
-    for k, fe in enumerate(eqns):
-        if not is_const[k] and k not in markers and any(o in bdep for o in fe.outvars) \
-                and not any(o in after for o in fe.outvars):
-            need.update(fe.outvars)
-    in_c = [False] * n
-    for k in range(n - 1, -1, -1):
-        fe = eqns[k]
-        if k in markers or is_const[k]:
-            continue
-        if any(o in need for o in fe.outvars):
-            if any(o in after for o in fe.outvars):
-                raise MeshplanError(
-                    f"operation {k} ({fe.eqn.primitive.name}) is needed to compute the gradients "
-                    "but reads a gradient itself; the step cannot be split into micro-batches")
-            in_c[k] = True
-            need.update(x for x in fe.invars if isinstance(x, int))
-    phase = []
-    for k in range(n):
-        if k in markers:
-            phase.append("M")
-        elif is_const[k]:
-            phase.append("K")
-        elif in_c[k]:
-            phase.append("F" if forward[k] else "B")
-        else:
-            phase.append("A")
-
-    # ---- keep the per-micro-batch work a pipeline: a forward op runs no
-    # earlier than the forward ops it reads, a backward op no later than the
-    # backward ops it reads (the planner's layering guarantees it for the
-    # usual steps; an odd op is moved, deterministically)
-    moved = 0
-    for k, fe in enumerate(eqns):
-        if phase[k] == "F":
-            src = [eqn_stage[producer_eqn[x]] for x in fe.invars
-                   if isinstance(x, int) and x in producer_eqn and phase[producer_eqn[x]] == "F"]
-            if src and max(src) > eqn_stage[k]:
-                eqn_stage[k] = max(src)
-                moved += 1
-    consumers: dict[int, list[int]] = defaultdict(list)
-    for k, fe in enumerate(eqns):
-        if phase[k] == "B":
-            for x in fe.invars:
-                if isinstance(x, int) and x in producer_eqn:
-                    consumers[producer_eqn[x]].append(k)
-    for k in range(n - 1, -1, -1):
-        if phase[k] == "B":
-            users = [eqn_stage[c] for c in consumers.get(k, ())]
-            if users and max(users) > eqn_stage[k]:
-                eqn_stage[k] = max(users)
-                moved += 1
-
-    # ---- apply levels: a stage's update work is cut where it needs a value
-    # computed by another stage's update work
-    level_of_id: dict[int, int] = {}
-    tasks: dict[tuple, Task] = {}
-    eqn_task: list[tuple | None] = [None] * n
-    for k, fe in enumerate(eqns):
-        ph, s = phase[k], eqn_stage[k]
-        if ph in ("K", "M"):
-            continue
-        if ph == "A":
-            lvl = 0
-            for x in fe.invars:
-                if isinstance(x, int) and x in level_of_id:
-                    pk = producer_eqn[x]
-                    lvl = max(lvl, level_of_id[x] + (eqn_stage[pk] != s))
-            for o in fe.outvars:
-                level_of_id[o] = lvl
-            key = ("A", s, lvl)
-        else:
-            key = (ph, s)
-        if key not in tasks:
-            tasks[key] = Task(ph, s, key[2] if ph == "A" else 0)
-        tasks[key].eqns.append(k)
-        eqn_task[k] = key
-    producer: dict[int, tuple] = {}
-    for k, key in enumerate(eqn_task):
-        if key is not None:
-            for o in eqns[k].outvars:
-                producer[o] = key
-    const_eqn = {o: k for k, fe in enumerate(eqns) if is_const[k] for o in fe.outvars}
-
-    # ---- wiring: inputs, outputs, what crosses into the update phase
-    out_ids = [x for x in flat.outvars if isinstance(x, int)]
-    needed_by: dict[int, set[tuple]] = defaultdict(set)
-    for key, t in tasks.items():
-        own = {o for k in t.eqns for o in eqns[k].outvars}
-        ins: list[int] = []
-        seen: set[int] = set()
-        for k in t.eqns:
-            for x in eqns[k].invars:
-                if not isinstance(x, int) or x in own or x in seen or x in const_ids:
-                    continue
-                seen.add(x)
-                ins.append(x)
-        t.inputs = tuple(ins)
-        for x in ins:
-            needed_by[x].add(key)
-    crossing: dict[int, str] = {}
-    concat = set(concat_outputs)
-
-    def c_phase(key: tuple | None) -> bool:
-        return key is not None and key[0] in ("F", "B")
-
-    def cross(x: int, why: str) -> None:
-        if x in crossing or not c_phase(producer.get(x)):
-            return
-        if x in concat and x in bdep:
-            crossing[x] = CONCAT
-        elif x in bdep:
-            aval = flat.avals[x]
-            if num_micro_batches > 1 and not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
-                raise MeshplanError(
-                    f"{why} is a batch-dependent {aval.dtype} value, which cannot be averaged over "
-                    "micro-batches; return floating-point means (or plan with num_micro_batches=1)")
-            crossing[x] = MEAN
-        else:
-            crossing[x] = LAST
-
-    for key, t in tasks.items():
-        if key[0] != "A":
-            continue
-        for x in t.inputs:
-            if x in batch_ids and num_micro_batches > 1:
-                raise MeshplanError(
-                    f"the update ({t.name()}) reads the batch itself; with micro-batches the "
-                    "update may only read gradients, state and batch means")
-            src = alias.get(x, x)
-            cross(src, f"a value the update ({t.name()}) reads")
-    for x in out_ids:
-        cross(alias.get(x, x), "an output of the step")
-    # marker outputs whose input comes straight from the C phase
-    for o, i in alias.items():
-        cross(i, "a gradient")
-    deps: dict[tuple, set[tuple]] = {}
-    for key, t in tasks.items():
-        if key[0] == "A":
-            outs = [o for k in t.eqns for o in eqns[k].outvars
-                    if any(c != key for c in needed_by.get(o, ())) or o in out_ids]
-        else:
-            outs = [o for k in t.eqns for o in eqns[k].outvars
-                    if any(c != key and c[0] != "A" for c in needed_by.get(o, ()))
-                    or crossing.get(o) in (LAST, CONCAT)]
-        t.outputs = tuple(dict.fromkeys(outs))
-        t.accumulate = tuple(o for k in t.eqns for o in eqns[k].outvars if crossing.get(o) == MEAN)
-        if key[0] in ("F", "B"):
-            deps[key] = {producer[x] for x in t.inputs if c_phase(producer.get(x))}
-    # ---- the C phase must fit a pipeline: forward reads earlier stages'
-    # forwards; backward reads forwards and later stages' backwards
-    for key, ds in deps.items():
-        for d in ds:
-            ok = (d[0] == "F" and d[1] < key[1]) if key[0] == "F" else \
-                (d[0] == "F" or (d[0] == "B" and d[1] > key[1]))
-            if not ok:
-                x = next(x for x in tasks[key].inputs if producer.get(x) == d)
-                k = next(k for k in tasks[key].eqns if x in eqns[k].invars)
-                raise MeshplanError(
-                    f"the plan's layering does not fit a pipeline: {tasks[key].name()} "
-                    f"(operation {k}, {eqns[k].eqn.primitive.name}) reads a value of "
-                    f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
-    return StepSplit(p, eqn_stage, phase, tasks, producer, const_eqn, crossing, alias,
-                     batch_ids, deps, moved)
-
-
-def dispatch_order(split: StepSplit, schedule: str, m: int) -> list[tuple[str, int, int]]:
-    """One global order of (kind, stage, micro-batch) that follows every
-    stage's schedule order and every data dependence."""
-    p = split.num_stages
-    orders = [[(k, i) for k, i in schedule_order(schedule, s, p, m) if (k, s) in split.tasks]
-              for s in range(p)]
-    pos = [0] * p
-    done: set[tuple[str, int, int]] = set()
-    out: list[tuple[str, int, int]] = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                if any((d[0], d[1], i) not in done for d in split.deps[(kind, s)]):
-                    break
-                out.append((kind, s, i))
-                done.add((kind, s, i))
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise MeshplanError(f"the {schedule} schedule deadlocks on this step's stage "
-                                "dependencies; re-plan with another schedule")
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -417,8 +117,6 @@ class PipelineExecutable:
         if not layer_of_node:
             raise StalePlanError("the pipeline plan does not record its layering "
                                  "(layer_of_node); re-plan with this version of meshplan")
-        if jax.process_count() > 1:
-            raise RuntimeStageError("pipeline plans run in one process only in this version")
         self.fn = fn
         self.plan = plan
         self.m = int(plan.num_micro_batches)
@@ -433,6 +131,10 @@ class PipelineExecutable:
                 raise StalePlanError(f"stage {k} shares devices {sorted(overlap)} with an earlier "
                                      "stage; re-plan")
             seen |= set(s.devices)
+        # [multi-host] every process runs this driver; each dispatches the
+        # programs of its own stages and moves values to the others'
+        self._xp = StageTransport(self.meshes) if is_multiprocess() else None
+        self._local = list(self._xp.local) if self._xp is not None else [True] * self.p
         self._build(tuple(args), layer_of_node)
         self.last_stats: dict[str, Any] = {}
         self._timeline_jobs: list[Any] | None = None
@@ -472,6 +174,7 @@ class PipelineExecutable:
                       for i, a in enumerate(abs_args))
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*micro)
         full_out = jax.eval_shape(self.fn, *abs_args)
+        self._out_avals = [(tuple(l.shape), l.dtype) for l in jax.tree_util.tree_leaves(full_out)]
         flat = flatten(closed)
         self.flat = flat
         from meshplan.trace import graph_from_jaxpr
@@ -585,6 +288,16 @@ class PipelineExecutable:
             if key[0] in ("F", "B"):
                 for x in t.inputs:
                     self._c_consumers[x].append(key)
+        # the stages that read every argument leaf (the update reads a
+        # gradient marker's output as its input where nothing computes it)
+        leaf_ids = set(flat.invars)
+        readers: dict[int, set[int]] = defaultdict(set)
+        for key, t in split.tasks.items():
+            for x in t.inputs:
+                src = x if x in leaf_ids or x in split.producer else split.alias.get(x, x)
+                if src in leaf_ids:
+                    readers[src].add(key[1])
+        self._leaf_readers = {i: tuple(sorted(v)) for i, v in readers.items()}
 
     def _closure_eqns(self, task: Task) -> list[int]:
         """The task's equations plus the constant equations it reads, in flat order."""
@@ -666,7 +379,7 @@ class PipelineExecutable:
 
     # ---- running ----------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        if _signature(tuple(args)) != self._sig:
+        if _signature(self._view(tuple(args))) != self._sig:
             raise StalePlanError("the arguments do not match the shapes this pipeline was built "
                                  "for; call the parallelized step (it re-plans per signature)")
         return self._run(tuple(args))
@@ -675,9 +388,14 @@ class PipelineExecutable:
         leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
         if treedef != self._treedef or len(leaves) != self._nleaves:
             raise FastPathMiss("another argument structure")
-        if _signature(tuple(args)) != self._sig:
+        if _signature(self._view(tuple(args))) != self._sig:
             raise FastPathMiss("another signature")
         return self._run(tuple(args), leaves)
+
+    def _view(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """[multi-host] the arguments with process-local batches at their
+        global shapes (what the pipeline was built for)."""
+        return args if self._xp is None else global_view(args, self.plan.batch_argnums)
 
     def lower(self, *args: Any) -> Any:
         raise MeshplanError("lower() returns the one program of a one-stage plan; a pipeline plan "
@@ -692,12 +410,17 @@ class PipelineExecutable:
 
     def _run(self, args: tuple[Any, ...], leaves: list[Any] | None = None) -> Any:
         split, m, flat = self.split, self.m, self.flat
+        xp, local = self._xp, self._local
         t_step = time.perf_counter()
+        moves0 = xp.moves if xp is not None else 0
         if leaves is None:
             leaves = jax.tree_util.tree_leaves(args)
-        leaf_of = dict(zip(flat.invars, leaves))
+        given = dict(zip(flat.invars, leaves))
         placed: dict[tuple[int, int], Any] = {}        # (arg id, stage) -> array there
         mb_cache: dict[tuple[int, int], list[Any]] = {}
+        # [multi-host] the global batch and arguments of remote stages, moved
+        # up front and in the same order in every process
+        leaf_of = given if xp is None else self._mp_arguments(given, placed)
 
         def arg_on(i: int, s: int, mb: int) -> Any:
             if i in self._is_batch:
@@ -726,25 +449,56 @@ class PipelineExecutable:
             watchers = self._get_watchers()
         if m > 1:      # running sums start at zero: every program has one signature
             for s in range(self.p):
+                if not local[s]:
+                    continue
                 ids, zeros = self._zeros_fn(s)
                 if ids:
                     accs[s] = dict(zip(ids, zeros()))
+        # [multi-host] values moved across processes: sent once per receiving
+        # stage, kept there for its other programs
+        sent: set[tuple] = set()
+        got: dict[tuple, list[Any]] = {}
 
-        def fetch(x: int, s: int, mb: int, key: tuple) -> Any:
-            if x in leaf_of:
-                return arg_on(x, s, mb)
+        def take(x: int, mb: int) -> Any:
             v = vals[mb][x]
             rem = remaining[mb]
             rem[x] -= 1
             if rem[x] == 0:
                 del vals[mb][x], rem[x]
-            return self._send(v, x, s)
+            return v
+
+        def fetch(x: int, s: int, mb: int, key: tuple) -> Any:
+            if x in leaf_of:
+                return arg_on(x, s, mb) if local[s] else None
+            if xp is None:
+                return self._send(take(x, mb), x, s)
+            r = split.producer[x][1]
+            if local[r] and local[s]:
+                return self._send(take(x, mb), x, s)
+            if local[r]:
+                v = take(x, mb)
+                if (mb, x, s) not in sent:
+                    sent.add((mb, x, s))
+                    self._move(v, x, r, s, False)
+                return None
+            if local[s]:
+                hit = got.get((mb, x, s))
+                if hit is None:
+                    uses = sum(1 for k in self._c_consumers[x] if k[1] == s)
+                    hit = got[(mb, x, s)] = [self._move(None, x, r, s, False), uses]
+                hit[1] -= 1
+                if hit[1] == 0:
+                    del got[(mb, x, s)]
+                return hit[0]
+            return None
 
         for kind, s, i in self._order:
             key = (kind, s)
             prog = self.programs[key]
             task = prog.task
             ins = [fetch(x, s, i, key) for x in task.inputs]
+            if not local[s]:       # [multi-host] another process runs it
+                continue
             acc_in = [accs[s][x] for x in task.accumulate] if m > 1 else []
             t0 = time.perf_counter()
             plain, new = self._call(prog, ins, acc_in, f" on micro-batch {i}")
@@ -779,8 +533,9 @@ class PipelineExecutable:
                 del received
             del plain, new
         leftover = [x for d in vals for x in d]
-        if leftover:   # cannot happen: every value is counted to its consumers
-            raise RuntimeStageError(f"internal: {len(leftover)} activation(s) left after the step")
+        if leftover or got:   # cannot happen: every value is counted to its consumers
+            raise RuntimeStageError(f"internal: {len(leftover) + len(got)} activation(s) left "
+                                    "after the step")
         # ---- after the micro-batches: means, then the update, level by level
         done: dict[int, Any] = {}            # id -> array (on its producer's stage)
         done.update(last)
@@ -794,19 +549,34 @@ class PipelineExecutable:
             done.update(zip(ids, arrs))
         for x, parts in concat.items():
             done[x] = parts[0] if len(parts) == 1 else _concat(parts)
+
+        def produced(x: int) -> bool:
+            # [multi-host] what other processes made is not in `done` here
+            return x in done if xp is None else x in split.producer
+
         for key in self._a_order:
             prog = self.programs[key]
             s = key[1]
             ins = []
             for x in prog.task.inputs:
-                if x in leaf_of:
-                    ins.append(arg_on(x, s, 0))
-                else:
-                    src = split.alias.get(x, x) if x not in done else x
-                    if src in leaf_of:
-                        ins.append(arg_on(src, s, 0))
-                    else:
-                        ins.append(self._send(done[src], src, s))
+                src = x if x in leaf_of or produced(x) else split.alias.get(x, x)
+                if src in leaf_of:
+                    ins.append(arg_on(src, s, 0) if local[s] else None)
+                    continue
+                r = split.producer[src][1] if xp is not None else s
+                if xp is None or (local[r] and local[s]):
+                    ins.append(self._send(done[src], src, s))
+                elif local[r]:
+                    if (-1, src, s) not in sent:
+                        sent.add((-1, src, s))
+                        self._move(done[src], src, r, s, True)
+                elif local[s]:
+                    hit = got.get((-1, src, s))
+                    if hit is None:
+                        hit = got[(-1, src, s)] = [self._move(None, src, r, s, True)]
+                    ins.append(hit[0])
+            if not local[s]:
+                continue
             t0 = time.perf_counter()
             plain, _ = self._call(prog, ins, [], "")
             t1 = time.perf_counter()
@@ -815,24 +585,120 @@ class PipelineExecutable:
             events.append((s, -1, "A", t0, t1))
             if watch:
                 watchers[s].put(step_id, len(events) - 1, plain)
+        got.clear()
         outs = []
-        for x in flat.outvars:
+        for k, x in enumerate(flat.outvars):
             if isinstance(x, Lit):
                 outs.append(x.value)
             elif x in self._const_out:
                 outs.append(self._const_out[x])
             elif x in leaf_of:
-                outs.append(leaf_of[x])
+                outs.append(given[x])
             else:
-                src = x if x in done else split.alias.get(x, x)
-                outs.append(leaf_of[src] if src in leaf_of else done[src])
+                src = x if produced(x) else split.alias.get(x, x)
+                if src in leaf_of:
+                    outs.append(given[src])
+                elif xp is None:
+                    outs.append(done[src])
+                else:
+                    outs.append(self._mp_output(done.get(src), src, k))
         self.last_stats = {"max_in_flight": max_in_flight, "dispatch_s": time.perf_counter() - t_step,
                            "tasks": len(events)}
+        if xp is not None:
+            self.last_stats["cross_process_moves"] = xp.moves - moves0
         self._timeline = None
         self._events = (t_step, events, step_id)
         if watch:
             self._timeline_jobs = [w.mark() for w in watchers]
         return jax.tree_util.tree_unflatten(self._out_treedef, outs)
+
+    # ---- multi-host ---------------------------------------------------------
+    def _mp_arguments(self, given: dict[int, Any], placed: dict[tuple[int, int], Any]
+                      ) -> dict[int, Any]:
+        """[multi-host] The arguments as this process's stages read them, made
+        with collectives every process issues in the same order: the global
+        batch gathered to host, arrays spread over processes gathered to
+        host, stage outputs of the last step moved to the stages of other
+        processes that read them (into ``placed``)."""
+        xp = self._xp
+        assert xp is not None
+        leaf_of = dict(given)
+        spread: list[int] = []
+        for i in self.flat.invars:
+            x = given[i]
+            if i in self._is_batch:
+                leaf_of[i] = _global_batch(x)
+            elif isinstance(x, jax.Array) and xp.stage_of(x) is None and not x.is_fully_addressable:
+                procs = sorted({d.process_index for d in x.sharding.device_set})
+                if jax.process_index() not in procs and len(procs) < jax.process_count():
+                    raise RuntimeStageError(
+                        f"argument {self._leaf_key[i]} lives on the devices of process(es) "
+                        f"{procs} only and on no stage of this pipeline: pass the same host value "
+                        "(NumPy) in every process, a global array, or the state the step returned")
+                spread.append(i)
+        if spread:
+            for i, v in zip(spread, to_host([given[i] for i in spread])):
+                leaf_of[i] = v
+        for i in self.flat.invars:
+            x = given[i]
+            r = None if i in self._is_batch or i in spread else xp.stage_of(x)
+            if r is None:
+                continue        # a host value: each process places its copy
+            for s in self._leaf_readers.get(i, ()):
+                target = self._sharding_for(i, s)
+                if xp.same_process(r, s):
+                    if xp.local[s]:
+                        placed[(i, s)] = _place(x, target)
+                elif xp.local[r] or xp.local[s]:
+                    y = xp.move(x if xp.local[r] else None, r, s, target, x.shape, x.dtype)
+                    if y is not None:
+                        placed[(i, s)] = y
+        return leaf_of
+
+    def _move(self, v: Any, x: int, r: int, s: int, after: bool) -> Any:
+        """[multi-host] value ``x`` of stage ``r`` to stage ``s`` of another
+        process (``v`` on the sender, None on the receiver); ``after``: in the
+        update phase (concatenated outputs have the full batch there)."""
+        aval = self.flat.avals[x]
+        shape = tuple(aval.shape)
+        if after and self.split.crossing.get(x) == CONCAT:
+            shape = (shape[0] * self.m,) + shape[1:]
+        return self._xp.move(v, r, s, self._cross_sharding(x, r, s, len(shape)), shape, aval.dtype)
+
+    def _cross_sharding(self, x: int, r: int, s: int, ndim: int) -> NamedSharding:
+        """[multi-host] where a value from another process lands on stage
+        ``s``: its planned layout there, else its planned layout on ``r`` when
+        stage ``s`` has those axes, else replicated.  (The same in every
+        process: the receiver cannot see the sender's array.)"""
+        key = ("cross", x, s)
+        sh = self._in_sharding.get(key)
+        if sh is None:
+            sh = self._stage_constraints[s].get(x)
+            if sh is None:
+                theirs = self._stage_constraints[r].get(x)
+                sh = NamedSharding(self.meshes[s], PartitionSpec())
+                if theirs is not None:
+                    spec = tuple(_norm(d) for d in theirs.spec) + (None,) * (ndim - len(theirs.spec))
+                    try:
+                        check_spec(spec, self.flat.avals[x].shape, self.plan.stages[s].logical_mesh,
+                                   "transfer")
+                        sh = NamedSharding(self.meshes[s], PartitionSpec(*spec))
+                    except StalePlanError:
+                        pass
+            self._in_sharding[key] = sh
+        return sh
+
+    def _mp_output(self, v: Any, x: int, k: int) -> Any:
+        """[multi-host] output leaf ``k`` (value ``x``): on its stage's mesh in
+        the process of that stage, a handle without local data elsewhere."""
+        xp = self._xp
+        r = self.split.producer[x][1]
+        if xp.local[r]:
+            return xp.on_stage(v, r) if isinstance(v, jax.Array) else v
+        shape, dtype = self._out_avals[k]
+        planned = self._stage_constraints[r].get(x)
+        spec = planned.spec if planned is not None and len(planned.spec) == len(shape) else None
+        return xp.remote(r, shape, dtype, spec)
 
     # ---- helpers ----------------------------------------------------------
     def _sharding_for(self, i: int, s: int) -> NamedSharding:
@@ -983,6 +849,17 @@ def _place(x: Any, sharding: NamedSharding) -> Any:
         if cur is not None and (cur == sharding or cur.is_equivalent_to(sharding, x.ndim)):
             return x
     return jax.device_put(x, sharding)
+
+
+def _global_batch(x: Any) -> Any:
+    """[multi-host] a batch leaf's global value on host, in every process
+    (a collective): process-local rows stacked in process order."""
+    if is_local_batch_leaf(x):
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if is_global_array(x):
+        return to_host(x)
+    return x
 
 
 @jax.jit

@@ -1,0 +1,217 @@
+"""Pipeline plans across processes: stages on different ``jax.distributed``
+processes, values moved between them by a small collective.
+
+A multi-stage plan runs as a *multi-controller* program: every process runs
+the same driver loop (:class:`~meshplan.runtime.pipeline.PipelineExecutable`)
+in the same order and dispatches only the programs of the stages whose devices
+are its own.  Each stage must sit on the devices of one process (the planner
+places stages host by host, and a process is a host).
+
+Moving a value from stage ``r`` to stage ``s`` of another process
+(:meth:`StageTransport.move`): ``jax.device_put`` onto devices of another
+process is not supported on CPU (jax 0.10.2 asks for a DCN transfer server,
+and a transfer through it hangs), so both processes call one jitted
+``shard_map`` with a ``ppermute`` over a mesh of the two stages' devices: a
+``pipe`` axis of size 2 stacked on the stages' mesh axes.  Its input is one
+global array built with ``jax.make_array_from_single_device_arrays`` from the
+sender's shards (the value laid out as the receiver wants it) and zeros on the
+receiver's devices; after the permute the receiver rebuilds the value on its
+own stage from its local shards.  Each device sends only its own shard.  Two
+stages of different mesh shapes send the whole value from one device of the
+sender to one of the receiver, which then lays it out locally.  The CPU client
+launches the collectives of a process one at a time in dispatch order, so
+processes that dispatch them in the same order cannot deadlock.
+
+Values on their stage: the step's outputs are ``jax.Array``\\ s on the
+producing stage's mesh.  The process of that stage holds the data; every
+other process gets a handle of the same global shape, dtype and mesh with no
+addressable shards.  Fed back into the next step (the usual training loop),
+such a value goes straight to the stages of its own process and is moved to
+the others; :func:`meshplan.runtime.to_host` reads it in every process.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from meshplan.errors import RuntimeStageError
+
+__all__ = ["StageTransport", "same_mesh", "stage_processes"]
+
+PIPE_AXIS = "meshplan_pipe"
+
+
+def same_mesh(a: Mesh, b: Mesh) -> bool:
+    """The same devices in the same grid with the same axis names."""
+    if a is b:
+        return True
+    return (tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape
+            and all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat)))
+
+
+def stage_processes(meshes: Sequence[Mesh]) -> list[int]:
+    """The process of every stage; a stage over several processes is refused."""
+    out = []
+    for k, mesh in enumerate(meshes):
+        procs = sorted({d.process_index for d in mesh.devices.flat})
+        if len(procs) != 1:
+            raise RuntimeStageError(
+                f"pipeline stage {k} runs on devices of processes {procs}; across processes "
+                "this version runs every stage on the devices of one process: plan with stages "
+                "of at most one host each (e.g. Manual(dp=, tp=) with dp * tp <= the devices "
+                "per process), or run the plan in one process")
+        out.append(procs[0])
+    return out
+
+
+class StageTransport:
+    """Moves values between pipeline stages of different processes (see the
+    module doc).  ``meshes``: the stages' meshes, each on one process."""
+
+    def __init__(self, meshes: Sequence[Mesh]) -> None:
+        self.meshes = list(meshes)
+        self.process_of = stage_processes(self.meshes)
+        me = jax.process_index()
+        self.local = [p == me for p in self.process_of]
+        self._fns: dict[tuple, tuple[Mesh, Any]] = {}
+        self._zeros: dict[tuple, jax.Array] = {}
+        self.moves = 0                   # (tests) transfers this process took part in
+
+    # ---- which stage a value lives on --------------------------------------
+    def stage_of(self, x: Any) -> int | None:
+        """The stage whose mesh ``x`` is laid out on (a step output), else None."""
+        sh = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or not isinstance(sh, NamedSharding):
+            return None
+        for r, mesh in enumerate(self.meshes):
+            if same_mesh(sh.mesh, mesh):
+                return r
+        return None
+
+    def same_process(self, r: int, s: int) -> bool:
+        return self.process_of[r] == self.process_of[s]
+
+    # ---- outputs -----------------------------------------------------------
+    def on_stage(self, v: jax.Array, r: int) -> jax.Array:
+        """``v`` (an output of local stage ``r``) as an array whose sharding
+        is a NamedSharding of the stage's mesh (what :meth:`stage_of` reads)."""
+        mesh = self.meshes[r]
+        sh = v.sharding
+        if isinstance(sh, NamedSharding) and same_mesh(sh.mesh, mesh):
+            return v
+        cands = [NamedSharding(mesh, sh.spec)] if isinstance(sh, NamedSharding) else []
+        cands.append(NamedSharding(mesh, PartitionSpec()))
+        for cand in cands:
+            try:
+                ok = sh.is_equivalent_to(cand, v.ndim)
+            except Exception:          # a spec of another mesh's axes
+                ok = False
+            if ok:
+                shards = {s.device: s.data for s in v.addressable_shards}
+                order = cand.addressable_devices_indices_map(v.shape)
+                return jax.make_array_from_single_device_arrays(
+                    v.shape, cand, [shards[d] for d in order])
+        return jax.device_put(v, NamedSharding(mesh, PartitionSpec()))
+
+    def remote(self, r: int, shape: Sequence[int], dtype: Any,
+               spec: PartitionSpec | None = None) -> jax.Array:
+        """A handle, in a process without stage ``r``, of a value that lives
+        on stage ``r``: global shape and dtype, no addressable shards."""
+        spec = spec if spec is not None and len(spec) <= len(shape) else PartitionSpec()
+        return jax.make_array_from_single_device_arrays(
+            tuple(shape), NamedSharding(self.meshes[r], spec), [], dtype=dtype)
+
+    # ---- moving ------------------------------------------------------------
+    def move(self, x: Any, r: int, s: int, target: NamedSharding, shape: Sequence[int],
+             dtype: Any) -> jax.Array | None:
+        """Move a value of stage ``r`` onto ``target`` (a sharding of stage
+        ``s``'s mesh).  Called in the processes of both stages, in the same
+        order: the sender passes the value ``x`` and gets None back; the
+        receiver passes None and gets the array on ``target``."""
+        shape = tuple(int(d) for d in shape)
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            raise RuntimeStageError(
+                f"a value of dtype {dtype} crosses from pipeline stage {r} to stage {s}, on "
+                "another process; typed PRNG keys cannot cross processes in this version: keep "
+                "them as key data (jax.random.key_data) in the step")
+        mesh_a, mesh_b, spec = self._layout(r, s, target, len(shape))
+        pipe_mesh, fn = self._fn(mesh_a, mesh_b, spec)
+        sharding = NamedSharding(pipe_mesh, spec)
+        order = sharding.addressable_devices_indices_map(shape)
+        if self.local[r]:
+            if tuple(x.shape) != shape:
+                raise RuntimeStageError(f"internal: a value of shape {tuple(x.shape)} sent from "
+                                        f"stage {r} to stage {s} as shape {shape}")
+            src = _place(x, NamedSharding(mesh_a, spec))
+            pieces = {p.device: p.data for p in src.addressable_shards}
+        else:
+            local_shape = sharding.shard_shape(shape)
+            pieces = {d: self._zero(d, local_shape, dtype) for d in order}
+        buf = jax.make_array_from_single_device_arrays(shape, sharding, [pieces[d] for d in order])
+        out = fn(buf)
+        self.moves += 1
+        if not self.local[s]:
+            return None
+        got = {p.device: p.data for p in out.addressable_shards}
+        dst = NamedSharding(mesh_b, spec)
+        y = jax.make_array_from_single_device_arrays(
+            shape, dst, [got[d] for d in dst.addressable_devices_indices_map(shape)])
+        return _place(y, target)
+
+    def _layout(self, r: int, s: int, target: NamedSharding, ndim: int
+                ) -> tuple[Mesh, Mesh, PartitionSpec]:
+        """(sender mesh, receiver mesh, spec): the stages' meshes and the
+        target's spec where the two meshes have one shape and axis names;
+        else one device of each, the value whole."""
+        a, b = self.meshes[r], self.meshes[s]
+        if a.devices.shape == b.devices.shape and tuple(a.axis_names) == tuple(b.axis_names) \
+                and same_mesh(target.mesh, b):
+            spec = tuple(target.spec) + (None,) * (ndim - len(target.spec))
+            return a, b, PartitionSpec(*spec)
+        one_a = _one_device_mesh(a.devices.flat[0])
+        one_b = _one_device_mesh(b.devices.flat[0])
+        return one_a, one_b, PartitionSpec()
+
+    def _fn(self, mesh_a: Mesh, mesh_b: Mesh, spec: PartitionSpec) -> tuple[Mesh, Any]:
+        key = (tuple(d.id for d in mesh_a.devices.flat), tuple(d.id for d in mesh_b.devices.flat),
+               mesh_a.devices.shape, tuple(mesh_a.axis_names), tuple(spec))
+        hit = self._fns.get(key)
+        if hit is None:
+            names = (PIPE_AXIS,) + tuple(mesh_a.axis_names)
+            pipe_mesh = Mesh(np.stack([mesh_a.devices, mesh_b.devices]), names,
+                             axis_types=(AxisType.Auto,) * len(names))
+
+            def permute(block: Any) -> Any:
+                return jax.lax.ppermute(block, PIPE_AXIS, perm=[(0, 1)])
+
+            # in and out are "replicated" over the pipe axis only nominally:
+            # the sender's half holds the value, the receiver's zeros (in) and
+            # the value (out); nothing reads the other half
+            fn = jax.jit(jax.shard_map(permute, mesh=pipe_mesh, in_specs=spec, out_specs=spec,
+                                       check_vma=False))
+            hit = self._fns[key] = (pipe_mesh, fn)
+        return hit
+
+    def _zero(self, device: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        key = (device.id, shape, np.dtype(dtype).str)
+        z = self._zeros.get(key)
+        if z is None:
+            z = self._zeros[key] = jax.device_put(np.zeros(shape, dtype), device)
+        return z
+
+
+def _one_device_mesh(device: Any) -> Mesh:
+    grid = np.empty((1,), dtype=object)
+    grid[0] = device
+    return Mesh(grid, ("meshplan_one",), axis_types=(AxisType.Auto,))
+
+
+def _place(x: Any, sharding: NamedSharding) -> Any:
+    if isinstance(x, jax.Array):
+        cur = x.sharding
+        if cur == sharding or cur.is_equivalent_to(sharding, x.ndim):
+            return x
+    return jax.device_put(x, sharding)

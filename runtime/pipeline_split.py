@@ -1,0 +1,346 @@
+"""The pipeline step split: every equation of a train step to a stage and a
+phase, and the per-stage programs ("tasks") with their wiring.
+
+Pure data over the flattened jaxpr (no devices): :func:`split_step` makes a
+:class:`StepSplit`, :func:`dispatch_order` one global order of the programs
+for a schedule.  :class:`~meshplan.runtime.pipeline.PipelineExecutable` turns
+the tasks into jitted programs and runs them.
+
+How a plan becomes programs
+---------------------------
+The step is traced at the *micro-batch* shapes (the batch arguments' dimension
+0 divided by ``plan.num_micro_batches``) with ``jax.make_jaxpr`` and flattened
+with :func:`meshplan.jaxpr_walk.flatten`: the very equation stream (and integer
+tensor ids) the inter-operator pass planned, so ``Plan.layer_of_node`` gives
+the layer of every equation and ``Stage.layers`` the stage of every layer.
+Every equation then gets a *phase*:
+
+* ``F`` (forward): ancestors of the step's metric outputs (the loss), as the
+  planner's :func:`forward_nodes` defines them;
+* ``B`` (backward): every other equation that must run once per micro-batch:
+  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker)
+  and everything else that reads the batch;
+* ``A`` (apply): what runs once per step after the micro-batches: the
+  equations downstream of the gradients (the optimizer update) and those that
+  read only state (a step counter);
+* values made from constants alone (masks, iotas) are recomputed by every
+  program that reads them instead of being sent between stages.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Sequence
+
+import jax
+
+from meshplan.errors import MeshplanError, StalePlanError
+from meshplan.jaxpr_walk import FlatJaxpr, Lit
+from meshplan.markers import GRAD_BOUNDARY
+from meshplan.timeline import schedule_order
+
+__all__ = ["Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT"]
+
+# kinds of value crossing from the per-micro-batch phase to the update/outputs
+MEAN, LAST, CONCAT = "mean", "last", "concat"
+
+
+# ---------------------------------------------------------------------------
+# The split: every equation to a (phase, stage); tasks and their wiring
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Task:
+    """One program: the equations of one stage in one phase (``level`` orders
+    the apply programs of a step)."""
+    kind: str                     # "F", "B" or "A"
+    stage: int
+    level: int = 0
+    eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
+    inputs: tuple[int, ...] = ()     # ids read from outside the program
+    outputs: tuple[int, ...] = ()    # ids other programs / the step outputs need
+    accumulate: tuple[int, ...] = () # ids summed over micro-batches (C phase)
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.stage) if self.kind != "A" else ("A", self.stage, self.level)
+
+    def name(self) -> str:
+        what = {"F": "forward", "B": "backward", "A": "update"}[self.kind]
+        lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
+        return f"stage {self.stage} {what}{lvl}"
+
+
+@dataclasses.dataclass
+class StepSplit:
+    """The step cut into per-stage programs (pure data; see :func:`split_step`)."""
+    num_stages: int
+    eqn_stage: list[int]
+    eqn_phase: list[str]              # "F", "B", "A", "K" (constant), "M" (gradient marker)
+    tasks: dict[tuple, Task]
+    producer: dict[int, tuple]        # id -> task key that makes it (C and A phases)
+    const_eqn: dict[int, int]         # id -> constant equation making it
+    crossing: dict[int, str]          # C-phase id read after the micro-batches -> MEAN/LAST/CONCAT
+    alias: dict[int, int]             # gradient-marker output id -> its input id
+    batch_ids: frozenset[int]
+    deps: dict[tuple, set[tuple]]     # C task key -> C task keys it reads from (same micro-batch)
+    moved: int = 0                    # ops moved off their layer's stage to keep a pipeline
+
+
+def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
+               stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
+               num_micro_batches: int, concat_outputs: Sequence[int] = ()) -> StepSplit:
+    """Assign every equation of ``flat`` to a stage and phase and build the
+    tasks (see the module doc).  ``concat_outputs``: output ids whose
+    dimension 0 is the batch."""
+    eqns = flat.eqns
+    n = len(eqns)
+    if len(layer_of_node) != n:
+        raise StalePlanError(
+            f"the plan's layering covers {len(layer_of_node)} operations but the step traced at "
+            f"micro-batch size has {n}; the plan was made for another function or other shapes: "
+            "re-plan with these arguments")
+    p = len(stage_layers)
+    stage_of_layer: dict[int, int] = {}
+    for s, (first, last) in enumerate(stage_layers):
+        for l in range(first, last + 1):
+            stage_of_layer[l] = s
+    missing = sorted({l for l in layer_of_node if l not in stage_of_layer})
+    if missing:
+        raise StalePlanError(f"the plan's stages do not cover layer {missing[0]}; re-plan")
+    eqn_stage = [stage_of_layer[l] for l in layer_of_node]
+    batch_ids = frozenset(batch_ids)
+    invars = set(flat.invars)
+    constvars = set(flat.constvars)
+
+    producer_eqn: dict[int, int] = {}
+    for k, fe in enumerate(eqns):
+        for o in fe.outvars:
+            producer_eqn[o] = k
+    # constant equations: read only constants and literals (transitively)
+    const_ids = set(constvars)
+    is_const = [False] * n
+    for k, fe in enumerate(eqns):
+        if all(isinstance(x, Lit) or x in const_ids for x in fe.invars):
+            is_const[k] = True
+            const_ids.update(fe.outvars)
+    # batch dependence and "after the gradients"
+    bdep = set(batch_ids)
+    after = set()
+    markers = [k for k, fe in enumerate(eqns) if fe.eqn.primitive.name == GRAD_BOUNDARY]
+    alias: dict[int, int] = {}
+    for k in markers:
+        for i, o in zip(eqns[k].invars, eqns[k].outvars):
+            if isinstance(i, int):
+                alias[o] = i
+    for k, fe in enumerate(eqns):
+        ins = [x for x in fe.invars if isinstance(x, int)]
+        if k in markers:
+            after.update(fe.outvars)
+            continue
+        if any(x in bdep for x in ins):
+            bdep.update(fe.outvars)
+        if any(x in after for x in ins):
+            after.update(fe.outvars)
+    if not markers and num_micro_batches > 1:
+        raise MeshplanError(
+            "running more than one micro-batch needs to know where the gradients end: compute "
+            "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
+            "num_micro_batches=1)")
+    # C phase: ancestors of the gradients and of everything batch-dependent
+    # that does not come after the gradients
+    need: set[int] = set()
+    for k in markers:
+        need.update(x for x in eqns[k].invars if isinstance(x, int))
+    for k, fe in enumerate(eqns):
+        if not is_const[k] and k not in markers and any(o in bdep for o in fe.outvars) \
+                and not any(o in after for o in fe.outvars):
+            need.update(fe.outvars)
+    in_c = [False] * n
+    for k in range(n - 1, -1, -1):
+        fe = eqns[k]
+        if k in markers or is_const[k]:
+            continue
+        if any(o in need for o in fe.outvars):
+            if any(o in after for o in fe.outvars):
+                raise MeshplanError(
+                    f"operation {k} ({fe.eqn.primitive.name}) is needed to compute the gradients "
+                    "but reads a gradient itself; the step cannot be split into micro-batches")
+            in_c[k] = True
+            need.update(x for x in fe.invars if isinstance(x, int))
+    phase = []
+    for k in range(n):
+        if k in markers:
+            phase.append("M")
+        elif is_const[k]:
+            phase.append("K")
+        elif in_c[k]:
+            phase.append("F" if forward[k] else "B")
+        else:
+            phase.append("A")
+
+    # ---- keep the per-micro-batch work a pipeline: a forward op runs no
+    # earlier than the forward ops it reads, a backward op no later than the
+    # backward ops it reads (the planner's layering guarantees it for the
+    # usual steps; an odd op is moved, deterministically)
+    moved = 0
+    for k, fe in enumerate(eqns):
+        if phase[k] == "F":
+            src = [eqn_stage[producer_eqn[x]] for x in fe.invars
+                   if isinstance(x, int) and x in producer_eqn and phase[producer_eqn[x]] == "F"]
+            if src and max(src) > eqn_stage[k]:
+                eqn_stage[k] = max(src)
+                moved += 1
+    consumers: dict[int, list[int]] = defaultdict(list)
+    for k, fe in enumerate(eqns):
+        if phase[k] == "B":
+            for x in fe.invars:
+                if isinstance(x, int) and x in producer_eqn:
+                    consumers[producer_eqn[x]].append(k)
+    for k in range(n - 1, -1, -1):
+        if phase[k] == "B":
+            users = [eqn_stage[c] for c in consumers.get(k, ())]
+            if users and max(users) > eqn_stage[k]:
+                eqn_stage[k] = max(users)
+                moved += 1
+
+    # ---- apply levels: a stage's update work is cut where it needs a value
+    # computed by another stage's update work
+    level_of_id: dict[int, int] = {}
+    tasks: dict[tuple, Task] = {}
+    eqn_task: list[tuple | None] = [None] * n
+    for k, fe in enumerate(eqns):
+        ph, s = phase[k], eqn_stage[k]
+        if ph in ("K", "M"):
+            continue
+        if ph == "A":
+            lvl = 0
+            for x in fe.invars:
+                if isinstance(x, int) and x in level_of_id:
+                    pk = producer_eqn[x]
+                    lvl = max(lvl, level_of_id[x] + (eqn_stage[pk] != s))
+            for o in fe.outvars:
+                level_of_id[o] = lvl
+            key = ("A", s, lvl)
+        else:
+            key = (ph, s)
+        if key not in tasks:
+            tasks[key] = Task(ph, s, key[2] if ph == "A" else 0)
+        tasks[key].eqns.append(k)
+        eqn_task[k] = key
+    producer: dict[int, tuple] = {}
+    for k, key in enumerate(eqn_task):
+        if key is not None:
+            for o in eqns[k].outvars:
+                producer[o] = key
+    const_eqn = {o: k for k, fe in enumerate(eqns) if is_const[k] for o in fe.outvars}
+
+    # ---- wiring: inputs, outputs, what crosses into the update phase
+    out_ids = [x for x in flat.outvars if isinstance(x, int)]
+    needed_by: dict[int, set[tuple]] = defaultdict(set)
+    for key, t in tasks.items():
+        own = {o for k in t.eqns for o in eqns[k].outvars}
+        ins: list[int] = []
+        seen: set[int] = set()
+        for k in t.eqns:
+            for x in eqns[k].invars:
+                if not isinstance(x, int) or x in own or x in seen or x in const_ids:
+                    continue
+                seen.add(x)
+                ins.append(x)
+        t.inputs = tuple(ins)
+        for x in ins:
+            needed_by[x].add(key)
+    crossing: dict[int, str] = {}
+    concat = set(concat_outputs)
+
+    def c_phase(key: tuple | None) -> bool:
+        return key is not None and key[0] in ("F", "B")
+
+    def cross(x: int, why: str) -> None:
+        if x in crossing or not c_phase(producer.get(x)):
+            return
+        if x in concat and x in bdep:
+            crossing[x] = CONCAT
+        elif x in bdep:
+            aval = flat.avals[x]
+            if num_micro_batches > 1 and not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+                raise MeshplanError(
+                    f"{why} is a batch-dependent {aval.dtype} value, which cannot be averaged over "
+                    "micro-batches; return floating-point means (or plan with num_micro_batches=1)")
+            crossing[x] = MEAN
+        else:
+            crossing[x] = LAST
+
+    for key, t in tasks.items():
+        if key[0] != "A":
+            continue
+        for x in t.inputs:
+            if x in batch_ids and num_micro_batches > 1:
+                raise MeshplanError(
+                    f"the update ({t.name()}) reads the batch itself; with micro-batches the "
+                    "update may only read gradients, state and batch means")
+            src = alias.get(x, x)
+            cross(src, f"a value the update ({t.name()}) reads")
+    for x in out_ids:
+        cross(alias.get(x, x), "an output of the step")
+    # marker outputs whose input comes straight from the C phase
+    for o, i in alias.items():
+        cross(i, "a gradient")
+    deps: dict[tuple, set[tuple]] = {}
+    for key, t in tasks.items():
+        if key[0] == "A":
+            outs = [o for k in t.eqns for o in eqns[k].outvars
+                    if any(c != key for c in needed_by.get(o, ())) or o in out_ids]
+        else:
+            outs = [o for k in t.eqns for o in eqns[k].outvars
+                    if any(c != key and c[0] != "A" for c in needed_by.get(o, ()))
+                    or crossing.get(o) in (LAST, CONCAT)]
+        t.outputs = tuple(dict.fromkeys(outs))
+        t.accumulate = tuple(o for k in t.eqns for o in eqns[k].outvars if crossing.get(o) == MEAN)
+        if key[0] in ("F", "B"):
+            deps[key] = {producer[x] for x in t.inputs if c_phase(producer.get(x))}
+    # ---- the C phase must fit a pipeline: forward reads earlier stages'
+    # forwards; backward reads forwards and later stages' backwards
+    for key, ds in deps.items():
+        for d in ds:
+            ok = (d[0] == "F" and d[1] < key[1]) if key[0] == "F" else \
+                (d[0] == "F" or (d[0] == "B" and d[1] > key[1]))
+            if not ok:
+                x = next(x for x in tasks[key].inputs if producer.get(x) == d)
+                k = next(k for k in tasks[key].eqns if x in eqns[k].invars)
+                raise MeshplanError(
+                    f"the plan's layering does not fit a pipeline: {tasks[key].name()} "
+                    f"(operation {k}, {eqns[k].eqn.primitive.name}) reads a value of "
+                    f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
+    return StepSplit(p, eqn_stage, phase, tasks, producer, const_eqn, crossing, alias,
+                     batch_ids, deps, moved)
+
+
+def dispatch_order(split: StepSplit, schedule: str, m: int) -> list[tuple[str, int, int]]:
+    """One global order of (kind, stage, micro-batch) that follows every
+    stage's schedule order and every data dependence."""
+    p = split.num_stages
+    orders = [[(k, i) for k, i in schedule_order(schedule, s, p, m) if (k, s) in split.tasks]
+              for s in range(p)]
+    pos = [0] * p
+    done: set[tuple[str, int, int]] = set()
+    out: list[tuple[str, int, int]] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                kind, i = orders[s][pos[s]]
+                if any((d[0], d[1], i) not in done for d in split.deps[(kind, s)]):
+                    break
+                out.append((kind, s, i))
+                done.add((kind, s, i))
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise MeshplanError(f"the {schedule} schedule deadlocks on this step's stage "
+                                "dependencies; re-plan with another schedule")
+    return out
+

@@ -1,0 +1,187 @@
+"""A pipeline plan across two processes under ``jax.distributed``.
+
+Two worker processes (tests/multihost_pipeline_worker.py) with 4 CPU devices
+each join on 127.0.0.1 with gloo collectives and train the built-in models
+under a Manual plan of two stages, one stage per process, each feeding its
+own half of every batch.  The losses and the final parameters (read with
+``meshplan.runtime.to_host`` in both processes) must match a plain
+``jax.jit`` of the step on the full batch, computed here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from meshplan.models import build_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from multihost_worker import save_data  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multihost_pipeline_worker.py"
+NPROC, LOCAL_DEVICES, STEPS = 2, 4, 3
+TIMEOUT_S = 150          # the whole run of both workers
+GRACE_S = 10             # for a worker whose peer failed
+RTOL = 1e-5
+FLOOR = 1e-3             # parameters near zero are judged against this scale
+
+MLP = {"optimizer": "sgd", "layers": 4}
+# GPT ties its embedding: stage 0 and the last stage both read it, so the
+# updated table crosses processes at the start of every step
+GPT = {"optimizer": "sgd", "layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
+       "batch": 8}
+CASES = [
+    {"label": "mlp-gpipe", "model": "mlp", "config": MLP,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "gpipe"}},
+    {"label": "gpt-1f1b", "model": "gpt", "config": GPT,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"}},
+]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(out: pathlib.Path, cases: list[dict]) -> tuple[list, list]:
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+               PYTHONUNBUFFERED="1")
+    port = _free_port()
+    procs, logs = [], []
+    for pid in range(NPROC):
+        log = open(out / f"worker{pid}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), str(pid), str(NPROC), str(port), str(out),
+             json.dumps(cases)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def _kill(procs: list) -> None:
+    for p in procs:               # never leave a worker behind (one may wait on a dead peer)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _finish(out: pathlib.Path, procs: list, logs: list) -> list[dict]:
+    """Wait (bounded) for the workers; a failed worker's peer gets a short
+    grace period; fail with their output."""
+    deadline = time.monotonic() + TIMEOUT_S
+    status: dict[int, Any] = {}
+    try:
+        while len(status) < len(procs):
+            for pid, p in enumerate(procs):
+                if pid not in status and p.poll() is not None:
+                    status[pid] = p.returncode
+                    if p.returncode != 0:
+                        deadline = min(deadline, time.monotonic() + GRACE_S)
+            if time.monotonic() > deadline:
+                for pid in range(len(procs)):
+                    status.setdefault(pid, "a timeout (killed)")
+                break
+            time.sleep(0.1)
+    finally:
+        _kill(procs)
+    report = []
+    for pid, rc in sorted(status.items()):
+        if rc != 0:
+            logs[pid].seek(0)
+            text = "".join(l for l in logs[pid] if not l.startswith("[Gloo]"))
+            report.append(f"--- worker {pid} exited with {rc}; its output:\n{text[-6000:]}")
+    for log in logs:
+        log.close()
+    if report:
+        pytest.fail("multi-process workers failed\n" + "\n".join(report))
+    return [json.loads((out / f"p{pid}.json").read_text()) for pid in range(NPROC)]
+
+
+def _reference(model_name: str, config: dict, path: pathlib.Path):
+    """Save the data for the workers; return the plain jax.jit run on the
+    full batch: (losses, {param path: value})."""
+    model = build_model(model_name, config)
+    init = jax.jit(model.init)
+    state, _ = init(0)
+    batches = [init(k + 1)[1] for k in range(STEPS)]
+    save_data(path, state, batches)
+    step = jax.jit(model.train_step)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = {jax.tree_util.keystr(p): np.asarray(v)
+              for p, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    return losses, params
+
+
+@pytest.mark.multiprocess
+def test_two_stage_pipeline_on_two_processes_matches_one_process_reference(
+        tmp_path: pathlib.Path) -> None:
+    cases = [{**c, "steps": STEPS, "data": f"data-{c['label']}.npz"} for c in CASES]
+    references = {c["label"]: _reference(c["model"], c["config"], tmp_path / c["data"])
+                  for c in cases}
+    procs, logs = _start(tmp_path, cases)
+    summaries = _finish(tmp_path, procs, logs)
+
+    for pid, s in enumerate(summaries):
+        assert (s["process_index"], s["process_count"]) == (pid, NPROC)
+        for name, ok in s["transport"].items():
+            assert ok if isinstance(ok, bool) else all(ok.values()), (pid, name, ok)
+    # the receiving process checked the moved values; both read them back
+    assert set(summaries[1]["transport"]) >= {"same-shape", "other-shape"}
+
+    for case in CASES:
+        label = case["label"]
+        runs = [s["cases"][label] for s in summaries]
+        assert runs[0]["plan_sha"] == runs[1]["plan_sha"], label
+        assert runs[0]["stages"] == 2
+        # one stage per process: the plan's device ids follow the processes
+        assert runs[0]["stage_processes"] == [[0], [1]], runs[0]
+        for pid, run in enumerate(runs):
+            assert run["local_stages"] == [pid], (label, pid)
+            assert run["cross_process_moves"] > 0, (label, pid)
+            # each parameter's data lives on the process of its stage only
+            assert run["params_here"] + run["params_elsewhere"] == run["params"], (label, pid)
+            assert 0 < run["params_here"] < run["params"], (label, pid, run)
+        assert runs[0]["params_here"] + runs[1]["params_here"] == runs[0]["params"], label
+
+        ref_losses, ref_params = references[label]
+        for pid in range(NPROC):
+            got = np.load(tmp_path / f"p{pid}-{label}.npz")
+            np.testing.assert_allclose(got["losses"], ref_losses, rtol=RTOL,
+                                       err_msg=f"{label}: losses of process {pid}")
+            assert set(ref_params) <= set(got.files)
+            for key, ref in ref_params.items():
+                scale = max(float(np.max(np.abs(ref))), FLOOR)
+                np.testing.assert_allclose(got[key], ref, rtol=RTOL, atol=RTOL * scale,
+                                           err_msg=f"{label}: parameter {key} of process {pid}")
+
+
+def test_a_stage_over_several_processes_is_refused_with_a_clear_message() -> None:
+    from types import SimpleNamespace
+
+    import meshplan
+    from meshplan.runtime.pipeline_multihost import stage_processes
+
+    def mesh(*processes: int) -> Any:
+        grid = np.empty(len(processes), dtype=object)
+        grid[:] = [SimpleNamespace(process_index=p) for p in processes]
+        return SimpleNamespace(devices=grid)
+
+    assert stage_processes([mesh(0, 0), mesh(1, 1)]) == [0, 1]
+    with pytest.raises(meshplan.MeshplanError, match=r"stage 1 runs on devices of processes "
+                                                     r"\[0, 1\].*at most one host"):
+        stage_processes([mesh(0, 0), mesh(0, 1)])
