@@ -14,9 +14,9 @@ layout), plus sending the activations and their gradients to the next stage.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import mesh_model
@@ -24,9 +24,10 @@ from ..cost_model.sharding import num_shards, spec_from_names
 from .. import progress
 from ..errors import InfeasiblePlanError, MeshplanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
-from ..ilp import IntraOpResult, candidate_meshes, solve_intra_op
+from ..ilp import InputLayouts, IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
-from .layers import BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, layer_subgraph
+from .layers import (BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, group_layers,
+                     layer_subgraph, saved_for_backward)
 from .stage_dp import DPResult, StageChoice, Submesh, brute_force, stage_dp, submesh_shapes
 
 __all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "brute_force",
@@ -49,6 +50,10 @@ class PipelineOptions:
     backend: str = "highs"
     memory_fraction: float = 0.9
     allow_remat: bool = True
+    # baselines and hand-made plans
+    input_filter: Any = None                  # an ilp.InputLayouts for every layer ILP
+    data_parallel_stages: bool = False        # every stage one "data" axis (inter-op only)
+    equal_layers: bool = False                # num_stages stages of equally many layer groups
 
 
 @dataclass(frozen=True)
@@ -58,53 +63,145 @@ class LayerCost:
     comm_s: float
     comm_bytes: float
     resident_bytes: float      # parameters, optimizer state, other state on one device
-    activation_bytes: float    # live intermediates (incl. incoming boundary) per micro-batch
+    activation_bytes: float    # peak of live intermediates (incl. incoming boundary) per micro-batch
     boundary_bytes: float      # incoming activations per micro-batch (what remat keeps)
+    saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
     forward_fraction: float    # share of the layer's time spent in its forward pass
     result: IntraOpResult
+
+    @property
+    def transient_bytes(self) -> float:
+        """What one micro-batch's passes need beyond the saved activations."""
+        return max(self.activation_bytes - self.saved_bytes, 0.0)
+
+
+def _solve_job(job: tuple) -> IntraOpResult | None:
+    """One layer ILP (run in a worker process when solving in parallel)."""
+    sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt = job
+    try:
+        return solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
+                              time_limit=time_limit, memory_budget=budget,
+                              accumulate=grads, grad_accum=grad_accum, input_filter=filt)
+    except InfeasiblePlanError:
+        return None
+
+
+def _workers() -> int:
+    """Processes for layer ILPs: ``MESHPLAN_WORKERS``, else the usable CPUs (at most 8)."""
+    env = os.environ.get("MESHPLAN_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer") from None
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+# Layer ILP results, shared by the searches of one process (a benchmark that
+# plans one model many ways solves each distinct layer once).
+_LAYER_CACHE: dict[tuple, "LayerCost | None"] = {}
+_LAYER_CACHE_MAX = 50_000
 
 
 @dataclass
 class _Search:
     cluster: ClusterSpec
     options: PipelineOptions
-    cache: dict = field(default_factory=dict)
-    solves: int = 0
-    hits: int = 0
+    cache: dict = field(default_factory=lambda: _LAYER_CACHE)
+    solves: int = 0             # ILPs solved by this search
+    hits: int = 0               # layer costs found in the (process-wide) cache
+    used: set = field(default_factory=set)   # distinct layer problems this search needed
+    workers: int = 1
+    _pool: Any = None
+
+    def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+             grads: frozenset[int], grad_accum: int) -> tuple[tuple, tuple]:
+        mm = mesh_model(self.cluster, mesh, submesh=submesh)
+        if len(self.cache) > _LAYER_CACHE_MAX:
+            self.cache.clear()
+        o = self.options
+        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
+               grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
+               o.memory_fraction)
+        used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
+        job = (sub, self.cluster, mesh, submesh, self.options.backend, self.options.time_limit,
+               self.cluster.device.memory_bytes * self.options.memory_fraction, used, grad_accum,
+               self.options.input_filter)
+        return key, job
+
+    def prefetch(self, requests: list[tuple]) -> None:
+        """Solve the distinct layer ILPs of ``requests`` (arguments of
+        :meth:`layer_cost`) in parallel worker processes, when there are
+        enough of them to pay for the workers."""
+        todo: dict[tuple, tuple] = {}
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved in requests:
+            key, job = self._job(sub, mesh, submesh, grads, grad_accum)
+            if key not in self.cache and key not in todo:
+                todo[key] = (job, sub, mesh, fwd_flops, saved)
+        if self.workers <= 1 or len(todo) < 4 * self.workers:
+            return
+        import concurrent.futures
+        import multiprocessing
+        import warnings
+        keys = list(todo)
+        with warnings.catch_warnings():
+            # The workers run the ILP only (numpy, HiGHS), never JAX, so
+            # JAX's warning about forking a multithreaded process does not
+            # apply; fork (unlike spawn) needs no `if __name__ == "__main__"`
+            # guard in the user's script.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            if self._pool is None:
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("fork"))
+            results = list(self._pool.map(_solve_job, [todo[k][0] for k in keys], chunksize=1))
+        for key, r in zip(keys, results):
+            _, sub, mesh, fwd_flops, saved = todo[key]
+            self.solves += 1
+            self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
-                   grad_accum: int = 1) -> LayerCost | None:
-        mm = mesh_model(self.cluster, mesh, submesh=submesh)
-        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
-               grad_accum)
+                   grad_accum: int = 1, saved: frozenset[int] = frozenset()
+                   ) -> LayerCost | None:
+        key, job = self._job(sub, mesh, submesh, grads, grad_accum)
+        self.used.add(key)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
         self.solves += 1
-        try:
-            r = solve_intra_op(sub, self.cluster, mesh, submesh=submesh,
-                               backend=self.options.backend, time_limit=self.options.time_limit,
-                               memory_budget=self.cluster.device.memory_bytes
-                               * self.options.memory_fraction,
-                               accumulate=grads, grad_accum=grad_accum)
-        except InfeasiblePlanError:
-            self.cache[key] = None
-            return None
-        resident = boundary = 0.0
-        for inp, spec in zip(sub.inputs, r.input_specs):
-            t = sub.tensors[inp.tensor]
-            local = t.nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
-            if inp.role in (PARAM, OPT_STATE, STATE):
-                resident += local
-            elif inp.role == BOUNDARY:
-                boundary += local
-        total_flops = sum(n.flops for n in sub.nodes) or 1.0
-        lc = LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
-                       max(r.peak_memory_bytes - resident, 0.0), boundary,
-                       min(fwd_flops / total_flops, 1.0), r)
-        self.cache[key] = lc
-        return lc
+        r = _solve_job(job)
+        self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+        return self.cache[key]
+
+
+def _layer_cost(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
+                saved: frozenset[int]) -> LayerCost:
+    specs = dict(r.constraints)
+    resident = boundary = 0.0
+
+    def local(t: int, spec) -> float:
+        return sub.tensors[t].nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
+
+    for inp, spec in zip(sub.inputs, r.input_specs):
+        specs[inp.tensor] = spec
+        if inp.role in (PARAM, OPT_STATE, STATE):
+            resident += local(inp.tensor, spec)
+        elif inp.role == BOUNDARY:
+            boundary += local(inp.tensor, spec)
+    kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
+    total_flops = sum(n.flops for n in sub.nodes) or 1.0
+    return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
+                     max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
+                     min(fwd_flops / total_flops, 1.0), r)
 
 
 def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
@@ -141,21 +238,23 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
-    search = _Search(cluster, opts)
-    t0 = time.perf_counter()
+    search = _Search(cluster, opts, workers=_workers())
     best: tuple[float, Plan] | None = None
     errors: list[str] = []
-    for B in mbs:
-        try:
-            with progress.step(f"pipeline search with {B} micro-batch(es) "
-                               f"(layer ILPs and stage DP)"):
-                g = graph if B == 1 else retrace(B)  # type: ignore[misc]
-                p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
-        except InfeasiblePlanError as e:
-            errors.append(str(e))
-            continue
-        if best is None or p.predicted.iteration_s < best[0]:
-            best = (p.predicted.iteration_s, p)
+    try:
+        for B in mbs:
+            try:
+                with progress.step(f"pipeline search with {B} micro-batch(es) "
+                                   f"(layer ILPs and stage DP)"):
+                    g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+                    p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
+            except InfeasiblePlanError as e:
+                errors.append(str(e))
+                continue
+            if best is None or p.predicted.iteration_s < best[0]:
+                best = (p.predicted.iteration_s, p)
+    finally:
+        search.close()
     if best is None:
         raise InfeasiblePlanError(
             "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
@@ -164,9 +263,11 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
             budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
     plan = best[1]
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
-    note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {search.solves} layer ILP "
-            f"solves ({search.hits} cache hits)")
-    from dataclasses import replace
+    # (what this search needed, not what an earlier one left in the cache:
+    # the plan must not depend on the process's history)
+    note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {len(search.used)} distinct "
+            f"layer ILPs")
+    progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs from the cache")
     return replace(plan, notes=plan.notes + (note,))
 
 
@@ -177,7 +278,7 @@ def _options_from_method(method) -> PipelineOptions:
                                schedules=(method.schedule,), num_stages=method.pp,
                                fixed=(method.dp, method.tp, method.pp),
                                time_limit=method.time_limit, backend=method.backend,
-                               allow_remat=True)
+                               allow_remat=True, input_filter=InputLayouts("model"))
     if isinstance(method, PipeshardParallel):
         mb = None if method.num_micro_batches is None else (int(method.num_micro_batches),)
         sched = AUTO_SCHEDULES if method.schedule == "auto" else (method.schedule,)
@@ -190,8 +291,11 @@ def _options_from_method(method) -> PipelineOptions:
     raise MeshplanError(f"{method!r} is not a pipeline method")
 
 
-def _stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed) -> list[LogicalMesh]:
+def _stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = False
+                  ) -> list[LogicalMesh]:
     n = sub.size
+    if data_only:
+        return [LogicalMesh(("data",), (n,))]
     if fixed is not None:
         dp, tp, _ = fixed
         return [LogicalMesh(("data", "model"), (dp, tp))]
@@ -206,8 +310,18 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
     # at least as many layers as a fixed number of stages needs
     wanted = max(_default_layers(g, cluster), opts.fixed[2] if opts.fixed else 1,
                  opts.num_stages or 1)
-    layering = assign_layers(g, opts.num_layers or wanted)
+    layering = assign_layers(g, opts.num_layers, default_layers=wanted)
     L = layering.num_layers
+    # the stage DP cuts between groups of consecutive layers (repeated blocks
+    # make many small layers; each kind is costed once, and a stage's cost is
+    # the sum of its layers' costs)
+    n_groups = max(wanted, min(L, 16)) if opts.num_layers is None else L
+    if opts.equal_layers:
+        if not opts.num_stages or L < opts.num_stages:
+            raise MeshplanError("equal_layers needs a number of stages of at most the layers")
+        S = opts.num_stages
+        n_groups = S * (min(n_groups, L) // S)
+    groups = group_layers(layering.flops, n_groups)
     subs = [layer_subgraph(g, layering, l, l) for l in range(L)]
     fwd_flops = [sum(n.flops for n in g.nodes if layering.forward[n.id]
                      and layering.layer_of_node[n.id] == l) for l in range(L)]
@@ -224,7 +338,8 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
     budget = cluster.device.memory_bytes * opts.memory_fraction
     p2p_bw = (cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
               if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s)
-    meshes_of = [_stage_meshes(cluster, s, opts.fixed) for s in submeshes]
+    meshes_of = [_stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
+                 for s in submeshes]
     costs: dict[tuple[int, int], LayerCost | None] = {}
     # parameters, optimizer and other state of each layer, unsharded: a stage
     # whose state cannot fit even when split over all its devices is skipped
@@ -236,19 +351,31 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
     for b in state_bytes:
         state_prefix.append(state_prefix[-1] + b)
 
+    saved = saved_for_backward(g, layering)
+
+    def request(l: int, m: int, k: int) -> tuple:
+        s = submeshes[m]
+        return (subs[l], meshes_of[m][k], (s.hosts, s.devices_per_host), fwd_flops[l], grads, B,
+                saved[l])
+
     def layer(l: int, m: int, k: int) -> LayerCost | None:
         key = (l, m, k)
         if key not in costs:
-            s = submeshes[m]
-            costs[key] = search.layer_cost(subs[l], meshes_of[m][k], (s.hosts, s.devices_per_host),
-                                           fwd_flops[l], grads, B)
+            costs[key] = search.layer_cost(*request(l, m, k))
         return costs[key]
+
+    # every layer on every mesh its state fits: the stage DP asks for all of them
+    search.prefetch([request(l, m, k) for l in range(L) for m, s in enumerate(submeshes)
+                     if state_bytes[l] / s.size <= budget for k in range(len(meshes_of[m]))])
 
     best_plans = []
     for schedule in opts.schedules:
         choice: dict[tuple, tuple] = {}
 
-        def stage_cost(i: int, j: int, m: int, s: int, schedule=schedule, choice=choice):
+        def stage_cost(gi: int, gj: int, m: int, s: int, schedule=schedule, choice=choice):
+            i, j = groups[gi][0], groups[gj][1]
+            if opts.equal_layers and gj - gi + 1 != len(groups) // opts.num_stages:
+                return None
             in_flight = B if schedule == "gpipe" else min(B, s)
             if (state_prefix[j + 1] - state_prefix[i]) / submeshes[m].size > budget:
                 return None
@@ -259,10 +386,15 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
                     continue
                 t = sum(p.time_s for p in parts)
                 resident = sum(p.resident_bytes for p in parts)
-                act = sum(p.activation_bytes for p in parts)
+                # each micro-batch in flight keeps what its backward reads;
+                # the one being processed also needs its layer's temporaries
+                act = sum(p.saved_bytes for p in parts)
+                temp = max(p.transient_bytes for p in parts)
                 send = 2 * layering.cut_bytes[j] / p2p_bw if j < L - 1 else 0.0
-                options = [(t + send, False, resident + in_flight * act)]
+                options = [(t + send, False, resident + in_flight * act + temp)]
                 if opts.allow_remat:
+                    # keep only the stage's inputs; recompute a layer's forward
+                    # just before its backward
                     t_r = sum(p.time_s * (1 + p.forward_fraction) for p in parts)
                     keep = sum(p.boundary_bytes for p in parts)
                     peak = max(p.activation_bytes for p in parts)
@@ -275,7 +407,11 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
             choice[i, j, m, s] = best
             return best[0]
 
-        res = stage_dp(L, submeshes, cluster.num_devices, B, stage_cost, max_stages=max_stages)
+        res = stage_dp(len(groups), submeshes, cluster.num_devices, B, stage_cost,
+                       max_stages=max_stages)
+        if res is not None:   # group indices -> layer indices
+            res = replace(res, stages=tuple(replace(st, first=groups[st.first][0],
+                                                    last=groups[st.last][1]) for st in res.stages))
         if res is None or (opts.fixed is not None and len(res.stages) != opts.fixed[2]):
             continue
         total = res.total_s

@@ -11,17 +11,27 @@
    own layer, and perhaps values shared by all layers, like a mask made in
    the first; a tied embedding read by the first and the last layer must not
    pull the last layer's backward into the first); one that reads no
-   forward value inherits the smallest layer among its operands (the
-   gradient arriving from the layer above is of a higher layer).  An update
+   forward value inherits the smallest layer among its non-scalar operands
+   (the gradient arriving from the layer above is of a higher layer; a
+   global gradient norm places nothing).  An update
    reads its parameter, which belongs to the layer of its first forward
    reader.  So a layer's forward, backward and updates land together.
+
+Repeated blocks (identical transformer layers written as a Python loop) are
+found in the forward op sequence (:func:`find_blocks`); without marks, the
+layers are then exactly those blocks plus what comes before and after them,
+so identical layers hash equal and the ILP solves each kind once.
+:func:`group_layers` merges consecutive layers into fewer, balanced groups
+for the stage DP.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -103,20 +113,109 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
     return []
 
 
+def _signatures(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
+    """One integer per forward node: equal when primitive, parameters and
+    operand / result shapes are equal."""
+    codes: dict[str, int] = {}
+    out = []
+    for nid in fwd_ids:
+        n = graph.nodes[nid]
+        params = n.params if n.primitive != "scan" else n.params[:3]
+        key = repr((n.primitive, params,
+                    [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in n.inputs],
+                    [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in n.outputs]))
+        out.append(codes.setdefault(key, len(codes)))
+    return np.array(out, dtype=np.int64)
+
+
+def find_blocks(sig: np.ndarray, cut: np.ndarray, *, min_coverage: float = 0.5
+                ) -> list[int] | None:
+    """Cut positions (after index k) around the longest stretch of identical
+    consecutive blocks in the signature sequence, or ``None`` when no stretch
+    of at least two blocks covers ``min_coverage`` of the sequence.
+
+    For each period ``p`` the longest run of ``sig[i] == sig[i + p]`` is found;
+    a run of length ``R`` means ``(R + p) // p`` repeated blocks.  The period
+    covering most ops wins (ties: the shortest).  Within the slack the run
+    leaves, the blocks start where the fewest bytes cross."""
+    n = len(sig)
+    best = None    # (coverage, -p, start, run)
+    for p in range(1, n // 2 + 1):
+        eq = np.concatenate([[False], sig[:-p] == sig[p:], [False]])
+        edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+        if not len(edges):
+            continue
+        starts, ends = edges[0::2], edges[1::2]
+        k = int(np.argmax(ends - starts))
+        run = int(ends[k] - starts[k])
+        if run < p:
+            continue
+        blocks = (run + p) // p
+        cand = (blocks * p, -p, int(starts[k]), run)
+        if best is None or cand[:2] > best[:2]:
+            best = cand
+    if best is None or best[0] < min_coverage * n:
+        return None
+    covered, neg_p, start, run = best
+    p = -neg_p
+    blocks = covered // p
+    slack = run + p - covered
+    # cut before block 0 at position start + o - 1; cuts inside the sequence only
+    def bytes_at(o: int) -> float:
+        return sum(float(cut[start + o + k * p - 1]) for k in range(blocks + 1)
+                   if 0 <= start + o + k * p - 1 < n - 1)
+    o = min(range(slack + 1), key=lambda o: (bytes_at(o), o))
+    return [start + o + k * p - 1 for k in range(blocks + 1) if 0 <= start + o + k * p - 1 < n - 1]
+
+
+def group_layers(flops: Sequence[float], num_groups: int) -> list[tuple[int, int]]:
+    """Consecutive layers merged into ``num_groups`` groups (first, last),
+    minimising the largest group's FLOPs."""
+    L = len(flops)
+    G = max(1, min(num_groups, L))
+    if G == L:
+        return [(l, l) for l in range(L)]
+    prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    INF = float("inf")
+    # best[g][j]: smallest max-group FLOPs covering layers [0, j) with g groups
+    best = np.full((G + 1, L + 1), INF)
+    back = np.zeros((G + 1, L + 1), dtype=np.int64)
+    best[0][0] = 0.0
+    for g in range(1, G + 1):
+        for j in range(g, L - (G - g) + 1):
+            for i in range(g - 1, j):
+                v = max(best[g - 1][i], prefix[j] - prefix[i])
+                if v < best[g][j]:
+                    best[g][j], back[g][j] = v, i
+    out, j = [], L
+    for g in range(G, 0, -1):
+        i = int(back[g][j])
+        out.append((i, j - 1))
+        j = i
+    return out[::-1]
+
+
 def assign_layers(graph: Graph, num_layers: int | None = None, *,
-                  max_candidates: int = 12) -> Layering:
-    """Layers for every node of ``graph`` (see the module doc)."""
+                  max_candidates: int = 12, default_layers: int = 1) -> Layering:
+    """Layers for every node of ``graph`` (see the module doc).  Without
+    ``num_layers`` the layers are the user's marks, else the repeated blocks,
+    else ``default_layers`` clustered ones."""
     fwd = forward_nodes(graph)
     fwd_ids = [n.id for n in graph.nodes if fwd[n.id]]
     marks = [k for k, nid in enumerate(fwd_ids) if graph.nodes[nid].primitive == PIPELINE_BOUNDARY]
     flops = np.array([graph.nodes[nid].flops for nid in fwd_ids])
     cut = _cut_profile(graph, fwd_ids) if fwd_ids else np.zeros(0)
+    blocks = None if marks or len(fwd_ids) < 4 else find_blocks(_signatures(graph, fwd_ids), cut)
     if marks and num_layers is None:
         cuts, marked = marks, True
+    elif blocks is not None and num_layers in (None, len(blocks) + 1):
+        cuts, marked = blocks, False
     else:
-        L = num_layers or 1
+        L = num_layers or default_layers
         if marks:
             cands = marks
+        elif blocks is not None and L <= len(blocks) + 1:
+            cands = blocks
         else:
             # cheap cut points: the lowest-traffic positions in each stretch
             k = max(1, max_candidates * L)
@@ -152,7 +251,11 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         # into the first layer)
         fl = [tensor_layer[t] for t in n.inputs if t in forward_values and t not in graph_inputs]
         fl = fl or [tensor_layer[t] for t in n.inputs if t in forward_values]
+        # (scalars such as a global gradient norm are read by every layer's
+        # update and place nothing)
         bl = [tensor_layer[t] for t in n.inputs if t in tensor_layer]
+        bl = [tensor_layer[t] for t in n.inputs
+              if t in tensor_layer and math.prod(graph.tensors[t].shape) > 1] or bl
         if fl:
             layer[n.id] = max(fl)
         elif bl:
@@ -162,6 +265,9 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
             continue
         for t in n.outputs:
             tensor_layer[t] = layer[n.id]
+        if n.primitive in IDENTITY_MARKERS:   # each marked value keeps its own layer
+            for i, o in zip(n.inputs, n.outputs):
+                tensor_layer[o] = tensor_layer.get(i, layer[n.id])
     # ... such nodes run where their first consumer runs
     for n in reversed(pending):
         users = [layer[c] for t in n.outputs for c in graph.consumers.get(t, ()) if layer[c] >= 0]
@@ -177,8 +283,10 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
     """The nodes of layers ``first..last`` as a Graph of their own: values from
     other layers enter as inputs (role ``boundary``), values other layers or the
     step's outputs need leave as outputs."""
-    const = constant_nodes(graph)
-    keep_ids = {n.id for n in graph.nodes if first <= layering.layer_of_node[n.id] <= last}
+    # identity markers (the gradient marker gathers every layer's gradients)
+    # are read through: a layer's update reads its own layer's gradient
+    graph, layer_of, const = _unmarked(graph, layering)
+    keep_ids = {n.id for n in graph.nodes if first <= layer_of[n.id] <= last}
     # values computed from constants alone (masks, iotas) are recomputed in
     # every layer that reads them instead of crossing layer boundaries
     stack = [t for nid in keep_ids for t in graph.nodes[nid].inputs]
@@ -219,8 +327,42 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
     nodes = tuple(dataclasses.replace(n, id=k) for k, n in enumerate(keep))
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
                               inputs=tuple(inputs), outputs=tuple(outputs), warnings=())
-    sub = strip_markers(sub)
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
+
+
+def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]:
+    """Per layer: the forward values (and batch pieces) its backward ops read,
+    i.e. what one micro-batch keeps alive between its forward and backward
+    pass.  Tensor ids are those of :func:`layer_subgraph` (markers read
+    through)."""
+    view, layer_of, _ = _unmarked(graph, layering)
+    fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
+    batch = {i.tensor for i in view.inputs if i.role == BATCH}
+    const = view.constant_tensors      # recomputed (fused) where read, never kept
+    out: list[set[int]] = [set() for _ in range(layering.num_layers)]
+    for n in view.nodes:
+        if fwd[n.id]:
+            continue
+        for t in n.inputs:
+            p = view.producer.get(t)
+            if ((p is not None and fwd[p]) or t in batch) and t not in const:
+                out[layer_of[n.id]].add(t)
+    return [frozenset(s) for s in out]
+
+
+_UNMARKED: list = []   # the last graph's unmarked view (one per micro-batch search)
+
+
+def _unmarked(graph: Graph, layering: Layering) -> tuple[Graph, list[int], set[int]]:
+    """``graph`` without identity markers, the layer of each remaining node,
+    and its constant nodes."""
+    if _UNMARKED and _UNMARKED[0] is graph and _UNMARKED[1] is layering:
+        return tuple(_UNMARKED[2:])  # type: ignore[return-value]
+    layer_of = [layering.layer_of_node[n.id] for n in graph.nodes
+                if n.primitive not in IDENTITY_MARKERS]
+    view = strip_markers(graph)
+    _UNMARKED[:] = [graph, layering, view, layer_of, constant_nodes(view)]
+    return view, layer_of, _UNMARKED[4]
 
 
 def constant_nodes(graph: Graph) -> set[int]:

@@ -19,14 +19,40 @@ from ..cost_model.mesh import MeshModel, default_axis_names, mesh_model, mesh_sh
 from ..cost_model.sharding import ISpec, num_shards, spec_names
 from .. import progress
 from ..errors import InfeasiblePlanError
-from ..graph import Graph
+from ..graph import BATCH, Graph, GraphInput
 from ..plan import LogicalMesh, Spec
 from .build import Built, InputFilter, PlannedCollective, build_problem, explain, read_layouts
 from .core import IlpProblem, Solution, brute_force, solve
 
-__all__ = ["IntraOpResult", "solve_intra_op", "best_intra_op", "candidate_meshes",
+__all__ = ["IntraOpResult", "InputLayouts", "solve_intra_op", "best_intra_op", "candidate_meshes",
            "IlpProblem", "Solution", "brute_force", "solve", "build_problem", "explain",
            "PlannedCollective"]
+
+
+@dataclass(frozen=True)
+class InputLayouts:
+    """An input filter for hand-made methods (a picklable ``InputFilter``).
+
+    The batch is split along dimension 0 over mesh axis 0 (``data``) only.
+    ``params`` says how parameters, optimizer and other state may be laid out:
+    ``"replicated"`` (data parallel), ``"sharded"`` (ZeRO-3 style: split over
+    axis 0 wherever a dimension divides) or ``"model"`` (Megatron: split over
+    the other axes only, never over ``data``)."""
+    params: str = "replicated"
+
+    def __call__(self, inp: GraphInput, spec: ISpec) -> bool:
+        axes = [a for d in spec for a in d]
+        if inp.role == BATCH:
+            # (an input with no split of dimension 0 on offer falls back to
+            # replicated: a data axis of size 1, a batch it does not divide)
+            return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
+        if self.params == "replicated":
+            return not axes
+        if self.params == "sharded":
+            return 0 in axes
+        if self.params == "model":
+            return 0 not in axes
+        raise ValueError(f"InputLayouts(params={self.params!r})")
 
 
 @dataclass(frozen=True)
@@ -139,8 +165,11 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
 
 
 def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:
-    """Resident inputs plus the peak of live intermediates, per device."""
+    """Resident inputs plus the peak of live intermediates, per device.
+    Values computed from constants alone (a causal mask broadcast to the
+    scores' shape) are not counted: XLA fuses them into their readers."""
     shape = mm.shape
+    const = graph.constant_tensors
 
     def local(t: int) -> float:
         spec = tensor_spec.get(t)
@@ -152,6 +181,8 @@ def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> i
     n = len(graph.nodes)
     delta = np.zeros(n + 1)
     for t, (a, b) in live.intervals.items():
+        if t in const:
+            continue
         v = local(t)
         delta[a] += v
         delta[b + 1] -= v

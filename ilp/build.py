@@ -144,6 +144,17 @@ def _restrict(g: Group, ok: list[int]) -> None:
         setattr(g, name, [vals[j] for j in ok])
 
 
+# Resharding costs depend only on the mesh model, the shape and the two
+# layouts: kept across problems (the layers of a pipeline search share them).
+_RESHARD_CACHES: dict[MeshModel, tuple[dict, dict]] = {}
+
+
+def _reshard_caches(mm: MeshModel) -> tuple[dict, dict]:
+    if mm not in _RESHARD_CACHES and len(_RESHARD_CACHES) >= 64:
+        _RESHARD_CACHES.clear()
+    return _RESHARD_CACHES.setdefault(mm, ({}, {}))
+
+
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   memory_budget: float | None = None,
                   input_filter: InputFilter | None = None,
@@ -159,8 +170,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     traffic = fused_bytes(graph)
     strat_cache: dict[tuple, list[Strategy]] = {}
 
-    reshard_cache: dict[tuple, tuple] = {}
-    column_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    reshard_cache, column_cache = _reshard_caches(mm)
 
     def reshard_k(t: int, src: ISpec, dst: ISpec) -> tuple:
         """(kind, seconds, bytes, layout after) steps of a resharding of tensor ``t``."""

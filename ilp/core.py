@@ -482,15 +482,21 @@ def greedy(p: IlpProblem) -> list[int] | None:
     return ch if p.feasible(ch) else None
 
 
+# table entries the elimination DP may touch per group before the MIP takes over
+DP_WORK_PER_GROUP = 2e6
+
+
 def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 60.0,
           threads: int = 1, reduce: bool = True, dp: bool = True,
           dp_max_entries: int = 1 << 25) -> Solution:
     """Optimal (or best within ``time_limit``) strategy choice for ``p``.
 
     The problem is first reduced exactly (:func:`reduce_problem`,
-    :func:`eliminate`); with ``dp`` the rest is solved by variable elimination
-    (:mod:`meshplan.ilp.dp`) when its tables stay under ``dp_max_entries``
-    and its answer fits the memory rows (``Solution.backend == "dp"``).
+    :func:`eliminate`).  With ``dp`` the rest is solved by variable
+    elimination (:mod:`meshplan.ilp.dp`)
+    when its tables stay under ``dp_max_entries`` (and its work under
+    ``DP_WORK_PER_GROUP`` per group) and its answer fits the memory rows
+    (``Solution.backend == "dp"``).
     Otherwise the MIP goes to ``backend``: ``"highs"`` (highspy) or ``"cbc"``
     (PuLP's bundled CBC).  ``reduce=False, dp=False`` hands the unreduced
     formulation to the back end."""
@@ -540,7 +546,10 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
         # Dynamic programming over the cost network, memory rows set aside:
         # when its optimum also fits in memory, it is the optimum.
         from .dp import min_sum_eliminate
-        got = min_sum_eliminate(q, max_entries=dp_max_entries)
+        # its work budget grows with the problem: a small network that the
+        # DP finds hard is a quick MIP, a large one often is not
+        got = min_sum_eliminate(q, max_entries=dp_max_entries,
+                                max_work=min(3e9, DP_WORK_PER_GROUP * q.num_groups))
         if got is not None:
             choice = back(got[0])
             if p.feasible(choice):

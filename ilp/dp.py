@@ -153,6 +153,8 @@ class _Net:
                 order.append(pick)
             else:
                 best, best_work = order, work
+            if self.work + best_work > self.max_work * (10 if k == 0 else 1) and k in (0, tries - 1):
+                raise _GiveUp    # over budget before any table is built
         return best if best is not None else sorted(groups)
 
 
@@ -249,7 +251,8 @@ def _conditioned(p: IlpProblem, max_entries: int, max_work: float, depth: int
         return None
     rest = [g for g in range(n) if g != hub]
     new_of = {g: k for k, g in enumerate(rest)}
-    budget = max_work
+    # the whole budget is shared by the conditioned sub-problems
+    budget = max_work / len(p.costs[hub])
     best: tuple[list[int], float] | None = None
     for v in range(len(p.costs[hub])):
         costs = [np.asarray(p.costs[g], dtype=float).copy() for g in rest]

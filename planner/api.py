@@ -94,34 +94,21 @@ def _plan_shard(graph: Graph, cluster: ClusterSpec, method: ShardParallel) -> Pl
 
 
 def _plan_data(graph: Graph, cluster: ClusterSpec, method: DataParallel) -> Plan:
-    from meshplan.ilp import solve_intra_op
+    from meshplan.ilp import InputLayouts, solve_intra_op
     n = cluster.num_devices
     _check_batch_divisible(graph, n, "DataParallel")
     mesh = LogicalMesh(("data",), (n,))
-
-    def only_dp(inp, spec) -> bool:
-        if inp.role == BATCH and spec:
-            return spec[0] == ((0,) if n > 1 else ()) and all(not d for d in spec[1:])
-        return all(not d for d in spec)
-
-    r = solve_intra_op(graph, cluster, mesh, input_filter=only_dp, backend=method.backend,
-                       time_limit=method.time_limit)
+    r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts("replicated"),
+                       backend=method.backend, time_limit=method.time_limit)
     return plan_from_intra_op(graph, cluster, r, "data")
 
 
 def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
-    from meshplan.ilp import solve_intra_op
+    from meshplan.ilp import InputLayouts, solve_intra_op
     _check_batch_divisible(graph, method.dp, "Manual(dp=...)")
     mesh = LogicalMesh(("data", "model"), (method.dp, method.tp))
-
-    def megatron(inp, spec) -> bool:
-        axes_used = {a for d in spec for a in d}
-        if inp.role == BATCH and spec:
-            return spec[0] == ((0,) if method.dp > 1 else ()) and 0 not in {a for d in spec[1:] for a in d}
-        return 0 not in axes_used        # parameters split over "model" only (no ZeRO)
-
-    r = solve_intra_op(graph, cluster, mesh, input_filter=megatron, backend=method.backend,
-                       time_limit=method.time_limit)
+    r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts("model"),
+                       backend=method.backend, time_limit=method.time_limit)
     return plan_from_intra_op(graph, cluster, r, "manual")
 
 

@@ -201,3 +201,83 @@ def test_gradient_accumulation_pays_gradient_reduction_once_per_iteration():
     # per micro-batch (the ILP may also re-plan around the cheaper reduction)
     assert r4.comm_bytes <= 0.26 * r1.comm_bytes
     assert r4.comm_s < r1.comm_s
+
+
+# ---- repeated blocks, layer groups, saved activations ----------------------
+
+def test_find_blocks_on_a_repeated_sequence():
+    from meshplan.dp_search.layers import find_blocks
+    block = [5, 6, 7, 8, 9]
+    sig = np.array([1, 2] + block * 4 + [3, 4])
+    cut = np.ones(len(sig))
+    cut[[1, 6, 11, 16, 21]] = 0.1      # the block boundaries are the cheap cuts
+    assert find_blocks(sig, cut) == [1, 6, 11, 16, 21]
+    # no repetition, or too little of it: no blocks
+    assert find_blocks(np.arange(20), np.ones(20)) is None
+    assert find_blocks(np.array(list(range(30)) + [1, 2, 1, 2]), np.ones(34)) is None
+
+
+@pytest.mark.parametrize("layers", [3, 6])
+def test_identical_transformer_blocks_are_layers_of_one_kind(layers):
+    m, g = _gpt(layers)
+    lay = assign_layers(g)
+    assert lay.num_layers == layers + 2       # embedding, the blocks, head + loss
+    hashes = [layer_subgraph(g, lay, l, l).fingerprint for l in range(lay.num_layers)]
+    # the first block reads the embedding's output and feeds its gradient back;
+    # every later block is the same problem
+    assert len(set(hashes[2:-1])) == 1 and len(set(hashes)) <= 4
+    # Adam's moment updates of a block's weights run on the block's layer, not
+    # where the gradient marker that gathers every gradient happens to be
+    # placed.  (A bias gradient sums the gradient arriving from the block
+    # above and reads no activation, so it and its moments may sit one layer
+    # up; the bias itself and its update stay with the block.)
+    import re
+    checked = 0
+    for n in g.nodes:
+        if lay.forward[n.id]:
+            continue
+        for t in n.inputs:
+            inp = g.input_of_tensor.get(t)
+            block = re.search(r"\['h(\d+)'\]", inp.path) if inp is not None else None
+            if inp is not None and inp.role == "opt_state" and block and inp.path.endswith("['w']"):
+                assert lay.layer_of_node[n.id] == int(block.group(1)) + 1, (inp.path, n.primitive)
+                checked += 1
+    assert checked >= 8 * layers
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_layers_is_the_best_balanced_partition(seed):
+    import itertools
+    from meshplan.dp_search.layers import group_layers
+    rng = np.random.default_rng(seed)
+    flops = list(rng.random(int(rng.integers(1, 8))))
+    G = int(rng.integers(1, len(flops) + 1))
+    groups = group_layers(flops, G)
+    assert [a for a, _ in groups] == [0] + [b + 1 for _, b in groups[:-1]]
+    assert groups[-1][1] == len(flops) - 1 and len(groups) == G
+    got = max(sum(flops[a:b + 1]) for a, b in groups)
+    best = min(max(sum(flops[a:b]) for a, b in zip((0,) + c, c + (len(flops),)))
+               for c in itertools.combinations(range(1, len(flops)), G - 1))
+    assert got == pytest.approx(best)
+
+
+def test_saved_activations_are_what_the_backward_reads():
+    from meshplan.dp_search.layers import saved_for_backward
+
+    def loss_fn(p, x):
+        mask = jnp.tril(jnp.ones((16, 16), bool))       # a constant: never kept
+        h = jnp.tanh(x @ p["w0"])
+        return jnp.where(mask[:8], h @ p["w1"], 0.0).sum()
+
+    def step(p, x):
+        loss, gr = value_and_grad(loss_fn)(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, gr), loss
+
+    p = {"w0": jnp.ones((16, 16)), "w1": jnp.ones((16, 16))}
+    g = trace(step, p, jnp.ones((8, 16)))
+    lay = assign_layers(g, 1)
+    (saved,) = saved_for_backward(g, lay)
+    kinds = {g.nodes[g.producer[t]].primitive if t in g.producer else "input" for t in saved}
+    assert "tanh" in kinds                        # tanh' needs its output
+    assert all(t not in g.constant_tensors for t in saved)
+    assert not any(g.input_of_tensor[t].role == "param" for t in saved if t in g.input_of_tensor)

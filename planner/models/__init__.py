@@ -32,6 +32,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {}
 PRESET_INFO: dict[str, dict[str, Any]] = {}
 
 _MIXED = {"dtype": "float32", "compute_dtype": "bfloat16"}
+# Alpa's suites ran on V100s, which have float16 tensor cores and no bfloat16:
+# float32 parameters, float16 compute, as in Alpa's mixed-precision benchmarks.
+_MIXED_FP16 = {"dtype": "float32", "compute_dtype": "float16"}
 
 # Alpa GPT suite (seq 1024, vocab 51200, batch 1024); GPUs of the weak-scaling run.
 for _size, _h, _l, _heads, _gpus in [
@@ -39,7 +42,7 @@ for _size, _h, _l, _heads, _gpus in [
         ("2.6b", 2560, 32, 32, 8), ("6.7b", 4096, 32, 32, 16), ("15b", 5120, 48, 40, 32),
         ("39b", 8192, 48, 64, 64)]:
     PRESETS[f"gpt-{_size}"] = ("gpt", {"batch": 1024, "seq_len": 1024, "vocab": 51200,
-                                       "hidden": _h, "layers": _l, "heads": _heads, **_MIXED})
+                                       "hidden": _h, "layers": _l, "heads": _heads, **_MIXED_FP16})
     PRESET_INFO[f"gpt-{_size}"] = {"source": "Alpa GPT suite", "gpus": _gpus}
 
 # Megatron-LM Table 1 (seq 2048, vocab 51200): hidden, layers, heads, batch,
@@ -72,7 +75,7 @@ for _size, _h, _l, _experts, _gpus in [
     PRESETS[f"moe-{_size}"] = ("moe", {"batch": 1024, "seq_len": 1024, "vocab": 32000,
                                        "hidden": _h, "layers": _l, "heads": 16,
                                        "num_experts": _experts, "expert_group_size": 2048,
-                                       "mlp_ratio": 8, **_MIXED})
+                                       "mlp_ratio": 8, **_MIXED_FP16})
     PRESET_INFO[f"moe-{_size}"] = {"source": "Alpa MoE suite", "gpus": _gpus}
 
 # Alpa Wide-ResNet suite (image 224, bottleneck blocks, 1024 classes, batch
