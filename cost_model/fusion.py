@@ -11,6 +11,7 @@ five-fold, which makes sharding such work look far more valuable than it is.
 that rule: the operands it reads from memory (made by a non-fusible operator
 or an input of the step) plus its result when the result is materialised
 (read by a non-fusible operator, or an output of the step).
+:func:`materialised` names the values that exist in memory at all.
 """
 from __future__ import annotations
 
@@ -43,4 +44,20 @@ def fused_bytes(graph: Graph) -> dict[int, float]:
             if t in outputs or any(r not in fusible for r in readers) or not readers:
                 moved += graph.tensors[t].nbytes
         out[n.id] = moved
+    return out
+
+
+def materialised(graph: Graph) -> set[int]:
+    """Tensors that exist in memory: results of non-fusible operators, and
+    results of fusible ones that a non-fusible operator reads or the step
+    returns.  (A value passed only between fusible operators stays in
+    registers: XLA fuses the chain, duplicating cheap producers into each
+    fusion that needs them.)"""
+    outputs = {o.tensor for o in graph.outputs}
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.primitive not in FUSIBLE:
+            out.update(n.outputs)
+            out.update(n.inputs)
+    out.update(outputs)
     return out

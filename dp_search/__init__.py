@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -101,6 +102,9 @@ def _workers() -> int:
     return max(1, min(n, 8))
 
 
+# Figures of the last plan_pipeline call in this process (benchmarks read them).
+LAST_SEARCH: dict[str, float] = {}
+
 # Layer ILP results, shared by the searches of one process (a benchmark that
 # plans one model many ways solves each distinct layer once).
 _LAYER_CACHE: dict[tuple, "LayerCost | None"] = {}
@@ -115,6 +119,9 @@ class _Search:
     solves: int = 0             # ILPs solved by this search
     hits: int = 0               # layer costs found in the (process-wide) cache
     used: set = field(default_factory=set)   # distinct layer problems this search needed
+    trace_s: float = 0.0        # wall time re-tracing the step per micro-batch count
+    ilp_s: float = 0.0          # wall time in layer ILPs (in-process or waiting on workers)
+    dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
     workers: int = 1
     _pool: Any = None
 
@@ -144,6 +151,7 @@ class _Search:
                 todo[key] = (job, sub, mesh, fwd_flops, saved)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return
+        t0 = time.perf_counter()
         import concurrent.futures
         import multiprocessing
         import warnings
@@ -162,6 +170,7 @@ class _Search:
             _, sub, mesh, fwd_flops, saved = todo[key]
             self.solves += 1
             self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+        self.ilp_s += time.perf_counter() - t0
 
     def close(self) -> None:
         if self._pool is not None:
@@ -178,8 +187,10 @@ class _Search:
             self.hits += 1
             return self.cache[key]
         self.solves += 1
+        t0 = time.perf_counter()
         r = _solve_job(job)
         self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+        self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
 
@@ -242,17 +253,21 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     best: tuple[float, Plan] | None = None
     errors: list[str] = []
     try:
-        for B in mbs:
+        for B in mbs:       # (grows while nothing fits: see the end of the loop)
             try:
                 with progress.step(f"pipeline search with {B} micro-batch(es) "
                                    f"(layer ILPs and stage DP)"):
+                    t0 = time.perf_counter()
                     g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+                    search.trace_s += time.perf_counter() - t0
                     p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
+                if best is None or p.predicted.iteration_s < best[0]:
+                    best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors.append(str(e))
-                continue
-            if best is None or p.predicted.iteration_s < best[0]:
-                best = (p.predicted.iteration_s, p)
+            if (best is None and B == mbs[-1] and opts.num_micro_batches is None
+                    and retrace is not None and batch % (2 * B) == 0):
+                mbs.append(2 * B)   # nothing fits yet: smaller micro-batches, down to one example
     finally:
         search.close()
     if best is None:
@@ -268,6 +283,10 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs from the cache")
+    LAST_SEARCH.clear()
+    LAST_SEARCH.update(micro_batch_counts=len(mbs), distinct_layer_ilps=len(search.used),
+                       solved=search.solves, cache_hits=search.hits, trace_s=search.trace_s,
+                       ilp_s=search.ilp_s, dp_s=search.dp_s, workers=search.workers)
     return replace(plan, notes=plan.notes + (note,))
 
 
@@ -407,8 +426,10 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
             choice[i, j, m, s] = best
             return best[0]
 
+        t0, ilp0 = time.perf_counter(), search.ilp_s
         res = stage_dp(len(groups), submeshes, cluster.num_devices, B, stage_cost,
                        max_stages=max_stages)
+        search.dp_s += time.perf_counter() - t0 - (search.ilp_s - ilp0)
         if res is not None:   # group indices -> layer indices
             res = replace(res, stages=tuple(replace(st, first=groups[st.first][0],
                                                     last=groups[st.last][1]) for st in res.stages))

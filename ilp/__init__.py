@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cluster import ClusterSpec
+from ..cost_model.fusion import materialised
 from ..cost_model.memory import liveness
 from ..cost_model.mesh import MeshModel, default_axis_names, mesh_model, mesh_shapes
 from ..cost_model.sharding import ISpec, num_shards, spec_names
 from .. import progress
 from ..errors import InfeasiblePlanError
-from ..graph import BATCH, Graph, GraphInput
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
 from ..plan import LogicalMesh, Spec
 from .build import Built, InputFilter, PlannedCollective, build_problem, explain, read_layouts
 from .core import IlpProblem, Solution, brute_force, solve
@@ -46,6 +47,8 @@ class InputLayouts:
             # (an input with no split of dimension 0 on offer falls back to
             # replicated: a data axis of size 1, a batch it does not divide)
             return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
+        if inp.role not in (PARAM, OPT_STATE, STATE):    # activations from another stage
+            return True
         if self.params == "replicated":
             return not axes
         if self.params == "sharded":
@@ -167,9 +170,11 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
 def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:
     """Resident inputs plus the peak of live intermediates, per device.
     Values computed from constants alone (a causal mask broadcast to the
-    scores' shape) are not counted: XLA fuses them into their readers."""
+    scores' shape) and values passed only between fused element-wise
+    operators are not counted: XLA keeps them out of memory."""
     shape = mm.shape
     const = graph.constant_tensors
+    kept = materialised(graph)
 
     def local(t: int) -> float:
         spec = tensor_spec.get(t)
@@ -181,7 +186,7 @@ def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> i
     n = len(graph.nodes)
     delta = np.zeros(n + 1)
     for t, (a, b) in live.intervals.items():
-        if t in const:
+        if t in const or t not in kept:
             continue
         v = local(t)
         delta[a] += v

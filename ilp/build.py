@@ -76,6 +76,9 @@ class Built:
     # groups whose own communication is paid once per ``grad_accum`` micro-batches
     accumulated: frozenset[int] = frozenset()
     grad_accum: int = 1
+    # groups of the optimizer update: everything they cost is paid once per
+    # ``grad_accum`` micro-batches
+    per_iteration: frozenset[int] = frozenset()
 
 
 def _follow_input(space, node, graph) -> int | None:
@@ -357,6 +360,36 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         for j in range(p.size):
             add_read(h, p, o.tensor, j, p.specs[j][in_t])
 
+    # Gradient accumulation: the groups that make parameter gradients
+    # communicate once per iteration, not once per micro-batch; the groups of
+    # the update (what reads a gradient, directly or not) run once per
+    # iteration, with the reshardings into and out of them.
+    accumulated = frozenset(group_of_tensor[t] for t in accumulate if t in group_of_tensor)
+    per_iteration: frozenset[int] = frozenset()
+    if grad_accum > 1:
+        f = 1.0 / grad_accum
+        later = set(accumulate)
+        for n in graph.nodes:
+            if any(t in later for t in n.inputs):
+                later.update(n.outputs)
+        per_iteration = frozenset(group_of_tensor[t] for t in later - set(accumulate)
+                                  if t in group_of_tensor) - accumulated
+        for gid in accumulated:
+            g = groups[gid]
+            for i in range(g.size):
+                saved = g.comm[i] * (1 - f)
+                g.cost[i] -= saved
+                g.comm[i] -= saved
+                g.comm_bytes[i] *= f
+        for gid in per_iteration:
+            g = groups[gid]
+            for name in ("cost", "compute", "comm", "comm_bytes"):
+                setattr(g, name, [x * f for x in getattr(g, name)])
+        for (u, v), (sec, byt) in edge_acc.items():
+            if u in per_iteration or v in per_iteration:
+                sec *= f
+                byt *= f
+
     edges, edge_costs = [], []
     for (u, v), (sec, byt) in edge_acc.items():
         edges.append(Edge(u, v, sec, name=f"edge_{groups[u].name}_{groups[v].name}"))
@@ -385,24 +418,12 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     if not rows:
         rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
 
-    # Gradient accumulation: the groups that make parameter gradients
-    # communicate once per iteration, not once per micro-batch.
-    accumulated = frozenset(group_of_tensor[t] for t in accumulate if t in group_of_tensor)
-    if grad_accum > 1:
-        for gid in accumulated:
-            g = groups[gid]
-            for i in range(g.size):
-                saved = g.comm[i] * (1 - 1 / grad_accum)
-                g.cost[i] -= saved
-                g.comm[i] -= saved
-                g.comm_bytes[i] /= grad_accum
-
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]
     problem = IlpProblem([g.name for g in groups], costs, edges, rows)
     return Built(problem, groups, group_of_tensor, edge_costs, resident,
-                 accumulated if grad_accum > 1 else frozenset(), grad_accum)
+                 accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration)
 
 
 @dataclass(frozen=True)
@@ -478,12 +499,17 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
         if not graph.tensors[in_t].shape:
             continue
         p = gt[in_t]
+        once = len(out)
         steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
                  p, gt[o.tensor] == p)
-    if built.accumulated and built.grad_accum > 1:
+        if gt[o.tensor] in built.per_iteration:   # the new value arrives once per iteration
+            out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
+    if built.grad_accum > 1:
         f = 1.0 / built.grad_accum
         out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
-               if pc.group in built.accumulated and pc.internal else pc for pc in out]
+               if (pc.group in built.accumulated and pc.internal)
+               or pc.group in built.per_iteration
+               or gt.get(pc.tensor) in built.per_iteration else pc for pc in out]
     if dedupe:
         seen_keys: set[tuple] = set()
         kept = []

