@@ -17,6 +17,18 @@ accumulates gradients per stage (the gradient is the mean over micro-batches,
 i.e. the loss is taken to be a mean over the batch), applies each stage's
 update once and returns the outputs as the undecorated step does.
 
+Rematerialised stages (``Stage.remat``): the planner costs such a stage as
+keeping only its forward's inputs per micro-batch in flight.  Its backward
+program replays the forward equations it needs (``Task.replay``, see
+:mod:`meshplan.runtime.pipeline_split`) before its own equations, from the
+values the forward read; the forward program still sends its outputs to the
+next stage but hands nothing to its own backward.  Between the two programs
+of a micro-batch the driver keeps just the copies of the activations the
+forward received from other programs, on the stage (not sent again);
+parameters, state and batch pieces are arguments both programs read.  The
+other stages run as without remat; the numbers are those of the undecorated
+step (the replay recomputes the same equations).
+
 Values cross stages only through an explicit ``jax.device_put`` onto a
 ``NamedSharding`` of the receiving stage's mesh (jax 0.10.2 crashed on the
 cached second call of a program given an array of another submesh).  Nothing
@@ -198,7 +210,8 @@ class PipelineExecutable:
                     concat.append(x)
         batch_ids = [i for i, b in zip(flat.invars, batch_leaf) if b]
         split = split_step(flat, forward_nodes(graph), layer_of_node,
-                           [s.layers for s in plan.stages], batch_ids, m, concat)
+                           [s.layers for s in plan.stages], batch_ids, m, concat,
+                           remat=[bool(s.remat) for s in plan.stages])
         self.split = split
         if m > 1:
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)
@@ -298,6 +311,16 @@ class PipelineExecutable:
                 if src in leaf_ids:
                     readers[src].add(key[1])
         self._leaf_readers = {i: tuple(sorted(v)) for i, v in readers.items()}
+        # [remat] per stage, the values of other programs its forward received
+        # that its backward reads again: the received copies are kept on the
+        # stage from the forward to the backward of a micro-batch
+        self._keep: list[frozenset[int]] = []
+        for s in range(self.p):
+            f, b = split.tasks.get(("F", s)), split.tasks.get(("B", s))
+            keep: frozenset[int] = frozenset()
+            if f is not None and b is not None and b.replay:
+                keep = frozenset(x for x in f.inputs if x in set(b.inputs) and x not in leaf_ids)
+            self._keep.append(keep)
 
     def _closure_eqns(self, task: Task) -> list[int]:
         """The task's equations plus the constant equations it reads, in flat order."""
@@ -325,7 +348,7 @@ class PipelineExecutable:
 
     def _program(self, task: Task) -> _Program:
         s = task.stage
-        eqn_ids = self._closure_eqns(task)
+        eqn_ids = self._closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)))
         outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
         sub = self._sub(eqn_ids, task.inputs, outs)
         cons = self._stage_constraints[s]
@@ -459,10 +482,14 @@ class PipelineExecutable:
         sent: set[tuple] = set()
         got: dict[tuple, list[Any]] = {}
 
-        def take(x: int, mb: int) -> Any:
+        # [remat] (micro-batch, id, stage) -> the copy a remat stage's forward
+        # received, kept there for its backward
+        kept: dict[tuple[int, int, int], Any] = {}
+
+        def take(x: int, mb: int, n: int = 1) -> Any:
             v = vals[mb][x]
             rem = remaining[mb]
-            rem[x] -= 1
+            rem[x] -= n
             if rem[x] == 0:
                 del vals[mb][x], rem[x]
             return v
@@ -470,13 +497,22 @@ class PipelineExecutable:
         def fetch(x: int, s: int, mb: int, key: tuple) -> Any:
             if x in leaf_of:
                 return arg_on(x, s, mb) if local[s] else None
-            if xp is None:
-                return self._send(take(x, mb), x, s)
+            # [remat] what a remat stage's forward received from another
+            # program, its backward reads again: taken for both at the forward
+            again = x in self._keep[s]
+            n = 2 if again else 1
+            if xp is None or (local[split.producer[x][1]] and local[s]):
+                if again and key[0] == "B":
+                    return kept.pop((mb, x, s))
+                v = self._send(take(x, mb, n), x, s)
+                if again:
+                    kept[(mb, x, s)] = v
+                return v
             r = split.producer[x][1]
-            if local[r] and local[s]:
-                return self._send(take(x, mb), x, s)
             if local[r]:
-                v = take(x, mb)
+                if again and key[0] == "B":
+                    return None          # taken and moved for both at the forward
+                v = take(x, mb, n)
                 if (mb, x, s) not in sent:
                     sent.add((mb, x, s))
                     self._move(v, x, r, s, False)
@@ -504,6 +540,7 @@ class PipelineExecutable:
             plain, new = self._call(prog, ins, acc_in, f" on micro-batch {i}")
             t1 = time.perf_counter()
             if self.probe is not None:
+                received_ids = [x for x in task.inputs if x not in leaf_of]
                 received = [v for x, v in zip(task.inputs, ins) if x not in leaf_of]
             del ins, acc_in
             for x, v in zip(task.accumulate, new):
@@ -529,13 +566,14 @@ class PipelineExecutable:
             if self.probe is not None:
                 # (tests) what this program made and the activations it received
                 self.probe("task", {"kind": kind, "stage": s, "micro_batch": i,
-                                    "outputs": list(plain), "received": received})
+                                    "outputs": list(plain), "received": received,
+                                    "received_ids": received_ids})
                 del received
             del plain, new
         leftover = [x for d in vals for x in d]
-        if leftover or got:   # cannot happen: every value is counted to its consumers
-            raise RuntimeStageError(f"internal: {len(leftover) + len(got)} activation(s) left "
-                                    "after the step")
+        if leftover or got or kept:   # cannot happen: every value is counted to its consumers
+            raise RuntimeStageError(f"internal: {len(leftover) + len(got) + len(kept)} "
+                                    "activation(s) left after the step")
         # ---- after the micro-batches: means, then the update, level by level
         done: dict[int, Any] = {}            # id -> array (on its producer's stage)
         done.update(last)

@@ -25,6 +25,18 @@ Every equation then gets a *phase*:
   read only state (a step counter);
 * values made from constants alone (masks, iotas) are recomputed by every
   program that reads them instead of being sent between stages.
+
+Rematerialised stages (``Stage.remat``, the ``remat`` argument of
+:func:`split_step`): the stage's backward task does not read what its forward
+computed.  It *replays* the forward equations its own equations need
+(``Task.replay``, run inside the backward program before its own equations)
+from the values the forward read, so between the two programs of a
+micro-batch only the forward's inputs are kept: activations of earlier
+stages (and any other value of another program the forward read); the
+parameters, state and batch pieces are arguments the backward program reads
+anyway.  The forward task then outputs only what other programs need (the
+next stage's activations, metrics).  Values of other programs that the
+backward itself reads stay inputs of the backward as before.
 """
 from __future__ import annotations
 
@@ -60,6 +72,9 @@ class Task:
     inputs: tuple[int, ...] = ()     # ids read from outside the program
     outputs: tuple[int, ...] = ()    # ids other programs / the step outputs need
     accumulate: tuple[int, ...] = () # ids summed over micro-batches (C phase)
+    # [remat] forward equations of the stage recomputed in this (backward)
+    # program before its own equations (flat order; their values are not outputs)
+    replay: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def key(self) -> tuple:
@@ -89,10 +104,12 @@ class StepSplit:
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
                stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
-               num_micro_batches: int, concat_outputs: Sequence[int] = ()) -> StepSplit:
+               num_micro_batches: int, concat_outputs: Sequence[int] = (),
+               remat: Sequence[bool] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
-    dimension 0 is the batch."""
+    dimension 0 is the batch.  ``remat``: per stage, whether its backward
+    recomputes its forward (see the module doc); default none."""
     eqns = flat.eqns
     n = len(eqns)
     if len(layer_of_node) != n:
@@ -287,6 +304,29 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     # marker outputs whose input comes straight from the C phase
     for o, i in alias.items():
         cross(i, "a gradient")
+    # ---- remat: a backward replays its stage's forward from the forward's inputs
+    for s, r in enumerate(remat):
+        f, b = tasks.get(("F", s)), tasks.get(("B", s))
+        if not r or f is None or b is None:
+            continue
+        made = {o for k in f.eqns for o in eqns[k].outvars}
+        want = {x for x in b.inputs if x in made}
+        if not want:
+            continue
+        replay: set[int] = set()
+        for k in reversed(f.eqns):
+            if any(o in want for o in eqns[k].outvars):
+                replay.add(k)
+                want.update(x for x in eqns[k].invars if isinstance(x, int))
+        b.replay = sorted(replay)
+        read = {x for k in replay for x in eqns[k].invars if isinstance(x, int)}
+        ins = [x for x in b.inputs if x not in made]
+        ins += [x for x in f.inputs if x in read and x not in ins]
+        for x in b.inputs:
+            needed_by[x].discard(b.key)
+        b.inputs = tuple(ins)
+        for x in ins:
+            needed_by[x].add(b.key)
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
         if key[0] == "A":

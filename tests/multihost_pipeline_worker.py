@@ -10,6 +10,7 @@ the cross-process stage transport on its own, then for every case
 schedule}, "steps", "data"}`` trains the built-in model under
 ``meshplan.parallelize`` with that Manual pipeline plan over all processes'
 devices (``Cluster.local()``), feeding this process's rows of every batch.
+An optional ``"remat": [bool per stage]`` sets ``Stage.remat`` in that plan.
 Writes ``OUT_DIR/p{PROCESS_ID}-{case}.npz`` (losses, final parameters read
 with ``to_host``) and ``OUT_DIR/p{PROCESS_ID}.json`` (a summary).  The
 environment must say JAX_PLATFORMS=cpu and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from _workers import process_rows
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -51,6 +53,12 @@ def main(argv: list[str]) -> int:
         state, batches = _load_data(out / case["data"], model, case["steps"])
         step = meshplan.parallelize(model.train_step, cluster=meshplan.Cluster.local(),
                                     method=meshplan.Manual(**case["manual"]))
+        if case.get("remat"):
+            # the same plan with rematerialised stages (Stage.remat)
+            plan = step.plan_for(state, process_rows(batches[0], pid, nproc))
+            plan = dataclasses.replace(plan, stages=tuple(
+                dataclasses.replace(s, remat=bool(r)) for s, r in zip(plan.stages, case["remat"])))
+            step = meshplan.parallelize(model.train_step, plan=plan)
         losses, seconds = [], []
         for k in range(case["steps"]):
             t0 = time.perf_counter()
@@ -78,6 +86,9 @@ def main(argv: list[str]) -> int:
             "params": len(leaves),
             "cross_process_moves": executable.last_stats.get("cross_process_moves", 0),
             "tasks_run": executable.last_stats["tasks"],
+            # per stage: whether its backward replays its forward
+            "replays": [bool(executable.split.tasks[("B", k)].replay) if ("B", k) in
+                        executable.split.tasks else False for k in range(len(plan.stages))],
         }
     (out / f"p{pid}.json").write_text(json.dumps(summary, indent=1))
     jax.distributed.shutdown()

@@ -45,6 +45,11 @@ CASES = [
      "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "gpipe"}},
     {"label": "gpt-1f1b", "model": "gpt", "config": GPT,
      "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"}},
+    # rematerialised stages: stage 1 keeps the activations it received from
+    # process 0 until its backward replays its forward from them
+    {"label": "mlp-1f1b-remat", "model": "mlp", "config": MLP,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"},
+     "remat": [True, True]},
 ]
 
 
@@ -148,6 +153,7 @@ def test_two_stage_pipeline_on_two_processes_matches_one_process_reference(
         runs = [s["cases"][label] for s in summaries]
         assert runs[0]["plan_sha"] == runs[1]["plan_sha"], label
         assert runs[0]["stages"] == 2
+        assert runs[0]["replays"] == case.get("remat", [False, False]), (label, runs[0])
         # one stage per process: the plan's device ids follow the processes
         assert runs[0]["stage_processes"] == [[0], [1]], runs[0]
         for pid, run in enumerate(runs):

@@ -205,6 +205,101 @@ def test_last_timeline_records_what_ran(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# rematerialised stages (Stage.remat): the backward replays the forward
+# ---------------------------------------------------------------------------
+
+def _with_remat(plan, remat):
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, remat=r)
+                                                  for s, r in zip(plan.stages, remat)))
+
+
+@pytest.mark.parametrize("name,schedule,remat", [("gpt", "1f1b", (True, True)),
+                                                 ("mlp", "gpipe", (False, True))],
+                         ids=["gpt-1f1b-both-stages", "mlp-gpipe-stage1"])
+def test_remat_stages_equal_undecorated_step(name, schedule, remat):
+    plan = _with_remat(_plan(name, 2, 2, 2, 4, schedule), remat)
+    step, state, losses = _run(name, plan)
+    ex = step._fast[1]
+    assert isinstance(ex, PipelineExecutable)
+    for s, r in enumerate(remat):
+        f, b = ex.programs[("F", s)].task, ex.programs[("B", s)].task
+        # a remat backward replays forward equations and reads none of the
+        # forward's values; a plain one replays nothing
+        assert bool(b.replay) == r and set(b.replay) <= set(f.eqns)
+        made = {o for k in f.eqns for o in ex.flat.eqns[k].outvars}
+        assert not (set(b.inputs) & made) if r else set(b.inputs) & made
+    _assert_close(state, losses, name)
+
+
+def _held_for_backward(remat):
+    """Per (stage, micro-batch): what its forward received from other programs
+    ({id: array}), what its backward received from forward programs (values
+    held since the forward), and how many of the forward's own outputs were
+    still alive just before the backward ran."""
+    plan = _with_remat(_plan("mlp", 2, 2, 2, 4, "1f1b"), remat)
+    m, state, batch = _model("mlp")
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    state, _ = step(state, batch)          # compile
+    ex = step._fast[1]
+    ex.record_timeline = False             # the watcher threads would hold outputs longer
+    split = ex.split
+    from meshplan.runtime.pipeline_split import CONCAT, LAST
+    fwd_in, fwd_out, bwd_in, alive_before, alive_now = {}, {}, {}, {}, {}
+
+    def probe(event, info):
+        key = (info["stage"], info["micro_batch"])
+        got = dict(zip(info["received_ids"], info["received"]))
+        if info["kind"] == "F":
+            fwd_in[key] = got
+            outs = ex.programs[("F", key[0])].task.outputs
+            # values kept for the whole step (last-value outputs) do not count
+            fwd_out[key] = [weakref.ref(a) for x, a in zip(outs, info["outputs"])
+                            if split.crossing.get(x) not in (LAST, CONCAT)]
+        else:
+            bwd_in[key] = {x: a for x, a in got.items() if split.producer[x][0] == "F"}
+            alive_before[key] = alive_now.get(key, 0)   # as the previous program left it
+        del got
+        gc.collect()
+        alive_now.clear()
+        for k, refs in fwd_out.items():
+            alive_now[k] = sum(1 for r in refs if r() is not None)
+
+    ex.probe = probe
+    step(state, batch)
+    ex.probe = None
+    return ex, fwd_in, bwd_in, alive_before
+
+
+def test_remat_keeps_only_the_forward_inputs_between_forward_and_backward():
+    plain = _held_for_backward((False, False))
+    remat = _held_for_backward((True, True))
+    ex = remat[0]
+    sent_by_stage0 = set(ex.programs[("F", 0)].task.outputs)   # stage 0's activations
+    assert sent_by_stage0
+    _, fwd_in, bwd_in, alive = remat
+    _, p_fwd_in, p_bwd_in, p_alive = plain
+    assert set(bwd_in) == set(p_bwd_in) == {(s, mb) for s in range(2) for mb in range(4)}
+    for mb in range(4):
+        for s in range(2):
+            key = (s, mb)
+            held = bwd_in[key]
+            # exactly what the forward received: nothing on stage 0 (it reads
+            # parameters and the batch only), stage 0's activations on stage 1
+            assert set(held) == set(fwd_in[key]) == (set() if s == 0 else sent_by_stage0)
+            # the very arrays the forward received, kept on the stage (not sent again)
+            assert all(held[x] is fwd_in[key][x] for x in held)
+            assert all(next(iter(a.devices())) in set(ex.meshes[s].devices.flat)
+                       for a in held.values())
+            # none of the forward's own outputs is kept for the backward
+            assert alive[key] == 0
+            # without remat the backward reads the forward's outputs, kept alive
+            p_held = p_bwd_in[key]
+            assert len(held) < len(p_held) and p_alive[key] > 0
+            assert sum(a.nbytes for a in held.values()) < sum(a.nbytes for a in p_held.values())
+            assert set(p_fwd_in[key]) == set(fwd_in[key])
+
+
+# ---------------------------------------------------------------------------
 # plans from the searches, saved plans, errors
 # ---------------------------------------------------------------------------
 
