@@ -10,13 +10,8 @@ full batch, computed here.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
-import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -25,6 +20,7 @@ import pytest
 from meshplan.models import build_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _workers import finish, launch, reference_run  # noqa: E402
 from multihost_worker import save_data  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,107 +39,19 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_workers(out: pathlib.Path, cases: list[dict]) -> tuple[list, list]:
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
-               PYTHONUNBUFFERED="1")
-    port = _free_port()
-    procs, logs = [], []
-    for pid in range(NPROC):
-        log = open(out / f"worker{pid}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(pid), str(NPROC), str(port), str(out),
-             json.dumps(cases)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs, logs
-
-
-def _finish_workers(out: pathlib.Path, procs: list, logs: list) -> list[dict]:
-    """Wait (bounded) for the workers; kill stragglers; fail with their output.
-
-    A worker that fails leaves its peer waiting in a collective: the peer gets
-    a short grace period, then is killed."""
-    deadline = time.monotonic() + TIMEOUT_S
-    status: dict[int, Any] = {}
-    try:
-        while len(status) < len(procs):
-            for pid, p in enumerate(procs):
-                if pid not in status and p.poll() is not None:
-                    status[pid] = p.returncode
-                    if p.returncode != 0:
-                        deadline = min(deadline, time.monotonic() + GRACE_S)
-            if time.monotonic() > deadline:
-                for pid in range(len(procs)):
-                    status.setdefault(pid, "a timeout (killed)")
-                break
-            time.sleep(0.1)
-    finally:
-        _kill(procs)
-    report = []
-    for pid, rc in sorted(status.items()):
-        if rc == 0:
-            continue
-        logs[pid].seek(0)
-        text = "".join(l for l in logs[pid] if not l.startswith("[Gloo]"))
-        report.append(f"--- worker {pid} exited with {rc}; its output:\n{text[-6000:]}")
-    for log in logs:
-        log.close()
-    if report:
-        pytest.fail("multi-process workers failed\n" + "\n".join(report))
-    return [json.loads((out / f"p{pid}.json").read_text()) for pid in range(NPROC)]
-
-
-def _kill(procs: list) -> None:
-    for p in procs:               # never leave a worker behind (one may wait on a dead peer)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def _data(model_name: str, config: dict) -> tuple:
-    """The initial state (seed 0) and one full batch per step (seeds 1..)."""
-    model = build_model(model_name, config)
-    init = jax.jit(model.init)
-    state, _ = init(0)
-    batches = [init(k + 1)[1] for k in range(STEPS)]
-    return model, state, batches
-
-
-def _reference(model, state, batches) -> tuple[list[float], dict[str, np.ndarray]]:
-    """Plain jax.jit of the step on the full batch."""
-    step = jax.jit(model.train_step)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = {jax.tree_util.keystr(p): np.asarray(v)
-              for p, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
-    return losses, params
-
-
 @pytest.mark.multiprocess
 def test_two_processes_match_a_single_process_reference(tmp_path: pathlib.Path) -> None:
-    data, cases = {}, []
+    data, cases, references = {}, [], {}
     for case in CASES:
         key = (case["model"], json.dumps(case["config"], sort_keys=True))
         if key not in data:
-            data[key] = _data(case["model"], case["config"])
-            save_data(tmp_path / f"data{len(data)}.npz", *data[key][1:])
-        cases.append({**case, "steps": STEPS, "data": f"data{list(data).index(key) + 1}.npz"})
-    procs, logs = _start_workers(tmp_path, cases)
-    try:                         # the reference runs here while the workers start and plan
-        references = {key: _reference(*value) for key, value in data.items()}
-    except BaseException:
-        _kill(procs)
-        raise
-    summaries = _finish_workers(tmp_path, procs, logs)
+            data[key] = f"data{len(data) + 1}.npz"
+            state, batches, losses, params = reference_run(case["model"], case["config"], STEPS)
+            save_data(tmp_path / data[key], state, batches)
+            references[key] = (losses, params)
+        cases.append({**case, "steps": STEPS, "data": data[key]})
+    procs, logs = launch(WORKER, tmp_path, cases, NPROC, LOCAL_DEVICES)
+    summaries = finish(tmp_path, procs, logs, TIMEOUT_S, GRACE_S)
 
     for pid, s in enumerate(summaries):
         assert (s["process_index"], s["process_count"]) == (pid, NPROC)

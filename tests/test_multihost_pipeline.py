@@ -9,22 +9,16 @@ own half of every batch.  The losses and the final parameters (read with
 """
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
-import time
 from typing import Any
 
-import jax
 import numpy as np
 import pytest
 
-from meshplan.models import build_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _workers import finish, launch, reference_run  # noqa: E402
 from multihost_worker import save_data  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,93 +47,17 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(out: pathlib.Path, cases: list[dict]) -> tuple[list, list]:
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
-               PYTHONUNBUFFERED="1")
-    port = _free_port()
-    procs, logs = [], []
-    for pid in range(NPROC):
-        log = open(out / f"worker{pid}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(pid), str(NPROC), str(port), str(out),
-             json.dumps(cases)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs, logs
-
-
-def _kill(procs: list) -> None:
-    for p in procs:               # never leave a worker behind (one may wait on a dead peer)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def _finish(out: pathlib.Path, procs: list, logs: list) -> list[dict]:
-    """Wait (bounded) for the workers; a failed worker's peer gets a short
-    grace period; fail with their output."""
-    deadline = time.monotonic() + TIMEOUT_S
-    status: dict[int, Any] = {}
-    try:
-        while len(status) < len(procs):
-            for pid, p in enumerate(procs):
-                if pid not in status and p.poll() is not None:
-                    status[pid] = p.returncode
-                    if p.returncode != 0:
-                        deadline = min(deadline, time.monotonic() + GRACE_S)
-            if time.monotonic() > deadline:
-                for pid in range(len(procs)):
-                    status.setdefault(pid, "a timeout (killed)")
-                break
-            time.sleep(0.1)
-    finally:
-        _kill(procs)
-    report = []
-    for pid, rc in sorted(status.items()):
-        if rc != 0:
-            logs[pid].seek(0)
-            text = "".join(l for l in logs[pid] if not l.startswith("[Gloo]"))
-            report.append(f"--- worker {pid} exited with {rc}; its output:\n{text[-6000:]}")
-    for log in logs:
-        log.close()
-    if report:
-        pytest.fail("multi-process workers failed\n" + "\n".join(report))
-    return [json.loads((out / f"p{pid}.json").read_text()) for pid in range(NPROC)]
-
-
-def _reference(model_name: str, config: dict, path: pathlib.Path):
-    """Save the data for the workers; return the plain jax.jit run on the
-    full batch: (losses, {param path: value})."""
-    model = build_model(model_name, config)
-    init = jax.jit(model.init)
-    state, _ = init(0)
-    batches = [init(k + 1)[1] for k in range(STEPS)]
-    save_data(path, state, batches)
-    step = jax.jit(model.train_step)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = {jax.tree_util.keystr(p): np.asarray(v)
-              for p, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
-    return losses, params
-
-
 @pytest.mark.multiprocess
 def test_two_stage_pipeline_on_two_processes_matches_one_process_reference(
         tmp_path: pathlib.Path) -> None:
     cases = [{**c, "steps": STEPS, "data": f"data-{c['label']}.npz"} for c in CASES]
-    references = {c["label"]: _reference(c["model"], c["config"], tmp_path / c["data"])
-                  for c in cases}
-    procs, logs = _start(tmp_path, cases)
-    summaries = _finish(tmp_path, procs, logs)
+    references = {}
+    for c in cases:
+        state, batches, losses, params = reference_run(c["model"], c["config"], STEPS)
+        save_data(tmp_path / c["data"], state, batches)
+        references[c["label"]] = (losses, params)
+    procs, logs = launch(WORKER, tmp_path, cases, NPROC, LOCAL_DEVICES)
+    summaries = finish(tmp_path, procs, logs, TIMEOUT_S, GRACE_S)
 
     for pid, s in enumerate(summaries):
         assert (s["process_index"], s["process_count"]) == (pid, NPROC)
