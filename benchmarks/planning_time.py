@@ -29,6 +29,7 @@ from meshplan.api import plan_graph, retracer
 from meshplan.errors import InfeasiblePlanError
 from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
+from plan_quality import cluster_for    # (benchmarks/ is on sys.path when run as a script)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
@@ -36,13 +37,6 @@ ROWS = ["gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b", "
 KEYS = ["model", "gpus", "total_s", "trace_s", "retrace_s", "ilp_s", "dp_s", "other_s",
         "micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate",
         "stages", "micro_batches", "tflops_per_gpu"]
-
-
-def cluster_for(gpus: int) -> meshplan.ClusterSpec:
-    """aws-p3.16xlarge-x{gpus/8}; below 8 GPUs, one host with ``gpus`` GPUs."""
-    hosts = max(1, gpus // 8)
-    c = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"aws-p3.16xlarge-x{hosts}.json")
-    return c if gpus >= 8 else c.with_devices(1, gpus)
 
 
 def run_row(name: str) -> dict:
@@ -125,7 +119,8 @@ def main(argv=None) -> int:
         row = run_row(name)
         print("  ".join(f"{k}={fmt(row.get(k, ''))}" for k in KEYS), flush=True)
         rows.append(row)
-    write(rows, "python benchmarks/planning_time.py " + " ".join(argv or sys.argv[1:]), workers)
+        # written after every row: a long run stopped early keeps what it measured
+        write(rows, "python benchmarks/planning_time.py " + " ".join(argv or sys.argv[1:]), workers)
     return 0
 
 
