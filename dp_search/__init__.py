@@ -27,8 +27,8 @@ from ..errors import InfeasiblePlanError, MeshplanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import InputLayouts, IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
-from .layers import (BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, group_layers,
-                     layer_subgraph, saved_for_backward)
+from .layers import (BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, canonical_tensors,
+                     group_layers, layer_subgraph, saved_for_backward)
 from .stage_dp import DPResult, StageChoice, Submesh, brute_force, stage_dp, submesh_shapes
 
 __all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "brute_force",
@@ -69,6 +69,9 @@ class LayerCost:
     saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
     forward_fraction: float    # share of the layer's time spent in its forward pass
     result: IntraOpResult
+    # the solved layer's tensor ids in canonical order: a structurally equal
+    # layer reuses this result with its own ids in the same positions
+    tensors: tuple[int, ...] = ()
 
     @property
     def transient_bytes(self) -> float:
@@ -172,9 +175,14 @@ class _Search:
             self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
         self.ilp_s += time.perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the worker processes; ``abort`` (an interrupt, an error)
+        kills them instead of waiting for their work."""
         if self._pool is not None:
-            self._pool.shutdown()
+            if abort:
+                for proc in list(getattr(self._pool, "_processes", {}).values()):
+                    proc.terminate()
+            self._pool.shutdown(wait=not abort, cancel_futures=True)
             self._pool = None
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
@@ -212,7 +220,7 @@ def _layer_cost(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: floa
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
-                     min(fwd_flops / total_flops, 1.0), r)
+                     min(fwd_flops / total_flops, 1.0), r, canonical_tensors(sub))
 
 
 def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
@@ -268,8 +276,10 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
             if (best is None and B == mbs[-1] and opts.num_micro_batches is None
                     and retrace is not None and batch % (2 * B) == 0):
                 mbs.append(2 * B)   # nothing fits yet: smaller micro-batches, down to one example
-    finally:
-        search.close()
+    except BaseException:        # Ctrl-C included: no worker may outlive the search
+        search.close(abort=True)
+        raise
+    search.close()
     if best is None:
         raise InfeasiblePlanError(
             "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
@@ -511,10 +521,12 @@ def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshe
             compute += lc.compute_s
             comm += lc.comm_s
             cbytes += lc.comm_bytes
+            # (the result may come from a structurally equal layer: its ids)
+            ids = dict(zip(lc.tensors, canonical_tensors(subs[l])))
             for t, spec in lc.result.constraints:
-                constraints.setdefault(t, spec)
-            for t, pos, spec in getattr(lc.result, "read_constraints", ()):
-                reads.setdefault((t, pos), spec)
+                constraints.setdefault(ids.get(t, t), spec)
+            for t, pos, spec in lc.result.read_constraints:
+                reads.setdefault((ids.get(t, t), pos), spec)
             for inp, spec in zip(subs[l].inputs, lc.result.input_specs):
                 if inp.role in (BOUNDARY, BATCH) and g.tensors[inp.tensor].shape:
                     constraints.setdefault(inp.tensor, spec)

@@ -377,6 +377,20 @@ def constant_nodes(graph: Graph) -> set[int]:
     return out
 
 
+def canonical_tensors(graph: Graph) -> tuple[int, ...]:
+    """The graph's tensor ids in the order :func:`structural_hash` numbers
+    them: two graphs with equal hashes correspond tensor by tensor."""
+    seen: dict[int, None] = {}
+    for i in graph.inputs:
+        seen.setdefault(i.tensor)
+    for n in graph.nodes:
+        for t in n.inputs + n.outputs:
+            seen.setdefault(t)
+    for o in graph.outputs:
+        seen.setdefault(o.tensor)
+    return tuple(seen)
+
+
 def structural_hash(graph: Graph) -> str:
     """A hash of a graph's structure and shapes that ignores tensor numbering,
     so identical layers (transformer blocks) hash equal."""

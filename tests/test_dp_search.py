@@ -283,3 +283,22 @@ def test_saved_activations_are_what_the_backward_reads():
     assert "tanh" in kinds                        # tanh' needs its output
     assert all(t not in g.constant_tensors for t in saved)
     assert not any(g.input_of_tensor[t].role == "param" for t in saved if t in g.input_of_tensor)
+
+
+def test_stage_layouts_name_the_stages_own_tensors():
+    # identical blocks share one ILP result; each stage's pinned layouts must
+    # still be those of its own layers' tensors
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=1))
+    layer_of_tensor = {t: p.layer_of_node[n.id] for n in g.nodes for t in n.outputs}
+    assert len(p.stages) == 2
+    for s in p.stages:
+        first, last = s.layers
+        pinned = [layer_of_tensor[t] for t, _ in s.constraints if t in layer_of_tensor]
+        # every layer of the stage has its own intermediates pinned, and few
+        # pinned values come from elsewhere (those made by the stage before)
+        for layer in range(first, last + 1):
+            assert pinned.count(layer) > 10, (s.layers, layer, sorted(set(pinned)))
+        assert sum(first <= x <= last for x in pinned) >= 0.9 * len(pinned)
