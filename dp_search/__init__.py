@@ -23,7 +23,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.mesh import mesh_model
 from ..cost_model.sharding import num_shards, spec_from_names
 from .. import progress
-from ..errors import InfeasiblePlanError, MeshplanError
+from ..errors import InfeasiblePlanError, MeshplanError, TraceError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import InputLayouts, IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
@@ -273,6 +273,13 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors.append(str(e))
+            except TraceError as e:
+                if B == 1:
+                    raise
+                # the step cannot run at this micro-batch size (e.g. MoE token
+                # groups larger than a micro-batch): neither can smaller ones
+                errors.append(f"the step does not trace with {B} micro-batches: {e}")
+                continue
             if (best is None and B == mbs[-1] and opts.num_micro_batches is None
                     and retrace is not None and batch % (2 * B) == 0):
                 mbs.append(2 * B)   # nothing fits yet: smaller micro-batches, down to one example

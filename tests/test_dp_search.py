@@ -302,3 +302,22 @@ def test_stage_layouts_name_the_stages_own_tensors():
         for layer in range(first, last + 1):
             assert pinned.count(layer) > 10, (s.layers, layer, sorted(set(pinned)))
         assert sum(first <= x <= last for x in pinned) >= 0.9 * len(pinned)
+
+
+def test_a_micro_batch_size_the_step_cannot_trace_is_skipped():
+    from meshplan.api import retracer
+    from meshplan.errors import TraceError
+    m = build_model("mlp", {"optimizer": "sgd"})
+    g = trace(m.train_step, *m.abstract_args)
+    real = retracer(m.train_step, m.abstract_args, (1,), "step")
+    tried = []
+
+    def retrace(B):
+        tried.append(B)
+        if B == 2:      # like MoE token groups larger than the micro-batch
+            raise TraceError("could not trace 'step': cannot reshape")
+        return real(B)
+
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    p = plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=retrace)
+    assert 2 in tried and p.num_micro_batches != 2
