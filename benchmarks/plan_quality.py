@@ -90,12 +90,13 @@ GRAD_ACCUM = True
 def one_stage(whole, graph, cluster, rt, **options):
     try:
         p = whole()
+        return p, describe(p)
     except InfeasiblePlanError:
         if not GRAD_ACCUM:
             raise
-        opts = PipelineOptions(num_stages=1, schedules=("1f1b",), **options)
-        p = plan_pipeline(graph, cluster, meshplan.PipeshardParallel(stages=1), retrace=rt,
-                          options=opts)
+    opts = PipelineOptions(num_stages=1, schedules=("1f1b",), **options)
+    p = plan_pipeline(graph, cluster, meshplan.PipeshardParallel(stages=1), retrace=rt,
+                      options=opts)
     return p, describe(p)
 
 
@@ -224,9 +225,10 @@ def value(x) -> float:
 
 
 def auto_is_best(row: dict, methods) -> str:
-    base = [value(row[k]) for k in methods if k in BASELINES]
-    if row["auto"] == "ERROR" or any(row[k] == "ERROR" for k in methods):
+    """yes / NO / all OOM, against the baselines that did not fail ("?": auto failed)."""
+    if row["auto"] == "ERROR":
         return "?"
+    base = [value(row[k]) for k in methods if k in BASELINES]
     if not value(row["auto"]) and not any(base):
         return "all OOM"
     return "yes" if value(row["auto"]) >= (1 - TOLERANCE) * max(base, default=0.0) else "NO"
@@ -320,10 +322,11 @@ def write_results(rows: list[dict], methods, command: str, wall_s: float, mbs,
     else:
         md += ["None.", ""]
     if errors:
-        md += ["## Planner errors", ""]
+        md += ["## Planner errors", "", "(left out of the auto-best comparison)", ""]
         md += [f"- {m} on {g} GPUs, {meth}: `{text}`" for m, g, meth, text in errors]
         md.append("")
-    plans = [{k: ("OOM" if r.get(k[:-5]) == "OOM" else v) for k, v in r.items()} for r in rows]
+    plans = [{k: (r[k[:-5]] if r.get(k[:-5]) in ("OOM", "ERROR") else v) for k, v in r.items()}
+             for r in rows]
     reasons: dict[str, list[str]] = {}
     for r in rows:
         for m in methods:
@@ -363,7 +366,7 @@ def plot(rows: list[dict], methods, out: pathlib.Path) -> None:
                             fontsize=8, color="red")
         ax.set_xticks(range(len(rs)), [f"{r['model']}\n{r['gpus']} GPU" for r in rs], fontsize=8)
         ax.set_ylabel("TFLOP/s per GPU")
-        ax.set_title(f"{suite} (predicted; x = OOM)")
+        ax.set_title(f"{suite} (predicted; x = OOM, ! = planner error)")
         ax.set_ylim(0, max([value(r.get(m)) for r in rs for m in methods] + [1]) * 1.1)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8)
