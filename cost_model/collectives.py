@@ -12,23 +12,28 @@ Cost = tuple[float, float]
 ZERO: Cost = (0.0, 0.0)
 
 
+def _group(mm: MeshModel, axes: tuple[int, ...], nbytes: float
+           ) -> tuple[int, float, float] | None:
+    """(devices, bandwidth, latency) of the axes, or None when nothing moves."""
+    if not axes or nbytes <= 0:
+        return None
+    n, bw, lat = mm.group_link(axes)
+    return None if n == 1 else (n, bw, lat)
+
+
 def all_reduce(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     """All-reduce of a ``nbytes`` buffer: 2(n-1)a + 2(n-1)/n * S/B."""
-    if not axes or nbytes <= 0:
+    if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    n, bw, lat = mm.group_link(axes)
-    if n == 1:
-        return ZERO
+    n, bw, lat = g
     return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw, nbytes
 
 
 def all_gather(mm: MeshModel, axes: tuple[int, ...], result_bytes: float) -> Cost:
     """All-gather producing ``result_bytes`` per device: (n-1)a + (n-1)/n * S/B."""
-    if not axes or result_bytes <= 0:
+    if (g := _group(mm, axes, result_bytes)) is None:
         return ZERO
-    n, bw, lat = mm.group_link(axes)
-    if n == 1:
-        return ZERO
+    n, bw, lat = g
     return (n - 1) * lat + (n - 1) / n * result_bytes / bw, result_bytes
 
 
@@ -37,33 +42,27 @@ def reduce_scatter(mm: MeshModel, axes: tuple[int, ...], input_bytes: float) -> 
 
     Where XLA has no native reduce-scatter (its CPU back end) the partitioner's
     all-reduce + slice stays as it is: the cost and bytes of a full all-reduce."""
-    if not axes or input_bytes <= 0:
-        return ZERO
     if not mm.native_reduce_scatter:
         return all_reduce(mm, axes, input_bytes)
-    n, bw, lat = mm.group_link(axes)
-    if n == 1:
+    if (g := _group(mm, axes, input_bytes)) is None:
         return ZERO
+    n, bw, lat = g
     return (n - 1) * lat + (n - 1) / n * input_bytes / bw, input_bytes / n
 
 
 def all_to_all(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     """All-to-all of a ``nbytes`` buffer per device: (n-1)a + (n-1)/n * S/B."""
-    if not axes or nbytes <= 0:
+    if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    n, bw, lat = mm.group_link(axes)
-    if n == 1:
-        return ZERO
+    n, bw, lat = g
     return (n - 1) * lat + (n - 1) / n * nbytes / bw, nbytes
 
 
 def collective_permute(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     """Each device sends one ``nbytes`` buffer to another: one step, a + S/B."""
-    if not axes or nbytes <= 0:
+    if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    n, bw, lat = mm.group_link(axes)
-    if n == 1:
-        return ZERO
+    _, bw, lat = g
     return lat + nbytes / bw, nbytes
 
 

@@ -128,20 +128,24 @@ class _Search:
     workers: int = 1
     _pool: Any = None
 
-    def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grads: frozenset[int], grad_accum: int) -> tuple[tuple, tuple]:
+    def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+             grad_accum: int) -> tuple:
         mm = mesh_model(self.cluster, mesh, submesh=submesh)
         if len(self.cache) > _LAYER_CACHE_MAX:
             self.cache.clear()
         o = self.options
-        key = (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
-               grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
-               o.memory_fraction)
+        return (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
+                grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
+                o.memory_fraction)
+
+    def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+             grads: frozenset[int], grad_accum: int) -> tuple:
+        """The arguments of :func:`_solve_job` (only what a worker needs)."""
+        o = self.options
         used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
-        job = (sub, self.cluster, mesh, submesh, self.options.backend, self.options.time_limit,
-               self.cluster.device.memory_bytes * self.options.memory_fraction, used, grad_accum,
-               self.options.input_filter)
-        return key, job
+        return (sub, self.cluster, mesh, submesh, o.backend, o.time_limit,
+                self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum,
+                o.input_filter)
 
     def prefetch(self, requests: list[tuple]) -> None:
         """Solve the distinct layer ILPs of ``requests`` (arguments of
@@ -149,9 +153,10 @@ class _Search:
         enough of them to pay for the workers."""
         todo: dict[tuple, tuple] = {}
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved in requests:
-            key, job = self._job(sub, mesh, submesh, grads, grad_accum)
+            key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
-                todo[key] = (job, sub, mesh, fwd_flops, saved)
+                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
+                             fwd_flops, saved)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return
         t0 = time.perf_counter()
@@ -189,14 +194,14 @@ class _Search:
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
                    grad_accum: int = 1, saved: frozenset[int] = frozenset()
                    ) -> LayerCost | None:
-        key, job = self._job(sub, mesh, submesh, grads, grad_accum)
+        key = self._key(sub, mesh, submesh, grad_accum)
         self.used.add(key)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
         self.solves += 1
         t0 = time.perf_counter()
-        r = _solve_job(job)
+        r = _solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
         self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]

@@ -394,13 +394,7 @@ def canonical_tensors(graph: Graph) -> tuple[int, ...]:
 def structural_hash(graph: Graph) -> str:
     """A hash of a graph's structure and shapes that ignores tensor numbering,
     so identical layers (transformer blocks) hash equal."""
-    rename: dict[int, int] = {}
-
-    def r(t: int) -> int:
-        if t not in rename:
-            rename[t] = len(rename)
-        return rename[t]
-
+    r = {t: k for k, t in enumerate(canonical_tensors(graph))}.__getitem__
     ins = [[r(i.tensor), list(graph.tensors[i.tensor].shape), graph.tensors[i.tensor].dtype,
             i.role if i.role != BOUNDARY else "b"] for i in graph.inputs]
     nodes = [[n.primitive, [r(t) for t in n.inputs], [r(t) for t in n.outputs],

@@ -153,8 +153,10 @@ class _Net:
                 order.append(pick)
             else:
                 best, best_work = order, work
-            if self.work + best_work > self.max_work * (10 if k == 0 else 1) and k in (0, tries - 1):
-                raise _GiveUp    # over budget before any table is built
+            if k == 0 and self.work + best_work > 10 * self.max_work:
+                raise _GiveUp    # far over budget: no randomised order will rescue it
+        if self.work + best_work > self.max_work:
+            raise _GiveUp        # over budget before any table is built
         return best if best is not None else sorted(groups)
 
 

@@ -14,6 +14,18 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def join_run(argv: list[str]) -> tuple[int, int, pathlib.Path, list[dict]]:
+    """A worker's start: argv is (script, pid, nproc, port, out dir, cases as
+    JSON) as :func:`launch` passes them; join the ``jax.distributed`` run on
+    127.0.0.1 with gloo collectives.  Returns (pid, nproc, out, cases)."""
+    pid, nproc, port = int(argv[1]), int(argv[2]), int(argv[3])
+    import jax      # only now: jax.distributed must start before any backend
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                               initialization_timeout=60)
+    return pid, nproc, pathlib.Path(argv[4]), json.loads(argv[5])
+
+
 def process_rows(batch, pid: int, nproc: int):
     """This process's contiguous share of the global batch's rows, as a
     multi-controller JAX program feeds its local part."""

@@ -18,24 +18,17 @@ XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 from __future__ import annotations
 
-from _workers import process_rows
+from _workers import join_run, process_rows
 
 import dataclasses
 import json
-import pathlib
 import sys
 import time
 
 
 def main(argv: list[str]) -> int:
-    pid, nproc, port = int(argv[1]), int(argv[2]), int(argv[3])
-    out = pathlib.Path(argv[4])
-    cases = json.loads(argv[5])
-
+    pid, nproc, out, cases = join_run(argv)
     import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
     import numpy as np
 
     import meshplan
