@@ -90,6 +90,12 @@ def _solve_job(job: tuple) -> IntraOpResult | None:
         return None
 
 
+def _ignore_sigint() -> None:
+    """In an ILP worker: Ctrl-C is the parent's to handle (it ends the workers)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _workers() -> int:
     """Processes for layer ILPs: ``MESHPLAN_WORKERS``, else the usable CPUs (at most 8)."""
     env = os.environ.get("MESHPLAN_WORKERS")
@@ -160,7 +166,6 @@ class _Search:
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return
         t0 = time.perf_counter()
-        import concurrent.futures
         import multiprocessing
         import warnings
         keys = list(todo)
@@ -171,9 +176,9 @@ class _Search:
             # guard in the user's script.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
             if self._pool is None:
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("fork"))
-            results = list(self._pool.map(_solve_job, [todo[k][0] for k in keys], chunksize=1))
+                self._pool = multiprocessing.get_context("fork").Pool(
+                    self.workers, initializer=_ignore_sigint)
+            results = self._pool.map(_solve_job, [todo[k][0] for k in keys], chunksize=1)
         for key, r in zip(keys, results):
             _, sub, mesh, fwd_flops, saved = todo[key]
             self.solves += 1
@@ -182,12 +187,13 @@ class _Search:
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker processes; ``abort`` (an interrupt, an error)
-        kills them instead of waiting for their work."""
+        kills them instead of letting them finish."""
         if self._pool is not None:
             if abort:
-                for proc in list(getattr(self._pool, "_processes", {}).values()):
-                    proc.terminate()
-            self._pool.shutdown(wait=not abort, cancel_futures=True)
+                self._pool.terminate()
+            else:
+                self._pool.close()
+            self._pool.join()
             self._pool = None
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],

@@ -136,3 +136,15 @@ def test_ctrl_c_while_planning_leaves_no_plan_file(tmp_path):
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted" in stderr
     assert not out.exists() and _leftovers(tmp_path) == []
+    # no ILP worker process of the search outlives it
+    if os.path.isdir("/proc"):
+        time.sleep(0.5)
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if str(out).encode() in f.read():
+                        alive.append(int(pid))
+            except OSError:
+                pass
+        assert alive == [], alive
