@@ -200,6 +200,7 @@ class _Search:
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
                    grad_accum: int = 1, saved: frozenset[int] = frozenset()
                    ) -> LayerCost | None:
+        progress.check()         # (called for every layer cost: a Ctrl-C checkpoint)
         key = self._key(sub, mesh, submesh, grad_accum)
         self.used.add(key)
         if key in self.cache:

@@ -377,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     progress.configure(args.verbosity)
     try:
-        return int(args.func(args) or 0)
+        with progress.interruptible():
+            return int(args.func(args) or 0)
     except MeshplanError as e:
         print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

@@ -26,6 +26,49 @@ _stream: IO[str] | None = None     # None: sys.stderr at the time of writing
 _active: list[str] = []            # the steps now running, outermost first
 
 
+# Set by :func:`interruptible`'s SIGINT handler.  A KeyboardInterrupt raised
+# while a garbage-collection callback runs (JAX registers one) is lost, with
+# an "Exception ignored" traceback; there the handler only sets this flag and
+# :func:`check` raises at the next checkpoint.
+_interrupted = False
+
+
+def check() -> None:
+    """Raise KeyboardInterrupt if Ctrl-C was pressed (see :func:`interruptible`)."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Within: Ctrl-C is remembered as well as raised, so that long planning
+    loops (which call :func:`check`) stop even if the first raise was lost."""
+    global _interrupted
+    import gc
+    import signal
+
+    def on_sigint(signum, frame):
+        global _interrupted
+        _interrupted = True
+        in_gc = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+        while frame is not None:
+            if frame.f_code in in_gc:
+                return          # raised there it would be lost (and printed): check() raises it
+            frame = frame.f_back
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:          # not the main thread: leave Ctrl-C as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted = False
+
+
 def configure(level: int = NORMAL, stream: IO[str] | None = None) -> None:
     """Set the verbosity (QUIET, NORMAL, VERBOSE) and optionally the stream."""
     global _level, _stream
@@ -59,6 +102,7 @@ def _write(text: str) -> None:
 @contextmanager
 def step(what: str) -> Iterator[None]:
     """Report the step ``what`` (see the module doc)."""
+    check()
     if _level <= QUIET:
         yield
         return

@@ -135,6 +135,7 @@ def test_ctrl_c_while_planning_leaves_no_plan_file(tmp_path):
             proc.wait()
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted" in stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
     assert not out.exists() and _leftovers(tmp_path) == []
     # no ILP worker process of the search outlives it
     if os.path.isdir("/proc"):
