@@ -51,6 +51,9 @@ class PipelineOptions:
     backend: str = "highs"
     memory_fraction: float = 0.9
     allow_remat: bool = True
+    # stop at the first micro-batch count (searched from the most) that fits
+    # nothing after one that fitted: fewer, larger micro-batches need more memory
+    prune_micro_batches: bool = True
     # baselines and hand-made plans
     input_filter: Any = None                  # an ilp.InputLayouts for every layer ILP
     data_parallel_stages: bool = False        # every stage one "data" axis (inter-op only)
@@ -269,11 +272,19 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
+    # Smaller micro-batches first: what fits with B micro-batches is what a
+    # larger micro-batch (fewer of them) may no longer fit, so once a count
+    # fits nothing after one that did, fewer micro-batches are not tried.
+    todo = sorted(mbs, reverse=True)
+    searched: list[int] = []
+    untraceable: set[int] = set()
     search = _Search(cluster, opts, workers=_workers())
     best: tuple[float, Plan] | None = None
     errors: list[str] = []
     try:
-        for B in mbs:       # (grows while nothing fits: see the end of the loop)
+        while todo:
+            B = todo.pop(0)
+            searched.append(B)
             try:
                 with progress.step(f"pipeline search with {B} micro-batch(es) "
                                    f"(layer ILPs and stage DP)"):
@@ -285,16 +296,22 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors.append(str(e))
+                more = [b for b in searched if b > B and b not in untraceable]
+                if opts.prune_micro_batches and (best is not None or not more):
+                    todo.clear()     # fewer micro-batches fit no better
             except TraceError as e:
                 if B == 1:
                     raise
                 # the step cannot run at this micro-batch size (e.g. MoE token
-                # groups larger than a micro-batch): neither can smaller ones
+                # groups larger than a micro-batch): fewer, larger ones may
                 errors.append(f"the step does not trace with {B} micro-batches: {e}")
+                untraceable.add(B)
                 continue
-            if (best is None and B == mbs[-1] and opts.num_micro_batches is None
-                    and retrace is not None and batch % (2 * B) == 0):
-                mbs.append(2 * B)   # nothing fits yet: smaller micro-batches, down to one example
+            top = max(searched)
+            if (best is None and not todo and opts.num_micro_batches is None
+                    and retrace is not None and top not in untraceable and batch % (2 * top) == 0):
+                # nothing fits yet: smaller micro-batches, down to one example
+                todo.append(2 * top)
     except BaseException:        # Ctrl-C included: no worker may outlive the search
         search.close(abort=True)
         raise
@@ -309,11 +326,11 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     # (what this search needed, not what an earlier one left in the cache:
     # the plan must not depend on the process's history)
-    note = (f"inter-operator search: {len(mbs)} micro-batch count(s), {len(search.used)} distinct "
+    note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs from the cache")
     LAST_SEARCH.clear()
-    LAST_SEARCH.update(micro_batch_counts=len(mbs), distinct_layer_ilps=len(search.used),
+    LAST_SEARCH.update(micro_batch_counts=len(searched), distinct_layer_ilps=len(search.used),
                        solved=search.solves, cache_hits=search.hits, trace_s=search.trace_s,
                        ilp_s=search.ilp_s, dp_s=search.dp_s, workers=search.workers)
     return replace(plan, notes=plan.notes + (note,))
@@ -416,6 +433,31 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
     search.prefetch([request(l, m, k) for l in range(L) for m, s in enumerate(submeshes)
                      if state_bytes[l] / s.size <= budget for k in range(len(meshes_of[m]))])
 
+    # per (submesh, mesh): what each group of layers adds to a stage, or None
+    # where a layer of the group has no plan (or its state alone cannot fit)
+    group_sums: dict[tuple[int, int], list[tuple | None]] = {}
+
+    def sums_of(m: int, k: int) -> list[tuple | None]:
+        if (m, k) not in group_sums:
+            rows: list[tuple | None] = []
+            for a, b in groups:
+                if any(state_bytes[l] / submeshes[m].size > budget for l in range(a, b + 1)):
+                    rows.append(None)
+                    continue
+                parts = [layer(l, m, k) for l in range(a, b + 1)]
+                if any(p is None for p in parts):
+                    rows.append(None)
+                    continue
+                rows.append((sum(p.time_s for p in parts),
+                             sum(p.resident_bytes for p in parts),
+                             sum(p.saved_bytes for p in parts),
+                             max(p.transient_bytes for p in parts),
+                             sum(p.time_s * (1 + p.forward_fraction) for p in parts),
+                             sum(p.boundary_bytes for p in parts),
+                             max(p.activation_bytes for p in parts)))
+            group_sums[m, k] = rows
+        return group_sums[m, k]
+
     best_plans = []
     for schedule in opts.schedules:
         choice: dict[tuple, tuple] = {}
@@ -427,25 +469,22 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
             in_flight = B if schedule == "gpipe" else min(B, s)
             if (state_prefix[j + 1] - state_prefix[i]) / submeshes[m].size > budget:
                 return None
+            send = 2 * layering.cut_bytes[j] / p2p_bw if j < L - 1 else 0.0
             best = None
             for k in range(len(meshes_of[m])):
-                parts = [layer(l, m, k) for l in range(i, j + 1)]
-                if any(p is None for p in parts):
+                rows = sums_of(m, k)[gi:gj + 1]
+                if any(r is None for r in rows):
                     continue
-                t = sum(p.time_s for p in parts)
-                resident = sum(p.resident_bytes for p in parts)
+                t, resident, act, temp, t_r, keep, peak = (
+                    sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows),
+                    max(r[3] for r in rows), sum(r[4] for r in rows), sum(r[5] for r in rows),
+                    max(r[6] for r in rows))
                 # each micro-batch in flight keeps what its backward reads;
                 # the one being processed also needs its layer's temporaries
-                act = sum(p.saved_bytes for p in parts)
-                temp = max(p.transient_bytes for p in parts)
-                send = 2 * layering.cut_bytes[j] / p2p_bw if j < L - 1 else 0.0
                 options = [(t + send, False, resident + in_flight * act + temp)]
                 if opts.allow_remat:
                     # keep only the stage's inputs; recompute a layer's forward
                     # just before its backward
-                    t_r = sum(p.time_s * (1 + p.forward_fraction) for p in parts)
-                    keep = sum(p.boundary_bytes for p in parts)
-                    peak = max(p.activation_bytes for p in parts)
                     options.append((t_r + send, True, resident + in_flight * keep + peak))
                 for lat, remat, mem in options:
                     if mem <= budget and (best is None or lat < best[0]):

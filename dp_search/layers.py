@@ -242,6 +242,7 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     forward_values = set(tensor_layer)
     graph_inputs = {i.tensor for i in graph.inputs}
     pending = []
+    loose: set[int] = set()     # placed by their operands' layers: they read no forward value
     for n in graph.nodes:
         if layer[n.id] >= 0:
             continue
@@ -260,6 +261,7 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
             layer[n.id] = max(fl)
         elif bl:
             layer[n.id] = min(bl)
+            loose.add(n.id)
         else:   # reads only state the forward pass never touches (optimizer moments)
             pending.append(n)
             continue
@@ -268,6 +270,8 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         if n.primitive in IDENTITY_MARKERS:   # each marked value keeps its own layer
             for i, o in zip(n.inputs, n.outputs):
                 tensor_layer[o] = tensor_layer.get(i, layer[n.id])
+        if n.primitive == GRAD_BOUNDARY:
+            _place_gradients(graph, n, layer, tensor_layer, loose)
     # ... such nodes run where their first consumer runs
     for n in reversed(pending):
         users = [layer[c] for t in n.outputs for c in graph.consumers.get(t, ()) if layer[c] >= 0]
@@ -277,6 +281,53 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         flops_per_layer[layer[n.id]] += n.flops
     cut_bytes = tuple(int(cut[c]) for c in cuts)
     return Layering(L, tuple(layer), tuple(fwd), tuple(flops_per_layer), cut_bytes, marked)
+
+
+def gradient_parameters(graph: Graph, marker) -> list[int | None]:
+    """The parameter (graph input tensor) of each gradient a ``meshplan.grad``
+    marker carries, or ``None`` where it cannot be told.
+
+    The marker's operands are the leaves of the gradient pytree, which has the
+    structure of the differentiated argument; that argument's leaves are a
+    run of consecutive parameter inputs of the step.  The one run of
+    parameters whose shapes and dtypes match the gradients leaf by leaf names
+    them; no run, or several, names none."""
+    params = [i for i in graph.inputs if i.role == "param"]
+    sig = [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in marker.inputs]
+    k = len(sig)
+    runs = [s for s in range(len(params) - k + 1)
+            if all((graph.tensors[params[s + j].tensor].shape,
+                    graph.tensors[params[s + j].tensor].dtype) == sig[j] for j in range(k))]
+    if len(runs) != 1:
+        return [None] * k
+    return [params[runs[0] + j].tensor for j in range(k)]
+
+
+def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[int, int],
+                     loose: set[int]) -> None:
+    """Put each marked gradient, and the work that only makes it, on its
+    parameter's layer.  A bias gradient sums the gradient arriving from the
+    layer above and reads no activation, so the operand rule would place it
+    (and the Adam moments updated from it) one layer too high."""
+    for g, o, p in zip(marker.inputs, marker.outputs, gradient_parameters(graph, marker)):
+        if p is None or p not in tensor_layer:
+            continue
+        lp = tensor_layer[p]
+        tensor_layer[o] = lp
+        moved = {marker.id}
+        stack = [graph.producer.get(g)]
+        while stack:
+            q = stack.pop()
+            if q is None or q not in loose or q in moved:
+                continue
+            if any(c not in moved for t in graph.nodes[q].outputs
+                   for c in graph.consumers.get(t, ())):
+                continue        # shared with other work: stays where it is
+            moved.add(q)
+            layer[q] = lp
+            for t in graph.nodes[q].outputs:
+                tensor_layer[t] = lp
+            stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs)
 
 
 def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> Graph:
@@ -325,8 +376,13 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
             elif t in used_outside:
                 outputs.append(GraphOutput(t, f"t{t}", None))
     nodes = tuple(dataclasses.replace(n, id=k) for k, n in enumerate(keep))
+    # only the layer's own tensors (ids keep their numbering): a layer sent
+    # to an ILP worker process pickles what it uses, not the whole step
+    used = {t for n in keep for t in n.inputs + n.outputs}
+    tensors = tuple(t if t.id in used else None for t in graph.tensors)
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
-                              inputs=tuple(inputs), outputs=tuple(outputs), warnings=())
+                              tensors=tensors, inputs=tuple(inputs), outputs=tuple(outputs),
+                              warnings=())
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 

@@ -323,63 +323,74 @@ def eliminate(p: IlpProblem, *, max_table: int = 1 << 22, growth: float = 1.0
 
 @dataclass
 class _Mip:
-    cost: list[float] = field(default_factory=list)
-    upper: list[float] = field(default_factory=list)
-    integer: list[bool] = field(default_factory=list)
+    """Columns and rows as numpy blocks.  Names (for CBC and LP dumps) are
+    made only when ``names`` is on: a HiGHS solve never reads them."""
+    names_on: bool = False
+    cost: list[np.ndarray] = field(default_factory=list)
+    upper: list[np.ndarray] = field(default_factory=list)
+    integer: list[np.ndarray] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    row_idx: list[list[int]] = field(default_factory=list)
-    row_val: list[list[float]] = field(default_factory=list)
+    row_idx: list[np.ndarray] = field(default_factory=list)
+    row_val: list[np.ndarray] = field(default_factory=list)
     row_lo: list[float] = field(default_factory=list)
     row_hi: list[float] = field(default_factory=list)
     row_names: list[str] = field(default_factory=list)
     offset: float = 0.0
-    s: list[list[int] | None] = field(default_factory=list)   # group -> column per strategy
-    # per pair edge: (u, v, strategy -> row class, strategy -> column class, variables [a][b])
-    pairs: list[tuple[int, int, np.ndarray, np.ndarray, list[list[int]]]] = field(
+    s: list[np.ndarray | None] = field(default_factory=list)   # group -> column per strategy
+    # per pair edge: (u, v, strategy -> row class, strategy -> column class, variables [a, b])
+    pairs: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = field(
         default_factory=list)
+    num_cols: int = 0
 
-    def col(self, cost: float, name: str, integer: bool, upper: float = 1.0) -> int:
-        self.cost.append(cost)
-        self.upper.append(upper)
-        self.integer.append(integer)
-        self.names.append(name)
-        return len(self.cost) - 1
+    def cols(self, cost: np.ndarray, integer: bool, names=None) -> np.ndarray:
+        """New columns (upper bound 1) with these costs; their indices."""
+        n = len(cost)
+        idx = np.arange(self.num_cols, self.num_cols + n)
+        self.num_cols += n
+        self.cost.append(np.asarray(cost, dtype=float))
+        self.upper.append(np.ones(n))
+        self.integer.append(np.full(n, integer))
+        if self.names_on:
+            self.names.extend(names())
+        return idx
 
-    def row(self, idx, val, lo: float, hi: float, name: str) -> None:
-        self.row_idx.append(list(idx))
-        self.row_val.append([float(v) for v in val])
+    def row(self, idx: np.ndarray, val: np.ndarray, lo: float, hi: float, name) -> None:
+        self.row_idx.append(np.asarray(idx, dtype=np.int64))
+        self.row_val.append(np.asarray(val, dtype=float))
         self.row_lo.append(lo)
         self.row_hi.append(hi)
-        self.row_names.append(name)
-
-    @property
-    def num_cols(self) -> int:
-        return len(self.cost)
+        if self.names_on:
+            self.row_names.append(name())
 
     @property
     def num_rows(self) -> int:
         return len(self.row_lo)
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cost, upper, integer) of every column."""
+        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
+        return cat(self.cost, float), cat(self.upper, float), cat(self.integer, bool)
 
 
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
 
 
-def _formulate(p: IlpProblem, scale: float) -> _Mip:
+def _formulate(p: IlpProblem, scale: float, names: bool = False) -> _Mip:
     """One-hot binaries per group; per edge, after folding what depends on one
     side only, transportation variables on the distinct rows and columns."""
-    m = _Mip()
+    m = _Mip(names_on=names)
     unary = [np.asarray(c, dtype=float).copy() for c in p.costs]
     # fold edges that need no pair variables into the groups' own costs
     pair_edges = []
     merged: dict[tuple[int, int], np.ndarray] = {}
-    names: dict[tuple[int, int], str] = {}
+    edge_names: dict[tuple[int, int], str] = {}
     for e in p.edges:
         key, mat = (e.u, e.v), e.cost
         if (e.v, e.u) in merged:
             key, mat = (e.v, e.u), e.cost.T
         merged[key] = merged[key] + mat if key in merged else np.array(mat, dtype=float)
-        names.setdefault(key, e.name)
+        edge_names.setdefault(key, e.name)
     for (u, v), mat in merged.items():
         if not np.any(mat):
             continue
@@ -396,7 +407,7 @@ def _formulate(p: IlpProblem, scale: float) -> _Mip:
             unary[u] += a
             unary[v] += b
             continue
-        pair_edges.append((u, v, mat, names[(u, v)]))
+        pair_edges.append((u, v, mat, edge_names[(u, v)]))
 
     for g, (name, cost) in enumerate(zip(p.names, unary)):
         if len(cost) == 1:
@@ -404,32 +415,35 @@ def _formulate(p: IlpProblem, scale: float) -> _Mip:
             m.offset += float(cost[0]) * scale
             continue
         nm = _safe(name)
-        cols = [m.col(float(c) * scale, f"s_{nm}_{i}", True) for i, c in enumerate(cost)]
+        cols = m.cols(cost * scale, True, lambda: [f"s_{nm}_{i}" for i in range(len(cost))])
         m.s.append(cols)
-        m.row(cols, [1.0] * len(cols), 1.0, 1.0, f"one_{nm}")
+        m.row(cols, np.ones(len(cols)), 1.0, 1.0, lambda: f"one_{nm}")
 
     for k, (u, v, mat, name) in enumerate(pair_edges):
         rows, cols = _classes(mat, 0), _classes(mat, 1)
+        R, C = len(rows), len(cols)
         su, sv = m.s[u], m.s[v]
         ename = _safe(name or f"e{k}")
-        ev = {}
-        for a, r in enumerate(rows):
-            for b, c in enumerate(cols):
-                ev[a, b] = m.col(float(mat[r[0], c[0]]) * scale, f"{ename}_{a}_{b}", False)
+        first_r = np.array([r[0] for r in rows])
+        first_c = np.array([c[0] for c in cols])
+        ev = m.cols((mat[np.ix_(first_r, first_c)] * scale).ravel(), False,
+                    lambda: [f"{ename}_{a}_{b}" for a in range(R) for b in range(C)]
+                    ).reshape(R, C)
         row_of = np.empty(mat.shape[0], dtype=np.int64)
         for a, r in enumerate(rows):
             row_of[r] = a
         col_of = np.empty(mat.shape[1], dtype=np.int64)
         for b, c in enumerate(cols):
             col_of[c] = b
-        m.pairs.append((u, v, row_of, col_of,
-                        [[ev[a, b] for b in range(len(cols))] for a in range(len(rows))]))
+        m.pairs.append((u, v, row_of, col_of, ev))
         for a, r in enumerate(rows):
-            idx = [ev[a, b] for b in range(len(cols))] + [su[i] for i in r]
-            m.row(idx, [1.0] * len(cols) + [-1.0] * len(r), 0.0, 0.0, f"{ename}_row{a}")
+            m.row(np.concatenate([ev[a], su[r]]),
+                  np.concatenate([np.ones(C), -np.ones(len(r))]), 0.0, 0.0,
+                  lambda: f"{ename}_row{a}")
         for b, c in enumerate(cols[:-1]):  # the last column's balance is implied
-            idx = [ev[a, b] for a in range(len(rows))] + [sv[j] for j in c]
-            m.row(idx, [1.0] * len(rows) + [-1.0] * len(c), 0.0, 0.0, f"{ename}_col{b}")
+            m.row(np.concatenate([ev[:, b], sv[c]]),
+                  np.concatenate([np.ones(R), -np.ones(len(c))]), 0.0, 0.0,
+                  lambda: f"{ename}_col{b}")
 
     for k, row in enumerate(p.memory):
         idx, val = [], []
@@ -438,14 +452,14 @@ def _formulate(p: IlpProblem, scale: float) -> _Mip:
             if m.s[g] is None:
                 const += float(coef[0])
             else:
-                for c, col in zip(coef, m.s[g]):
-                    if c:
-                        idx.append(col)
-                        val.append(float(c))
+                nz = np.flatnonzero(coef)
+                idx.append(m.s[g][nz])
+                val.append(np.asarray(coef, dtype=float)[nz])
         # in units of the budget, so the coefficients stay near 1
         unit = max(abs(row.budget), 1.0)
-        m.row(idx, [v / unit for v in val], -math.inf, (row.budget - const) / unit,
-              _safe(row.name or f"mem{k}"))
+        m.row(np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64),
+              (np.concatenate(val) if val else np.zeros(0)) / unit, -math.inf,
+              (row.budget - const) / unit, lambda: _safe(row.name or f"mem{k}"))
     return m
 
 
@@ -556,8 +570,6 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
                 return Solution(tuple(choice), p.objective(choice), "optimal",
                                 time.perf_counter() - t0, 0, 0, "dp")
     scale = _cost_scale(q)
-    mip = _formulate(q, scale)
-    warm = greedy(q)
     backend = backend.lower()
     if backend == "highs":
         try:
@@ -565,6 +577,8 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
         except ImportError:
             warnings.warn("meshplan: highspy is not available; falling back to CBC", stacklevel=2)
             backend = "cbc"
+    mip = _formulate(q, scale, names=backend == "cbc" or bool(os.environ.get("MESHPLAN_ILP_DUMP")))
+    warm = greedy(q)
     if backend == "highs":
         values, status = _run_highs(mip, q, warm, time_limit, threads)
     elif backend == "cbc":
@@ -579,8 +593,8 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
             raise _infeasible(p)
         raise SolverError(f"ILP back end {backend!r} found no solution within its time limit; "
                           "raise the time limit")
-    choice = back([0 if cols is None else int(np.argmax([values[c] for c in cols]))
-                   for cols in mip.s])
+    values = np.asarray(values, dtype=float)
+    choice = back([0 if cols is None else int(np.argmax(values[cols])) for cols in mip.s])
     if status != "optimal":
         warnings.warn(f"meshplan: ILP stopped at its {time_limit:.0f} s time limit; using the best "
                       "plan found so far (raise time_limit for a better one)", stacklevel=2)
@@ -606,11 +620,12 @@ def _run_highs(mip: _Mip, q: IlpProblem, warm: list[int] | None, time_limit: flo
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
     lp = highspy.HighsLp()
+    cost, upper, integer = mip.columns()
     lp.num_col_ = mip.num_cols
     lp.num_row_ = mip.num_rows
-    lp.col_cost_ = np.array(mip.cost, dtype=float)
+    lp.col_cost_ = cost
     lp.col_lower_ = np.zeros(mip.num_cols)
-    lp.col_upper_ = np.array(mip.upper, dtype=float)
+    lp.col_upper_ = upper
     lp.row_lower_ = np.array([-highspy.kHighsInf if not math.isfinite(x) else x for x in mip.row_lo])
     lp.row_upper_ = np.array([highspy.kHighsInf if not math.isfinite(x) else x for x in mip.row_hi])
     lp.offset_ = mip.offset
@@ -618,12 +633,15 @@ def _run_highs(mip: _Mip, q: IlpProblem, warm: list[int] | None, time_limit: flo
     starts[1:] = np.cumsum([len(ix) for ix in mip.row_idx])
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = starts
-    lp.a_matrix_.index_ = np.fromiter((i for ix in mip.row_idx for i in ix), dtype=np.int32,
-                                      count=int(starts[-1]))
-    lp.a_matrix_.value_ = np.fromiter((v for vs in mip.row_val for v in vs), dtype=float,
-                                      count=int(starts[-1]))
+    lp.a_matrix_.index_ = (np.concatenate(mip.row_idx) if mip.row_idx
+                           else np.zeros(0)).astype(np.int32)
+    lp.a_matrix_.value_ = (np.concatenate(mip.row_val) if mip.row_val
+                           else np.zeros(0)).astype(float)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in mip.integer]
+                       for i in integer]
+    if mip.names_on:
+        lp.col_names_ = list(mip.names)
+        lp.row_names_ = list(mip.row_names)
     h.passModel(lp)
     if os.environ.get("MESHPLAN_ILP_DUMP"):
         h.writeModel(os.environ["MESHPLAN_ILP_DUMP"])
@@ -654,7 +672,7 @@ def _complete_warm(mip: _Mip, warm: list[int]) -> np.ndarray:
         if cols is not None:
             x[cols[warm[g]]] = 1.0
     for u, v, row_of, col_of, ev in mip.pairs:
-        x[ev[row_of[warm[u]]][col_of[warm[v]]]] = 1.0
+        x[ev[row_of[warm[u]], col_of[warm[v]]]] = 1.0
     return x
 
 
@@ -663,16 +681,17 @@ def _run_cbc(mip: _Mip, time_limit: float | None, threads: int
     import pulp
 
     prob = pulp.LpProblem("meshplan_intra_op", pulp.LpMinimize)
-    xs = [pulp.LpVariable(n, lowBound=0, upBound=u, cat="Binary" if i else "Continuous")
-          for n, u, i in zip(mip.names, mip.upper, mip.integer)]
+    cost, upper, integer = mip.columns()
+    xs = [pulp.LpVariable(n, lowBound=0, upBound=float(u), cat="Binary" if i else "Continuous")
+          for n, u, i in zip(mip.names, upper, integer)]
     for idx, val, lo, hi, name in zip(mip.row_idx, mip.row_val, mip.row_lo, mip.row_hi,
                                       mip.row_names):
-        expr = pulp.LpAffineExpression([(xs[i], v) for i, v in zip(idx, val)])
+        expr = pulp.LpAffineExpression([(xs[int(i)], float(v)) for i, v in zip(idx, val)])
         if lo == hi:
             prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ, name, lo)
         else:
             prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, name, hi)
-    prob += pulp.LpAffineExpression([(x, c) for x, c in zip(xs, mip.cost) if c]) + mip.offset
+    prob += pulp.LpAffineExpression([(x, float(c)) for x, c in zip(xs, cost) if c]) + mip.offset
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 still bundles CBC
         solver = pulp.PULP_CBC_CMD(msg=bool(_VERBOSE), timeLimit=time_limit, threads=threads)
@@ -687,7 +706,7 @@ def _run_cbc(mip: _Mip, time_limit: float | None, threads: int
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
         return None, "infeasible"
-    if any(x.varValue is None for x, i in zip(xs, mip.integer) if i):
+    if any(x.varValue is None for x, i in zip(xs, integer) if i):
         return None, "time_limit"
     timed_out = time_limit is not None and time.perf_counter() - t0 >= time_limit * 0.98
     return [x.varValue or 0.0 for x in xs], ("optimal" if status == "Optimal" and not timed_out

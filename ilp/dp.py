@@ -23,6 +23,7 @@ gives up and the caller solves the problem as an ILP instead.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from dataclasses import dataclass, field
@@ -129,31 +130,36 @@ class _Net:
             sc.discard(g)
             base[g] = sc
         rng = np.random.default_rng(0)
+        logsize = {g: math.log(self.sizes[g]) for g in range(len(self.sizes))}
         best, best_work = None, math.inf
         for k in range(tries):
             nbr = {g: set(v) for g, v in base.items()}
-            outside: dict[int, set[int]] = {}   # neighbours that stay, per group
+            # log of the table a group's elimination would build (kept up to
+            # date for the groups whose neighbourhood changes)
+            weight = {g: sum(logsize[x] for x in v) for g, v in nbr.items()}
             left = set(groups)
             order, work = [], 0.0
             while left:
-                ranked = sorted(left, key=lambda h: (math.prod(self.sizes[x] for x in nbr[h]), h))
-                pick = ranked[0] if k == 0 or len(ranked) == 1 else \
-                    ranked[min(int(rng.integers(0, 3)), len(ranked) - 1)] if rng.random() < 0.3 \
-                    else ranked[0]
+                if k == 0 or len(left) == 1 or rng.random() >= 0.3:
+                    pick = min(left, key=lambda h: (weight[h], h))
+                else:
+                    ranked = heapq.nsmallest(3, left, key=lambda h: (weight[h], h))
+                    pick = ranked[min(int(rng.integers(0, 3)), len(ranked) - 1)]
                 sc = nbr[pick]
-                work += math.prod(self.sizes[x] for x in sc) * self.sizes[pick]
+                work += math.exp(weight[pick] + logsize[pick])
                 if work >= best_work:
                     break
                 for h in sc:
                     if h in nbr:
                         nbr[h] |= sc - {h}
                         nbr[h].discard(pick)
+                        weight[h] = sum(logsize[x] for x in nbr[h])
                 del nbr[pick]
                 left.discard(pick)
                 order.append(pick)
             else:
                 best, best_work = order, work
-            if k == 0 and self.work + best_work > 10 * self.max_work:
+            if k == 0 and self.work + best_work > 3 * self.max_work:
                 raise _GiveUp    # far over budget: no randomised order will rescue it
         if self.work + best_work > self.max_work:
             raise _GiveUp        # over budget before any table is built

@@ -32,6 +32,7 @@ LITERAL = "literal"
 CONST = "const"
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name ("float32", "bfloat16", "bool", ...)."""
     if dtype in ("bfloat16",):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -47,8 +48,15 @@ def infer_role(argname: str, path: str, dtype: str, is_batch: bool) -> str:
     return PARAM
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def _dtype_name(aval: Any) -> str:
-    return str(np.dtype(aval.dtype)) if aval.dtype != "bfloat16" else "bfloat16"
+    dt = aval.dtype
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(np.dtype(dt)) if dt != "bfloat16" else "bfloat16"
+    return name
 
 
 def _shape(aval: Any) -> tuple[int, ...]:
@@ -139,9 +147,8 @@ def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
 
 
 def _nbytes(aval: Any) -> int:
-    shape = _shape(aval)
     try:
-        return int(np.prod(shape, dtype=np.int64)) * dtype_bytes(_dtype_name(aval))
+        return math.prod(_shape(aval)) * dtype_bytes(_dtype_name(aval))
     except Exception:
         return 0
 
