@@ -276,6 +276,20 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     for n in reversed(pending):
         users = [layer[c] for t in n.outputs for c in graph.consumers.get(t, ()) if layer[c] >= 0]
         layer[n.id] = min(users) if users else L - 1
+    # A widening cast of a gradient that only a lower layer reads (the
+    # gradient of a layer's output converted back to its input's dtype) runs
+    # in that layer: the narrower value crosses, and the layer above stays
+    # identical to the other blocks.
+    end = min((n.id for n in graph.nodes if n.primitive == GRAD_BOUNDARY), default=len(layer))
+    for nid in sorted((x for x in loose if x < end), reverse=True):
+        n = graph.nodes[nid]
+        if (n.primitive != "convert_element_type" or len(n.inputs) != 1 or len(n.outputs) != 1
+                or graph.tensors[n.outputs[0]].nbytes <= graph.tensors[n.inputs[0]].nbytes):
+            continue
+        users = {layer[c] for t in n.outputs for c in graph.consumers.get(t, ())
+                 if graph.nodes[c].primitive not in IDENTITY_MARKERS}
+        if len(users) == 1 and (u := users.pop()) < layer[nid]:
+            layer[nid] = u
     flops_per_layer = [0.0] * L
     for n in graph.nodes:
         flops_per_layer[layer[n.id]] += n.flops
