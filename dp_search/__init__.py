@@ -156,10 +156,11 @@ class _Search:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum,
                 o.input_filter)
 
-    def prefetch(self, requests: list[tuple]) -> None:
-        """Solve the distinct layer ILPs of ``requests`` (arguments of
-        :meth:`layer_cost`) in parallel worker processes, when there are
-        enough of them to pay for the workers."""
+    def submit(self, requests: list[tuple]) -> tuple | None:
+        """Start solving the distinct layer ILPs of ``requests`` (arguments of
+        :meth:`layer_cost`) in worker processes, when there are enough of
+        them to pay for the workers; :meth:`collect` waits for them.  (Those
+        not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
@@ -167,11 +168,9 @@ class _Search:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
                              fwd_flops, saved)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
-            return
-        t0 = time.perf_counter()
+            return None
         import multiprocessing
         import warnings
-        keys = list(todo)
         with warnings.catch_warnings():
             # The workers run the ILP only (numpy, HiGHS), never JAX, so
             # JAX's warning about forking a multithreaded process does not
@@ -181,7 +180,17 @@ class _Search:
             if self._pool is None:
                 self._pool = multiprocessing.get_context("fork").Pool(
                     self.workers, initializer=_ignore_sigint)
-            results = self._pool.map(_solve_job, [todo[k][0] for k in keys], chunksize=1)
+        keys = list(todo)
+        return keys, todo, self._pool.map_async(_solve_job, [todo[k][0] for k in keys],
+                                                chunksize=1)
+
+    def collect(self, batch: tuple | None) -> None:
+        """Wait for a :meth:`submit` and keep its layer costs."""
+        if batch is None:
+            return
+        keys, todo, pending = batch
+        t0 = time.perf_counter()
+        results = pending.get()
         for key, r in zip(keys, results):
             _, sub, mesh, fwd_flops, saved = todo[key]
             self.solves += 1
@@ -281,6 +290,18 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     search = _Search(cluster, opts, workers=_workers())
     best: tuple[float, Plan] | None = None
     errors: list[str] = []
+    ahead: dict[int, _Layered | TraceError] = {}
+
+    def layered(B: int) -> _Layered | TraceError:
+        t0 = time.perf_counter()
+        try:
+            g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+        except TraceError as e:
+            return e
+        finally:
+            search.trace_s += time.perf_counter() - t0
+        return _layered(g, B, cluster, opts)
+
     try:
         while todo:
             B = todo.pop(0)
@@ -288,10 +309,15 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
             try:
                 with progress.step(f"pipeline search with {B} micro-batch(es) "
                                    f"(layer ILPs and stage DP)"):
-                    t0 = time.perf_counter()
-                    g = graph if B == 1 else retrace(B)  # type: ignore[misc]
-                    search.trace_s += time.perf_counter() - t0
-                    p = _plan_for_micro_batches(graph, g, B, cluster, opts, search, method)
+                    lay = ahead.pop(B) if B in ahead else layered(B)
+                    if isinstance(lay, TraceError):
+                        raise lay
+                    pending = search.submit(lay.requests())
+                    if pending is not None and todo and todo[0] not in ahead:
+                        # trace the next count while the workers solve this one's ILPs
+                        ahead[todo[0]] = layered(todo[0])
+                    search.collect(pending)
+                    p = _plan_for_micro_batches(graph, lay, cluster, opts, search, method)
                 if best is None or p.predicted.iteration_s < best[0]:
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
@@ -370,8 +396,41 @@ def _stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = F
     return meshes
 
 
-def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
-                            opts: PipelineOptions, search: _Search, method) -> Plan:
+@dataclass
+class _Layered:
+    """One micro-batch count's layers and layer problems, ready for the DP."""
+    B: int
+    g: Graph                        # the step traced at micro-batch size
+    layering: Layering
+    groups: list[tuple[int, int]]   # consecutive layers the stage DP cuts between
+    subs: list[Graph]               # one subgraph per layer
+    fwd_flops: list[float]
+    grads: frozenset[int]           # parameter gradients (what meshplan.grad marks)
+    saved: list[frozenset[int]]     # per layer: what its backward reads
+    submeshes: list[Submesh]
+    meshes_of: list[list[LogicalMesh]]
+    max_stages: int | None
+    budget: float
+    p2p_bw: float
+    # parameters, optimizer and other state of each layer, unsharded: a stage
+    # whose state cannot fit even when split over all its devices is skipped
+    # before any ILP is solved
+    state_bytes: list[float]
+
+    def request(self, l: int, m: int, k: int) -> tuple:
+        """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
+        s = self.submeshes[m]
+        return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
+                self.fwd_flops[l], self.grads, self.B, self.saved[l])
+
+    def requests(self) -> list[tuple]:
+        """Every layer on every mesh its state fits: the stage DP asks for all of them."""
+        return [self.request(l, m, k) for l in range(len(self.subs))
+                for m, s in enumerate(self.submeshes) if self.state_bytes[l] / s.size <= self.budget
+                for k in range(len(self.meshes_of[m]))]
+
+
+def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _Layered:
     # at least as many layers as a fixed number of stages needs
     wanted = max(_default_layers(g, cluster), opts.fixed[2] if opts.fixed else 1,
                  opts.num_stages or 1)
@@ -386,12 +445,11 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
             raise MeshplanError("equal_layers needs a number of stages of at most the layers")
         S = opts.num_stages
         n_groups = S * (min(n_groups, L) // S)
-    groups = group_layers(layering.flops, n_groups)
     subs = [layer_subgraph(g, layering, l, l) for l in range(L)]
-    fwd_flops = [sum(n.flops for n in g.nodes if layering.forward[n.id]
-                     and layering.layer_of_node[n.id] == l) for l in range(L)]
-    # parameter gradients: what the end-of-backward marker (meshplan.grad) marks
-    grads = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    fwd_flops = [0.0] * L
+    for n in g.nodes:
+        if layering.forward[n.id]:
+            fwd_flops[layering.layer_of_node[n.id]] += n.flops
     if opts.fixed is not None:
         dp, tp, pp = opts.fixed
         submeshes = [_fixed_submesh(cluster, dp * tp)]
@@ -400,38 +458,37 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
         submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
                      if s.hosts == 1 or s.hosts & (s.hosts - 1) == 0 or s.hosts == cluster.num_hosts]
         max_stages = opts.num_stages
-    budget = cluster.device.memory_bytes * opts.memory_fraction
-    p2p_bw = (cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
-              if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s)
-    meshes_of = [_stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
-                 for s in submeshes]
-    costs: dict[tuple[int, int], LayerCost | None] = {}
-    # parameters, optimizer and other state of each layer, unsharded: a stage
-    # whose state cannot fit even when split over all its devices is skipped
-    # before any ILP is solved
-    state_bytes = [sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
-                                          if i.role in (PARAM, OPT_STATE, STATE)))
-                   for sub in subs]
+    return _Layered(
+        B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
+        fwd_flops=fwd_flops,
+        grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
+        saved=saved_for_backward(g, layering), submeshes=submeshes,
+        meshes_of=[_stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
+                   for s in submeshes],
+        max_stages=max_stages, budget=cluster.device.memory_bytes * opts.memory_fraction,
+        p2p_bw=(cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
+                if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s),
+        state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
+                                            if i.role in (PARAM, OPT_STATE, STATE)))
+                     for sub in subs])
+
+
+def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
+                            opts: PipelineOptions, search: _Search, method) -> Plan:
+    B, g, layering, groups, subs = lay.B, lay.g, lay.layering, lay.groups, lay.subs
+    L = layering.num_layers
+    submeshes, meshes_of, budget, p2p_bw = lay.submeshes, lay.meshes_of, lay.budget, lay.p2p_bw
+    state_bytes = lay.state_bytes
     state_prefix = [0.0]
     for b in state_bytes:
         state_prefix.append(state_prefix[-1] + b)
-
-    saved = saved_for_backward(g, layering)
-
-    def request(l: int, m: int, k: int) -> tuple:
-        s = submeshes[m]
-        return (subs[l], meshes_of[m][k], (s.hosts, s.devices_per_host), fwd_flops[l], grads, B,
-                saved[l])
+    costs: dict[tuple[int, int, int], LayerCost | None] = {}
 
     def layer(l: int, m: int, k: int) -> LayerCost | None:
         key = (l, m, k)
         if key not in costs:
-            costs[key] = search.layer_cost(*request(l, m, k))
+            costs[key] = search.layer_cost(*lay.request(l, m, k))
         return costs[key]
-
-    # every layer on every mesh its state fits: the stage DP asks for all of them
-    search.prefetch([request(l, m, k) for l in range(L) for m, s in enumerate(submeshes)
-                     if state_bytes[l] / s.size <= budget for k in range(len(meshes_of[m]))])
 
     # per (submesh, mesh): what each group of layers adds to a stage, or None
     # where a layer of the group has no plan (or its state alone cannot fit)
@@ -496,7 +553,7 @@ def _plan_for_micro_batches(full: Graph, g: Graph, B: int, cluster: ClusterSpec,
 
         t0, ilp0 = time.perf_counter(), search.ilp_s
         res = stage_dp(len(groups), submeshes, cluster.num_devices, B, stage_cost,
-                       max_stages=max_stages)
+                       max_stages=lay.max_stages)
         search.dp_s += time.perf_counter() - t0 - (search.ilp_s - ilp0)
         if res is not None:   # group indices -> layer indices
             res = replace(res, stages=tuple(replace(st, first=groups[st.first][0],

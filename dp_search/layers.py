@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -350,8 +349,8 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
     step's outputs need leave as outputs."""
     # identity markers (the gradient marker gathers every layer's gradients)
     # are read through: a layer's update reads its own layer's gradient
-    graph, layer_of, const = _unmarked(graph, layering)
-    keep_ids = {n.id for n in graph.nodes if first <= layer_of[n.id] <= last}
+    graph, layer_of, const, by_layer = _unmarked(graph, layering)
+    keep_ids = {nid for l in range(first, last + 1) for nid in by_layer[l]}
     # values computed from constants alone (masks, iotas) are recomputed in
     # every layer that reads them instead of crossing layer boundaries
     stack = [t for nid in keep_ids for t in graph.nodes[nid].inputs]
@@ -361,7 +360,7 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
         if p is not None and p in const and p not in keep_ids:
             keep_ids.add(p)
             stack.extend(graph.nodes[p].inputs)
-    keep = [n for n in graph.nodes if n.id in keep_ids]
+    keep = [graph.nodes[nid] for nid in sorted(keep_ids)]
     produced = {t for n in keep for t in n.outputs}
     orig_inputs = graph.input_of_tensor
     inputs: list[GraphInput] = []
@@ -377,7 +376,7 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
                 inputs.append(GraphInput(t, -1, f"t{t}", BOUNDARY))
     index = {i.tensor: k for k, i in enumerate(inputs)}
     outputs: list[GraphOutput] = []
-    used_outside = {t for n in graph.nodes if n.id not in keep_ids for t in n.inputs}
+    consumers = graph.consumers
     graph_out = {o.tensor: o for o in graph.outputs}
     for n in keep:
         for t in n.outputs:
@@ -387,16 +386,18 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
                 if o.updates is not None:
                     upd = index.get(graph.inputs[o.updates].tensor)
                 outputs.append(GraphOutput(t, o.path, upd))
-            elif t in used_outside:
+            elif any(c not in keep_ids for c in consumers.get(t, ())):
                 outputs.append(GraphOutput(t, f"t{t}", None))
-    nodes = tuple(dataclasses.replace(n, id=k) for k, n in enumerate(keep))
+    nodes = tuple(n.renumbered(k) for k, n in enumerate(keep))
     # only the layer's own tensors (ids keep their numbering): a layer sent
     # to an ILP worker process pickles what it uses, not the whole step
-    used = {t for n in keep for t in n.inputs + n.outputs}
-    tensors = tuple(t if t.id in used else None for t in graph.tensors)
+    tensors: list = [None] * len(graph.tensors)
+    for n in keep:
+        for t in n.inputs + n.outputs:
+            tensors[t] = graph.tensors[t]
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
-                              tensors=tensors, inputs=tuple(inputs), outputs=tuple(outputs),
-                              warnings=())
+                              tensors=tuple(tensors), inputs=tuple(inputs),
+                              outputs=tuple(outputs), warnings=())
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 
@@ -405,7 +406,7 @@ def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]
     i.e. what one micro-batch keeps alive between its forward and backward
     pass.  Tensor ids are those of :func:`layer_subgraph` (markers read
     through)."""
-    view, layer_of, _ = _unmarked(graph, layering)
+    view, layer_of, _, _ = _unmarked(graph, layering)
     fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
     batch = {i.tensor for i in view.inputs if i.role == BATCH}
     const = view.constant_tensors      # recomputed (fused) where read, never kept
@@ -423,16 +424,20 @@ def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]
 _UNMARKED: list = []   # the last graph's unmarked view (one per micro-batch search)
 
 
-def _unmarked(graph: Graph, layering: Layering) -> tuple[Graph, list[int], set[int]]:
+def _unmarked(graph: Graph, layering: Layering
+              ) -> tuple[Graph, list[int], set[int], list[list[int]]]:
     """``graph`` without identity markers, the layer of each remaining node,
-    and its constant nodes."""
+    its constant nodes and the nodes of each layer."""
     if _UNMARKED and _UNMARKED[0] is graph and _UNMARKED[1] is layering:
         return tuple(_UNMARKED[2:])  # type: ignore[return-value]
     layer_of = [layering.layer_of_node[n.id] for n in graph.nodes
                 if n.primitive not in IDENTITY_MARKERS]
     view = strip_markers(graph)
-    _UNMARKED[:] = [graph, layering, view, layer_of, constant_nodes(view)]
-    return view, layer_of, _UNMARKED[4]
+    by_layer: list[list[int]] = [[] for _ in range(layering.num_layers)]
+    for nid, l in enumerate(layer_of):
+        by_layer[l].append(nid)
+    _UNMARKED[:] = [graph, layering, view, layer_of, constant_nodes(view), by_layer]
+    return view, layer_of, _UNMARKED[4], by_layer
 
 
 def constant_nodes(graph: Graph) -> set[int]:
@@ -464,14 +469,14 @@ def canonical_tensors(graph: Graph) -> tuple[int, ...]:
 def structural_hash(graph: Graph) -> str:
     """A hash of a graph's structure and shapes that ignores tensor numbering,
     so identical layers (transformer blocks) hash equal."""
-    r = {t: k for k, t in enumerate(canonical_tensors(graph))}.__getitem__
-    ins = [[r(i.tensor), list(graph.tensors[i.tensor].shape), graph.tensors[i.tensor].dtype,
-            i.role if i.role != BOUNDARY else "b"] for i in graph.inputs]
-    nodes = [[n.primitive, [r(t) for t in n.inputs], [r(t) for t in n.outputs],
-              [list(graph.tensors[t].shape) for t in n.outputs],
-              [graph.tensors[t].dtype for t in n.outputs],
-              json.loads(json.dumps(n.params, default=str)) if n.primitive != "scan" else n.params[:3]]
+    r = {t: k for k, t in enumerate(canonical_tensors(graph))}
+    ts = graph.tensors
+    ins = [(r[i.tensor], ts[i.tensor].shape, ts[i.tensor].dtype,
+            i.role if i.role != BOUNDARY else "b") for i in graph.inputs]
+    nodes = [(n.primitive, tuple(r[t] for t in n.inputs), tuple(r[t] for t in n.outputs),
+              tuple((ts[t].shape, ts[t].dtype) for t in n.outputs),
+              n.params if n.primitive != "scan" else n.params[:3])
              for n in graph.nodes]
-    outs = [[r(o.tensor), o.updates is not None] for o in graph.outputs]
-    text = json.dumps([ins, nodes, outs], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    outs = [(r[o.tensor], o.updates is not None) for o in graph.outputs]
+    # (params are plain, deterministic Python data: their repr is canonical)
+    return hashlib.sha256(repr((ins, nodes, outs)).encode()).hexdigest()

@@ -26,6 +26,7 @@ from .build import Built, InputFilter, PlannedCollective, build_problem, explain
 from .core import IlpProblem, Solution, brute_force, solve
 
 __all__ = ["IntraOpResult", "InputLayouts", "solve_intra_op", "best_intra_op", "candidate_meshes",
+           "memory_floor",
            "IlpProblem", "Solution", "brute_force", "solve", "build_problem", "explain",
            "PlannedCollective"]
 
@@ -110,6 +111,26 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
     return out
 
 
+def memory_floor(graph: Graph, num_devices: int) -> float:
+    """A lower bound of the peak bytes per device of any plan of ``graph`` on
+    ``num_devices`` devices, as the ILP's memory rows count them: the inputs
+    and the intermediates live at the busiest point, all split evenly."""
+    profile = liveness(graph).profile
+    peak = float(profile.max()) if len(profile) else 0.0
+    return (sum(graph.tensors[i.tensor].nbytes for i in graph.inputs) + peak) / num_devices
+
+
+def _too_big(graph: Graph, n: int, budget: float) -> InfeasiblePlanError | None:
+    need = memory_floor(graph, n)
+    if need <= budget:
+        return None
+    return InfeasiblePlanError(
+        f"the model does not fit: it needs at least {need / 2**30:.2f} GiB per device on {n} "
+        f"device(s) however it is split, but the budget is {budget / 2**30:.2f} GiB; use more "
+        "devices, pipeline stages, remat, smaller micro-batches or a cluster with more memory "
+        "per device", budget_bytes=int(budget), needed_bytes=int(need))
+
+
 def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    submesh: tuple[int, int] | None = None, backend: str = "highs",
                    time_limit: float | None = 60.0, memory_budget: float | None = None,
@@ -117,6 +138,9 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1
                    ) -> IntraOpResult:
     mm = mesh_model(cluster, mesh, submesh=submesh)
+    err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget)
+    if err is not None:
+        raise err       # (before building an ILP no layout could satisfy)
     built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
                           accumulate=accumulate, grad_accum=grad_accum)
     sol = solve(built.problem, backend=backend, time_limit=time_limit)
@@ -203,6 +227,11 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
     """The fastest plan over ``meshes`` (default: every mesh shape of the device count)."""
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
     meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
+    budget = (mesh_model(cluster, meshes[0], submesh=submesh).memory_budget
+              if memory_budget is None else memory_budget)
+    err = _too_big(graph, n, budget)
+    if err is not None:
+        raise err       # on every mesh: nothing to try
     results: list[IntraOpResult | InfeasiblePlanError] = []
     for mesh in meshes:
         try:

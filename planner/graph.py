@@ -83,6 +83,13 @@ class Node:
     # For composite nodes: the node's own body cost per iteration was
     # multiplied by ``repeat`` into ``flops``/``bytes_accessed``.
 
+    def renumbered(self, new_id: int) -> "Node":
+        """This node with another id (a subgraph numbers its nodes afresh)."""
+        n = object.__new__(Node)
+        n.__dict__.update(self.__dict__)
+        n.__dict__["id"] = new_id
+        return n
+
     def param(self, name: str, default: Any = None) -> Any:
         for k, v in self.params:
             if k == name:
