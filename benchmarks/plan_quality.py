@@ -61,6 +61,17 @@ def cluster_for(gpus: int) -> meshplan.ClusterSpec:
     return c if gpus >= 8 else c.with_devices(1, gpus)
 
 
+def cluster_file(gpus: int) -> pathlib.Path:
+    """A cluster JSON file of :func:`cluster_for` (for the CLI); below 8 GPUs
+    written to a temporary folder."""
+    if gpus >= 8:
+        return ROOT / "examples" / "clusters" / f"aws-p3.16xlarge-x{gpus // 8}.json"
+    import tempfile
+    path = pathlib.Path(tempfile.gettempdir()) / f"meshplan-aws-p3.16xlarge-{gpus}gpu.json"
+    path.write_text(cluster_for(gpus).to_json())
+    return path
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

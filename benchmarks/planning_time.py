@@ -1,13 +1,24 @@
 """Planning time of ``--method auto`` against model size and device count.
 
 Alpa's GPT weak-scaling suite (gpt-350m on 1 V100 ... gpt-39b on 64) on AWS
-p3.16xlarge clusters.  For each row: the wall time of planning end to end and
-its parts (tracing, re-tracing per micro-batch count, layer ILPs, stage DP),
-how many distinct layer ILPs the search needed, how many it solved and how
-many layer costs came from the ILP cache (identical transformer blocks are
-one problem; the cache starts empty for every row).
+p3.16xlarge clusters.  For each row:
 
-    python benchmarks/planning_time.py [--rows gpt-350m,gpt-1.3b] [--workers N]
+* ``cli_s``: ``meshplan plan --model M --cluster C --method auto`` end to end
+  (a fresh process: imports, tracing, planning, printing the plan);
+* the same planning in this process, split into its parts: the first trace,
+  re-tracing per micro-batch count (done while the ILP workers run where
+  possible), waiting on layer ILPs, the stage DP and the rest; ``ilp_work_s``
+  is what the layer ILPs took summed over the worker processes;
+* how many micro-batch counts were searched, how many distinct layer ILPs the
+  search needed, how many it solved and how many layer costs came from the
+  ILP cache (identical transformer blocks are one problem; the cache starts
+  empty for every row).
+
+With ``--check-pruning`` each row is planned a second time searching every
+micro-batch count (``PipelineOptions(prune_micro_batches=False)``) and the
+table says whether the pruned search chose the same plan.
+
+    python benchmarks/planning_time.py [--rows gpt-350m,gpt-1.3b] [--workers N] [--check-pruning]
 
 Writes benchmarks/results/planning_time.md and .csv.  The figures depend on
 the machine and on what else runs on it: the committed ones say where they
@@ -17,69 +28,108 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 
 import meshplan
 from meshplan import dp_search
 from meshplan.api import plan_graph, retracer
+from meshplan.dp_search import plan_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
-from plan_quality import cluster_for    # (benchmarks/ is on sys.path when run as a script)
+from plan_quality import cluster_file, cluster_for, describe   # (benchmarks/ is on sys.path)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
 ROWS = ["gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b", "gpt-39b"]
-KEYS = ["model", "gpus", "total_s", "trace_s", "retrace_s", "ilp_s", "dp_s", "other_s",
-        "micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate",
-        "stages", "micro_batches", "tflops_per_gpu"]
+KEYS = ["model", "gpus", "cli_s", "total_s", "trace_s", "retrace_s", "ilp_wait_s", "ilp_work_s",
+        "dp_s", "other_s", "micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits",
+        "hit_rate", "plan", "tflops_per_gpu"]
+CHECK_KEYS = ["exhaustive_s", "exhaustive_counts", "exhaustive_plan", "same_choice"]
 
 
-def run_row(name: str) -> dict:
+def cli_seconds(name: str, gpus: int) -> float:
+    """Wall time of the CLI command a user would type, in a fresh process."""
+    cmd = [sys.executable, "-m", "meshplan.cli", "plan", "--model", name,
+           "--cluster", str(cluster_file(gpus)), "--method", "auto"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    return time.perf_counter() - t0
+
+
+def run_row(name: str, check_pruning: bool) -> dict:
     gpus = PRESET_INFO[name]["gpus"]
     cluster = cluster_for(gpus)
+    row: dict = {"model": name, "gpus": gpus, "cli_s": cli_seconds(name, gpus)}
     dp_search._LAYER_CACHE.clear()          # every row starts cold
     m = build_model(name)
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
     t1 = time.perf_counter()
     rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
-    row: dict = {"model": name, "gpus": gpus}
     try:
         plan = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt)
     except InfeasiblePlanError as e:
         plan = None
-        row["tflops_per_gpu"] = f"does not fit ({str(e)[:60]})"
+        row["plan"] = f"does not fit ({str(e)[:60]})"
     t2 = time.perf_counter()
     s = dict(dp_search.LAST_SEARCH)
     row.update(total_s=t2 - t0, trace_s=t1 - t0, retrace_s=s.get("trace_s", 0.0),
-               ilp_s=s.get("ilp_s", 0.0), dp_s=s.get("dp_s", 0.0))
-    row["other_s"] = row["total_s"] - sum(row[k] for k in ("trace_s", "retrace_s", "ilp_s", "dp_s"))
+               ilp_wait_s=s.get("ilp_s", 0.0), ilp_work_s=s.get("ilp_work_s", 0.0),
+               dp_s=s.get("dp_s", 0.0))
+    row["other_s"] = row["total_s"] - sum(row[k] for k in ("trace_s", "retrace_s", "ilp_wait_s",
+                                                           "dp_s"))
     for k in ("micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits"):
         row[k] = s.get(k, "")
     looked_up = s.get("solved", 0) + s.get("cache_hits", 0)
     row["hit_rate"] = f"{s['cache_hits'] / looked_up:.0%}" if looked_up else ""
     if plan is not None:
-        row.update(stages=len(plan.stages), micro_batches=plan.num_micro_batches,
-                   tflops_per_gpu=round(plan.predicted.tflops_per_device, 2))
+        row.update(plan=describe(plan), tflops_per_gpu=round(plan.predicted.tflops_per_device, 2))
+    if check_pruning:
+        row.update(check_row(graph, cluster, rt))
     return row
+
+
+def check_row(graph, cluster, rt) -> dict:
+    """The pipeline search with and without micro-batch pruning (warm cache:
+    the time is of the exhaustive search's extra counts)."""
+    method = meshplan.Auto()
+    opts = dp_search._options_from_method(method)
+    out: dict = {}
+    choices = []
+    for prune in (True, False):
+        t0 = time.perf_counter()
+        try:
+            p = plan_pipeline(graph, cluster, method, retrace=rt,
+                              options=dataclasses.replace(opts, prune_micro_batches=prune))
+            choices.append((describe(p), round(p.predicted.iteration_s, 9)))
+        except InfeasiblePlanError:
+            choices.append(("does not fit", None))
+        if not prune:
+            out.update(exhaustive_s=time.perf_counter() - t0,
+                       exhaustive_counts=dp_search.LAST_SEARCH.get("micro_batch_counts", ""),
+                       exhaustive_plan=choices[-1][0])
+    out["same_choice"] = "yes" if choices[0] == choices[1] else "NO"
+    return out
 
 
 def fmt(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
 
-def write(rows: list[dict], command: str, workers: int) -> None:
+def write(rows: list[dict], keys: list[str], command: str, workers: int) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "planning_time.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, KEYS)
+        w = csv.DictWriter(f, keys)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k, "") for k in KEYS})
+            w.writerow({k: r.get(k, "") for k in keys})
     lines = [
         "# Planning time of `--method auto` (Alpa GPT suite, AWS p3.16xlarge)",
         "",
@@ -88,17 +138,23 @@ def write(rows: list[dict], command: str, workers: int) -> None:
         f"process(es), {time.strftime('%Y-%m-%d')}.  Seconds of wall time; other jobs may have "
         "shared the CPUs.",
         "",
-        "Parts: `trace` the first trace of the step; `retrace` tracing it again at each "
-        "micro-batch size; `ilp` layer ILPs (build and solve, or waiting on the worker "
-        "processes); `dp` the stage-submesh DP without the ILPs it triggered; `other` "
-        "layering, layer subgraphs, plan assembly and the one-stage comparison.  "
-        "`distinct layer ilps`: the problems the search needed (identical blocks count once); "
-        "`hit rate`: layer costs found in the cache over all layer-cost look-ups.",
-        "",
-        "| " + " | ".join(k.replace("_", " ") for k in KEYS) + " |",
-        "|" + "---|" * len(KEYS),
+        "`cli`: `meshplan plan --model M --cluster C --method auto` end to end in a fresh "
+        "process.  The same planning in this process: `total` = `trace` (the first trace of "
+        "the step) + `retrace` (tracing it at each micro-batch size searched, mostly while the "
+        "workers solve the previous count's layer ILPs) + `ilp wait` (waiting on the layer "
+        "ILPs) + `dp` (the stage-submesh DP) + `other` (layering, layer subgraphs, plan "
+        "assembly, the one-stage comparison).  `ilp work`: what the layer ILPs took, summed "
+        "over the worker processes.  `distinct layer ilps`: the problems the search needed "
+        "(identical blocks count once); `hit rate`: layer costs found in the cache over all "
+        "layer-cost look-ups.  `plan`: stages x [logical mesh], micro-batches, schedule.",
     ]
-    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in KEYS) + " |" for r in rows]
+    if "same_choice" in keys:
+        lines += ["", "`exhaustive`: the pipeline search again with every micro-batch count "
+                  "(no pruning), on a warm ILP cache; `same choice`: whether both searches "
+                  "chose the same plan."]
+    lines += ["", "| " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+              "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
     (OUT / "planning_time.md").write_text("\n".join(lines) + "\n")
 
 
@@ -107,20 +163,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--workers", type=int, default=None,
                     help="ILP worker processes (default: MESHPLAN_WORKERS, else the CPUs)")
+    ap.add_argument("--check-pruning", action="store_true",
+                    help="also search every micro-batch count and compare the choices")
     args = ap.parse_args(argv)
     if args.workers is not None:
         os.environ["MESHPLAN_WORKERS"] = str(args.workers)
     workers = dp_search._workers()
+    keys = KEYS + (CHECK_KEYS if args.check_pruning else [])
     rows = []
     for name in args.rows.split(","):
         if name not in PRESET_INFO:
             print(f"unknown row {name!r}: use one of {', '.join(ROWS)}", file=sys.stderr)
             return 2
-        row = run_row(name)
-        print("  ".join(f"{k}={fmt(row.get(k, ''))}" for k in KEYS), flush=True)
+        row = run_row(name, args.check_pruning)
+        print("  ".join(f"{k}={fmt(row.get(k, ''))}" for k in keys), flush=True)
         rows.append(row)
         # written after every row: a long run stopped early keeps what it measured
-        write(rows, "python benchmarks/planning_time.py " + " ".join(argv or sys.argv[1:]), workers)
+        write(rows, keys, "python benchmarks/planning_time.py " + " ".join(argv or sys.argv[1:]),
+              workers)
     return 0
 
 

@@ -82,15 +82,18 @@ class LayerCost:
         return max(self.activation_bytes - self.saved_bytes, 0.0)
 
 
-def _solve_job(job: tuple) -> IntraOpResult | None:
-    """One layer ILP (run in a worker process when solving in parallel)."""
+def _solve_job(job: tuple) -> tuple[IntraOpResult | None, float]:
+    """One layer ILP (run in a worker process when solving in parallel): its
+    result (None: it does not fit) and the seconds it took."""
     sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt = job
+    t0 = time.perf_counter()
     try:
-        return solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
-                              time_limit=time_limit, memory_budget=budget,
-                              accumulate=grads, grad_accum=grad_accum, input_filter=filt)
+        r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
+                           time_limit=time_limit, memory_budget=budget,
+                           accumulate=grads, grad_accum=grad_accum, input_filter=filt)
     except InfeasiblePlanError:
-        return None
+        r = None
+    return r, time.perf_counter() - t0
 
 
 def _ignore_sigint() -> None:
@@ -133,6 +136,7 @@ class _Search:
     used: set = field(default_factory=set)   # distinct layer problems this search needed
     trace_s: float = 0.0        # wall time re-tracing the step per micro-batch count
     ilp_s: float = 0.0          # wall time in layer ILPs (in-process or waiting on workers)
+    ilp_work_s: float = 0.0     # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
     workers: int = 1
     _pool: Any = None
@@ -191,9 +195,10 @@ class _Search:
         keys, todo, pending = batch
         t0 = time.perf_counter()
         results = pending.get()
-        for key, r in zip(keys, results):
+        for key, (r, took) in zip(keys, results):
             _, sub, mesh, fwd_flops, saved = todo[key]
             self.solves += 1
+            self.ilp_work_s += took
             self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
         self.ilp_s += time.perf_counter() - t0
 
@@ -220,7 +225,8 @@ class _Search:
             return self.cache[key]
         self.solves += 1
         t0 = time.perf_counter()
-        r = _solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
+        r, took = _solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
+        self.ilp_work_s += took
         self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
@@ -358,7 +364,8 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     LAST_SEARCH.clear()
     LAST_SEARCH.update(micro_batch_counts=len(searched), distinct_layer_ilps=len(search.used),
                        solved=search.solves, cache_hits=search.hits, trace_s=search.trace_s,
-                       ilp_s=search.ilp_s, dp_s=search.dp_s, workers=search.workers)
+                       ilp_s=search.ilp_s, ilp_work_s=search.ilp_work_s, dp_s=search.dp_s,
+                       workers=search.workers)
     return replace(plan, notes=plan.notes + (note,))
 
 
