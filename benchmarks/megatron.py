@@ -24,8 +24,6 @@ from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLUSTER_OF = {256: "dgx-a100-x32", 512: "dgx-a100-x64", 1024: "dgx-a100-x128",
-              1536: "dgx-a100-x192", 128: "dgx-a100-x16", 64: "dgx-a100-x8", 32: "dgx-a100-x4"}
 
 
 def stage_shape(plan) -> tuple[str, str, int]:
@@ -47,7 +45,7 @@ def run_row(name: str, searched: bool) -> dict:
     m = build_model(f"megatron-{name}")
     batch = m.config["batch"]
     gpus, tp, pp, dp = info["gpus"], info["tp"], info["pp"], info["dp"]
-    cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"{CLUSTER_OF[gpus]}.json")
+    cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"dgx-a100-x{gpus // 8}.json")
     mb_pub = batch // dp          # micro-batch size 1 per data-parallel replica
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)

@@ -355,6 +355,11 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
             "cluster with more memory per device",
             budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
     plan = best[1]
+    scan_note = _scanned_layers(graph)
+    if scan_note:
+        import warnings
+        warnings.warn(f"meshplan: {scan_note}", stacklevel=3)
+        plan = replace(plan, notes=plan.notes + (scan_note,))
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     # (what this search needed, not what an earlier one left in the cache:
     # the plan must not depend on the process's history)
@@ -367,6 +372,22 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
                        ilp_s=search.ilp_s, ilp_work_s=search.ilp_work_s, dp_s=search.dp_s,
                        workers=search.workers)
     return replace(plan, notes=plan.notes + (note,))
+
+
+def _scanned_layers(graph: Graph) -> str | None:
+    """What to tell a user whose layers run inside one ``lax.scan`` over
+    stacked parameters: the search cannot cut inside a scan."""
+    total = graph.total_flops or 1.0
+    params = {i.tensor for i in graph.inputs if i.role == PARAM}
+    # (the forward scan and its transpose in the backward pass both read them)
+    scans = [n for n in graph.nodes
+             if n.primitive == "scan" and n.repeat > 1 and params & set(n.inputs)]
+    share = sum(n.flops for n in scans) / total
+    if share < 0.5:
+        return None
+    return (f"{share:.0%} of the step's FLOPs run inside lax.scan over {scans[0].repeat} stacked "
+            "layers, which the pipeline search treats as one layer each (stages cannot split a "
+            "scan); to pipeline those layers, loop over the blocks in Python instead")
 
 
 def _options_from_method(method) -> PipelineOptions:

@@ -1,4 +1,6 @@
 """The inter-operator pass: stage DP against brute force, layering, markers, plans."""
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,8 @@ from meshplan.dp_search.stage_dp import brute_force, stage_dp, submesh_shapes
 from meshplan.markers import mark_pipeline_boundary, value_and_grad
 from meshplan.models import build_model
 from meshplan.trace import trace
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -321,3 +325,95 @@ def test_a_micro_batch_size_the_step_cannot_trace_is_skipped():
     cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
     p = plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=retrace)
     assert 2 in tried and p.num_micro_batches != 2
+
+
+def test_layers_inside_a_scan_are_reported_not_silently_merged():
+    m = build_model("gpt", {"layers": "4", "hidden": "64", "seq_len": "32", "vocab": "128",
+                            "scan_layers": "true", "batch": "8"})
+    from meshplan.dp_search import _scanned_layers
+    g = trace(m.train_step, *m.abstract_args)
+    note = _scanned_layers(g)
+    assert note is not None and "lax.scan over 4 stacked layers" in note
+    # the same model with its blocks in a Python loop has nothing to report
+    m2 = build_model("gpt", {"layers": "4", "hidden": "64", "seq_len": "32", "vocab": "128",
+                             "batch": "8"})
+    assert _scanned_layers(trace(m2.train_step, *m2.abstract_args)) is None
+    with pytest.warns(UserWarning, match="lax.scan"):
+        plan = meshplan.plan(m.train_step, *m.abstract_args,
+                             cluster=meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json"),
+                             method=meshplan.PipeshardParallel(num_micro_batches=2))
+    assert any("lax.scan" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("fits,untraceable,expected", [
+    # counts that fit -> the counts searched, from the most micro-batches down:
+    # once a count fits nothing after one that did, fewer are not tried
+    ({64, 32, 16}, (), [64, 32, 16, 8]),
+    # nothing fits with 64 (the most of the usual counts): smaller micro-batches
+    # are tried, fewer are not
+    ({128}, (), [64, 128]),
+    # micro-batches too small to trace (MoE token groups) do not stop the search
+    ({16}, (64, 32), [16, 8]),
+])
+def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untraceable, expected):
+    import dataclasses
+    import meshplan.dp_search as dps
+    from meshplan.api import retracer
+    from meshplan.errors import InfeasiblePlanError
+    m = build_model("mlp", {"optimizer": "sgd", "batch": "256"})
+    g = trace(m.train_step, *m.abstract_args)
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    base = plan_pipeline(g, cluster, meshplan.PipeshardParallel(num_micro_batches=1))
+    tried = []
+
+    def fake(full, lay, *args):
+        tried.append(lay.B)
+        if lay.B not in fits:
+            raise InfeasiblePlanError("does not fit")
+        return dataclasses.replace(base, num_micro_batches=lay.B, predicted=dataclasses.replace(
+            base.predicted, iteration_s=1.0 + abs(lay.B - 32)))
+    monkeypatch.setattr(dps, "_plan_for_micro_batches", fake)
+    real = retracer(m.train_step, m.abstract_args, (1,), "step")
+
+    def rt(B):
+        if B in untraceable:
+            from meshplan.errors import TraceError
+            raise TraceError("cannot reshape")
+        return real(B)
+    p = plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=rt)
+    assert tried == expected
+    assert p.num_micro_batches == min(fits & set(expected), key=lambda b: abs(b - 32))
+    # without pruning every usual count is searched
+    tried.clear()
+    opts = dataclasses.replace(dps._options_from_method(meshplan.PipeshardParallel()),
+                               prune_micro_batches=False)
+    plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=rt, options=opts)
+    assert tried[:7] == [b for b in (64, 32, 16, 8, 4, 2, 1) if b not in untraceable][:7]
+
+
+def test_gradients_are_matched_to_their_parameters_only_when_unambiguous():
+    from meshplan.dp_search.layers import gradient_parameters
+    from meshplan.graph import GRAD_MARKER
+
+    def step(state, x):
+        def loss(p, q):
+            return jnp.sum(jnp.tanh(x @ p["w1"] + p["b1"]) @ q["w2"] + q["b2"])
+        _, gp = value_and_grad(loss)(state["p"], state["q"])
+        _, gq = value_and_grad(lambda q: loss(state["p"], q))(state["q"])
+        sub = lambda a, b: a - b      # noqa: E731
+        return {"p": jax.tree.map(sub, state["p"], gp), "q": jax.tree.map(sub, state["q"], gq),
+                "r": jax.tree.map(sub, state["r"], gq)}, 0.0
+
+    f32 = jnp.float32
+    S = jax.ShapeDtypeStruct
+    q = {"b2": S((4,), f32), "w2": S((3, 4), f32)}
+    state = {"p": {"b1": S((3,), f32), "w1": S((4, 3), f32)}, "q": q, "r": dict(q)}
+    g = trace(step, state, S((2, 4), f32))
+    markers = [n for n in g.nodes if n.primitive == GRAD_MARKER]
+    assert len(markers) == 2
+    paths = {i.tensor: i.path for i in g.inputs}
+    # p's gradients: one run of parameters has their shapes
+    assert [paths[t] for t in gradient_parameters(g, markers[0])] == [
+        "['p']['b1']", "['p']['w1']"]
+    # q's: so has r's run -- which parameters they belong to cannot be told
+    assert gradient_parameters(g, markers[1]) == [None, None]
