@@ -9,7 +9,10 @@ micro-batches and each schedule, keeping the fastest plan that fits.
 A stage's latency is the sum of its layers' ILP latencies on the stage's
 logical mesh (resharding between layers of one stage is not modelled: the
 layers of a stage share a mesh and identical blocks agree on their boundary
-layout), plus sending the activations and their gradients to the next stage.
+layout), plus sending the activations and their gradients to the next stage:
+every device of the stage sends what it holds of them over its share of the
+host's links (inter-host bandwidth / devices per host; within one host its
+own link), all devices in parallel.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.sharding import num_shards, spec_from_names
 from .. import progress
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
+from ..graph import BATCH, IDENTITY_MARKERS, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import InputLayouts, IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .layers import (BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, canonical_tensors,
@@ -72,6 +75,9 @@ class LayerCost:
     saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
     forward_fraction: float    # share of the layer's time spent in its forward pass
     result: IntraOpResult
+    # how many devices hold each byte of the activations the layer sends on
+    # (bytes-weighted; 1 when they are split over the whole mesh)
+    send_replication: float = 1.0
     # the solved layer's tensor ids in canonical order: a structurally equal
     # layer reuses this result with its own ids in the same positions
     tensors: tuple[int, ...] = ()
@@ -166,11 +172,11 @@ class _Search:
         them to pay for the workers; :meth:`collect` waits for them.  (Those
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
-        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved in requests:
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
-                             fwd_flops, saved)
+                             fwd_flops, saved, crossing)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
         import multiprocessing
@@ -196,10 +202,11 @@ class _Search:
         t0 = time.perf_counter()
         results = pending.get()
         for key, (r, took) in zip(keys, results):
-            _, sub, mesh, fwd_flops, saved = todo[key]
+            _, sub, mesh, fwd_flops, saved, crossing = todo[key]
             self.solves += 1
             self.ilp_work_s += took
-            self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+            self.cache[key] = (None if r is None else
+                               _layer_cost(sub, r, mesh, fwd_flops, saved, crossing))
         self.ilp_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
@@ -215,7 +222,8 @@ class _Search:
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
-                   grad_accum: int = 1, saved: frozenset[int] = frozenset()
+                   grad_accum: int = 1, saved: frozenset[int] = frozenset(),
+                   crossing: frozenset[int] = frozenset()
                    ) -> LayerCost | None:
         progress.check()         # (called for every layer cost: a Ctrl-C checkpoint)
         key = self._key(sub, mesh, submesh, grad_accum)
@@ -227,13 +235,14 @@ class _Search:
         t0 = time.perf_counter()
         r, took = _solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
         self.ilp_work_s += took
-        self.cache[key] = None if r is None else _layer_cost(sub, r, mesh, fwd_flops, saved)
+        self.cache[key] = (None if r is None else
+                           _layer_cost(sub, r, mesh, fwd_flops, saved, crossing))
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
 
 def _layer_cost(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
-                saved: frozenset[int]) -> LayerCost:
+                saved: frozenset[int], crossing: frozenset[int]) -> LayerCost:
     specs = dict(r.constraints)
     resident = boundary = 0.0
 
@@ -248,9 +257,13 @@ def _layer_cost(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: floa
             boundary += local(inp.tensor, spec)
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
+    sent = sum(sub.tensors[t].nbytes for t in crossing)
+    held = sum(local(t, specs[t]) * mesh.size if t in specs else sub.tensors[t].nbytes * mesh.size
+               for t in crossing)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
-                     min(fwd_flops / total_flops, 1.0), r, canonical_tensors(sub))
+                     min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
+                     canonical_tensors(sub))
 
 
 def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
@@ -435,11 +448,12 @@ class _Layered:
     fwd_flops: list[float]
     grads: frozenset[int]           # parameter gradients (what meshplan.grad marks)
     saved: list[frozenset[int]]     # per layer: what its backward reads
+    crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
     submeshes: list[Submesh]
     meshes_of: list[list[LogicalMesh]]
     max_stages: int | None
     budget: float
-    p2p_bw: float
+    p2p_bw: float                   # one device's share of the links between stages (bytes/s)
     # parameters, optimizer and other state of each layer, unsharded: a stage
     # whose state cannot fit even when split over all its devices is skipped
     # before any ILP is solved
@@ -449,7 +463,7 @@ class _Layered:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
         s = self.submeshes[m]
         return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
-                self.fwd_flops[l], self.grads, self.B, self.saved[l])
+                self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l])
 
     def requests(self) -> list[tuple]:
         """Every layer on every mesh its state fits: the stage DP asks for all of them."""
@@ -483,14 +497,17 @@ def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _
         submeshes = [_fixed_submesh(cluster, dp * tp)]
         max_stages = pp
     else:
+        # whole hosts: powers of two, and the divisors of the host count (so
+        # that equal stages can cover every host)
         submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-                     if s.hosts == 1 or s.hosts & (s.hosts - 1) == 0 or s.hosts == cluster.num_hosts]
+                     if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
         max_stages = opts.num_stages
     return _Layered(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
         grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
-        saved=saved_for_backward(g, layering), submeshes=submeshes,
+        saved=saved_for_backward(g, layering), crossing=_crossing(g, layering, subs),
+        submeshes=submeshes,
         meshes_of=[_stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
                    for s in submeshes],
         max_stages=max_stages, budget=cluster.device.memory_bytes * opts.memory_fraction,
@@ -499,6 +516,29 @@ def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs])
+
+
+def _crossing(g: Graph, layering: Layering, subs: list[Graph]) -> list[frozenset[int]]:
+    """Per layer: the forward values it makes that a later layer reads (what a
+    stage ending with it sends to the next stage)."""
+    layer_of, forward = layering.layer_of_node, layering.forward
+
+    def reader_layers(t: int) -> set[int]:      # (read through identity markers)
+        out: set[int] = set()
+        for c in g.consumers.get(t, ()):
+            n = g.nodes[c]
+            if n.primitive in IDENTITY_MARKERS:
+                for i, o in zip(n.inputs, n.outputs):
+                    if i == t:
+                        out |= reader_layers(o)
+            else:
+                out.add(layer_of[c])
+        return out
+
+    return [frozenset(o.tensor for o in sub.outputs
+                      if o.updates is None and (p := g.producer.get(o.tensor)) is not None
+                      and forward[p] and max(reader_layers(o.tensor), default=-1) > l)
+            for l, sub in enumerate(subs)]
 
 
 def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
@@ -521,6 +561,17 @@ def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
     # per (submesh, mesh): what each group of layers adds to a stage, or None
     # where a layer of the group has no plan (or its state alone cannot fit)
     group_sums: dict[tuple[int, int], list[tuple | None]] = {}
+
+    def sends(j: int, m: int, k: int) -> float:
+        """Seconds a stage ending with layer ``j`` (on mesh ``k`` of submesh
+        ``m``) spends per micro-batch sending its activations on and
+        receiving their gradients: every device sends what it holds of them
+        over its share of the links (a value replicated over r devices goes
+        r times), the stage's devices in parallel."""
+        if j == L - 1:
+            return 0.0
+        rep = layer(j, m, k).send_replication
+        return 2 * layering.cut_bytes[j] * rep / (submeshes[m].size * p2p_bw)
 
     def sums_of(m: int, k: int) -> list[tuple | None]:
         if (m, k) not in group_sums:
@@ -554,12 +605,12 @@ def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
             in_flight = B if schedule == "gpipe" else min(B, s)
             if (state_prefix[j + 1] - state_prefix[i]) / submeshes[m].size > budget:
                 return None
-            send = 2 * layering.cut_bytes[j] / p2p_bw if j < L - 1 else 0.0
             best = None
             for k in range(len(meshes_of[m])):
                 rows = sums_of(m, k)[gi:gj + 1]
                 if any(r is None for r in rows):
                     continue
+                send = sends(j, m, k)
                 t, resident, act, temp, t_r, keep, peak = (
                     sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows),
                     max(r[3] for r in rows), sum(r[4] for r in rows), sum(r[5] for r in rows),
@@ -573,7 +624,7 @@ def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
                     options.append((t_r + send, True, resident + in_flight * keep + peak))
                 for lat, remat, mem in options:
                     if mem <= budget and (best is None or lat < best[0]):
-                        best = (lat, remat, mem, k)
+                        best = (lat, remat, mem, k, send)
             if best is None:
                 return None
             choice[i, j, m, s] = best
@@ -595,7 +646,9 @@ def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
                 continue
             # two model chunks per device: bubble halves, stage-to-stage traffic doubles
             t_max = max(st.latency for st in res.stages)
-            sends = sum(2 * layering.cut_bytes[st.last] / p2p_bw for st in res.stages[:-1])
+            n_st = len(res.stages)
+            sends = sum(choice[st.first, st.last, st.submesh, n_st - k][4]
+                        for k, st in enumerate(res.stages[:-1]))
             total = B * t_max + (sum(st.latency for st in res.stages) - t_max) / 2 + sends
         best_plans.append((total, schedule, res, dict(choice)))
     if not best_plans:
@@ -650,7 +703,7 @@ def _make_plan(full: Graph, g: Graph, layering: Layering, subs, submeshes, meshe
     peak_mem = 0
     comm_bytes = 0.0
     for k, (st, devices) in enumerate(zip(res.stages, placements)):
-        lat, remat, mem, mesh_k = choice[st.first, st.last, st.submesh, n_stages - k]
+        lat, remat, mem, mesh_k, _ = choice[st.first, st.last, st.submesh, n_stages - k]
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
         # the layers' planned layouts, keyed by tensor ids of the step traced
