@@ -67,7 +67,9 @@ def run_row(name: str, searched: bool) -> dict:
         "relative error": round(published.predicted.tflops_per_device / info["tflops_per_gpu"] - 1, 3),
         "meshplan choice (tp,pp,dp,mb)": f"({otp},{opp},{odp},{own.num_micro_batches})",
         "meshplan choice TFLOP/s": round(own.predicted.tflops_per_device, 1),
-        "tp inside a host": all(s.logical_mesh.shape[-1] <= cluster.devices_per_host for s in own.stages),
+        # (tp: the last axis of a stage's 2-D mesh; a 1-D mesh has none)
+        "tp inside a host": all((s.logical_mesh.shape[-1] if len(s.logical_mesh.shape) > 1 else 1)
+                                <= cluster.devices_per_host for s in own.stages),
         "remat": any(s.remat for s in own.stages),
         "plan seconds": round(t2 - t0, 1),
     }

@@ -257,8 +257,9 @@ def _layer_cost(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: floa
             boundary += local(inp.tensor, spec)
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
+    # all devices together hold each byte of what the layer sends on this often
     sent = sum(sub.tensors[t].nbytes for t in crossing)
-    held = sum(local(t, specs[t]) * mesh.size if t in specs else sub.tensors[t].nbytes * mesh.size
+    held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
@@ -300,9 +301,9 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
-    # Smaller micro-batches first: what fits with B micro-batches is what a
-    # larger micro-batch (fewer of them) may no longer fit, so once a count
-    # fits nothing after one that did, fewer micro-batches are not tried.
+    # The most micro-batches first: fewer, larger micro-batches need more
+    # memory, so once a count fits nothing after one that did, fewer are not
+    # tried (prune_micro_batches).
     todo = sorted(mbs, reverse=True)
     searched: list[int] = []
     untraceable: set[int] = set()

@@ -1,4 +1,5 @@
 """The inter-operator pass: stage DP against brute force, layering, markers, plans."""
+import math
 import pathlib
 
 import jax
@@ -138,6 +139,38 @@ def test_manual_pipeline_plan_has_the_requested_shape():
     assert len(p.stages) == 2 and p.num_micro_batches == 4 and p.schedule == "gpipe"
     for s in p.stages:
         assert s.logical_mesh.shape == (2, 2) and len(s.devices) == 4
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)])
+def test_stages_send_from_all_their_devices(dp, tp):
+    """Between two stages of one host each, every device sends what it holds
+    of the activations over its share of the host's link: 2 x the crossing
+    bytes x how many devices hold each byte / (devices x link share)."""
+    from meshplan.dp_search import _layered, _options_from_method
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x2.json"
+                                    ).with_devices(2, 4)
+    method = meshplan.Manual(dp=dp, tp=tp, pp=2, num_micro_batches=1, schedule="1f1b")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=method)
+    assert [s.submesh for s in p.stages] == [(1, 4), (1, 4)] and not any(s.remat for s in p.stages)
+    work = sum(s.predicted.compute_s + s.predicted.comm_s for s in p.stages)
+    sent = p.predicted.iteration_s - work       # one micro-batch: the stages run one after another
+    lay = _layered(g, 1, cluster, _options_from_method(method))
+    cut = p.stages[0].layers[1]
+    # how many devices hold each byte of the activations crossing the cut,
+    # from the layouts the first stage gives them
+    specs = dict(p.stages[0].constraints)
+    mesh = p.stages[0].logical_mesh
+    crossing = lay.crossing[cut]
+    assert crossing and all(t in specs for t in crossing)
+    copies = {t: mesh.size // math.prod(mesh.shape[mesh.axes.index(a)] for d in specs[t] if d
+                                        for a in ((d,) if isinstance(d, str) else d))
+              for t in crossing}
+    held = sum(g.tensors[t].nbytes * copies[t] for t in crossing)
+    rep = held / sum(g.tensors[t].nbytes for t in crossing)
+    per_device_link = cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
+    expected = 2 * lay.layering.cut_bytes[cut] * rep / (4 * per_device_link)
+    assert sent == pytest.approx(expected, rel=1e-6)
 
 
 def test_auto_plans_and_parallelize_runs():
