@@ -53,7 +53,7 @@ class PipelineOptions:
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9
-    allow_remat: bool = True
+    remat: bool | None = None          # None: chosen per stage; True: every stage; False: none
     # stop at the first micro-batch count (searched from the most) that fits
     # nothing after one that fitted: fewer, larger micro-batches need more memory
     prune_micro_batches: bool = True
@@ -411,7 +411,7 @@ def _options_from_method(method) -> PipelineOptions:
                                schedules=(method.schedule,), num_stages=method.pp,
                                fixed=(method.dp, method.tp, method.pp),
                                time_limit=method.time_limit, backend=method.backend,
-                               allow_remat=True, input_filter=InputLayouts("model"))
+                               remat=method.remat, input_filter=InputLayouts("model"))
     if isinstance(method, PipeshardParallel):
         mb = None if method.num_micro_batches is None else (int(method.num_micro_batches),)
         sched = AUTO_SCHEDULES if method.schedule == "auto" else (method.schedule,)
@@ -618,8 +618,10 @@ def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,
                     max(r[6] for r in rows))
                 # each micro-batch in flight keeps what its backward reads;
                 # the one being processed also needs its layer's temporaries
-                options = [(t + send, False, resident + in_flight * act + temp)]
-                if opts.allow_remat:
+                options = []
+                if opts.remat is not True:
+                    options.append((t + send, False, resident + in_flight * act + temp))
+                if opts.remat is not False:
                     # keep only the stage's inputs; recompute a layer's forward
                     # just before its backward
                     options.append((t_r + send, True, resident + in_flight * keep + peak))

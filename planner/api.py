@@ -65,7 +65,8 @@ def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
             raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
                                 f"{used} devices but the cluster has {cluster.num_devices}")
     if isinstance(method, (Auto, PipeshardParallel)) or (
-            isinstance(method, Manual) and (method.pp > 1 or method.num_micro_batches > 1)):
+            isinstance(method, Manual) and (method.pp > 1 or method.num_micro_batches > 1
+                                            or method.remat)):
         return _plan_pipeline(graph, cluster, method, retrace)
     graph = strip_markers(graph)
     if isinstance(method, ShardParallel):

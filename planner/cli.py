@@ -154,6 +154,9 @@ def _method(args: argparse.Namespace):
     if args.mesh and name != "shard":
         raise ModelConfigError(f"--mesh applies to --method shard only (got --method {name}); "
                                "use --dp/--tp/--pp with --method manual")
+    if args.remat != "auto" and name != "manual":
+        raise ModelConfigError(f"--remat applies to --method manual only (got --method {name}); "
+                               "the other methods choose recomputation per stage")
     if name == "shard":
         mesh = _parse_mesh(args.mesh) if args.mesh else None
         return M.ShardParallel(mesh_shape=mesh, time_limit=args.time_limit)
@@ -163,7 +166,8 @@ def _method(args: argparse.Namespace):
         return M.Manual(dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
                         num_micro_batches=args.micro_batches or 1,
                         schedule=args.schedule if args.schedule != "auto" else "1f1b",
-                        time_limit=args.time_limit)
+                        time_limit=args.time_limit,
+                        remat={"auto": None, "always": True, "never": False}[args.remat])
     if name == "pipeshard":
         return M.PipeshardParallel(num_micro_batches=args.micro_batches, schedule=args.schedule,
                                    stages=args.pp or "auto", time_limit=args.time_limit)
@@ -308,6 +312,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=_positive(int))
     p.add_argument("--micro-batches", type=_positive(int), dest="micro_batches")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
+    p.add_argument("--remat", choices=["auto", "always", "never"], default="auto",
+                   help="--method manual: recompute activations in every stage, none, or "
+                        "where needed to fit (default)")
     p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 

@@ -33,7 +33,10 @@ class DataParallel:
 @dataclass(frozen=True)
 class Manual:
     """A hand-given Megatron-style plan: ``dp`` x ``tp`` devices per stage
-    (batch split over ``data``, parameters over ``model``), ``pp`` stages."""
+    (batch split over ``data``, parameters over ``model``), ``pp`` stages.
+    ``remat``: ``None`` each stage recomputes its activations only if it must
+    to fit; ``True`` every stage does (as Megatron-LM's runs do); ``False``
+    none does."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -41,6 +44,7 @@ class Manual:
     schedule: str = "1f1b"
     time_limit: float = 60.0
     backend: str = "highs"
+    remat: bool | None = None
     name = "manual"
 
     def __post_init__(self) -> None:
@@ -50,6 +54,8 @@ class Manual:
                 raise MeshplanError(f"Manual({k}={v!r}): must be a positive integer")
         if self.schedule not in SCHEDULES[1:]:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
+        if self.remat not in (None, True, False):
+            raise MeshplanError(f"Manual(remat={self.remat!r}): use None, True or False")
 
 
 @dataclass(frozen=True)

@@ -450,3 +450,17 @@ def test_gradients_are_matched_to_their_parameters_only_when_unambiguous():
         "['p']['b1']", "['p']['w1']"]
     # q's: so has r's run -- which parameters they belong to cannot be told
     assert gradient_parameters(g, markers[1]) == [None, None]
+
+
+@pytest.mark.parametrize("remat", [True, False, None])
+def test_manual_remat_is_every_stage_none_or_chosen(remat):
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, remat=remat))
+    # a tiny model fits without recomputation: chosen, it is not used
+    assert [s.remat for s in p.stages] == [bool(remat)] * 2
+    if remat:
+        plain = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                              method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
+        assert p.predicted.iteration_s > plain.predicted.iteration_s
