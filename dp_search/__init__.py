@@ -478,6 +478,10 @@ def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _
     wanted = max(_default_layers(g, cluster), opts.fixed[2] if opts.fixed else 1,
                  opts.num_stages or 1)
     layering = assign_layers(g, opts.num_layers, default_layers=wanted)
+    need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
+    if layering.num_layers < need and opts.num_layers is None:
+        # fewer repeated blocks than the stages asked for: finer layers
+        layering = assign_layers(g, need)
     L = layering.num_layers
     # the stage DP cuts between groups of consecutive layers (repeated blocks
     # make many small layers; each kind is costed once, and a stage's cost is

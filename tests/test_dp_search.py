@@ -464,3 +464,11 @@ def test_manual_remat_is_every_stage_none_or_chosen(remat):
         plain = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
                               method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
         assert p.predicted.iteration_s > plain.predicted.iteration_s
+
+
+def test_more_stages_than_repeated_blocks_cuts_finer_layers():
+    m, g = _gpt(2)        # embedding, 2 blocks, head: 4 layers
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.Manual(dp=1, tp=1, pp=8, num_micro_batches=8))
+    assert len(p.stages) == 8
