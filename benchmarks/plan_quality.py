@@ -18,9 +18,11 @@ searched), as Alpa's intra-op-only runs do; --no-grad-accum turns that off.
 
     python benchmarks/plan_quality.py [--suite gpt,moe,wresnet] [--max-gpus 64]
         [--rows gpt-350m,moe-380m@8] [--skip-grid] [--grid-micro-batches 1,2,4,8,16,32,64]
-        [--no-grad-accum] [--out DIR]
+        [--no-grad-accum] [--out DIR] [--resume]
 
 Rows run smallest cluster first and the files are rewritten after every row.
+--resume keeps the rows of DIR/plan_quality.csv that have no planner error and
+plans only the others (delete a row from the CSV to plan it again).
 Writes benchmarks/results/plan_quality.{csv,md,png}.  Planning only: the
 figures are TFLOP/s per GPU predicted by meshplan's cost model.  Set
 MESHPLAN_WORKERS to bound the processes that solve layer ILPs.
@@ -193,8 +195,20 @@ def m_grid(graph, cluster, rt, layers, mbs):
         p = plan_graph(graph, cluster, meshplan.Manual(dp, tp, pp, mb, sched), retrace=rt)
         return p, f"dp{dp} tp{tp} pp{pp} mb{mb} {sched}" + (
             " remat" if any(s.remat for s in p.stages) else "")
-    return best_of([functools.partial(one, *pt) for pt in
-                    grid_points(cluster.num_devices, cluster.devices_per_host, batch, layers, mbs)])
+    def points(counts):
+        return [functools.partial(one, *pt) for pt in
+                grid_points(cluster.num_devices, cluster.devices_per_host, batch, layers, counts)]
+    try:
+        return best_of(points(mbs))
+    except InfeasiblePlanError:
+        # nothing fits: like auto, go on to ever more (smaller) micro-batches
+        more = max(mbs) * 2
+        while more <= batch:
+            try:
+                return best_of(points([more]))
+            except InfeasiblePlanError:
+                more *= 2
+        raise
 
 
 METHOD_FNS = {"auto": m_auto, "data": m_data, "zero3": m_zero3, "intra": m_intra,
@@ -269,9 +283,24 @@ def md_table(rows: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(rows: list[dict], methods, command: str, wall_s: float, mbs,
+def read_rows(path: pathlib.Path) -> dict[tuple[str, int], dict]:
+    """Rows of an earlier run's CSV by (model, GPUs), figures back to numbers."""
+    def parse(v: str):
+        try:
+            return float(v) if "." in v else int(v)
+        except ValueError:
+            return v
+    if not path.exists():
+        return {}
+    with open(path, newline="") as f:
+        rows = [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return {(r["model"], r["gpus"]): r for r in rows}
+
+
+def write_results(rows: list[dict], methods, command: str, mbs,
                   planned: int, out: pathlib.Path = RESULTS) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    wall_s = sum(value(r.get(f"{m} s")) for r in rows for m in methods)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "plan_quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, restval="")
@@ -288,7 +317,8 @@ def write_results(rows: list[dict], methods, command: str, wall_s: float, mbs,
         "",
         f"Reproduce: `{command}`",
         "",
-        f"Run of {time.strftime('%Y-%m-%d')}: {wall_s / 60:.1f} min of planning on the shared "
+        f"Run of {time.strftime('%Y-%m-%d')}: {wall_s / 60:.1f} min of planning (the "
+        "sum of the per-method times below) on the shared "
         "2-core machine" + ("." if len(rows) == planned else
                             f", stopped after {len(rows)} of the {planned} rows it plans.") +
         "  Cluster: AWS p3.16xlarge (8 V100 16 GB per host, NVLink inside a "
@@ -310,7 +340,8 @@ def write_results(rows: list[dict], methods, command: str, wall_s: float, mbs,
         "GPU), micro-batches and schedule (1F1B, GPipe) searched; **grid** the best "
         "Megatron-style hand plan `Manual(dp, tp, pp, mb, schedule)` with dp*tp*pp = GPUs, "
         "tp inside a host, pp at most the model's layers, micro-batches in "
-        f"{{{', '.join(map(str, mbs))}}} (those dividing the batch into pieces dp divides), "
+        f"{{{', '.join(map(str, mbs))}}} (those dividing the batch into pieces dp divides; "
+        "when none of them fits, twice the largest, and so on), "
         "GPipe and 1F1B (1F1B only for pp = 1).  **auto best**: auto within 0.5% of every "
         "baseline or better.",
         "",
@@ -396,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-grad-accum", action="store_true",
                     help="one-stage baselines only with the whole batch at once")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of OUT/plan_quality.csv without planner errors")
     args = ap.parse_args(argv)
     global GRAD_ACCUM
     GRAD_ACCUM = not args.no_grad_accum
@@ -403,15 +436,21 @@ def main(argv=None) -> int:
     mbs = [int(x) for x in args.grid_micro_batches.split(",")]
     command = "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None
                                                               else sys.argv[1:])
-    t0 = time.perf_counter()
+    out = pathlib.Path(args.out)
+    earlier = read_rows(out / "plan_quality.csv") if args.resume else {}
     rows, selected = [], select_rows(args)
     for name, gpus in selected:
+        old = earlier.get((name, gpus))
+        if old and all(m in old and old[m] != "ERROR" for m in methods):
+            print(f"kept {name} on {gpus} GPU(s) from the earlier run", file=sys.stderr)
+            rows.append(old)
+            continue
         print(f"planning {name} on {gpus} GPU(s) ...", file=sys.stderr, flush=True)
         rows.append(run_row(name, gpus, methods, mbs))
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         # written after every row: a long run interrupted keeps what it has
-        write_results(rows, methods, command.strip(), time.perf_counter() - t0, mbs,
-                      len(selected), pathlib.Path(args.out))
+        write_results(rows, methods, command.strip(), mbs, len(selected), out)
+    write_results(rows, methods, command.strip(), mbs, len(selected), out)
     print(md_table(rows, ["model", "gpus", *methods] + (["auto best"] if "auto" in methods else [])))
     return 0
 

@@ -309,7 +309,7 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     untraceable: set[int] = set()
     search = _Search(cluster, opts, workers=_workers())
     best: tuple[float, Plan] | None = None
-    errors: list[str] = []
+    errors: dict[int, str] = {}          # micro-batch count -> why it has no plan
     ahead: dict[int, _Layered | TraceError] = {}
 
     def layered(B: int) -> _Layered | TraceError:
@@ -341,7 +341,7 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
                 if best is None or p.predicted.iteration_s < best[0]:
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
-                errors.append(str(e))
+                errors[B] = str(e)
                 more = [b for b in searched if b > B and b not in untraceable]
                 if opts.prune_micro_batches and (best is not None or not more):
                     todo.clear()     # fewer micro-batches fit no better
@@ -350,7 +350,7 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
                     raise
                 # the step cannot run at this micro-batch size (e.g. MoE token
                 # groups larger than a micro-batch): fewer, larger ones may
-                errors.append(f"the step does not trace with {B} micro-batches: {e}")
+                errors[B] = f"the step does not trace with {B} micro-batches: {e}"
                 untraceable.add(B)
                 continue
             top = max(searched)
@@ -363,9 +363,14 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
         raise
     search.close()
     if best is None:
+        # why the most micro-batches that traced (the least memory) fit nothing,
+        # then why more did not trace
+        traced = [b for b in errors if b not in untraceable]
+        why = [errors[max(traced)]] if traced else []
+        why += [errors[max(untraceable)]] if untraceable else []
         raise InfeasiblePlanError(
             "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
-            f"or remat ({errors[-1] if errors else 'no candidates'}); use more devices or a "
+            f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
             "cluster with more memory per device",
             budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
     plan = best[1]

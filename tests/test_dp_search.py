@@ -424,6 +424,29 @@ def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untra
     assert tried[:7] == [b for b in (64, 32, 16, 8, 4, 2, 1) if b not in untraceable][:7]
 
 
+def test_no_fit_names_the_memory_reason_before_the_untraceable_counts(monkeypatch):
+    import meshplan.dp_search as dps
+    from meshplan.api import retracer
+    from meshplan.errors import InfeasiblePlanError, TraceError
+    m = build_model("mlp", {"optimizer": "sgd", "batch": "256"})
+    g = trace(m.train_step, *m.abstract_args)
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+
+    def fake(full, lay, *args):
+        raise InfeasiblePlanError(f"nothing fits with {lay.B}")
+    monkeypatch.setattr(dps, "_plan_for_micro_batches", fake)
+    real = retracer(m.train_step, m.abstract_args, (1,), "step")
+
+    def rt(B):
+        if B >= 128:
+            raise TraceError("cannot reshape")
+        return real(B)
+    with pytest.raises(InfeasiblePlanError) as e:
+        plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=rt)
+    # the fewest-memory count that traced, then why more micro-batches did not
+    assert "(nothing fits with 64; the step does not trace with 128 micro-batches" in str(e.value)
+
+
 def test_gradients_are_matched_to_their_parameters_only_when_unambiguous():
     from meshplan.dp_search.layers import gradient_parameters
     from meshplan.graph import GRAD_MARKER
