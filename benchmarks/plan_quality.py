@@ -198,17 +198,15 @@ def m_grid(graph, cluster, rt, layers, mbs):
     def points(counts):
         return [functools.partial(one, *pt) for pt in
                 grid_points(cluster.num_devices, cluster.devices_per_host, batch, layers, counts)]
-    try:
-        return best_of(points(mbs))
-    except InfeasiblePlanError:
-        # nothing fits: like auto, go on to ever more (smaller) micro-batches
-        more = max(mbs) * 2
-        while more <= batch:
-            try:
-                return best_of(points([more]))
-            except InfeasiblePlanError:
-                more *= 2
-        raise
+    counts, more = mbs, max(mbs) * 2
+    while True:
+        try:
+            return best_of(points(counts))
+        except InfeasiblePlanError:
+            # nothing fits: like auto, go on to ever more (smaller) micro-batches
+            if more > batch:
+                raise       # (why the most micro-batches tried fit nothing)
+            counts, more = [more], more * 2
 
 
 METHOD_FNS = {"auto": m_auto, "data": m_data, "zero3": m_zero3, "intra": m_intra,
