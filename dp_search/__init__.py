@@ -364,10 +364,10 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     search.close()
     if best is None:
         # why the most micro-batches that traced (the least memory) fit nothing,
-        # then why more did not trace
+        # then why the fewest micro-batches that did not trace failed
         traced = [b for b in errors if b not in untraceable]
         why = [errors[max(traced)]] if traced else []
-        why += [errors[max(untraceable)]] if untraceable else []
+        why += [errors[min(untraceable)]] if untraceable else []
         raise InfeasiblePlanError(
             "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
             f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
