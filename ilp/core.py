@@ -323,11 +323,10 @@ def eliminate(p: IlpProblem, *, max_table: int = 1 << 22, growth: float = 1.0
 
 @dataclass
 class _Mip:
-    """Columns and rows as numpy blocks.  Names (for CBC and LP dumps) are
-    made only when ``names`` is on: a HiGHS solve never reads them."""
+    """Columns (all in [0, 1]) and rows as numpy blocks.  Names (for CBC and
+    LP dumps) are made only when ``names_on``: a HiGHS solve never reads them."""
     names_on: bool = False
     cost: list[np.ndarray] = field(default_factory=list)
-    upper: list[np.ndarray] = field(default_factory=list)
     integer: list[np.ndarray] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     row_idx: list[np.ndarray] = field(default_factory=list)
@@ -348,7 +347,6 @@ class _Mip:
         idx = np.arange(self.num_cols, self.num_cols + n)
         self.num_cols += n
         self.cost.append(np.asarray(cost, dtype=float))
-        self.upper.append(np.ones(n))
         self.integer.append(np.full(n, integer))
         if self.names_on:
             self.names.extend(names())
@@ -366,10 +364,10 @@ class _Mip:
     def num_rows(self) -> int:
         return len(self.row_lo)
 
-    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(cost, upper, integer) of every column."""
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, integer) of every column."""
         cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
-        return cat(self.cost, float), cat(self.upper, float), cat(self.integer, bool)
+        return cat(self.cost, float), cat(self.integer, bool)
 
 
 def _safe(name: str) -> str:
@@ -620,12 +618,12 @@ def _run_highs(mip: _Mip, q: IlpProblem, warm: list[int] | None, time_limit: flo
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
     lp = highspy.HighsLp()
-    cost, upper, integer = mip.columns()
+    cost, integer = mip.columns()
     lp.num_col_ = mip.num_cols
     lp.num_row_ = mip.num_rows
     lp.col_cost_ = cost
     lp.col_lower_ = np.zeros(mip.num_cols)
-    lp.col_upper_ = upper
+    lp.col_upper_ = np.ones(mip.num_cols)
     lp.row_lower_ = np.array([-highspy.kHighsInf if not math.isfinite(x) else x for x in mip.row_lo])
     lp.row_upper_ = np.array([highspy.kHighsInf if not math.isfinite(x) else x for x in mip.row_hi])
     lp.offset_ = mip.offset
@@ -681,9 +679,9 @@ def _run_cbc(mip: _Mip, time_limit: float | None, threads: int
     import pulp
 
     prob = pulp.LpProblem("meshplan_intra_op", pulp.LpMinimize)
-    cost, upper, integer = mip.columns()
-    xs = [pulp.LpVariable(n, lowBound=0, upBound=float(u), cat="Binary" if i else "Continuous")
-          for n, u, i in zip(mip.names, upper, integer)]
+    cost, integer = mip.columns()
+    xs = [pulp.LpVariable(n, lowBound=0, upBound=1, cat="Binary" if i else "Continuous")
+          for n, i in zip(mip.names, integer)]
     for idx, val, lo, hi, name in zip(mip.row_idx, mip.row_val, mip.row_lo, mip.row_hi,
                                       mip.row_names):
         expr = pulp.LpAffineExpression([(xs[int(i)], float(v)) for i, v in zip(idx, val)])
