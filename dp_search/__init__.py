@@ -27,11 +27,12 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.sharding import num_shards, spec_from_names
 from .. import progress
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, IDENTITY_MARKERS, OPT_STATE, PARAM, STATE, Graph
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import InputLayouts, IntraOpResult, candidate_meshes, solve_intra_op
 from ..plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .layers import (BOUNDARY, GRAD_BOUNDARY, Layering, assign_layers, canonical_tensors,
-                     group_layers, layer_subgraph, saved_for_backward)
+                     crossing_values, group_layers, layer_subgraph,
+                     saved_for_backward)
 from .stage_dp import DPResult, StageChoice, Submesh, brute_force, stage_dp, submesh_shapes
 
 __all__ = ["plan_pipeline", "PipelineOptions", "assign_layers", "stage_dp", "brute_force",
@@ -480,10 +481,9 @@ class _Layered:
 
 def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _Layered:
     # at least as many layers as a fixed number of stages needs
-    wanted = max(_default_layers(g, cluster), opts.fixed[2] if opts.fixed else 1,
-                 opts.num_stages or 1)
-    layering = assign_layers(g, opts.num_layers, default_layers=wanted)
     need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
+    wanted = max(_default_layers(g, cluster), need)
+    layering = assign_layers(g, opts.num_layers, default_layers=wanted)
     if layering.num_layers < need and opts.num_layers is None:
         # fewer repeated blocks than the stages asked for: finer layers
         layering = assign_layers(g, need)
@@ -516,7 +516,7 @@ def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
         grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
-        saved=saved_for_backward(g, layering), crossing=_crossing(g, layering, subs),
+        saved=saved_for_backward(g, layering), crossing=crossing_values(g, layering, subs),
         submeshes=submeshes,
         meshes_of=[_stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
                    for s in submeshes],
@@ -526,29 +526,6 @@ def _layered(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> _
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs])
-
-
-def _crossing(g: Graph, layering: Layering, subs: list[Graph]) -> list[frozenset[int]]:
-    """Per layer: the forward values it makes that a later layer reads (what a
-    stage ending with it sends to the next stage)."""
-    layer_of, forward = layering.layer_of_node, layering.forward
-
-    def reader_layers(t: int) -> set[int]:      # (read through identity markers)
-        out: set[int] = set()
-        for c in g.consumers.get(t, ()):
-            n = g.nodes[c]
-            if n.primitive in IDENTITY_MARKERS:
-                for i, o in zip(n.inputs, n.outputs):
-                    if i == t:
-                        out |= reader_layers(o)
-            else:
-                out.add(layer_of[c])
-        return out
-
-    return [frozenset(o.tensor for o in sub.outputs
-                      if o.updates is None and (p := g.producer.get(o.tensor)) is not None
-                      and forward[p] and max(reader_layers(o.tensor), default=-1) > l)
-            for l, sub in enumerate(subs)]
 
 
 def _plan_for_micro_batches(full: Graph, lay: _Layered, cluster: ClusterSpec,

@@ -406,8 +406,7 @@ def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]
     i.e. what one micro-batch keeps alive between its forward and backward
     pass.  Tensor ids are those of :func:`layer_subgraph` (markers read
     through)."""
-    view, layer_of, _, _ = _unmarked(graph, layering)
-    fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
+    view, layer_of, fwd = _forward_view(graph, layering)
     batch = {i.tensor for i in view.inputs if i.role == BATCH}
     const = view.constant_tensors      # recomputed (fused) where read, never kept
     out: list[set[int]] = [set() for _ in range(layering.num_layers)]
@@ -419,6 +418,29 @@ def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]
             if ((p is not None and fwd[p]) or t in batch) and t not in const:
                 out[layer_of[n.id]].add(t)
     return [frozenset(s) for s in out]
+
+
+def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph]
+                    ) -> list[frozenset[int]]:
+    """Per layer: the forward values it makes that a later layer reads (what a
+    stage ending with it sends to the next stage).  ``subs``: the
+    :func:`layer_subgraph` of each layer."""
+    view, layer_of, fwd = _forward_view(graph, layering)
+
+    def read_later(t: int, l: int) -> bool:
+        return any(layer_of[c] > l for c in view.consumers.get(t, ()))
+    return [frozenset(o.tensor for o in sub.outputs
+                      if o.updates is None and (p := view.producer.get(o.tensor)) is not None
+                      and fwd[p] and read_later(o.tensor, l))
+            for l, sub in enumerate(subs)]
+
+
+def _forward_view(graph: Graph, layering: Layering) -> tuple[Graph, list[int], list[bool]]:
+    """:func:`_unmarked`'s view, the layer of each of its nodes and whether
+    each is a forward op."""
+    view, layer_of, _, _ = _unmarked(graph, layering)
+    fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
+    return view, layer_of, fwd
 
 
 _UNMARKED: list = []   # the last graph's unmarked view (one per micro-batch search)
