@@ -20,6 +20,7 @@ from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, Shar
 from . import progress
 from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .trace import trace
+from .unstack import Unstacked, unstack_scanned_layers
 
 
 # --------------------------------------------------------------------------
@@ -31,12 +32,37 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
     ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees."""
     cluster = cluster or ClusterSpec.local()
-    abstract = _abstract(args)
     name = getattr(fn, "__name__", "fn")
+    graph, step, abstract, unstacked = trace_step(fn, _abstract(args), tuple(batch_argnums), name)
+    p = plan_graph(graph, cluster, method or ShardParallel(),
+                   retrace=retracer(step, abstract, tuple(batch_argnums), name))
+    return with_note(p, unstacked)
+
+
+def trace_step(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...], name: str
+               ) -> tuple[Graph, Callable, tuple[Any, ...], Unstacked | None]:
+    """Trace ``fn`` for planning: ``(graph, step, step_args, unstacked)``.
+
+    When a ``lax.scan`` iterates over stacked parameters, the step planned
+    (and run) is its rewrite with one input per layer (:mod:`meshplan.unstack`):
+    ``step``/``step_args`` are then the rewritten step and its arguments."""
     with progress.step(f"tracing {name}"):
         graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
-    return plan_graph(graph, cluster, method or ShardParallel(),
-                      retrace=retracer(fn, abstract, tuple(batch_argnums), name))
+    unstacked = unstack_scanned_layers(graph, fn, abstract)
+    if unstacked is None:
+        return graph, fn, tuple(abstract), None
+    step_args = unstacked.split(abstract)
+    layers = "/".join(map(str, unstacked.num_layers))
+    with progress.step(f"unrolling the lax.scan over {layers} stacked layers"):
+        graph = trace(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
+    return graph, unstacked.fn, step_args, unstacked
+
+
+def with_note(p: Plan, unstacked: Unstacked | None) -> Plan:
+    """``p`` noting the scan rewrite, if any."""
+    if unstacked is None or unstacked.note in p.notes:
+        return p
+    return replace(p, notes=p.notes + (unstacked.note,))
 
 
 def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
@@ -232,9 +258,9 @@ class Parallelized:
         if hit is not None:
             self._last = hit[0]
             return hit
-        abstract = _abstract(args)
-        graph = trace(self.fn, *abstract, batch_argnums=self.batch_argnums,
-                      name=getattr(self.fn, "__name__", "fn"))
+        name = getattr(self.fn, "__name__", "fn")
+        graph, step, abstract, unstacked = trace_step(self.fn, _abstract(args),
+                                                      self.batch_argnums, name)
         if self._given_plan is not None:
             p = self._given_plan
             if p.graph_fingerprint != graph.fingerprint:
@@ -243,24 +269,26 @@ class Parallelized:
                     f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
         else:
-            name = getattr(self.fn, "__name__", "fn")
-            p = plan_graph(graph, self.cluster or ClusterSpec.local(), self.method,
-                           retrace=retracer(self.fn, abstract, self.batch_argnums, name))
+            p = with_note(plan_graph(graph, self.cluster or ClusterSpec.local(), self.method,
+                                     retrace=retracer(step, abstract, self.batch_argnums, name)),
+                          unstacked)
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
-        executable = self._executable(p, graph, abstract)
+        executable = self._executable(p, graph, step, abstract)
+        if unstacked is not None:
+            executable = _Unstacking(executable, unstacked)
         self._cache[sig] = (p, executable)
         self._last = p
         return p, executable
 
-    def _executable(self, p: Plan, graph: Graph, abstract: tuple[Any, ...]) -> Any:
+    def _executable(self, p: Plan, graph: Graph, step: Callable, abstract: tuple[Any, ...]) -> Any:
         from meshplan.runtime import ShardExecutable
         if len(p.stages) > 1:
             # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B
             from meshplan.runtime.pipeline import PipelineExecutable
-            return PipelineExecutable(self.fn, p, abstract,
-                                      layer_of_node=_layer_of_node(p, self.fn, abstract))
-        return ShardExecutable(self.fn, p, abstract, donate_argnums=self._donate(graph))
+            return PipelineExecutable(step, p, abstract,
+                                      layer_of_node=_layer_of_node(p, step, abstract))
+        return ShardExecutable(step, p, abstract, donate_argnums=self._donate(graph))
 
     def _donate(self, graph: Graph) -> tuple[int, ...]:
         if self.donate_argnums == "auto":
@@ -305,6 +333,27 @@ class Parallelized:
 
     def __repr__(self) -> str:
         return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
+
+
+class _Unstacking:
+    """An executable of the rewritten step (:mod:`meshplan.unstack`) called
+    with the user's stacked arguments: split on the way in, stacked on the way out."""
+
+    def __init__(self, inner: Any, unstacked: Unstacked) -> None:
+        self.inner = inner
+        self.unstacked = unstacked
+
+    def __call__(self, *args: Any) -> Any:
+        return self.unstacked.restore(self.inner(*self.unstacked.split(args)))
+
+    def call_fast(self, args: tuple[Any, ...]) -> Any:
+        return self.unstacked.restore(self.inner.call_fast(self.unstacked.split(args)))
+
+    def lower(self, *args: Any) -> Any:
+        return self.inner.lower(*self.unstacked.split(args))
+
+    def __getattr__(self, name: str) -> Any:   # last_timeline, ...
+        return getattr(self.inner, name)
 
 
 def _layer_of_node(p: Plan, fn: Callable, abstract: tuple[Any, ...]) -> tuple[int, ...]:

@@ -185,15 +185,14 @@ def _parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def _make_plan(args: argparse.Namespace):
-    from .api import plan_graph, retracer
-    from .trace import trace
+    from .api import plan_graph, retracer, trace_step, with_note
     target = load_target(args)
     cluster = _cluster(args.cluster)
-    with progress.step(f"tracing {target.name}"):
-        graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
-                      name=target.name)
-    retrace = retracer(target.train_step, target.args, target.batch_argnums, target.name)
-    return target, graph, plan_graph(graph, cluster, _method(args), retrace=retrace)
+    graph, step, step_args, unstacked = trace_step(target.train_step, target.args,
+                                                   target.batch_argnums, target.name)
+    retrace = retracer(step, step_args, target.batch_argnums, target.name)
+    return target, graph, with_note(plan_graph(graph, cluster, _method(args), retrace=retrace),
+                                    unstacked)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -1,0 +1,128 @@
+"""Layers inside a lax.scan over stacked parameters: the rewrite to one input
+per layer (meshplan.unstack) changes no number, and pipeline plans cut
+between the scanned layers and run."""
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshplan
+from meshplan.models import build_model
+from meshplan.plan import Plan
+from meshplan.trace import trace
+from meshplan.unstack import unstack_scanned_layers
+
+GPT = {"layers": "4", "hidden": "32", "seq_len": "16", "vocab": "64", "batch": "8",
+       "scan_layers": "true"}
+
+
+def _unstacked(fn, args, batch_argnums=(1,)):
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                            tuple(args))
+    g = trace(fn, *abstract, batch_argnums=batch_argnums)
+    return g, unstack_scanned_layers(g, fn, abstract)
+
+
+def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_gpt_scan_is_unrolled_per_layer_and_computes_the_same_step():
+    m = build_model("gpt", GPT)          # Adam: moments are stacked too
+    state, batch = m.init(0)
+    g, u = _unstacked(m.train_step, (state, batch))
+    assert u is not None and u.num_layers == (4,)
+    g2 = trace(u.fn, *u.split(m.abstract_args))
+    prims = Counter(n.primitive for n in g2.nodes)
+    # no scan left, and no stacked value rebuilt: the optimizer ran per layer
+    assert prims["scan"] == 0 and prims["concatenate"] == 0
+    paths = [i.path for i in g2.inputs]
+    assert "['params']['h']['mlp']['fc']['w'][3]" in paths
+    assert "['opt_state'][0].mu['h']['mlp']['fc']['w'][3]" in paths
+    stacked = sum(1 for i in g.inputs if g.tensors[i.tensor].shape[:1] == (4,))
+    assert len(g2.inputs) == len(g.inputs) + 3 * stacked
+    _assert_trees_close(jax.jit(m.train_step)(state, batch),
+                        u.restore(jax.jit(u.fn)(*u.split((state, batch)))))
+
+
+def test_stacked_values_read_whole_are_stacked_again():
+    """A reverse scan with an xs computed in the step, a scan carry, and a
+    penalty over the whole stacked leaf (not elementwise): same numbers."""
+    L, d = 3, 4
+
+    def step(params, x):
+        def loss(p):
+            scales = jnp.arange(L, dtype=jnp.float32) * 0.1 + 1.0
+
+            def body(h, wsc):
+                w, s = wsc
+                return jnp.tanh(h @ w) * s, jnp.sum(h)
+            h, sums = jax.lax.scan(body, x, (p["w"], scales), reverse=True)
+            return jnp.mean(h ** 2) + 0.01 * jnp.sum(p["w"] ** 2) + 0.001 * jnp.sum(sums)
+        val, g = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda w, gw: w - 0.1 * gw, params, g), {"loss": val}
+
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (L, d, d)) * 0.5}
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, d))
+    _, u = _unstacked(step, (params, x))
+    assert u is not None and u.shapes == {(L, d, d)}
+    _assert_trees_close(step(params, x), u.restore(u.fn(*u.split((params, x)))))
+
+
+def test_no_rewrite_without_a_scan_over_stacked_inputs():
+    m = build_model("gpt", {**GPT, "scan_layers": "false"})
+    assert _unstacked(m.train_step, m.abstract_args)[1] is None
+
+
+def test_pipeline_cuts_between_scanned_layers_and_matches_the_step():
+    m = build_model("gpt", {**GPT, "optimizer": "sgd"})
+    state, batch = jax.device_get(m.init(0))
+    cluster = meshplan.ClusterSpec.local()
+    method = meshplan.PipeshardParallel(stages=2, num_micro_batches=2)
+    plan = meshplan.plan(m.train_step, state, batch, cluster=cluster, method=method)
+    assert len(plan.stages) == 2 and any("unrolled" in n for n in plan.notes)
+    # the blocks' parameters are split over the two stages
+    holders = [{p.split("]")[-2] + "]" for p, _ in s.params if "['h']" in p} for s in plan.stages]
+    assert holders[0] and holders[1] and not holders[0] & holders[1]
+    # a saved plan is valid for the same step
+    step = meshplan.parallelize(m.train_step, plan=Plan.from_json(plan.to_json()))
+    ref_state, par_state = state, state
+    for _ in range(2):
+        ref_state, ref_metrics = jax.jit(m.train_step)(ref_state, batch)
+        par_state, metrics = step(par_state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    _assert_trees_close(par_state, ref_state, rtol=1e-4, atol=1e-5)
+    assert step.plan.stages == plan.stages
+
+
+def test_checkpointed_body_over_cast_parameters():
+    """The usual large-model form: parameters cast to bf16 before the scan and
+    a jax.checkpoint body; the cast and the recomputation are kept per layer."""
+    L, d = 4, 8
+
+    def step(params, x):
+        def loss(p):
+            w16 = p["w"].astype(jnp.bfloat16)
+
+            @jax.checkpoint
+            def body(h, w):
+                return jnp.tanh(h @ w), None
+            h, _ = jax.lax.scan(body, x.astype(jnp.bfloat16), w16)
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+        val, g = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda w, gw: w - 0.5 * gw, params, g), {"loss": val}
+
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (L, d, d)) / d ** 0.5}
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, d))
+    g, u = _unstacked(step, (params, x))
+    assert u is not None and u.shapes == {(L, d, d)}
+    g2 = trace(u.fn, *u.split((params, x)))
+    prims = Counter(n.primitive for n in g2.nodes)
+    assert prims["scan"] == 0 and prims["concatenate"] == 0
+    assert any(n.remat for n in g2.nodes)          # the checkpointed body, per layer
+    _assert_trees_close(jax.jit(step)(params, x), u.restore(jax.jit(u.fn)(*u.split((params, x)))),
+                        rtol=1e-2, atol=1e-3)
