@@ -247,6 +247,23 @@ class Parallelized:
     def plan_for(self, *args: Any) -> Plan:
         return self._entry(args)[0]
 
+    def split_layers(self, *args: Any) -> tuple[Any, ...]:
+        """[lax.scan over stacked layers] ``args`` in the per-layer form the
+        step runs on (see :mod:`meshplan.unstack`); the step called with them
+        returns its results in that form, with no split or stack per call:
+        ``state, metrics = step(*step.split_layers(state, batch))`` ... then
+        ``step.stack_layers(state)``.  Other steps get ``args`` back."""
+        _, executable = self._entry(args)
+        if isinstance(executable, _Unstacking):
+            return executable.unstacked.split(args)
+        return tuple(args)
+
+    def stack_layers(self, tree: Any) -> Any:
+        """Undo :meth:`split_layers` on arguments or results (any pytree holding
+        them): every tuple of per-layer pieces becomes one stacked array."""
+        units = [ex.unstacked for _, ex in self._cache.values() if isinstance(ex, _Unstacking)]
+        return units[-1].stack(tree) if units else tree
+
     def _entry(self, args: Sequence[Any]) -> tuple[Plan, Any]:
         # [multi-host] in a multi-process run the batch arguments hold this
         # process's rows: plan and compile for the global batch (dim 0 times
@@ -276,7 +293,9 @@ class Parallelized:
         p = agree_on_plan(p)
         executable = self._executable(p, graph, step, abstract)
         if unstacked is not None:
-            executable = _Unstacking(executable, unstacked)
+            # arguments already in per-layer form (split_layers) run as they are
+            self._cache[_signature(abstract)] = (p, executable)
+            executable = _Unstacking(executable, unstacked, jax.tree.structure(tuple(args)))
         self._cache[sig] = (p, executable)
         self._last = p
         return p, executable
@@ -339,14 +358,18 @@ class _Unstacking:
     """An executable of the rewritten step (:mod:`meshplan.unstack`) called
     with the user's stacked arguments: split on the way in, stacked on the way out."""
 
-    def __init__(self, inner: Any, unstacked: Unstacked) -> None:
+    def __init__(self, inner: Any, unstacked: Unstacked, in_tree: Any) -> None:
         self.inner = inner
         self.unstacked = unstacked
+        self.in_tree = in_tree      # the stacked arguments' structure
 
     def __call__(self, *args: Any) -> Any:
         return self.unstacked.restore(self.inner(*self.unstacked.split(args)))
 
     def call_fast(self, args: tuple[Any, ...]) -> Any:
+        from meshplan.runtime import FastPathMiss
+        if jax.tree.structure(tuple(args)) != self.in_tree:
+            raise FastPathMiss("not the stacked arguments")   # e.g. already per layer
         return self.unstacked.restore(self.inner.call_fast(self.unstacked.split(args)))
 
     def lower(self, *args: Any) -> Any:

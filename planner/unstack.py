@@ -313,6 +313,16 @@ class Unstacked:
             return _unstack_array(x)
         return tuple(jax.tree.map(lambda x, a=a: one(a, x), arg) for a, arg in enumerate(args))
 
+    def _is_pieces(self, x: Any) -> bool:
+        return (type(x) is tuple and len(x) > 0 and all(hasattr(p, "shape") for p in x)
+                and (len(x),) + tuple(x[0].shape) in self.shapes
+                and all(tuple(p.shape) == tuple(x[0].shape) for p in x))
+
+    def stack(self, tree: Any) -> Any:
+        """Every tuple of per-layer pieces in ``tree`` as one stacked array."""
+        return jax.tree.map(lambda x: _stack_arrays(x) if self._is_pieces(x) else x, tree,
+                            is_leaf=self._is_pieces)
+
     def restore(self, out: Any) -> Any:
         """The rewritten step's results in the user's structure."""
         treedef, mask = self._out

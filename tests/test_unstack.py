@@ -126,3 +126,28 @@ def test_checkpointed_body_over_cast_parameters():
     assert any(n.remat for n in g2.nodes)          # the checkpointed body, per layer
     _assert_trees_close(jax.jit(step)(params, x), u.restore(jax.jit(u.fn)(*u.split((params, x)))),
                         rtol=1e-2, atol=1e-3)
+
+
+def test_state_kept_per_layer_between_calls():
+    """split_layers once, run steps on the per-layer form (no split or stack
+    per call), stack_layers at the end: the same state as the plain step."""
+    m = build_model("gpt", {**GPT, "optimizer": "sgd"})
+    state, batch = jax.device_get(m.init(0))
+    step = meshplan.parallelize(
+        m.train_step, cluster=meshplan.ClusterSpec.local(),
+        method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    layered, _ = step.split_layers(state, batch)
+    assert len(layered["params"]["h"]["mlp"]["fc"]["w"]) == 4
+    # called with the stacked state, the step returns it stacked
+    stacked, _ = step(state, batch)
+    assert stacked["params"]["h"]["mlp"]["fc"]["w"].shape == (4, 32, 128)
+    ref = state
+    for _ in range(2):
+        ref, ref_metrics = jax.jit(m.train_step)(ref, batch)
+        layered, metrics = step(layered, batch)
+    # results stay per layer, each layer on its own stage's devices
+    pieces = layered["params"]["h"]["mlp"]["fc"]["w"]
+    assert isinstance(pieces, tuple) and len(pieces) == 4
+    assert pieces[0].sharding.device_set != pieces[3].sharding.device_set
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    _assert_trees_close(step.stack_layers(layered), ref, rtol=1e-4, atol=1e-5)
