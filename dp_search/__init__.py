@@ -395,8 +395,11 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
 
 
 def _scanned_layers(graph: Graph) -> str | None:
-    """What to tell a user whose layers run inside one ``lax.scan`` over
-    stacked parameters: the search cannot cut inside a scan."""
+    """What to tell a user whose layers run inside one ``lax.scan`` that
+    reads parameters: the search cannot cut inside a scan.  (``meshplan.plan``
+    and ``parallelize`` unroll a scan that iterates over stacked arguments
+    first, :mod:`meshplan.unstack`; this remains for other scans and graphs
+    traced as they are.)"""
     total = graph.total_flops or 1.0
     params = {i.tensor for i in graph.inputs if i.role == PARAM}
     # (the forward scan and its transpose in the backward pass both read them)
@@ -407,7 +410,9 @@ def _scanned_layers(graph: Graph) -> str | None:
         return None
     return (f"{share:.0%} of the step's FLOPs run inside lax.scan over {scans[0].repeat} stacked "
             "layers, which the pipeline search treats as one layer each (stages cannot split a "
-            "scan); to pipeline those layers, loop over the blocks in Python instead")
+            "scan); meshplan.plan unrolls a scan only when it iterates over stacked arguments "
+            "of the step: stack the layers' parameters as arguments, or loop over the blocks "
+            "in Python")
 
 
 def _options_from_method(method) -> PipelineOptions:
