@@ -14,6 +14,10 @@ equivalent one the passes understand:
   elementwise equations over stacked values (the optimizer update) run piece
   by piece; anything else that reads a stacked value gets the stack back
   (``jnp.stack`` of the pieces), so the rewrite never changes a number;
+* values made from constants alone by cheap equations (a causal mask and its
+  broadcast), which jax hoists out of a scan body, are made again in every
+  unrolled layer, as a Python loop over the blocks would (:class:`_Const`),
+  instead of one large value read by every layer and stage;
 * outputs of a split shape come back as pieces, which
   :meth:`Unstacked.restore` stacks into the user's structure again.
 
@@ -131,7 +135,7 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _piece_of(v: Any, i: int, n: int) -> Any:
+def _piece_of(v: Any, i: int) -> Any:
     """Piece ``i`` of an operand of an elementwise equation over n pieces."""
     if isinstance(v, _Stack):
         return v.piece(i)
@@ -152,7 +156,7 @@ def _elementwise(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
             for v in invals):
         return None
     params = eqn.primitive.get_bind_params(eqn.params)
-    pieces = [eqn.primitive.bind(*[_piece_of(v, i, n) for v in invals], **params)
+    pieces = [eqn.primitive.bind(*[_piece_of(v, i) for v in invals], **params)
               for i in range(n)]
     return [_Stack(n, pieces)]
 
@@ -298,7 +302,7 @@ class Unstacked:
         return (f"the lax.scan over {n} stacked layers was unrolled: each layer's "
                 "parameters and optimizer state are planned as their own inputs (paths "
                 "ending in the layer index); the step's arguments and results keep "
-                "their stacked form")
+                "their stacked form (step.split_layers keeps them per layer)")
 
     def _splits(self, a: int, x: Any) -> bool:
         return a not in self.batch_argnums and tuple(getattr(x, "shape", ())) in self.shapes

@@ -6,7 +6,6 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import meshplan
 from meshplan.models import build_model
