@@ -314,6 +314,8 @@ class Unstacked:
                 return x
             if isinstance(x, jax.ShapeDtypeStruct):
                 return tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for _ in range(x.shape[0]))
+            if not isinstance(x, jax.Array):    # host data stays on the host
+                return tuple(x[i] for i in range(x.shape[0]))
             return _unstack_array(x)
         return tuple(jax.tree.map(lambda x, a=a: one(a, x), arg) for a, arg in enumerate(args))
 

@@ -10,7 +10,9 @@ the cross-process stage transport on its own, then for every case
 schedule}, "steps", "data"}`` trains the built-in model under
 ``meshplan.parallelize`` with that Manual pipeline plan over all processes'
 devices (``Cluster.local()``), feeding this process's rows of every batch.
-An optional ``"remat": [bool per stage]`` sets ``Stage.remat`` in that plan.
+An optional ``"remat": [bool per stage]`` sets ``Stage.remat`` in that plan;
+``"split_layers": true`` runs a model with its blocks in a ``lax.scan`` on
+its state split per layer (``Parallelized.split_layers``).
 Writes ``OUT_DIR/p{PROCESS_ID}-{case}.npz`` (losses, final parameters read
 with ``to_host``) and ``OUT_DIR/p{PROCESS_ID}.json`` (a summary).  The
 environment must say JAX_PLATFORMS=cpu and
@@ -52,6 +54,10 @@ def main(argv: list[str]) -> int:
             plan = dataclasses.replace(plan, stages=tuple(
                 dataclasses.replace(s, remat=bool(r)) for s, r in zip(plan.stages, case["remat"])))
             step = meshplan.parallelize(model.train_step, plan=plan)
+        if case.get("split_layers"):
+            # [lax.scan over stacked layers] keep the state per layer: a
+            # stacked result would gather layers living on other processes
+            state = step.split_layers(state, process_rows(batches[0], pid, nproc))[0]
         losses, seconds = [], []
         for k in range(case["steps"]):
             t0 = time.perf_counter()
@@ -59,6 +65,9 @@ def main(argv: list[str]) -> int:
             losses.append(float(to_host(metrics["loss"])))
             seconds.append(time.perf_counter() - t0)
         params = to_host(state["params"])
+        if case.get("split_layers"):
+            params = jax.tree.map(lambda x: np.stack(x) if type(x) is tuple else x, params,
+                                  is_leaf=lambda x: type(x) is tuple)
         flat = {jax.tree_util.keystr(p): np.asarray(v)
                 for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         np.savez(out / f"p{pid}-{label}.npz", losses=np.asarray(losses), **flat)

@@ -44,6 +44,11 @@ CASES = [
     {"label": "mlp-1f1b-remat", "model": "mlp", "config": MLP,
      "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"},
      "remat": [True, True]},
+    # blocks in a lax.scan over stacked parameters, unrolled by the planner:
+    # each process holds the layers of its stage, the state kept per layer
+    {"label": "gpt-scan-1f1b", "model": "gpt",
+     "config": {**GPT, "layers": 4, "scan_layers": True}, "split_layers": True,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"}},
 ]
 
 
