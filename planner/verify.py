@@ -116,11 +116,10 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
     every operand the plan reshards pinned by ``with_sharding_constraint``."""
     import jax
 
-    from .api import parallelize, plan_from_intra_op
+    from .api import parallelize, plan_from_intra_op, trace_step
     from .methods import ShardParallel
     from .models import build_model
     from .plan import LogicalMesh
-    from .trace import trace
     from .cost_model import default_axis_names
     from .ilp import solve_intra_op
     from .runtime import hlo
@@ -132,7 +131,8 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
     args = model.abstract_args
 
     t0 = time.perf_counter()
-    graph = trace(model.train_step, *args, batch_argnums=(1,), name=model_name)
+    # (a step with its blocks in a lax.scan is planned and run unrolled)
+    graph = trace_step(model.train_step, args, (1,), model_name)[0]
     mesh = LogicalMesh(default_axis_names(len(mesh_shape)), mesh_shape)
     result = solve_intra_op(graph, cluster, mesh, backend=backend, time_limit=time_limit)
     plan = plan_from_intra_op(graph, cluster, result, "shard")

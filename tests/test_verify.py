@@ -7,6 +7,8 @@ from meshplan.verify import VerifyRow, csv_text, markdown_table, verify
 @pytest.mark.parametrize("model, mesh, overrides", [
     ("gpt", (2, 4), {"layers": 1}),
     ("mlp", (8,), {"batch": 256, "hidden": 512}),
+    # blocks in a lax.scan, planned and compiled unrolled (meshplan.unstack)
+    ("gpt", (2, 4), {"layers": 2, "scan_layers": True}),
 ])
 def test_plan_run_as_planned_communicates_as_predicted(model, mesh, overrides):
     # the runtime pins every reshard the plan makes where it happens, so XLA
