@@ -28,7 +28,14 @@ def test_inspect_gpt_writes_json(tmp_path, capsys):
     assert cfg["hidden"] == 128 and cfg["layers"] == 3
     for key in ("batch", "seq_len", "hidden", "layers", "heads", "vocab"):
         assert key in cfg
-    assert "dot_general" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "dot_general" in text and "lax.scan" not in text
+
+
+def test_inspect_says_a_scan_over_stacked_layers_is_unrolled(capsys):
+    assert main(["inspect", "--model", "gpt", "--model-arg", "scan_layers=true",
+                 "--model-arg", "layers=3"]) == 0
+    assert "a lax.scan iterates over 3 stacked layers; planning unrolls it" in capsys.readouterr().out
 
 
 def test_inspect_fn(tmp_path, monkeypatch, capsys):
