@@ -20,7 +20,7 @@ from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, Shar
 from . import progress
 from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
 from .trace import trace
-from .unstack import Unstacked, unstack_scanned_layers
+from .unstack import Unstacked, layer_counts, unstack_scanned_layers
 
 
 # --------------------------------------------------------------------------
@@ -52,8 +52,8 @@ def trace_step(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, 
     if unstacked is None:
         return graph, fn, tuple(abstract), None
     step_args = unstacked.split(abstract)
-    layers = "/".join(map(str, unstacked.num_layers))
-    with progress.step(f"unrolling the lax.scan over {layers} stacked layers"):
+    with progress.step(f"unrolling the lax.scan over {layer_counts(unstacked.shapes)} "
+                       "stacked layers"):
         graph = trace(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
     return graph, unstacked.fn, step_args, unstacked
 

@@ -127,12 +127,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"    n{b['node']:<6} {b['primitive']:<22} {b['flops']:.3g} FLOPs -> {shapes}  {b['scope']}")
     for w in s["warnings"]:
         print(f"  warning: {w}")
-    from .unstack import scanned_leaf_shapes
+    from .unstack import layer_counts, scanned_leaf_shapes
     stacked = scanned_leaf_shapes(graph)
     if stacked:
-        layers = "/".join(map(str, sorted({shape[0] for shape in stacked})))
-        print(f"  note: a lax.scan iterates over {layers} stacked layers; planning unrolls it "
-              "(each layer's parameters become their own inputs)")
+        print(f"  note: a lax.scan iterates over {layer_counts(stacked)} stacked layers; planning "
+              "unrolls it (each layer's parameters become their own inputs)")
     if args.json:
         _write_text(args.json, json.dumps(s, indent=2) + "\n")
     return 0

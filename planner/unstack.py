@@ -255,34 +255,42 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             out = _bind(eqn, invals)
         for v, x in zip(eqn.outvars, out):
             env[v] = x
-    return [_whole(read(v)) if not isinstance(read(v), _Stack) else read(v)
-            for v in jaxpr.outvars]
+    # stacks stay apart; constants-only values are resolved
+    return [x if isinstance(x := read(v), _Stack) else _whole(x) for v in jaxpr.outvars]
 
 
 # ---------------------------------------------------------------------------
 # Which leaves are stacked layers, and the rewritten step
 # ---------------------------------------------------------------------------
 
+def layer_counts(shapes: frozenset[tuple[int, ...]]) -> str:
+    """The scan lengths of :func:`scanned_leaf_shapes`, e.g. ``"48"``."""
+    return "/".join(map(str, sorted({shape[0] for shape in shapes})))
+
+
 def scanned_leaf_shapes(graph: Graph) -> frozenset[tuple[int, ...]]:
     """Shapes of the non-batch inputs that a ``scan`` iterates over (its
     ``xs``), directly or through an elementwise cast."""
-    producer = {o: n for n in graph.nodes for o in n.outputs}
-    inputs = {i.tensor: i for i in graph.inputs if i.argnum not in graph.batch_argnums}
+    scans = [n for n in graph.nodes if n.primitive == "scan" and n.repeat > 1]
+    if not scans:
+        return frozenset()
+    producer = graph.producer
+    inputs = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums}
 
     def origin(t: int) -> int:
-        while t in producer and producer[t].primitive in ("convert_element_type", "copy") \
-                and len(producer[t].inputs) == 1:
-            t = producer[t].inputs[0]
+        while t in producer:
+            n = graph.nodes[producer[t]]
+            if n.primitive not in ("convert_element_type", "copy") or len(n.inputs) != 1:
+                break
+            t = n.inputs[0]
         return t
 
     shapes = set()
-    for n in graph.nodes:
-        if n.primitive != "scan" or n.repeat < 2:
-            continue
+    for n in scans:
         p = dict(n.params)
-        for t in n.inputs[p["num_consts"] + p["num_carry"]:]:
-            shape = graph.tensors[origin(t)].shape
-            if origin(t) in inputs and shape and shape[0] == n.repeat:
+        for t in map(origin, n.inputs[p["num_consts"] + p["num_carry"]:]):
+            shape = graph.tensors[t].shape
+            if t in inputs and shape and shape[0] == n.repeat:
                 shapes.add(tuple(shape))
     return frozenset(shapes)
 
@@ -298,8 +306,7 @@ class Unstacked:
 
     @property
     def note(self) -> str:
-        n = "/".join(map(str, self.num_layers))
-        return (f"the lax.scan over {n} stacked layers was unrolled: each layer's "
+        return (f"the lax.scan over {layer_counts(self.shapes)} stacked layers was unrolled: each layer's "
                 "parameters and optimizer state are planned as their own inputs (paths "
                 "ending in the layer index); the step's arguments and results keep "
                 "their stacked form (step.split_layers keeps them per layer)")
@@ -373,10 +380,10 @@ def unstack_scanned_layers(graph: Graph, fn: Callable, abstract: Sequence[Any]
     if not shapes:
         return None
     batch = tuple(graph.batch_argnums)
-    leaves, in_tree = jax.tree_util.tree_flatten(tuple(abstract))
-    argnum_of = [int(p[0].idx) for p, _ in jax.tree_util.tree_flatten_with_path(tuple(abstract))[0]]
-    mask = [a not in batch and tuple(getattr(x, "shape", ())) in shapes
-            for a, x in zip(argnum_of, leaves)]
+    with_path, in_tree = jax.tree_util.tree_flatten_with_path(tuple(abstract))
+    leaves = [x for _, x in with_path]
+    mask = [int(p[0].idx) not in batch and tuple(getattr(x, "shape", ())) in shapes
+            for p, x in with_path]
     lengths = frozenset(s[0] for s in shapes)
     u = Unstacked(fn=None, shapes=shapes, batch_argnums=batch,  # type: ignore[arg-type]
                   num_layers=tuple(sorted(lengths)))
