@@ -38,9 +38,8 @@ import time
 import traceback
 
 import meshplan
-from meshplan import dp_search
 from meshplan.api import plan_from_intra_op, plan_graph, retracer
-from meshplan.dp_search import PipelineOptions, plan_pipeline
+from meshplan.dp_search import PipelineOptions, Session, plan_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import BATCH, strip_markers
 from meshplan.ilp import InputLayouts, solve_intra_op
@@ -100,7 +99,7 @@ def describe(plan: meshplan.Plan) -> str:
 GRAD_ACCUM = True
 
 
-def one_stage(whole, graph, cluster, rt, **options):
+def one_stage(whole, graph, cluster, rt, session, **options):
     try:
         p = whole()
         return p, describe(p)
@@ -109,34 +108,34 @@ def one_stage(whole, graph, cluster, rt, **options):
             raise
     opts = PipelineOptions(num_stages=1, schedules=("1f1b",), **options)
     p = plan_pipeline(graph, cluster, meshplan.PipeshardParallel(stages=1), retrace=rt,
-                      options=opts)
+                      options=opts, session=session)
     return p, describe(p)
 
 
-def m_auto(graph, cluster, rt, layers, mbs):
-    p = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt)
+def m_auto(graph, cluster, rt, layers, mbs, session):
+    p = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
     return p, describe(p)
 
 
-def m_data(graph, cluster, rt, layers, mbs):
-    return one_stage(lambda: plan_graph(graph, cluster, meshplan.DataParallel()),
-                     graph, cluster, rt, data_parallel_stages=True,
+def m_data(graph, cluster, rt, layers, mbs, session):
+    return one_stage(lambda: plan_graph(graph, cluster, meshplan.DataParallel(), session=session),
+                     graph, cluster, rt, session, data_parallel_stages=True,
                      input_filter=InputLayouts("replicated"))
 
 
-def m_zero3(graph, cluster, rt, layers, mbs):
+def m_zero3(graph, cluster, rt, layers, mbs, session):
     def whole():
         g = strip_markers(graph)
         r = solve_intra_op(g, cluster, LogicalMesh(("data",), (cluster.num_devices,)),
                            input_filter=InputLayouts("sharded"))
         return plan_from_intra_op(g, cluster, r, "zero3")
-    return one_stage(whole, graph, cluster, rt, data_parallel_stages=True,
+    return one_stage(whole, graph, cluster, rt, session, data_parallel_stages=True,
                      input_filter=InputLayouts("sharded"))
 
 
-def m_intra(graph, cluster, rt, layers, mbs):
-    return one_stage(lambda: plan_graph(graph, cluster, meshplan.ShardParallel()),
-                     graph, cluster, rt)
+def m_intra(graph, cluster, rt, layers, mbs, session):
+    return one_stage(lambda: plan_graph(graph, cluster, meshplan.ShardParallel(), session=session),
+                     graph, cluster, rt, session)
 
 
 def best_of(candidates):
@@ -156,7 +155,7 @@ def best_of(candidates):
     return best
 
 
-def m_inter(graph, cluster, rt, layers, mbs):
+def m_inter(graph, cluster, rt, layers, mbs, session):
     n = cluster.num_devices
     # one GPU: one stage with gradient accumulation is the only "pipeline"
     stages = [s for s in divisors(n) if 2 <= s <= layers] or [1]
@@ -166,7 +165,7 @@ def m_inter(graph, cluster, rt, layers, mbs):
                                input_filter=InputLayouts("replicated"),
                                schedules=("1f1b", "gpipe"))
         p = plan_pipeline(graph, cluster, meshplan.PipeshardParallel(stages=S), retrace=rt,
-                          options=opts)
+                          options=opts, session=session)
         return p, describe(p)
     return best_of([functools.partial(one, S) for S in stages])
 
@@ -188,11 +187,12 @@ def grid_points(n: int, per_host: int, batch: int, layers: int, mbs: list[int]):
                     yield dp, tp, pp, mb, sched
 
 
-def m_grid(graph, cluster, rt, layers, mbs):
+def m_grid(graph, cluster, rt, layers, mbs, session):
     batch = graph.tensors[next(i.tensor for i in graph.inputs if i.role == BATCH)].shape[0]
 
     def one(dp, tp, pp, mb, sched):
-        p = plan_graph(graph, cluster, meshplan.Manual(dp, tp, pp, mb, sched), retrace=rt)
+        p = plan_graph(graph, cluster, meshplan.Manual(dp, tp, pp, mb, sched), retrace=rt,
+                       session=session)
         return p, f"dp{dp} tp{tp} pp{pp} mb{mb} {sched}" + (
             " remat" if any(s.remat for s in p.stages) else "")
     def points(counts):
@@ -224,11 +224,12 @@ def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int]) -> d
         retracer(m.train_step, m.abstract_args, m.batch_argnums, name))
     layers = m.config["layers"]
     row = {"model": name, "gpus": gpus, "cluster": cluster.name}
+    session = Session.from_env()     # layer ILPs shared by the methods of this row
     for meth in methods:
         print(f"  {name} on {gpus} GPU(s): {meth} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            p, text = METHOD_FNS[meth](graph, cluster, rt, layers, mbs)
+            p, text = METHOD_FNS[meth](graph, cluster, rt, layers, mbs, session)
             row[meth] = round(p.predicted.tflops_per_device, 2)
             row[f"{meth} plan"] = text
         except InfeasiblePlanError as e:
@@ -237,7 +238,6 @@ def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int]) -> d
             traceback.print_exc()
             row[meth], row[f"{meth} plan"] = "ERROR", f"{type(e).__name__}: {e}"
         row[f"{meth} s"] = round(time.perf_counter() - t0, 1)
-    dp_search._LAYER_CACHE.clear()   # layer ILPs are per model: free them
     if "auto" in methods:
         row["auto best"] = auto_is_best(row, methods)
     return row

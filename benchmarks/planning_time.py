@@ -37,9 +37,8 @@ import sys
 import time
 
 import meshplan
-from meshplan import dp_search
-from meshplan.api import plan_graph, retracer
-from meshplan.dp_search import plan_pipeline
+from meshplan.dp_search import Session, search_pipeline
+from meshplan.planning import plan_step, retracer
 from meshplan.errors import InfeasiblePlanError
 from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
@@ -67,19 +66,21 @@ def run_row(name: str, check_pruning: bool) -> dict:
     gpus = PRESET_INFO[name]["gpus"]
     cluster = cluster_for(gpus)
     row: dict = {"model": name, "gpus": gpus, "cli_s": cli_seconds(name, gpus)}
-    dp_search._LAYER_CACHE.clear()          # every row starts cold
+    session = Session.from_env()            # every row starts cold
     m = build_model(name)
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
     t1 = time.perf_counter()
     rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
+    s: dict = {}
     try:
-        plan = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt)
+        planned = plan_step(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
+        plan = planned.plan
+        s = dataclasses.asdict(planned.search) if planned.search else {}
     except InfeasiblePlanError as e:
         plan = None
         row["plan"] = f"does not fit ({str(e)[:60]})"
     t2 = time.perf_counter()
-    s = dict(dp_search.LAST_SEARCH)
     row.update(total_s=t2 - t0, trace_s=t1 - t0, retrace_s=s.get("trace_s", 0.0),
                ilp_wait_s=s.get("ilp_s", 0.0), ilp_work_s=s.get("ilp_work_s", 0.0),
                dp_s=s.get("dp_s", 0.0))
@@ -92,28 +93,28 @@ def run_row(name: str, check_pruning: bool) -> dict:
     if plan is not None:
         row.update(plan=describe(plan), tflops_per_gpu=round(plan.predicted.tflops_per_device, 2))
     if check_pruning:
-        row.update(check_row(graph, cluster, rt))
+        row.update(check_row(graph, cluster, rt, session))
     return row
 
 
-def check_row(graph, cluster, rt) -> dict:
+def check_row(graph, cluster, rt, session) -> dict:
     """The pipeline search with and without micro-batch pruning (warm cache:
     the time is of the exhaustive search's extra counts)."""
-    method = meshplan.Auto()
-    opts = dp_search._options_from_method(method)
+    opts = meshplan.Auto().request(cluster.num_devices).pipeline
     out: dict = {}
     choices = []
     for prune in (True, False):
         t0 = time.perf_counter()
         try:
-            p = plan_pipeline(graph, cluster, method, retrace=rt,
-                              options=dataclasses.replace(opts, prune_micro_batches=prune))
+            p, stats = search_pipeline(
+                graph, cluster, dataclasses.replace(opts, prune_micro_batches=prune),
+                method_name="auto", retrace=rt, session=session)
             choices.append((describe(p), round(p.predicted.iteration_s, 9)))
         except InfeasiblePlanError:
             choices.append(("does not fit", None))
         if not prune:
             out.update(exhaustive_s=time.perf_counter() - t0,
-                       exhaustive_counts=dp_search.LAST_SEARCH.get("micro_batch_counts", ""),
+                       exhaustive_counts=stats.micro_batch_counts if choices[-1][1] else "",
                        exhaustive_plan=choices[-1][0])
     out["same_choice"] = "yes" if choices[0] == choices[1] else "NO"
     return out
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers is not None:
         os.environ["MESHPLAN_WORKERS"] = str(args.workers)
-    workers = dp_search._workers()
+    workers = Session.from_env().workers
     keys = KEYS + (CHECK_KEYS if args.check_pruning else [])
     rows = []
     for name in args.rows.split(","):

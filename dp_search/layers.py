@@ -343,13 +343,16 @@ def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[
             stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs)
 
 
-def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> Graph:
+def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
+                   view: UnmarkedView | None = None) -> Graph:
     """The nodes of layers ``first..last`` as a Graph of their own: values from
     other layers enter as inputs (role ``boundary``), values other layers or the
-    step's outputs need leave as outputs."""
+    step's outputs need leave as outputs.  ``view``: :func:`unmarked_view`
+    of ``graph`` (made here if not given)."""
     # identity markers (the gradient marker gathers every layer's gradients)
     # are read through: a layer's update reads its own layer's gradient
-    graph, layer_of, const, by_layer = _unmarked(graph, layering)
+    v = view or unmarked_view(graph, layering)
+    graph, const, by_layer = v.graph, v.const, v.by_layer
     keep_ids = {nid for l in range(first, last + 1) for nid in by_layer[l]}
     # values computed from constants alone (masks, iotas) are recomputed in
     # every layer that reads them instead of crossing layer boundaries
@@ -401,12 +404,14 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int) -> G
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 
-def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]:
+def saved_for_backward(graph: Graph, layering: Layering, view: UnmarkedView | None = None
+                       ) -> list[frozenset[int]]:
     """Per layer: the forward values (and batch pieces) its backward ops read,
     i.e. what one micro-batch keeps alive between its forward and backward
     pass.  Tensor ids are those of :func:`layer_subgraph` (markers read
     through)."""
-    view, layer_of, fwd = _forward_view(graph, layering)
+    v = view or unmarked_view(graph, layering)
+    view, layer_of, fwd = v.graph, v.layer_of, v.forward
     batch = {i.tensor for i in view.inputs if i.role == BATCH}
     const = view.constant_tensors      # recomputed (fused) where read, never kept
     out: list[set[int]] = [set() for _ in range(layering.num_layers)]
@@ -420,12 +425,13 @@ def saved_for_backward(graph: Graph, layering: Layering) -> list[frozenset[int]]
     return [frozenset(s) for s in out]
 
 
-def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph]
-                    ) -> list[frozenset[int]]:
+def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph],
+                    view: UnmarkedView | None = None) -> list[frozenset[int]]:
     """Per layer: the forward values it makes that a later layer reads (what a
     stage ending with it sends to the next stage).  ``subs``: the
     :func:`layer_subgraph` of each layer."""
-    view, layer_of, fwd = _forward_view(graph, layering)
+    v = view or unmarked_view(graph, layering)
+    view, layer_of, fwd = v.graph, v.layer_of, v.forward
 
     def read_later(t: int, l: int) -> bool:
         return any(layer_of[c] > l for c in view.consumers.get(t, ()))
@@ -435,31 +441,28 @@ def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph]
             for l, sub in enumerate(subs)]
 
 
-def _forward_view(graph: Graph, layering: Layering) -> tuple[Graph, list[int], list[bool]]:
-    """:func:`_unmarked`'s view, the layer of each of its nodes and whether
-    each is a forward op."""
-    view, layer_of, _, _ = _unmarked(graph, layering)
-    fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
-    return view, layer_of, fwd
+@dataclass(frozen=True)
+class UnmarkedView:
+    """A step's graph without identity markers, as the layer functions read
+    it: the graph, the layer of each remaining node, its constant nodes, the
+    nodes of each layer and whether each node is a forward op.  Made once
+    per layering (:func:`unmarked_view`) and passed to the functions below."""
+    graph: Graph
+    layer_of: list[int]
+    const: set[int]
+    by_layer: list[list[int]]
+    forward: list[bool]
 
 
-_UNMARKED: list = []   # the last graph's unmarked view (one per micro-batch search)
-
-
-def _unmarked(graph: Graph, layering: Layering
-              ) -> tuple[Graph, list[int], set[int], list[list[int]]]:
-    """``graph`` without identity markers, the layer of each remaining node,
-    its constant nodes and the nodes of each layer."""
-    if _UNMARKED and _UNMARKED[0] is graph and _UNMARKED[1] is layering:
-        return tuple(_UNMARKED[2:])  # type: ignore[return-value]
+def unmarked_view(graph: Graph, layering: Layering) -> UnmarkedView:
     layer_of = [layering.layer_of_node[n.id] for n in graph.nodes
                 if n.primitive not in IDENTITY_MARKERS]
     view = strip_markers(graph)
     by_layer: list[list[int]] = [[] for _ in range(layering.num_layers)]
     for nid, l in enumerate(layer_of):
         by_layer[l].append(nid)
-    _UNMARKED[:] = [graph, layering, view, layer_of, constant_nodes(view), by_layer]
-    return view, layer_of, _UNMARKED[4], by_layer
+    fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
+    return UnmarkedView(view, layer_of, constant_nodes(view), by_layer, fwd)
 
 
 def constant_nodes(graph: Graph) -> set[int]:

@@ -222,9 +222,12 @@ def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> i
 def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
                   submesh: tuple[int, int] | None = None, backend: str = "highs",
                   time_limit: float | None = 60.0, memory_budget: float | None = None,
-                  input_filter: InputFilter | None = None
+                  input_filter: InputFilter | None = None,
+                  reporter: progress.Progress | None = None
                   ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
-    """The fastest plan over ``meshes`` (default: every mesh shape of the device count)."""
+    """The fastest plan over ``meshes`` (default: every mesh shape of the device
+    count); ``reporter`` shows each mesh's ILP as a progress step."""
+    reporter = reporter or progress.Progress(progress.QUIET)
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
     meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
     budget = (mesh_model(cluster, meshes[0], submesh=submesh).memory_budget
@@ -235,7 +238,7 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
     results: list[IntraOpResult | InfeasiblePlanError] = []
     for mesh in meshes:
         try:
-            with progress.step(f"ILP on mesh {mesh}"):
+            with reporter.step(f"ILP on mesh {mesh}"):
                 results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh,
                                               backend=backend, time_limit=time_limit,
                                               memory_budget=memory_budget,

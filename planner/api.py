@@ -1,8 +1,7 @@
 """The public API: ``meshplan.plan`` and ``meshplan.parallelize``.
 
-This module sits on top of every pass: it traces, asks the ILP (and the
-inter-operator pass) for a plan, turns the answer into a :class:`Plan`, and
-hands the plan to the runtime.
+This module sits on top of every pass: it plans through
+:mod:`meshplan.planning` and hands the plan to the runtime.
 """
 from __future__ import annotations
 
@@ -14,194 +13,46 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .cluster import ClusterSpec
-from .errors import InfeasiblePlanError, MeshplanError, StalePlanError
-from .graph import BATCH, Graph, strip_markers
-from .methods import Auto, DataParallel, Manual, Method, PipeshardParallel, ShardParallel
-from . import progress
-from .plan import (LogicalMesh, Plan, PlanPredicted, Predicted, Stage, arg_prefixes)
-from .trace import trace
-from .unstack import Unstacked, layer_counts, unstack_scanned_layers
+from .dp_search import Session
+from .dp_search.assemble import plan_from_intra_op, section_prefixes  # noqa: F401 (re-exported)
+from .errors import StalePlanError
+from .graph import Graph
+from .methods import Method, ShardParallel
+from .plan import Plan
+from .planning import plan_function, plan_step, retracer, trace_function
+from .unstack import Unstacked
 
 
 # --------------------------------------------------------------------------
-# planning
+# planning (the passes run in meshplan.planning)
 # --------------------------------------------------------------------------
 
 def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
-         method: Method | None = None, batch_argnums: Sequence[int] = (1,)) -> Plan:
+         method: Method | None = None, batch_argnums: Sequence[int] = (1,),
+         session: Session | None = None) -> Plan:
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
-    ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees."""
-    cluster = cluster or ClusterSpec.local()
-    name = getattr(fn, "__name__", "fn")
-    graph, step, abstract, unstacked = trace_step(fn, _abstract(args), tuple(batch_argnums), name)
-    p = plan_graph(graph, cluster, method or ShardParallel(),
-                   retrace=retracer(step, abstract, tuple(batch_argnums), name))
-    return with_note(p, unstacked)
+    ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees.
+    ``session``: a :class:`meshplan.dp_search.Session` to plan in (its
+    progress reporter and layer-cost cache; default a new one)."""
+    session = session or Session.from_env()
+    traced = trace_function(fn, _abstract(args), tuple(batch_argnums),
+                            getattr(fn, "__name__", "fn"), session)
+    return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
+                         session).plan
+
+
+def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
+               retrace: Callable[[int], Graph] | None = None,
+               session: Session | None = None) -> Plan:
+    """Plan an already traced graph (:func:`meshplan.planning.plan_step`'s plan)."""
+    return plan_step(graph, cluster, method, retrace=retrace, session=session).plan
 
 
 def trace_step(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...], name: str
                ) -> tuple[Graph, Callable, tuple[Any, ...], Unstacked | None]:
-    """Trace ``fn`` for planning: ``(graph, step, step_args, unstacked)``.
-
-    When a ``lax.scan`` iterates over stacked parameters, the step planned
-    (and run) is its rewrite with one input per layer (:mod:`meshplan.unstack`):
-    ``step``/``step_args`` are then the rewritten step and its arguments."""
-    with progress.step(f"tracing {name}"):
-        graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
-    unstacked = unstack_scanned_layers(graph, fn, abstract)
-    if unstacked is None:
-        return graph, fn, tuple(abstract), None
-    step_args = unstacked.split(abstract)
-    with progress.step(f"unrolling the lax.scan over {layer_counts(unstacked.shapes)} "
-                       "stacked layers"):
-        graph = trace(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
-    return graph, unstacked.fn, step_args, unstacked
-
-
-def with_note(p: Plan, unstacked: Unstacked | None) -> Plan:
-    """``p`` noting the scan rewrite, if any."""
-    if unstacked is None or unstacked.note in p.notes:
-        return p
-    return replace(p, notes=p.notes + (unstacked.note,))
-
-
-def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
-             name: str) -> Callable[[int], Graph]:
-    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
-    def shrink(x: Any, B: int) -> Any:
-        if not getattr(x, "shape", ()):
-            return x
-        return jax.ShapeDtypeStruct((x.shape[0] // B,) + tuple(x.shape[1:]), x.dtype)
-
-    def retrace(B: int) -> Graph:
-        args = list(abstract)
-        for a in batch_argnums:
-            args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
-        return trace(fn, *args, batch_argnums=batch_argnums, name=name)
-    return retrace
-
-
-def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
-               retrace: Callable[[int], Graph] | None = None) -> Plan:
-    """Plan an already traced graph (the CLI's entry point).  ``retrace(B)``
-    lets the pipeline search re-trace the step for B micro-batches."""
-    if isinstance(method, Manual):
-        used = method.dp * method.tp * method.pp
-        if used != cluster.num_devices:
-            raise MeshplanError(f"Manual(dp={method.dp}, tp={method.tp}, pp={method.pp}) uses "
-                                f"{used} devices but the cluster has {cluster.num_devices}")
-    if isinstance(method, (Auto, PipeshardParallel)) or (
-            isinstance(method, Manual) and (method.pp > 1 or method.num_micro_batches > 1
-                                            or method.remat)):
-        return _plan_pipeline(graph, cluster, method, retrace)
-    graph = strip_markers(graph)
-    if isinstance(method, ShardParallel):
-        return _plan_shard(graph, cluster, method)
-    if isinstance(method, DataParallel):
-        return _plan_data(graph, cluster, method)
-    if isinstance(method, Manual):
-        return _plan_manual(graph, cluster, method)
-    raise MeshplanError(f"unknown method {method!r}: use meshplan.Auto(), ShardParallel(), "
-                        "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
-
-
-def _plan_shard(graph: Graph, cluster: ClusterSpec, method: ShardParallel) -> Plan:
-    from meshplan.ilp import best_intra_op, candidate_meshes
-    meshes = None
-    if method.mesh_shape is not None:
-        shape = tuple(int(s) for s in method.mesh_shape)
-        if math.prod(shape) != cluster.num_devices:
-            raise MeshplanError(f"ShardParallel(mesh_shape={shape}) has {math.prod(shape)} devices "
-                                f"but the cluster has {cluster.num_devices}")
-        names = method.axis_names or _default_names(len(shape))
-        meshes = [LogicalMesh(tuple(names), shape)]
-    best, _ = best_intra_op(graph, cluster, meshes=meshes, backend=method.backend,
-                            time_limit=method.time_limit)
-    return plan_from_intra_op(graph, cluster, best, "shard")
-
-
-def _plan_data(graph: Graph, cluster: ClusterSpec, method: DataParallel) -> Plan:
-    from meshplan.ilp import InputLayouts, solve_intra_op
-    n = cluster.num_devices
-    _check_batch_divisible(graph, n, "DataParallel")
-    mesh = LogicalMesh(("data",), (n,))
-    r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts("replicated"),
-                       backend=method.backend, time_limit=method.time_limit)
-    return plan_from_intra_op(graph, cluster, r, "data")
-
-
-def _plan_manual(graph: Graph, cluster: ClusterSpec, method: Manual) -> Plan:
-    from meshplan.ilp import InputLayouts, solve_intra_op
-    _check_batch_divisible(graph, method.dp, "Manual(dp=...)")
-    mesh = LogicalMesh(("data", "model"), (method.dp, method.tp))
-    r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts("model"),
-                       backend=method.backend, time_limit=method.time_limit)
-    return plan_from_intra_op(graph, cluster, r, "manual")
-
-
-def _plan_pipeline(graph: Graph, cluster: ClusterSpec, method: Method,
-                   retrace: Callable[[int], Graph] | None) -> Plan:
-    from meshplan.dp_search import plan_pipeline
-    p = plan_pipeline(graph, cluster, method, retrace=retrace)
-    if isinstance(method, Auto) and len(p.stages) == 1:
-        # one stage: the whole-graph ILP is more exact than the sum of layer costs
-        try:
-            s = _plan_shard(strip_markers(graph), cluster,
-                            ShardParallel(time_limit=method.time_limit, backend=method.backend))
-        except InfeasiblePlanError:
-            return p
-        if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
-            return replace(s, method="auto", notes=s.notes + p.notes + (
-                "one stage is fastest: planned by the whole-graph ILP",))
-    return p
-
-
-def _check_batch_divisible(graph: Graph, n: int, what: str) -> None:
-    for inp in graph.inputs:
-        if inp.role == BATCH:
-            shape = graph.tensors[inp.tensor].shape
-            if shape and shape[0] % n:
-                raise InfeasiblePlanError(
-                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
-                    f"which does not split over {n} devices; use a batch size divisible by {n} "
-                    "or ShardParallel()")
-
-
-def _default_names(rank: int) -> tuple[str, ...]:
-    from meshplan.cost_model import default_axis_names
-    return default_axis_names(rank)
-
-
-def section_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
-    nonbatch = sorted({i.argnum for i in graph.inputs if i.argnum not in graph.batch_argnums})
-    return arg_prefixes(nonbatch) + arg_prefixes(sorted(set(graph.batch_argnums)))
-
-
-def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: str,
-                       notes: tuple[str, ...] = ()) -> Plan:
-    """A one-stage Plan from the ILP's answer."""
-    from meshplan.cost_model.mesh import default_submesh
-    prefixes = dict(section_prefixes(graph))
-    params, batch = [], []
-    for inp, spec in zip(graph.inputs, result.input_specs):
-        key = prefixes.get(inp.argnum, "") + inp.path
-        (batch if inp.argnum in graph.batch_argnums else params).append((key, spec))
-    outputs = tuple((o.path, s) for o, s in zip(graph.outputs, result.output_specs) if s is not None)
-    n = result.mesh.size
-    stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
-                  logical_mesh=result.mesh, remat=False, params=tuple(params),
-                  predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
-                  outputs=outputs, constraints=result.constraints, strategies=result.strategies,
-                  read_constraints=tuple(getattr(result, "read_constraints", ())))
-    it = result.compute_s + result.comm_s
-    tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
-    predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
-                              peak_memory_bytes=int(result.peak_memory_bytes),
-                              comm_bytes_per_device=int(round(result.comm_bytes)))
-    return Plan(graph_fingerprint=graph.fingerprint, cluster=cluster, method=method,
-                stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
-                predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
-                arg_prefixes=section_prefixes(graph), notes=notes)
+    """``(graph, step, step_args, unstacked)`` of :func:`meshplan.planning.trace_function`."""
+    t = trace_function(fn, abstract, tuple(batch_argnums), name, Session.from_env())
+    return t.graph, t.step, t.args, t.unstacked
 
 
 # --------------------------------------------------------------------------
@@ -227,8 +78,10 @@ class Parallelized:
     """A train step run under a plan.  Call it like the original function."""
 
     def __init__(self, fn: Callable, *, cluster: ClusterSpec | None, method: Method | None,
-                 batch_argnums: Sequence[int], donate_argnums: Any, plan: Plan | None):
+                 batch_argnums: Sequence[int], donate_argnums: Any, plan: Plan | None,
+                 session: Session | None = None):
         self.fn = fn
+        self.session = session
         self.cluster = cluster
         self.method = method or ShardParallel()
         self.batch_argnums = tuple(batch_argnums) if plan is None else tuple(plan.batch_argnums)
@@ -275,9 +128,11 @@ class Parallelized:
         if hit is not None:
             self._last = hit[0]
             return hit
-        name = getattr(self.fn, "__name__", "fn")
-        graph, step, abstract, unstacked = trace_step(self.fn, _abstract(args),
-                                                      self.batch_argnums, name)
+        session = self.session or Session.from_env()
+        traced = trace_function(self.fn, _abstract(args), self.batch_argnums,
+                                getattr(self.fn, "__name__", "fn"), session)
+        graph, step, abstract, unstacked = traced.graph, traced.step, traced.args, \
+            traced.unstacked
         if self._given_plan is not None:
             p = self._given_plan
             if p.graph_fingerprint != graph.fingerprint:
@@ -286,9 +141,8 @@ class Parallelized:
                     f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
         else:
-            p = with_note(plan_graph(graph, self.cluster or ClusterSpec.local(), self.method,
-                                     retrace=retracer(step, abstract, self.batch_argnums, name)),
-                          unstacked)
+            p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
+                              session).plan
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
         executable = self._executable(p, graph, step, abstract)
@@ -397,12 +251,13 @@ def _layer_of_node(p: Plan, fn: Callable, abstract: tuple[Any, ...]) -> tuple[in
 
 def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = None,
                 method: Method | None = None, batch_argnums: Sequence[int] = (1,),
-                donate_argnums: Any = "auto", plan: Plan | None = None) -> Any:
+                donate_argnums: Any = "auto", plan: Plan | None = None,
+                session: Session | None = None) -> Any:
     """Run ``fn`` in parallel: ``meshplan.parallelize(step, cluster=..., method=...)``
-    or as a decorator, with or without arguments."""
+    or as a decorator, with or without arguments.  ``session``: see :func:`plan`."""
     def wrap(f: Callable) -> Parallelized:
         return Parallelized(f, cluster=cluster, method=method, batch_argnums=batch_argnums,
-                            donate_argnums=donate_argnums, plan=plan)
+                            donate_argnums=donate_argnums, plan=plan, session=session)
     if fn is None:
         return wrap
     return wrap(fn)

@@ -247,10 +247,12 @@ def _supported(dtype: str, mesh) -> bool:
 # the whole calibration
 
 def calibrate(*, name: str | None = None, options: Options | None = None,
-              timer: Timer = wall_timer, devices: Sequence[Any] | None = None) -> Calibration:
+              timer: Timer = wall_timer, devices: Sequence[Any] | None = None,
+              reporter: progress.Progress | None = None) -> Calibration:
     """Measure ``devices`` (default ``jax.devices()``) and describe them as a cluster."""
     import jax
     opts = options or Options()
+    reporter = reporter or progress.Progress()
     devices = list(devices if devices is not None else jax.devices())
     if not devices:
         raise MeshplanError("calibrate: jax sees no devices")
@@ -269,7 +271,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         if not _supported(dtype, mesh):
             skipped.append(dtype)
             continue
-        with progress.step(f"calibrate: matmul {dtype}"):
+        with reporter.step(f"calibrate: matmul {dtype}"):
             n, t = grow(_matmul_fn(mesh, dtype), sizes, timer, opts, growth=8)
         flops[dtype] = matmul_flops(n, t)
         measurements.append(Measurement(f"matmul {dtype}", flops[dtype], n, t))
@@ -290,7 +292,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         mem_how = (f"device.memory_stats() has no limit on {platform}: the host's physical "
                    f"memory split among its {per_host} device(s)")
     hi = max(opts.memory_min_bytes, min(opts.memory_max_bytes, memory // 16))
-    with progress.step("calibrate: memory bandwidth"):
+    with reporter.step("calibrate: memory bandwidth"):
         nbytes, t = grow(_add_fn(mesh), _doubling(opts.memory_min_bytes, hi, 4), timer, opts,
                          growth=4)
     mem_bw = add_bandwidth(nbytes, t)
@@ -307,7 +309,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         if size < 2:
             continue
         make = _psum_fn(mesh, axis, opts.collective_loop)
-        with progress.step(f"calibrate: psum over {axis!r} ({size} devices)"):
+        with reporter.step(f"calibrate: psum over {axis!r} ({size} devices)"):
             # the large message: grown until a run is long enough (bandwidth bound)
             large, t_large = grow(make, _doubling(min(small * 16, opts.collective_max_bytes),
                                                   opts.collective_max_bytes, 4), timer, opts,

@@ -103,7 +103,7 @@ def _human_bytes(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .trace import trace
     target = load_target(args)
-    with progress.step(f"tracing {target.name}"):
+    with args.session.progress.step(f"tracing {target.name}"):
         graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
                       name=target.name)
     s = graph.summary(top=args.top)
@@ -189,19 +189,14 @@ def _parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _make_plan(args: argparse.Namespace):
-    from .api import plan_graph, retracer, trace_step, with_note
+def cmd_plan(args: argparse.Namespace) -> int:
+    from . import planning
     target = load_target(args)
     cluster = _cluster(args.cluster)
-    graph, step, step_args, unstacked = trace_step(target.train_step, target.args,
-                                                   target.batch_argnums, target.name)
-    retrace = retracer(step, step_args, target.batch_argnums, target.name)
-    return target, graph, with_note(plan_graph(graph, cluster, _method(args), retrace=retrace),
-                                    unstacked)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    _, _, plan = _make_plan(args)
+    method = _method(args)
+    traced = planning.trace_function(target.train_step, target.args, target.batch_argnums,
+                                     target.name, args.session)
+    plan = planning.plan_function(traced, cluster, method, args.session).plan
     print(plan)
     if args.json:
         _write_text(args.json, plan.to_json())
@@ -232,7 +227,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         from .cluster import ClusterSpec
         step = parallelize(target.train_step, cluster=ClusterSpec.local(), method=_method(args),
-                           batch_argnums=target.batch_argnums)
+                           batch_argnums=target.batch_argnums, session=args.session)
     state, batch = target.init(0)
     ref_state = state
     par_state = jax.tree.map(lambda x: np.array(x), state)
@@ -274,7 +269,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise MeshplanError(f"cannot write {args.out}: folder {out_dir} does not exist or is "
                             "not writable")
-    result = calibrate(name=args.name, options=Options.quick() if args.quick else Options())
+    result = calibrate(name=args.name, options=Options.quick() if args.quick else Options(),
+                       reporter=args.session.progress)
     _write_text(args.out, result.cluster.to_json() + "\n")
     print(result.cluster.describe())
     print(f"cluster written to {args.out}")
@@ -386,9 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    progress.configure(args.verbosity)
+    reporter = progress.Progress(args.verbosity)
     try:
-        with progress.interruptible():
+        from .dp_search import Session
+        args.session = Session.from_env(reporter)   # configuration read once, here
+        with reporter.interruptible():
             return int(args.func(args) or 0)
     except MeshplanError as e:
         print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)

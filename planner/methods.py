@@ -1,12 +1,19 @@
 """Parallelization methods: what the user asks the planner to do.
 
-Plain frozen data; the API turns them into planning calls.
+Plain frozen data; each lowers itself once into a :class:`PlanRequest`
+(``method.request(num_devices)``), which ``meshplan.planning.plan_step`` runs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import MeshplanError
+from .request import PipelineOptions, PlanRequest
+
+# What a searched schedule ("auto") may be: the runtime executes GPipe and
+# 1F1B; interleaved 1F1B is planned only when asked for by name.
+AUTO_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved")
 
@@ -21,6 +28,17 @@ class ShardParallel:
     backend: str = "highs"
     name = "shard"
 
+    def request(self, num_devices: int) -> PlanRequest:
+        meshes = None
+        if self.mesh_shape is not None:
+            shape = tuple(int(s) for s in self.mesh_shape)
+            if math.prod(shape) != num_devices:
+                raise MeshplanError(f"ShardParallel(mesh_shape={shape}) has {math.prod(shape)} "
+                                    f"devices but the cluster has {num_devices}")
+            meshes = shape
+        return PlanRequest("shard", mesh_shape=meshes, axis_names=self.axis_names,
+                           time_limit=self.time_limit, backend=self.backend)
+
 
 @dataclass(frozen=True)
 class DataParallel:
@@ -28,6 +46,12 @@ class DataParallel:
     time_limit: float = 60.0
     backend: str = "highs"
     name = "data"
+
+    def request(self, num_devices: int) -> PlanRequest:
+        return PlanRequest("data", mesh_shape=(num_devices,), axis_names=("data",),
+                           input_layouts="replicated", batch_split=num_devices,
+                           batch_split_by="DataParallel", time_limit=self.time_limit,
+                           backend=self.backend)
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,23 @@ class Manual:
         if self.remat not in (None, True, False):
             raise MeshplanError(f"Manual(remat={self.remat!r}): use None, True or False")
 
+    def request(self, num_devices: int) -> PlanRequest:
+        used = self.dp * self.tp * self.pp
+        if used != num_devices:
+            raise MeshplanError(f"Manual(dp={self.dp}, tp={self.tp}, pp={self.pp}) uses "
+                                f"{used} devices but the cluster has {num_devices}")
+        if self.pp > 1 or self.num_micro_batches > 1 or self.remat:
+            return PlanRequest("manual", pipeline=PipelineOptions(
+                num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
+                num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
+                time_limit=self.time_limit, backend=self.backend, remat=self.remat,
+                input_filter="model"), time_limit=self.time_limit, backend=self.backend)
+        return PlanRequest("manual", mesh_shape=(self.dp, self.tp),
+                           axis_names=("data", "model"),
+                           input_layouts="model", batch_split=self.dp,
+                           batch_split_by="Manual(dp=...)", time_limit=self.time_limit,
+                           backend=self.backend)
+
 
 @dataclass(frozen=True)
 class PipeshardParallel:
@@ -73,6 +114,15 @@ class PipeshardParallel:
         if self.schedule not in SCHEDULES:
             raise MeshplanError(f"PipeshardParallel(schedule={self.schedule!r}): use one of {SCHEDULES}")
 
+    def request(self, num_devices: int) -> PlanRequest:
+        mb = None if self.num_micro_batches is None else (int(self.num_micro_batches),)
+        sched = AUTO_SCHEDULES if self.schedule == "auto" else (self.schedule,)
+        stages = None if self.stages == "auto" else int(self.stages)
+        return PlanRequest("pipeshard", pipeline=PipelineOptions(
+            num_micro_batches=mb, schedules=sched, num_stages=stages,
+            time_limit=self.time_limit, backend=self.backend),
+            time_limit=self.time_limit, backend=self.backend)
+
 
 @dataclass(frozen=True)
 class Auto:
@@ -81,6 +131,11 @@ class Auto:
     time_limit: float = 60.0
     backend: str = "highs"
     name = "auto"
+
+    def request(self, num_devices: int) -> PlanRequest:
+        return PlanRequest("auto", pipeline=PipelineOptions(
+            schedules=AUTO_SCHEDULES, time_limit=self.time_limit, backend=self.backend),
+            one_stage_by_whole_graph=True, time_limit=self.time_limit, backend=self.backend)
 
 
 Method = ShardParallel | DataParallel | Manual | PipeshardParallel | Auto

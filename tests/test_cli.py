@@ -246,7 +246,6 @@ def test_quiet_and_verbose(flags, where, usermod, capsys):
         assert err == ""
     else:
         assert "meshplan: tracing make:" in err and "meshplan: ILP on mesh" in err
-    progress.configure(progress.NORMAL)
 
 
 class _Tty(io.StringIO):
@@ -256,26 +255,21 @@ class _Tty(io.StringIO):
 
 def test_progress_on_a_terminal(monkeypatch):
     tty = _Tty()
-    progress.configure(progress.NORMAL, stream=tty)
-    try:
-        with progress.step("fast"):
+    reporter = progress.Progress(progress.NORMAL, stream=tty)
+    with reporter.step("fast"):
+        pass
+    assert "fast ..." in tty.getvalue() and "fast:" not in tty.getvalue()
+    monkeypatch.setattr(progress, "SLOW_S", 0.0)     # every step counts as slow
+    with reporter.step("outer"):
+        with reporter.step("inner"):
             pass
-        assert "fast ..." in tty.getvalue() and "fast:" not in tty.getvalue()
-        monkeypatch.setattr(progress, "SLOW_S", 0.0)     # every step counts as slow
-        with progress.step("outer"):
-            with progress.step("inner"):
-                pass
-        text = tty.getvalue()
-        assert "outer > inner ..." in text and "inner: " in text and "outer: " in text
-        plain = io.StringIO()                             # not a terminal: nothing
-        progress.configure(progress.NORMAL, stream=plain)
-        with progress.step("hidden"):
-            pass
-        assert plain.getvalue() == ""
-        progress.configure(progress.QUIET, stream=tty)
-        before = tty.getvalue()
-        with progress.step("quiet"):
-            pass
-        assert tty.getvalue() == before
-    finally:
-        progress.configure(progress.NORMAL)
+    text = tty.getvalue()
+    assert "outer > inner ..." in text and "inner: " in text and "outer: " in text
+    plain = io.StringIO()                             # not a terminal: nothing
+    with progress.Progress(progress.NORMAL, stream=plain).step("hidden"):
+        pass
+    assert plain.getvalue() == ""
+    before = tty.getvalue()
+    with progress.Progress(progress.QUIET, stream=tty).step("quiet"):
+        pass
+    assert tty.getvalue() == before

@@ -146,7 +146,7 @@ def test_stages_send_from_all_their_devices(dp, tp):
     """Between two stages of one host each, every device sends what it holds
     of the activations over its share of the host's link: 2 x the crossing
     bytes x how many devices hold each byte / (devices x link share)."""
-    from meshplan.dp_search import _layered, _options_from_method
+    from meshplan.dp_search.problem import layer_problems
     m, g = _gpt(4)
     cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x2.json"
                                     ).with_devices(2, 4)
@@ -155,7 +155,7 @@ def test_stages_send_from_all_their_devices(dp, tp):
     assert [s.submesh for s in p.stages] == [(1, 4), (1, 4)] and not any(s.remat for s in p.stages)
     work = sum(s.predicted.compute_s + s.predicted.comm_s for s in p.stages)
     sent = p.predicted.iteration_s - work       # one micro-batch: the stages run one after another
-    lay = _layered(g, 1, cluster, _options_from_method(method))
+    lay = layer_problems(g, 1, cluster, method.request(cluster.num_devices).pipeline)
     cut = p.stages[0].layers[1]
     # how many devices hold each byte of the activations crossing the cut,
     # from the layouts the first stage gives them
@@ -363,7 +363,7 @@ def test_a_micro_batch_size_the_step_cannot_trace_is_skipped():
 def test_layers_inside_a_scan_are_reported_or_unrolled():
     m = build_model("gpt", {"layers": "4", "hidden": "64", "seq_len": "32", "vocab": "128",
                             "scan_layers": "true", "batch": "8"})
-    from meshplan.dp_search import _scanned_layers
+    from meshplan.dp_search.search import _scanned_layers
     # a graph traced as it is holds the layers in one scan: the search says so
     g = trace(m.train_step, *m.abstract_args)
     note = _scanned_layers(g)
@@ -396,7 +396,7 @@ def test_layers_inside_a_scan_are_reported_or_unrolled():
 ])
 def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untraceable, expected):
     import dataclasses
-    import meshplan.dp_search as dps
+    import meshplan.dp_search.search as dps
     from meshplan.api import retracer
     from meshplan.errors import InfeasiblePlanError
     m = build_model("mlp", {"optimizer": "sgd", "batch": "256"})
@@ -411,7 +411,7 @@ def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untra
             raise InfeasiblePlanError("does not fit")
         return dataclasses.replace(base, num_micro_batches=lay.B, predicted=dataclasses.replace(
             base.predicted, iteration_s=1.0 + abs(lay.B - 32)))
-    monkeypatch.setattr(dps, "_plan_for_micro_batches", fake)
+    monkeypatch.setattr(dps, "_plan_for", fake)
     real = retracer(m.train_step, m.abstract_args, (1,), "step")
 
     def rt(B):
@@ -424,14 +424,14 @@ def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untra
     assert p.num_micro_batches == min(fits & set(expected), key=lambda b: abs(b - 32))
     # without pruning every usual count is searched
     tried.clear()
-    opts = dataclasses.replace(dps._options_from_method(meshplan.PipeshardParallel()),
+    opts = dataclasses.replace(meshplan.PipeshardParallel().request(8).pipeline,
                                prune_micro_batches=False)
     plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=rt, options=opts)
     assert tried[:7] == [b for b in (64, 32, 16, 8, 4, 2, 1) if b not in untraceable][:7]
 
 
 def test_no_fit_names_the_memory_reason_before_the_untraceable_counts(monkeypatch):
-    import meshplan.dp_search as dps
+    import meshplan.dp_search.search as dps
     from meshplan.api import retracer
     from meshplan.errors import InfeasiblePlanError, TraceError
     m = build_model("mlp", {"optimizer": "sgd", "batch": "256"})
@@ -440,7 +440,7 @@ def test_no_fit_names_the_memory_reason_before_the_untraceable_counts(monkeypatc
 
     def fake(full, lay, *args):
         raise InfeasiblePlanError(f"nothing fits with {lay.B}")
-    monkeypatch.setattr(dps, "_plan_for_micro_batches", fake)
+    monkeypatch.setattr(dps, "_plan_for", fake)
     real = retracer(m.train_step, m.abstract_args, (1,), "step")
 
     def rt(B):
@@ -501,3 +501,21 @@ def test_more_stages_than_repeated_blocks_cuts_finer_layers():
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
                       method=meshplan.Manual(dp=1, tp=1, pp=8, num_micro_batches=8))
     assert len(p.stages) == 8
+
+
+def test_a_schedule_searched_after_interleaved_is_costed():
+    # (the interleaved branch once rebound the send-cost helper to a float, so
+    # any schedule searched after it raised TypeError)
+    m, g = _gpt(4)
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=1)
+    opts = PipelineOptions(num_micro_batches=(1,), schedules=("interleaved", "1f1b", "gpipe"),
+                           num_stages=2, fixed=(2, 2, 2), equal_layers=True)
+    p = plan_pipeline(g, cluster, method, options=opts)
+    alone = {s: plan_pipeline(g, cluster, method, options=PipelineOptions(
+        num_micro_batches=(1,), schedules=(s,), num_stages=2, fixed=(2, 2, 2), equal_layers=True))
+        for s in ("interleaved", "1f1b", "gpipe")}
+    assert len(p.stages) == 2 and all(a < b for a, b in (st.layers for st in p.stages))
+    best = min(alone.values(), key=lambda q: q.predicted.iteration_s)
+    assert p.predicted.iteration_s == best.predicted.iteration_s
+    assert p.schedule == best.schedule

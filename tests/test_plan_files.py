@@ -72,12 +72,12 @@ def _leftovers(directory: pathlib.Path) -> list[str]:
     (meshplan.InfeasiblePlanError("no plan fits"), 2, "no plan fits"),
 ])
 def test_cli_plan_that_fails_writes_no_file(tmp_path, monkeypatch, capsys, failure, rc, words):
-    import meshplan.api
+    import meshplan.planning
 
     def fail(*a, **k):
         raise failure
 
-    monkeypatch.setattr(meshplan.api, "plan_graph", fail)
+    monkeypatch.setattr(meshplan.planning, "plan_step", fail)
     out = tmp_path / "plan.json"
     got = cli.main(["plan", "--model", "mlp", "--cluster", CLUSTER, "--method", "shard",
                     "--json", str(out)])

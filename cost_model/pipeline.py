@@ -1,0 +1,32 @@
+"""Pipeline cost formulas: what a stage pays to send its activations on, how
+many micro-batches a schedule keeps in flight, and the iteration time of the
+interleaved schedule.  Pure arithmetic on figures the stage DP already has."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: float) -> float:
+    """Seconds a stage spends per micro-batch sending ``cut_bytes`` of
+    activations on and receiving their gradients: every one of its
+    ``devices`` sends what it holds of them over its share of the links
+    (``p2p_bw`` bytes/s; a value replicated over r devices goes r times,
+    ``replication``), all devices in parallel."""
+    return 2 * cut_bytes * replication / (devices * p2p_bw)
+
+
+def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:
+    """Micro-batches whose activations a stage keeps at once: GPipe all of
+    them; 1F1B (and interleaved) at most the stages from this one to the last."""
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(num_micro_batches, stages_after)
+
+
+def interleaved_iteration_s(latencies: Sequence[float], sends: Sequence[float],
+                            num_micro_batches: int) -> float:
+    """Iteration time of interleaved 1F1B with two model chunks per device:
+    the bubble halves and stage-to-stage traffic doubles (``sends``: each
+    stage's per-micro-batch send time, counted once more)."""
+    t_max = max(latencies)
+    return num_micro_batches * t_max + (sum(latencies) - t_max) / 2 + sum(sends)

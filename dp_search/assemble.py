@@ -1,0 +1,133 @@
+"""Plans from the passes' answers: a one-stage plan from the whole-graph ILP,
+a pipeline plan from the stage DP's choice.  Parameters and batch pieces are
+keyed by their argument's section prefix and ``keystr`` path (DESIGN.md)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..cluster import ClusterSpec
+from ..cost_model.mesh import default_submesh
+from ..graph import BATCH, Graph
+from ..plan import Plan, PlanPredicted, Predicted, Stage, arg_prefixes
+from .layers import BOUNDARY, canonical_tensors
+from .problem import LayerProblems
+from .stage_dp import StageChoice, Submesh
+from .stages import PipelineChoice, StageCosts
+
+
+def section_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
+    nonbatch = sorted({i.argnum for i in graph.inputs if i.argnum not in graph.batch_argnums})
+    return arg_prefixes(nonbatch) + arg_prefixes(sorted(set(graph.batch_argnums)))
+
+
+def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: str,
+                       notes: tuple[str, ...] = ()) -> Plan:
+    """A one-stage Plan from the ILP's answer."""
+    prefixes = dict(section_prefixes(graph))
+    params, batch = [], []
+    for inp, spec in zip(graph.inputs, result.input_specs):
+        key = prefixes.get(inp.argnum, "") + inp.path
+        (batch if inp.argnum in graph.batch_argnums else params).append((key, spec))
+    outputs = tuple((o.path, s) for o, s in zip(graph.outputs, result.output_specs) if s is not None)
+    n = result.mesh.size
+    stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
+                  logical_mesh=result.mesh, remat=False, params=tuple(params),
+                  predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
+                  outputs=outputs, constraints=result.constraints, strategies=result.strategies,
+                  read_constraints=tuple(getattr(result, "read_constraints", ())))
+    it = result.compute_s + result.comm_s
+    tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
+    predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
+                              peak_memory_bytes=int(result.peak_memory_bytes),
+                              comm_bytes_per_device=int(round(result.comm_bytes)))
+    return Plan(graph_fingerprint=graph.fingerprint, cluster=cluster, method=method,
+                stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
+                predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
+                arg_prefixes=section_prefixes(graph), notes=notes)
+
+
+def place_stages(submeshes: Sequence[Submesh], stages: Sequence[StageChoice], cluster: ClusterSpec
+           ) -> list[tuple[int, ...]]:
+    """Device ids per stage: whole hosts first, then pieces of hosts, first fit."""
+    dph = cluster.devices_per_host
+    free = {h: list(range(h * dph, (h + 1) * dph)) for h in range(cluster.num_hosts)}
+    out: list[tuple[int, ...] | None] = [None] * len(stages)
+    order = sorted(range(len(stages)), key=lambda k: -submeshes[stages[k].submesh].size)
+    for k in order:
+        sub = submeshes[stages[k].submesh]
+        if sub.hosts > 1 or sub.devices_per_host == dph:
+            hosts = [h for h in free if len(free[h]) == dph][:sub.hosts]
+            ids = [d for h in hosts for d in free.pop(h)]
+        else:
+            h = next(h for h in free if len(free[h]) >= sub.devices_per_host)
+            ids, free[h] = free[h][:sub.devices_per_host], free[h][sub.devices_per_host:]
+            if not free[h]:
+                free.pop(h)
+        out[k] = tuple(ids)
+    return [o for o in out if o is not None]
+
+
+def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs: StageCosts,
+                  cluster: ClusterSpec, method: str) -> Plan:
+    """The Plan of the stage DP's ``choice`` (``full``: the step at full batch)."""
+    g, layering, subs, submeshes, meshes_of = lay.g, lay.layering, lay.subs, lay.submeshes, \
+        lay.meshes_of
+    res, schedule, B, total = choice.dp, choice.schedule, lay.B, choice.total_s
+    pre = dict(section_prefixes(full))
+    placements = place_stages(submeshes, res.stages, cluster)
+    stages, batch_specs = [], {}
+    n_stages = len(res.stages)
+    peak_mem = 0
+    comm_bytes = 0.0
+    for k, (st, devices) in enumerate(zip(res.stages, placements)):
+        opt = choice.options[st.first, st.last, st.submesh, n_stages - k]
+        remat, mem, mesh_k = opt.remat, opt.memory_bytes, opt.mesh
+        mesh = meshes_of[st.submesh][mesh_k]
+        params: dict[str, tuple] = {}
+        # the layers' planned layouts, keyed by tensor ids of the step traced
+        # at micro-batch size (what the pipeline runtime replays): the
+        # intermediates, and the activations / batch pieces entering a layer
+        constraints: dict[int, tuple] = {}
+        reads: dict[tuple[int, int], tuple] = {}
+        compute = comm = cbytes = 0.0
+        for l in range(st.first, st.last + 1):
+            lc = costs.layer(l, st.submesh, mesh_k)
+            compute += lc.compute_s
+            comm += lc.comm_s
+            cbytes += lc.comm_bytes
+            # (the result may come from a structurally equal layer: its ids)
+            ids = dict(zip(lc.tensors, canonical_tensors(subs[l])))
+            for t, spec in lc.result.constraints:
+                constraints.setdefault(ids.get(t, t), spec)
+            for t, pos, spec in lc.result.read_constraints:
+                reads.setdefault((ids.get(t, t), pos), spec)
+            for inp, spec in zip(subs[l].inputs, lc.result.input_specs):
+                if inp.role in (BOUNDARY, BATCH) and g.tensors[inp.tensor].shape:
+                    constraints.setdefault(inp.tensor, spec)
+                if inp.role == BOUNDARY:
+                    continue
+                key = pre.get(inp.argnum, "") + inp.path
+                if inp.role == BATCH:
+                    batch_specs.setdefault(key, spec)
+                else:
+                    params.setdefault(key, spec)
+        sub = submeshes[st.submesh]
+        stages.append(Stage(layers=(st.first, st.last), devices=devices,
+                            submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
+                            remat=remat, params=tuple(sorted(params.items())),
+                            predicted=Predicted(compute, comm, int(mem)),
+                            constraints=tuple(sorted(constraints.items())),
+                            read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
+        peak_mem = max(peak_mem, int(mem))
+        comm_bytes = max(comm_bytes, cbytes * B)
+    tflops = full.total_flops / cluster.num_devices / total / 1e12 if total > 0 else 0.0
+    return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,
+                stages=tuple(stages), num_micro_batches=B,
+                schedule=schedule if n_stages > 1 else "none",
+                batch=tuple(sorted(batch_specs.items())),
+                predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes)),
+                function=full.name, batch_argnums=full.batch_argnums,
+                arg_prefixes=tuple(sorted(pre.items())),
+                notes=(f"{layering.num_layers} layers "
+                       f"({'user marks' if layering.marked else 'clustered'})",),
+                layer_of_node=layering.layer_of_node if n_stages > 1 else ())

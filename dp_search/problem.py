@@ -1,0 +1,130 @@
+"""One micro-batch count's layer problems, ready for the stage DP: the step
+traced at micro-batch size cut into layers, each layer's subgraph, what its
+backward keeps and what it sends on, and the submeshes and logical meshes a
+stage may take."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cluster import ClusterSpec
+from ..errors import MeshplanError
+from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..ilp import candidate_meshes
+from ..plan import LogicalMesh
+from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, group_layers,
+                     layer_subgraph, saved_for_backward, unmarked_view)
+from .options import PipelineOptions
+from .stage_dp import Submesh, submesh_shapes
+
+
+@dataclass
+class LayerProblems:
+    """One micro-batch count's layers and layer problems, ready for the DP."""
+    B: int
+    g: Graph                        # the step traced at micro-batch size
+    layering: Layering
+    groups: list[tuple[int, int]]   # consecutive layers the stage DP cuts between
+    subs: list[Graph]               # one subgraph per layer
+    fwd_flops: list[float]
+    grads: frozenset[int]           # parameter gradients (what meshplan.grad marks)
+    saved: list[frozenset[int]]     # per layer: what its backward reads
+    crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
+    submeshes: list[Submesh]
+    meshes_of: list[list[LogicalMesh]]
+    max_stages: int | None
+    budget: float
+    p2p_bw: float                   # one device's share of the links between stages (bytes/s)
+    # parameters, optimizer and other state of each layer, unsharded: a stage
+    # whose state cannot fit even when split over all its devices is skipped
+    # before any ILP is solved
+    state_bytes: list[float]
+
+    def request(self, l: int, m: int, k: int) -> tuple:
+        """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
+        s = self.submeshes[m]
+        return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
+                self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l])
+
+    def requests(self) -> list[tuple]:
+        """Every layer on every mesh its state fits: the stage DP asks for all of them."""
+        return [self.request(l, m, k) for l in range(len(self.subs))
+                for m, s in enumerate(self.submeshes) if self.state_bytes[l] / s.size <= self.budget
+                for k in range(len(self.meshes_of[m]))]
+
+
+def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> LayerProblems:
+    # at least as many layers as a fixed number of stages needs
+    need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
+    wanted = max(default_layers(g, cluster), need)
+    layering = assign_layers(g, opts.num_layers, default_layers=wanted)
+    if layering.num_layers < need and opts.num_layers is None:
+        # fewer repeated blocks than the stages asked for: finer layers
+        layering = assign_layers(g, need)
+    L = layering.num_layers
+    # the stage DP cuts between groups of consecutive layers (repeated blocks
+    # make many small layers; each kind is costed once, and a stage's cost is
+    # the sum of its layers' costs)
+    n_groups = max(wanted, min(L, 16)) if opts.num_layers is None else L
+    if opts.equal_layers:
+        if not opts.num_stages or L < opts.num_stages:
+            raise MeshplanError("equal_layers needs a number of stages of at most the layers")
+        S = opts.num_stages
+        n_groups = S * (min(n_groups, L) // S)
+    view = unmarked_view(g, layering)
+    subs = [layer_subgraph(g, layering, l, l, view) for l in range(L)]
+    fwd_flops = [0.0] * L
+    for n in g.nodes:
+        if layering.forward[n.id]:
+            fwd_flops[layering.layer_of_node[n.id]] += n.flops
+    if opts.fixed is not None:
+        dp, tp, pp = opts.fixed
+        submeshes = [fixed_submesh(cluster, dp * tp)]
+        max_stages = pp
+    else:
+        # whole hosts: powers of two, and the divisors of the host count (so
+        # that equal stages can cover every host)
+        submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+                     if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
+        max_stages = opts.num_stages
+    return LayerProblems(
+        B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
+        fwd_flops=fwd_flops,
+        grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
+        saved=saved_for_backward(g, layering, view),
+        crossing=crossing_values(g, layering, subs, view),
+        submeshes=submeshes,
+        meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
+                   for s in submeshes],
+        max_stages=max_stages, budget=cluster.device.memory_bytes * opts.memory_fraction,
+        p2p_bw=(cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
+                if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s),
+        state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
+                                            if i.role in (PARAM, OPT_STATE, STATE)))
+                     for sub in subs])
+
+
+def default_layers(g: Graph, cluster: ClusterSpec) -> int:
+    return max(2, min(16, cluster.num_devices, len(g.nodes) // 50 or 2))
+
+
+def fixed_submesh(cluster: ClusterSpec, n: int) -> Submesh:
+    dph = cluster.devices_per_host
+    if n <= dph:
+        return Submesh(1, n)
+    if n % dph:
+        raise MeshplanError(f"a stage of {n} devices is not whole hosts of {dph}")
+    return Submesh(n // dph, dph)
+
+
+def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = False
+                  ) -> list[LogicalMesh]:
+    n = sub.size
+    if data_only:
+        return [LogicalMesh(("data",), (n,))]
+    if fixed is not None:
+        dp, tp, _ = fixed
+        return [LogicalMesh(("data", "model"), (dp, tp))]
+    meshes = candidate_meshes(n, 2, cluster=cluster, submesh=(sub.hosts, sub.devices_per_host))
+    if sub.hosts > 1:   # keep the fast axis inside a host (one axis may cross hosts)
+        meshes = [m for m in meshes if len(m.shape) == 1 or m.shape[-1] <= sub.devices_per_host]
+    return meshes

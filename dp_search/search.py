@@ -1,0 +1,186 @@
+"""The inter-operator pass's entry: :func:`plan_pipeline`.
+
+It cuts the step into layers (:mod:`.layers`, :mod:`.problem`), costs every
+distinct layer on every logical mesh of every candidate submesh with the ILP
+(:mod:`.solver`; cached in the session, so identical transformer blocks are
+solved once), and runs the stage DP for each number of micro-batches and
+each schedule (:mod:`.stages`), keeping the fastest plan that fits
+(:mod:`.assemble`).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+from typing import Callable
+
+from ..cluster import ClusterSpec
+from ..errors import InfeasiblePlanError, MeshplanError, TraceError
+from ..graph import BATCH, PARAM, Graph
+from ..plan import Plan
+from .assemble import pipeline_plan
+from .options import PipelineOptions
+from .problem import LayerProblems, layer_problems
+from .session import SearchStats, Session
+from .solver import LayerSolver
+from .stages import best_pipeline
+
+
+def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
+    if fixed:
+        bad = [b for b in fixed if b < 1 or batch % b]
+        if bad:
+            raise MeshplanError(f"num_micro_batches={bad[0]} does not divide the batch size {batch}")
+        return list(fixed)
+    out = [b for b in (1, 2, 4, 8, 16, 32, 64) if batch % b == 0 and b <= batch]
+    return out or [1]
+
+
+def _batch_size(graph: Graph) -> int:
+    sizes = {graph.tensors[i.tensor].shape[0] for i in graph.inputs
+             if i.role == BATCH and graph.tensors[i.tensor].shape}
+    if not sizes:
+        raise MeshplanError("pipeline planning needs a batch: pass batch_argnums naming the "
+                            "arguments whose dimension 0 is the batch")
+    if len(sizes) > 1:
+        raise MeshplanError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
+                  retrace: Callable[[int], Graph] | None = None,
+                  options: PipelineOptions | None = None,
+                  session: Session | None = None) -> Plan:
+    """The fastest pipeline plan (possibly one stage) for ``graph`` under a
+    pipeline ``method`` (``options`` default to its request's)."""
+    request = method.request(cluster.num_devices)
+    opts = options or request.pipeline
+    if opts is None:
+        raise MeshplanError(f"{method!r} is not a pipeline method")
+    return search_pipeline(graph, cluster, opts, method_name=request.method, retrace=retrace,
+                           session=session or Session.from_env())[0]
+
+
+def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *,
+                    method_name: str, session: Session,
+                    retrace: Callable[[int], Graph] | None = None) -> tuple[Plan, SearchStats]:
+    """The fastest pipeline plan (possibly one stage) for ``graph``, and the
+    search's figures.  ``retrace(B)`` returns the step traced with the batch
+    split into ``B`` micro-batches; without it only ``B = 1`` is considered."""
+    batch = _batch_size(graph)
+    mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
+    if retrace is None:
+        mbs = [b for b in mbs if b == 1] or [mbs[0]]
+    # The most micro-batches first: fewer, larger micro-batches need more
+    # memory, so once a count fits nothing after one that did, fewer are not
+    # tried (prune_micro_batches).
+    todo = sorted(mbs, reverse=True)
+    searched: list[int] = []
+    untraceable: set[int] = set()
+    search = LayerSolver(cluster, opts, session)
+    best: tuple[float, Plan] | None = None
+    errors: dict[int, str] = {}          # micro-batch count -> why it has no plan
+    ahead: dict[int, LayerProblems | TraceError] = {}
+
+    def layered(B: int) -> LayerProblems | TraceError:
+        t0 = time.perf_counter()
+        try:
+            g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+        except TraceError as e:
+            return e
+        finally:
+            search.trace_s += time.perf_counter() - t0
+        return layer_problems(g, B, cluster, opts)
+
+    try:
+        while todo:
+            B = todo.pop(0)
+            searched.append(B)
+            try:
+                with session.progress.step(f"pipeline search with {B} micro-batch(es) "
+                                           f"(layer ILPs and stage DP)"):
+                    lay = ahead.pop(B) if B in ahead else layered(B)
+                    if isinstance(lay, TraceError):
+                        raise lay
+                    pending = search.submit(lay.requests())
+                    if pending is not None and todo and todo[0] not in ahead:
+                        # trace the next count while the workers solve this one's ILPs
+                        ahead[todo[0]] = layered(todo[0])
+                    search.collect(pending)
+                    p = _plan_for(graph, lay, cluster, opts, search, method_name)
+                if best is None or p.predicted.iteration_s < best[0]:
+                    best = (p.predicted.iteration_s, p)
+            except InfeasiblePlanError as e:
+                errors[B] = str(e)
+                more = [b for b in searched if b > B and b not in untraceable]
+                if opts.prune_micro_batches and (best is not None or not more):
+                    todo.clear()     # fewer micro-batches fit no better
+            except TraceError as e:
+                if B == 1:
+                    raise
+                # the step cannot run at this micro-batch size (e.g. MoE token
+                # groups larger than a micro-batch): fewer, larger ones may
+                errors[B] = f"the step does not trace with {B} micro-batches: {e}"
+                untraceable.add(B)
+                continue
+            top = max(searched)
+            if (best is None and not todo and opts.num_micro_batches is None
+                    and retrace is not None and top not in untraceable and batch % (2 * top) == 0):
+                # nothing fits yet: smaller micro-batches, down to one example
+                todo.append(2 * top)
+    except BaseException:        # Ctrl-C included: no worker may outlive the search
+        search.close(abort=True)
+        raise
+    search.close()
+    if best is None:
+        # why the most micro-batches that traced (the least memory) fit nothing,
+        # then why the fewest micro-batches that did not trace failed
+        traced = [b for b in errors if b not in untraceable]
+        why = [errors[max(traced)]] if traced else []
+        why += [errors[min(untraceable)]] if untraceable else []
+        raise InfeasiblePlanError(
+            "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
+            f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
+            "cluster with more memory per device",
+            budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
+    plan = best[1]
+    scan_note = _scanned_layers(graph)
+    if scan_note:
+        warnings.warn(f"meshplan: {scan_note}", stacklevel=3)
+        plan = replace(plan, notes=plan.notes + (scan_note,))
+    # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
+    # (what this search needed, not what an earlier one left in the cache:
+    # the plan must not depend on the process's history)
+    note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
+            f"layer ILPs")
+    session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
+                          "from the cache")
+    return replace(plan, notes=plan.notes + (note,)), search.stats(len(searched))
+
+
+def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
+              solver: LayerSolver, method: str) -> Plan:
+    """The best plan with ``lay``'s micro-batch count (InfeasiblePlanError: none fits)."""
+    choice, costs = best_pipeline(lay, cluster, opts, solver)
+    return pipeline_plan(full, lay, choice, costs, cluster, method)
+
+
+def _scanned_layers(graph: Graph) -> str | None:
+    """What to tell a user whose layers run inside one ``lax.scan`` that
+    reads parameters: the search cannot cut inside a scan.  (``meshplan.plan``
+    and ``parallelize`` unroll a scan that iterates over stacked arguments
+    first, :mod:`meshplan.unstack`; this remains for other scans and graphs
+    traced as they are.)"""
+    total = graph.total_flops or 1.0
+    params = {i.tensor for i in graph.inputs if i.role == PARAM}
+    # (the forward scan and its transpose in the backward pass both read them)
+    scans = [n for n in graph.nodes
+             if n.primitive == "scan" and n.repeat > 1 and params & set(n.inputs)]
+    share = sum(n.flops for n in scans) / total
+    if share < 0.5:
+        return None
+    return (f"{share:.0%} of the step's FLOPs run inside lax.scan over {scans[0].repeat} stacked "
+            "layers, which the pipeline search treats as one layer each (stages cannot split a "
+            "scan); meshplan.plan unrolls a scan only when it iterates over stacked arguments "
+            "of the step: stack the layers' parameters as arguments, or loop over the blocks "
+            "in Python")

@@ -1,0 +1,64 @@
+"""A planning session: what planning keeps across passes and calls, passed
+explicitly (no module-level state in the passes).
+
+The API and the CLI make one per call (``Session.from_env``: configuration
+is read there, once); a benchmark that plans one model many ways passes one
+session to every call, so that each distinct layer ILP is solved once.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..errors import MeshplanError
+from ..progress import Progress
+
+LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on, at most 8 (processes for layer ILPs)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+@dataclass
+class Session:
+    progress: Progress = field(default_factory=Progress)
+    workers: int = field(default_factory=usable_cpus)    # processes for layer ILPs
+    # layer ILP results by problem (see dp_search.solver.LayerSolver)
+    layer_cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, progress: Progress | None = None) -> "Session":
+        """A session configured from the environment: ``MESHPLAN_WORKERS``
+        (processes for layer ILPs; default the usable CPUs, at most 8)."""
+        env = os.environ.get("MESHPLAN_WORKERS")
+        workers = usable_cpus()
+        if env:
+            try:
+                workers = max(1, int(env))
+            except ValueError:
+                raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer") from None
+        return cls(progress=progress or Progress(), workers=workers)
+
+    def __repr__(self) -> str:
+        return (f"Session(workers={self.workers}, {len(self.layer_cache)} layer costs cached, "
+                f"{self.progress!r})")
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """Figures of one inter-operator search (benchmarks report them)."""
+    micro_batch_counts: int = 0    # micro-batch counts searched
+    distinct_layer_ilps: int = 0   # distinct layer problems the search needed
+    solved: int = 0                # layer ILPs solved by this search
+    cache_hits: int = 0            # layer costs found in the session's cache
+    trace_s: float = 0.0           # wall time re-tracing the step per micro-batch count
+    ilp_s: float = 0.0             # wall time in layer ILPs (in-process or waiting on workers)
+    ilp_work_s: float = 0.0        # seconds the layer ILPs took, wherever they ran
+    dp_s: float = 0.0              # wall time in the stage DP, its ILPs excluded
+    workers: int = 1

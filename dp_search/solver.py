@@ -1,0 +1,217 @@
+"""Layer ILPs for the stage DP: every distinct layer problem is solved once
+per session (cached by a structural hash and the mesh's link figures), in
+worker processes when there are enough of them to pay for the workers."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cluster import ClusterSpec
+from ..cost_model.mesh import mesh_model
+from ..cost_model.sharding import num_shards, spec_from_names
+from ..errors import InfeasiblePlanError
+from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..ilp import InputLayouts, IntraOpResult, solve_intra_op
+from ..plan import LogicalMesh
+from .layers import BOUNDARY, canonical_tensors
+from .options import PipelineOptions
+from .session import LAYER_CACHE_MAX, SearchStats, Session
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    time_s: float
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+    resident_bytes: float      # parameters, optimizer state, other state on one device
+    activation_bytes: float    # peak of live intermediates (incl. incoming boundary) per micro-batch
+    boundary_bytes: float      # incoming activations per micro-batch (what remat keeps)
+    saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
+    forward_fraction: float    # share of the layer's time spent in its forward pass
+    result: IntraOpResult
+    # how many devices hold each byte of the activations the layer sends on
+    # (bytes-weighted; 1 when they are split over the whole mesh)
+    send_replication: float = 1.0
+    # the solved layer's tensor ids in canonical order: a structurally equal
+    # layer reuses this result with its own ids in the same positions
+    tensors: tuple[int, ...] = ()
+
+    @property
+    def transient_bytes(self) -> float:
+        """What one micro-batch's passes need beyond the saved activations."""
+        return max(self.activation_bytes - self.saved_bytes, 0.0)
+
+
+def solve_job(job: tuple) -> tuple[IntraOpResult | None, float]:
+    """One layer ILP (run in a worker process when solving in parallel): its
+    result (None: it does not fit) and the seconds it took."""
+    sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt = job
+    t0 = time.perf_counter()
+    try:
+        r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
+                           time_limit=time_limit, memory_budget=budget,
+                           accumulate=grads, grad_accum=grad_accum, input_filter=filt)
+    except InfeasiblePlanError:
+        r = None
+    return r, time.perf_counter() - t0
+
+
+def _ignore_sigint() -> None:
+    """In an ILP worker: Ctrl-C is the parent's to handle (it ends the workers)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@dataclass
+class LayerSolver:
+    """The layer ILPs of one search, cached in its session."""
+    cluster: ClusterSpec
+    options: PipelineOptions
+    session: Session
+    solves: int = 0             # ILPs solved by this search
+    hits: int = 0               # layer costs found in the session's cache
+    used: set = field(default_factory=set)   # distinct layer problems this search needed
+    trace_s: float = 0.0        # wall time re-tracing the step per micro-batch count
+    ilp_s: float = 0.0          # wall time in layer ILPs (in-process or waiting on workers)
+    ilp_work_s: float = 0.0     # seconds the layer ILPs took, wherever they ran
+    dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
+    _pool: Any = None
+
+    @property
+    def cache(self) -> dict:
+        return self.session.layer_cache
+
+    @property
+    def workers(self) -> int:
+        return self.session.workers
+
+    def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+             grad_accum: int) -> tuple:
+        mm = mesh_model(self.cluster, mesh, submesh=submesh)
+        if len(self.cache) > LAYER_CACHE_MAX:
+            self.cache.clear()
+        o = self.options
+        return (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
+                grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
+                o.memory_fraction)
+
+    def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+             grads: frozenset[int], grad_accum: int) -> tuple:
+        """The arguments of :func:`solve_job` (only what a worker needs)."""
+        o = self.options
+        used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
+        filt = InputLayouts(o.input_filter) if isinstance(o.input_filter, str) else o.input_filter
+        return (sub, self.cluster, mesh, submesh, o.backend, o.time_limit,
+                self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt)
+
+    def submit(self, requests: list[tuple]) -> tuple | None:
+        """Start solving the distinct layer ILPs of ``requests`` (arguments of
+        :meth:`layer_cost`) in worker processes, when there are enough of
+        them to pay for the workers; :meth:`collect` waits for them.  (Those
+        not sent are solved one by one when :meth:`layer_cost` asks.)"""
+        todo: dict[tuple, tuple] = {}
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing in requests:
+            key = self._key(sub, mesh, submesh, grad_accum)
+            if key not in self.cache and key not in todo:
+                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
+                             fwd_flops, saved, crossing)
+        if self.workers <= 1 or len(todo) < 4 * self.workers:
+            return None
+        import multiprocessing
+        import warnings
+        with warnings.catch_warnings():
+            # The workers run the ILP only (numpy, HiGHS), never JAX, so
+            # JAX's warning about forking a multithreaded process does not
+            # apply; fork (unlike spawn) needs no `if __name__ == "__main__"`
+            # guard in the user's script.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            if self._pool is None:
+                self._pool = multiprocessing.get_context("fork").Pool(
+                    self.workers, initializer=_ignore_sigint)
+        keys = list(todo)
+        return keys, todo, self._pool.map_async(solve_job, [todo[k][0] for k in keys],
+                                                chunksize=1)
+
+    def collect(self, batch: tuple | None) -> None:
+        """Wait for a :meth:`submit` and keep its layer costs."""
+        if batch is None:
+            return
+        keys, todo, pending = batch
+        t0 = time.perf_counter()
+        results = pending.get()
+        for key, (r, took) in zip(keys, results):
+            _, sub, mesh, fwd_flops, saved, crossing = todo[key]
+            self.solves += 1
+            self.ilp_work_s += took
+            self.cache[key] = (None if r is None else
+                               layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing))
+        self.ilp_s += time.perf_counter() - t0
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the worker processes; ``abort`` (an interrupt, an error)
+        kills them instead of letting them finish."""
+        if self._pool is not None:
+            if abort:
+                self._pool.terminate()
+            else:
+                self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+                   fwd_flops: float, grads: frozenset[int] = frozenset(),
+                   grad_accum: int = 1, saved: frozenset[int] = frozenset(),
+                   crossing: frozenset[int] = frozenset()
+                   ) -> LayerCost | None:
+        self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
+        key = self._key(sub, mesh, submesh, grad_accum)
+        self.used.add(key)
+        if key in self.cache:
+            self.hits += 1
+            return self.cache[key]
+        self.solves += 1
+        t0 = time.perf_counter()
+        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
+        self.ilp_work_s += took
+        self.cache[key] = (None if r is None else
+                           layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing))
+        self.ilp_s += time.perf_counter() - t0
+        return self.cache[key]
+
+
+    def stats(self, micro_batch_counts: int) -> SearchStats:
+        return SearchStats(micro_batch_counts=micro_batch_counts,
+                           distinct_layer_ilps=len(self.used), solved=self.solves,
+                           cache_hits=self.hits, trace_s=self.trace_s, ilp_s=self.ilp_s,
+                           ilp_work_s=self.ilp_work_s, dp_s=self.dp_s, workers=self.workers)
+
+
+def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
+                saved: frozenset[int], crossing: frozenset[int]) -> LayerCost:
+    specs = dict(r.constraints)
+    resident = boundary = 0.0
+
+    def local(t: int, spec) -> float:
+        return sub.tensors[t].nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
+
+    for inp, spec in zip(sub.inputs, r.input_specs):
+        specs[inp.tensor] = spec
+        if inp.role in (PARAM, OPT_STATE, STATE):
+            resident += local(inp.tensor, spec)
+        elif inp.role == BOUNDARY:
+            boundary += local(inp.tensor, spec)
+    kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
+    total_flops = sum(n.flops for n in sub.nodes) or 1.0
+    # all devices together hold each byte of what the layer sends on this often
+    sent = sum(sub.tensors[t].nbytes for t in crossing)
+    held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
+               for t in crossing)
+    return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
+                     max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
+                     min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
+                     canonical_tensors(sub))
+
+
+

@@ -1,0 +1,190 @@
+"""The best pipeline for one micro-batch count: stage costs from the layer
+costs, Alpa's stage-submesh DP (:mod:`.stage_dp`) per schedule, the fastest
+schedule kept.
+
+A stage's latency is the sum of its layers' ILP latencies on the stage's
+logical mesh (resharding between layers of one stage is not modelled: the
+layers of a stage share a mesh and identical blocks agree on their boundary
+layout), plus sending the activations and their gradients to the next stage
+(:func:`meshplan.cost_model.pipeline.stage_send_s`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from ..cluster import ClusterSpec
+from ..cost_model.pipeline import in_flight, interleaved_iteration_s, stage_send_s
+from ..errors import InfeasiblePlanError
+from .options import PipelineOptions
+from .problem import LayerProblems
+from .solver import LayerCost, LayerSolver
+from .stage_dp import DPResult, stage_dp
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """What a group of consecutive layers adds to a stage on one mesh."""
+    time_s: float            # forward + backward + update, no recomputation
+    resident_bytes: float    # parameters, optimizer and other state
+    saved_bytes: float       # kept per micro-batch in flight (what the backward reads)
+    transient_bytes: float   # the largest layer's temporaries beyond what it saves
+    remat_time_s: float      # time_s with each layer's forward run twice
+    boundary_bytes: float    # the layers' inputs: what recomputation keeps
+    activation_bytes: float  # the largest layer's live intermediates
+
+    @staticmethod
+    def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
+        return GroupCost(sum(p.time_s for p in parts), sum(p.resident_bytes for p in parts),
+                         sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
+                         sum(p.time_s * (1 + p.forward_fraction) for p in parts),
+                         sum(p.boundary_bytes for p in parts),
+                         max(p.activation_bytes for p in parts))
+
+    @staticmethod
+    def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
+        return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
+                         sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
+                         sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
+                         max(r.activation_bytes for r in rows))
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """The chosen way to run one stage (layers i..j, submesh m, s stages from it to the end)."""
+    latency_s: float
+    remat: bool
+    memory_bytes: float
+    mesh: int               # index into the submesh's logical meshes
+    send_s: float           # per micro-batch, to the next stage and back
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The fastest pipeline for one micro-batch count."""
+    total_s: float
+    schedule: str
+    dp: DPResult                                        # stages in layer indices
+    options: dict[tuple[int, int, int, int], StageOption]
+
+
+class StageCosts:
+    """Stage costs of one micro-batch count, from layer costs asked of ``solver`` once each."""
+
+    def __init__(self, lay: LayerProblems, opts: PipelineOptions, solver: LayerSolver) -> None:
+        self.lay, self.opts, self.solver = lay, opts, solver
+        self._layer: dict[tuple[int, int, int], LayerCost | None] = {}
+        self._groups: dict[tuple[int, int], list[GroupCost | None]] = {}
+        self.state_prefix = [0.0]
+        for b in lay.state_bytes:
+            self.state_prefix.append(self.state_prefix[-1] + b)
+
+    def layer(self, l: int, m: int, k: int) -> LayerCost | None:
+        if (l, m, k) not in self._layer:
+            self._layer[l, m, k] = self.solver.layer_cost(*self.lay.request(l, m, k))
+        return self._layer[l, m, k]
+
+    def send_s(self, j: int, m: int, k: int) -> float:
+        """Seconds a stage ending with layer ``j`` (on mesh ``k`` of submesh ``m``)
+        spends per micro-batch sending its activations on."""
+        lay = self.lay
+        if j == lay.layering.num_layers - 1:
+            return 0.0
+        return stage_send_s(lay.layering.cut_bytes[j], self.layer(j, m, k).send_replication,
+                            lay.submeshes[m].size, lay.p2p_bw)
+
+    def groups(self, m: int, k: int) -> list[GroupCost | None]:
+        """Per group of layers on mesh ``k`` of submesh ``m``: its cost, or None
+        where a layer has no plan (or its state alone cannot fit)."""
+        if (m, k) not in self._groups:
+            lay, rows = self.lay, []
+            for a, b in lay.groups:
+                if any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
+                       for l in range(a, b + 1)):
+                    rows.append(None)
+                    continue
+                parts = [self.layer(l, m, k) for l in range(a, b + 1)]
+                rows.append(None if any(p is None for p in parts) else GroupCost.of_layers(parts))
+            self._groups[m, k] = rows
+        return self._groups[m, k]
+
+    def best(self, gi: int, gj: int, m: int, s: int, schedule: str) -> StageOption | None:
+        """The fastest fitting way to run groups ``gi..gj`` as a stage on submesh
+        ``m`` with ``s`` stages from it to the last, or None."""
+        lay, opts = self.lay, self.opts
+        i, j = lay.groups[gi][0], lay.groups[gj][1]
+        if opts.equal_layers and gj - gi + 1 != len(lay.groups) // opts.num_stages:
+            return None
+        keep = in_flight(schedule, lay.B, s)
+        if (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size > lay.budget:
+            return None
+        best = None
+        for k in range(len(lay.meshes_of[m])):
+            rows = self.groups(m, k)[gi:gj + 1]
+            if any(r is None for r in rows):
+                continue
+            send = self.send_s(j, m, k)
+            c = GroupCost.of_groups(rows)
+            # each micro-batch in flight keeps what its backward reads; the one
+            # being processed also needs its layer's temporaries.  With remat
+            # a stage keeps only its inputs and recomputes a layer's forward
+            # just before its backward.
+            ways = []
+            if opts.remat is not True:
+                ways.append((c.time_s + send, False,
+                             c.resident_bytes + keep * c.saved_bytes + c.transient_bytes))
+            if opts.remat is not False:
+                ways.append((c.remat_time_s + send, True,
+                             c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
+            for lat, remat, mem in ways:
+                if mem <= lay.budget and (best is None or lat < best.latency_s):
+                    best = StageOption(lat, remat, mem, k, send)
+        return best
+
+
+def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
+                  solver: LayerSolver) -> tuple[PipelineChoice, StageCosts]:
+    """The fastest schedule's pipeline for ``lay``'s micro-batch count."""
+    costs = StageCosts(lay, opts, solver)
+    found = []
+    for schedule in opts.schedules:
+        c = _pipeline_for(schedule, lay, cluster, opts, solver, costs)
+        if c is not None:
+            found.append(c)
+    if not found:
+        raise InfeasiblePlanError(f"no stage assignment fits with {lay.B} micro-batch(es)")
+    return min(found, key=lambda c: c.total_s), costs
+
+
+def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
+                  opts: PipelineOptions, solver: LayerSolver, costs: StageCosts
+                  ) -> PipelineChoice | None:
+    chosen: dict[tuple[int, int, int, int], StageOption] = {}
+
+    def stage_cost(gi: int, gj: int, m: int, s: int) -> float | None:
+        best = costs.best(gi, gj, m, s, schedule)
+        if best is None:
+            return None
+        chosen[lay.groups[gi][0], lay.groups[gj][1], m, s] = best
+        return best.latency_s
+
+    t0, ilp0 = time.perf_counter(), solver.ilp_s
+    res = stage_dp(len(lay.groups), lay.submeshes, cluster.num_devices, lay.B, stage_cost,
+                   max_stages=lay.max_stages)
+    solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
+    if res is None:
+        return None
+    res = replace(res, stages=tuple(replace(st, first=lay.groups[st.first][0],   # groups -> layers
+                                            last=lay.groups[st.last][1]) for st in res.stages))
+    n_st = len(res.stages)
+    if opts.fixed is not None and n_st != opts.fixed[2]:
+        return None
+    total = res.total_s
+    if schedule == "interleaved":
+        if n_st < 2 or any(st.last - st.first < 1 for st in res.stages):
+            return None
+        sends = [chosen[st.first, st.last, st.submesh, n_st - k].send_s
+                 for k, st in enumerate(res.stages[:-1])]
+        total = interleaved_iteration_s([st.latency for st in res.stages], sends, lay.B)
+    return PipelineChoice(total, schedule, res, dict(chosen))

@@ -1,0 +1,151 @@
+"""Planning, one path for the API and the CLI.
+
+``plan_function`` traces a step (unrolling a ``lax.scan`` over stacked layers,
+:mod:`meshplan.unstack`), then ``plan_step`` runs what the method's request
+(:mod:`meshplan.request`) asks: the whole-graph ILP for one stage, or the
+inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
+(progress, layer-cost cache, worker count), made at the edge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .cluster import ClusterSpec
+from .dp_search import SearchStats, Session, search_pipeline
+from .dp_search.assemble import plan_from_intra_op
+from .errors import InfeasiblePlanError, MeshplanError
+from .graph import BATCH, Graph, strip_markers
+from .methods import Method
+from .plan import LogicalMesh, Plan
+from .request import PlanRequest
+from .trace import trace
+from .unstack import Unstacked, layer_counts, unstack_scanned_layers
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan and how it was found (``search``: the inter-operator search's
+    figures; None when only the whole-graph ILP ran)."""
+    plan: Plan
+    search: SearchStats | None = None
+
+
+@dataclass(frozen=True)
+class TracedFunction:
+    """A step traced for planning: its Graph, and the step and arguments that
+    were traced (with a scan over stacked layers, its per-layer rewrite)."""
+    graph: Graph
+    step: Callable
+    args: tuple[Any, ...]
+    batch_argnums: tuple[int, ...]
+    name: str
+    unstacked: Unstacked | None = None
+
+    def retrace(self, B: int) -> Graph:
+        """The step traced with its batch split into ``B`` micro-batches."""
+        return retracer(self.step, self.args, self.batch_argnums, self.name)(B)
+
+
+def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
+                   name: str, session: Session) -> TracedFunction:
+    """Trace ``fn`` for planning.  When a ``lax.scan`` iterates over stacked
+    parameters, the step planned (and run) is its rewrite with one input per
+    layer (:mod:`meshplan.unstack`)."""
+    with session.progress.step(f"tracing {name}"):
+        graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
+    unstacked = unstack_scanned_layers(graph, fn, abstract)
+    if unstacked is None:
+        return TracedFunction(graph, fn, tuple(abstract), batch_argnums, name)
+    step_args = unstacked.split(abstract)
+    with session.progress.step(f"unrolling the lax.scan over {layer_counts(unstacked.shapes)} "
+                               "stacked layers"):
+        graph = trace(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
+    return TracedFunction(graph, unstacked.fn, step_args, batch_argnums, name, unstacked)
+
+
+def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
+                  session: Session) -> Planned:
+    """Plan a traced step; the plan notes a scan rewrite."""
+    planned = plan_step(traced.graph, cluster, method, retrace=traced.retrace, session=session)
+    u = traced.unstacked
+    if u is None or u.note in planned.plan.notes:
+        return planned
+    return replace(planned, plan=replace(planned.plan, notes=planned.plan.notes + (u.note,)))
+
+
+def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
+             name: str) -> Callable[[int], Graph]:
+    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
+    def shrink(x: Any, B: int) -> Any:
+        if not getattr(x, "shape", ()):
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] // B,) + tuple(x.shape[1:]), x.dtype)
+
+    def retrace(B: int) -> Graph:
+        args = list(abstract)
+        for a in batch_argnums:
+            args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
+        return trace(fn, *args, batch_argnums=batch_argnums, name=name)
+    return retrace
+
+
+def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
+              retrace: Callable[[int], Graph] | None = None,
+              session: Session | None = None) -> Planned:
+    """Plan a traced step: the method's request run by the passes.
+    ``retrace(B)`` lets the pipeline search re-trace the step for B micro-batches."""
+    lower = getattr(method, "request", None)
+    if lower is None:
+        raise MeshplanError(f"unknown method {method!r}: use meshplan.Auto(), ShardParallel(), "
+                            "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
+    request: PlanRequest = lower(cluster.num_devices)
+    session = session or Session.from_env()
+    if request.pipeline is None:
+        return Planned(_one_stage(graph, cluster, request, session))
+    p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
+                               retrace=retrace, session=session)
+    if request.one_stage_by_whole_graph and len(p.stages) == 1:
+        # one stage: the whole-graph ILP is more exact than the sum of layer costs
+        try:
+            s = _one_stage(graph, cluster, replace(request, pipeline=None), session)
+        except InfeasiblePlanError:
+            return Planned(p, stats)
+        if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
+            return Planned(replace(s, notes=s.notes + p.notes + (
+                "one stage is fastest: planned by the whole-graph ILP",)), stats)
+    return Planned(p, stats)
+
+
+def _one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
+               session: Session) -> Plan:
+    from .ilp import InputLayouts, best_intra_op, solve_intra_op
+    from .cost_model import default_axis_names
+    graph = strip_markers(graph)
+    if request.batch_split > 1:
+        _check_batch_divisible(graph, request.batch_split, request.batch_split_by)
+    shape = request.mesh_shape
+    mesh = None if shape is None else LogicalMesh(
+        tuple(request.axis_names or default_axis_names(len(shape))), tuple(shape))
+    if request.input_layouts is not None:
+        # hand-made layouts (data parallel, Megatron): one mesh, one ILP
+        r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
+                           backend=request.backend, time_limit=request.time_limit)
+    else:
+        r, _ = best_intra_op(graph, cluster, meshes=None if mesh is None else [mesh],
+                             backend=request.backend, time_limit=request.time_limit,
+                             reporter=session.progress)
+    return plan_from_intra_op(graph, cluster, r, request.method)
+
+
+def _check_batch_divisible(graph: Graph, n: int, what: str) -> None:
+    for inp in graph.inputs:
+        if inp.role == BATCH:
+            shape = graph.tensors[inp.tensor].shape
+            if shape and shape[0] % n:
+                raise InfeasiblePlanError(
+                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
+                    f"which does not split over {n} devices; use a batch size divisible by {n} "
+                    "or ShardParallel()")
