@@ -8,22 +8,23 @@ from typing import Any, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
 from ..graph import BATCH, Graph
-from ..plan import Plan, PlanPredicted, Predicted, Stage, arg_prefixes
+from ..plan import Plan, PlanPredicted, Predicted, Stage, section_prefixes
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
 from .stage_dp import StageChoice, Submesh
 from .stages import PipelineChoice, StageCosts
 
 
-def section_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
-    nonbatch = sorted({i.argnum for i in graph.inputs if i.argnum not in graph.batch_argnums})
-    return arg_prefixes(nonbatch) + arg_prefixes(sorted(set(graph.batch_argnums)))
+def graph_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
+    """The key prefix of each argument of ``graph`` (:func:`meshplan.plan.section_prefixes`)."""
+    return section_prefixes({i.argnum for i in graph.inputs} | set(graph.batch_argnums),
+                            graph.batch_argnums)
 
 
 def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: str,
                        notes: tuple[str, ...] = ()) -> Plan:
     """A one-stage Plan from the ILP's answer."""
-    prefixes = dict(section_prefixes(graph))
+    prefixes = dict(graph_prefixes(graph))
     params, batch = [], []
     for inp, spec in zip(graph.inputs, result.input_specs):
         key = prefixes.get(inp.argnum, "") + inp.path
@@ -43,7 +44,7 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
     return Plan(graph_fingerprint=graph.fingerprint, cluster=cluster, method=method,
                 stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
                 predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
-                arg_prefixes=section_prefixes(graph), notes=notes)
+                arg_prefixes=graph_prefixes(graph), notes=notes)
 
 
 def place_stages(submeshes: Sequence[Submesh], stages: Sequence[StageChoice], cluster: ClusterSpec
@@ -73,7 +74,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     g, layering, subs, submeshes, meshes_of = lay.g, lay.layering, lay.subs, lay.submeshes, \
         lay.meshes_of
     res, schedule, B, total = choice.dp, choice.schedule, lay.B, choice.total_s
-    pre = dict(section_prefixes(full))
+    pre = dict(graph_prefixes(full))
     placements = place_stages(submeshes, res.stages, cluster)
     stages, batch_specs = [], {}
     n_stages = len(res.stages)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.pipeline import in_flight, interleaved_iteration_s, stage_send_s

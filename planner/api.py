@@ -6,15 +6,13 @@ This module sits on top of every pass: it plans through
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
 
 from .cluster import ClusterSpec
 from .dp_search import Session
-from .dp_search.assemble import plan_from_intra_op, section_prefixes  # noqa: F401 (re-exported)
+from .dp_search.assemble import plan_from_intra_op  # noqa: F401 (re-exported)
 from .errors import StalePlanError
 from .graph import Graph
 from .methods import Method, ShardParallel

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from . import progress
-from .cluster import (ClusterSpec, DeviceSpec, LinkSpec, _allocator_limit, _physical_memory)
+from .cluster import ClusterSpec, DeviceSpec, LinkSpec
+from .datasheets import allocator_limit, physical_memory
 from .errors import MeshplanError
 
 Timer = Callable[[Callable[[], Any]], float]
@@ -284,11 +285,11 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
     # memory bandwidth
-    mem_limit = _allocator_limit(dev0)
+    mem_limit = allocator_limit(dev0)
     if mem_limit is not None:
         memory, mem_how = mem_limit, "the XLA allocator limit (device.memory_stats()['bytes_limit'])"
     else:
-        memory = max(1, _physical_memory() // per_host)
+        memory = max(1, physical_memory() // per_host)
         mem_how = (f"device.memory_stats() has no limit on {platform}: the host's physical "
                    f"memory split among its {per_host} device(s)")
     hi = max(opts.memory_min_bytes, min(opts.memory_max_bytes, memory // 16))

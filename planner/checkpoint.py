@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .errors import CheckpointError, StalePlanError
-from .plan import Plan, Spec, Stage, arg_prefixes
+from .plan import Plan, Spec, Stage, section_prefixes
 
 __all__ = ["save_state", "restore_state", "checkpoint_info", "shardings_for",
            "CHECKPOINT_FORMAT", "MARKER"]
@@ -277,8 +277,8 @@ def _prefix(plan: Plan, argnum: int) -> str:
         raise CheckpointError(f"argument {argnum} is a batch argument of the plan "
                               f"(batch_argnums={plan.batch_argnums}), not the train state")
     # the non-batch arguments the plan names, numbered among themselves
-    others = sorted({argnum} | {a for a, _ in plan.arg_prefixes if a not in plan.batch_argnums})
-    return dict(arg_prefixes(others))[argnum]
+    named = {argnum} | {a for a, _ in plan.arg_prefixes}
+    return dict(section_prefixes(named, plan.batch_argnums))[argnum]
 
 
 def _as_plan(plan: Any) -> Plan | None:

@@ -44,7 +44,6 @@ import difflib
 import json
 import math
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -209,6 +208,7 @@ class ClusterSpec:
         not measurements.
         """
         import jax  # lazily: parsing cluster files must not need jax
+        from meshplan import datasheets  # (and not the device tables)
 
         devices = jax.devices()
         hosts, per_host = jax.process_count(), jax.local_device_count()
@@ -219,20 +219,20 @@ class ClusterSpec:
             notes.append(f"{hosts} processes with {per_host} local devices do not make up "
                          f"the {len(devices)} devices; treated as one host")
             hosts, per_host = 1, len(devices)
-        known = _known_device(platform, kind)
+        known = datasheets.known_device(platform, kind)
         if known is None:
-            known = _generic_device(platform)
+            known = datasheets.generic_device(platform)
             warnings.warn(f"meshplan: no datasheet figures for device kind {kind!r} on "
                           f"{platform}; using rough defaults (see ClusterSpec.describe())",
                           stacklevel=2)
-        memory = _allocator_limit(jax.local_devices()[0])
+        memory = datasheets.allocator_limit(jax.local_devices()[0])
         if memory is not None:
             notes.append("memory is the XLA allocator limit")
         elif platform == "cpu":
-            memory = max(1, _physical_memory() // per_host)
+            memory = max(1, datasheets.physical_memory() // per_host)
             notes.append("memory is the host's physical memory split among local devices")
         else:
-            memory = _memory_from_kind(kind) or known.memory_bytes
+            memory = datasheets.memory_from_kind(kind) or known.memory_bytes
             notes.append("memory is the nominal figure for the device kind")
         notes_text = "; ".join(notes)
         description = (f"Described from jax.devices(): {len(devices)} x {kind!r} on {platform}. "
@@ -245,7 +245,7 @@ class ClusterSpec:
             device=DeviceSpec(kind=kind, memory_bytes=int(memory),
                               memory_bandwidth_bytes_per_s=known.memory_bandwidth,
                               peak_flops=known.flops),
-            intra_host=known.intra_host, inter_host=known.inter_host,
+            intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
             description=description, sources=(known.source,))
 
     # -- printing ------------------------------------------------------------
@@ -513,125 +513,3 @@ def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
-
-
-# ---------------------------------------------------------------------------
-# Figures for ClusterSpec.local()
-#
-# Peak FLOP/s are dense (no structured sparsity) datasheet figures.  float32 is
-# the non-tensor-core FMA rate; float64 on A100/H100 is the FP64 tensor-core
-# rate that DGEMM reaches.  Intra-host links: NVLink per GPU per direction for
-# SXM parts, a PCIe x16 slot per direction otherwise.  Latencies are estimates.
-
-@dataclass(frozen=True)
-class _Known:
-    match: tuple[str, ...]          # all of these occur in the lower-cased kind
-    flops: tuple[tuple[str, float], ...]
-    memory_bytes: int
-    memory_bandwidth: float
-    intra_host: LinkSpec
-    inter_host: LinkSpec
-    source: str
-    note: str = "Peak FLOP/s are datasheet figures for this device kind."
-
-
-_GIB = 2**30
-_NVLINK2, _NVLINK3, _NVLINK4 = (LinkSpec(b, 5e-6) for b in (150e9, 300e9, 450e9))
-_PCIE3, _PCIE4, _PCIE5 = (LinkSpec(b, 1e-5) for b in (16e9, 32e9, 64e9))
-# Between GPU hosts: a typical 100 Gbit/s NIC (12.5e9 bytes/s), ~10 us.
-_GPU_NET = LinkSpec(12.5e9, 1e-5)
-# TPU: ICI within a slice (order of v4/v5e ICI per chip), data-centre network between hosts.
-_TPU_ICI, _TPU_DCN = LinkSpec(100e9, 5e-6), LinkSpec(12.5e9, 2e-5)
-
-
-def _f(**tflops: float) -> tuple[tuple[str, float], ...]:
-    return tuple(sorted((k, v * 1e12) for k, v in tflops.items()))
-
-
-_A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624)
-_H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, float64=66.9,
-               float8_e4m3fn=1978.9, float8_e5m2=1978.9, int8=1978.9)
-_H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=51.2,
-                float8_e4m3fn=1513, float8_e5m2=1513, int8=1513)
-_KNOWN_GPUS = (
-    _Known(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8), 16 * _GIB, 900e9,
-           _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)"),
-    _Known(("v100",), _f(float16=112, float32=14, float64=7), 16 * _GIB, 900e9,
-           _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)"),
-    _Known(("t4",), _f(float16=65, float32=8.1, int8=130), 16 * _GIB, 320e9,
-           _PCIE3, _GPU_NET, "NVIDIA T4 datasheet"),
-    _Known(("a100", "pcie"), _A100, 80 * _GIB, 1935e9, _PCIE4, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)"),
-    _Known(("a100", "40gb"), _A100, 40 * _GIB, 1555e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"),
-    _Known(("a100",), _A100, 80 * _GIB, 2039e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"),
-    _Known(("h100", "pcie"), _H100_PCIE, 80 * _GIB, 2.0e12, _PCIE5, _GPU_NET,
-           "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)"),
-    _Known(("h100",), _H100_SXM, 80 * _GIB, 3.35e12, _NVLINK4, _GPU_NET,
-           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)"),
-    _Known(("h200",), _H100_SXM, 141 * 10**9, 4.8e12, _NVLINK4, _GPU_NET,
-           "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; same compute as H100 SXM)"),
-    _Known(("l4",), _f(bfloat16=121, float16=121, tfloat32=60, float32=30.3,
-                       float8_e4m3fn=242.5, float8_e5m2=242.5, int8=242.5),
-           24 * _GIB, 300e9, _PCIE4, _GPU_NET, "NVIDIA L4 Tensor Core GPU datasheet"),
-)
-# TPUs: float32 matmuls at JAX's default precision run on the bf16 MXU, so only
-# bf16/int8 are given and flops_for("float32") falls back to the bf16 figure.
-_KNOWN_TPUS = (
-    _Known(("v4",), _f(bfloat16=275, int8=275), 32 * _GIB, 1200e9, _TPU_ICI, _TPU_DCN,
-           "Google Cloud TPU v4 documentation"),
-    _Known(("v5", "lite"), _f(bfloat16=197, int8=394), 16 * _GIB, 819e9, _TPU_ICI, _TPU_DCN,
-           "Google Cloud TPU v5e documentation"),
-    _Known(("v6", "lite"), _f(bfloat16=918, int8=1836), 32 * _GIB, 1640e9, _TPU_ICI, _TPU_DCN,
-           "Google Cloud TPU v6e (Trillium) documentation"),
-)
-# CPU (also the fake devices of --xla_force_host_platform_device_count): a
-# modest 5e10 FLOP/s float32 per device -- a few vector cores' worth; virtual
-# devices share one host's cores, so this is nominal.  XLA:CPU computes 16-bit
-# floats through float32, so flops_for gives them the float32 figure.  Devices
-# exchange data through host memory (~10 GB/s, ~10 us); processes on different
-# hosts talk over TCP (gloo), taken as 10 Gbit/s Ethernet at ~50 us.
-_CPU = _Known((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
-              LinkSpec(10e9, 1e-5), LinkSpec(1.25e9, 5e-5),
-              "meshplan default for CPU devices (nominal, not measured)",
-              note="Peak FLOP/s is meshplan's nominal CPU default.")
-
-
-def _known_device(platform: str, kind: str) -> _Known | None:
-    if platform == "cpu":
-        return _CPU
-    table = _KNOWN_TPUS if platform == "tpu" else _KNOWN_GPUS
-    text = kind.lower()
-    for entry in table:
-        if all(re.search(rf"(?<![a-z0-9]){re.escape(m)}(?![0-9])", text) for m in entry.match):
-            return entry
-    return None
-
-
-def _generic_device(platform: str) -> _Known:
-    links = (_TPU_ICI, _TPU_DCN) if platform == "tpu" else (_PCIE4, _GPU_NET)
-    return _Known((), _f(bfloat16=50, float16=50, float32=10), 16 * _GIB, 500e9, *links,
-                  source="meshplan rough default for an unknown accelerator (a guess)",
-                  note="Unknown device kind: peak FLOP/s and memory bandwidth are guesses.")
-
-
-def _allocator_limit(device: Any) -> int | None:
-    try:
-        stats = device.memory_stats()
-    except Exception:  # not every backend implements memory_stats
-        return None
-    limit = (stats or {}).get("bytes_limit")
-    return int(limit) if isinstance(limit, (int, float)) and limit > 0 else None
-
-
-def _memory_from_kind(kind: str) -> int | None:
-    m = re.search(r"(\d+)\s*gb", kind.lower())
-    return int(m.group(1)) * _GIB if m else None
-
-
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 16 * _GIB

@@ -23,7 +23,6 @@ PARAM = "param"          # trainable parameter
 OPT_STATE = "opt_state"  # optimizer state (Adam moments, step count)
 BATCH = "batch"          # the data of one step: split along dim 0
 STATE = "state"          # other carried state (batch-norm statistics, counters)
-ROLES = (PARAM, OPT_STATE, BATCH, STATE)
 
 # Kinds of tensor.
 INPUT = "input"
@@ -162,9 +161,6 @@ class Graph:
 
     def tensor(self, tid: int) -> Tensor:
         return self.tensors[tid]
-
-    def inputs_with_role(self, *roles: str) -> tuple[GraphInput, ...]:
-        return tuple(i for i in self.inputs if i.role in roles)
 
     # ---- summary figures -------------------------------------------------
     @property

@@ -12,10 +12,9 @@ path starts with the argument's position among them (``[0]['w1']``).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from .cluster import ClusterSpec
@@ -183,6 +182,12 @@ class Plan:
     # gives each layer's stage).  Empty for one-stage plans and old files.
     layer_of_node: tuple[int, ...] = ()
 
+    def key_prefixes(self, num_args: int) -> dict[int, str]:
+        """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
+        for a call with ``num_args`` arguments (the recorded ones win)."""
+        return (dict(section_prefixes(range(num_args), self.batch_argnums))
+                | dict(self.arg_prefixes))
+
     @property
     def logical_mesh(self) -> LogicalMesh:
         return self.stages[0].logical_mesh
@@ -317,3 +322,13 @@ def arg_prefixes(argnums: Sequence[int]) -> tuple[tuple[int, str], ...]:
     if len(argnums) <= 1:
         return tuple((a, "") for a in argnums)
     return tuple((a, f"[{k}]") for k, a in enumerate(argnums))
+
+
+def section_prefixes(argnums: Iterable[int], batch_argnums: Sequence[int]
+                     ) -> tuple[tuple[int, str], ...]:
+    """The key prefix of each argument: non-batch arguments are numbered among
+    themselves (the stages' ``params``), batch arguments among themselves
+    (``batch``).  The one rule every reader and writer of plan tables uses."""
+    argnums = set(argnums)
+    return (arg_prefixes([a for a in argnums if a not in batch_argnums])
+            + arg_prefixes([a for a in argnums if a in batch_argnums]))

@@ -28,7 +28,6 @@ actual`` (0 when both are 0).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -65,12 +64,6 @@ class VerifyRow:
     @property
     def comm_ok(self) -> bool:
         return abs(self.comm_rel_error) <= 0.10
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["comm_rel_error"] = self.comm_rel_error
-        d["memory_rel_error"] = self.memory_rel_error
-        return d
 
 
 def _rel(pred: float, actual: float) -> float:

@@ -159,15 +159,6 @@ def test_restore_under_a_two_stage_pipeline_plan(gpt, trained):
     _assert_close(s, ref_states[3])
 
 
-def _pipeline_runtime() -> bool:
-    try:
-        import meshplan.runtime.pipeline  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _pipeline_runtime(), reason="meshplan.runtime.pipeline not available")
 def test_restore_then_train_under_the_pipeline_runtime(gpt, trained):
     model, state, batches, ref_states = gpt
     path, _ = trained
