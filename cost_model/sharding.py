@@ -21,10 +21,6 @@ def replicated(rank: int) -> ISpec:
     return ((),) * rank
 
 
-def used_axes(spec: ISpec) -> tuple[int, ...]:
-    return tuple(sorted(a for d in spec for a in d))
-
-
 def num_shards(spec: ISpec, mesh_shape: Sequence[int]) -> int:
     return math.prod(mesh_shape[a] for d in spec for a in d)
 
@@ -241,12 +237,6 @@ def _all_to_alls(mm, axes, src_dim, dst_dim, cur, nbytes, steps, spec, shards) -
             cur[dst_dim[a]].append(a)
         steps.append(("all-to-all",) + all_to_all(mm, tuple(sorted(batch)), nbytes / shards())
                      + (spec(),))
-
-
-def _order_changed(src_axes: tuple[int, ...], dst_axes: tuple[int, ...], a: int) -> bool:
-    """Axis ``a`` splits the same dimension in both, but the major-to-minor order
-    of the axes before it differs, so its shards hold different data."""
-    return src_axes[:src_axes.index(a)] != dst_axes[:dst_axes.index(a)]
 
 
 def spec_names(spec: ISpec, axis_names: Sequence[str]):

@@ -34,11 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import (BATCH, INPUT, INTERMEDIATE, STATE, Graph, GraphInput, GraphOutput,
-                     IDENTITY_MARKERS, forward_nodes, strip_markers)
+from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, STATE, Graph,
+                     GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, strip_markers)
 
-PIPELINE_BOUNDARY = "meshplan_pipeline_boundary"
-GRAD_BOUNDARY = "meshplan_grad_boundary"
 # Role of a tensor that enters a layer from another layer.
 BOUNDARY = "boundary"
 

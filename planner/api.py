@@ -17,7 +17,10 @@ from .errors import StalePlanError
 from .graph import Graph
 from .methods import Method, ShardParallel
 from .plan import Plan
-from .planning import plan_function, plan_step, retracer, trace_function
+from .planning import plan_function, plan_step, trace_function
+from .planning import retracer  # noqa: F401 (re-exported)
+from .trace import trace_for_run
+from .traced import TracedStep
 from .unstack import Unstacked
 
 
@@ -153,13 +156,19 @@ class Parallelized:
         return p, executable
 
     def _executable(self, p: Plan, graph: Graph, step: Callable, abstract: tuple[Any, ...]) -> Any:
+        """The runtime's executable of ``p``, given ``step`` traced as it runs."""
         from meshplan.runtime import ShardExecutable
+        batch_argnums = tuple(p.batch_argnums)
         if len(p.stages) > 1:
             # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B
             from meshplan.runtime.pipeline import PipelineExecutable
-            return PipelineExecutable(step, p, abstract,
-                                      layer_of_node=_layer_of_node(p, step, abstract))
-        return ShardExecutable(step, p, abstract, donate_argnums=self._donate(graph))
+            traced = trace_for_run(step, abstract, batch_argnums, p.num_micro_batches)
+            return PipelineExecutable(step, p, abstract, traced=traced,
+                                      layer_of_node=_layer_of_node(p, traced))
+        return ShardExecutable(step, p, abstract, traced=trace_for_run(step, abstract, batch_argnums),
+                               retrace=functools.partial(trace_for_run, step,
+                                                         batch_argnums=batch_argnums),
+                               donate_argnums=self._donate(graph))
 
     def _donate(self, graph: Graph) -> tuple[int, ...]:
         if self.donate_argnums == "auto":
@@ -231,14 +240,15 @@ class _Unstacking:
         return getattr(self.inner, name)
 
 
-def _layer_of_node(p: Plan, fn: Callable, abstract: tuple[Any, ...]) -> tuple[int, ...]:
+def _layer_of_node(p: Plan, traced: TracedStep) -> tuple[int, ...]:
     """[pipeline] The layer of every operation of the step at micro-batch size:
     recorded in the plan, or (a plan file from before the record) the
-    planner's layering recomputed with the plan's number of layers."""
+    planner's layering recomputed with the plan's number of layers on the
+    graph of the step as it runs (``traced``, at micro-batch size)."""
     if p.layer_of_node:
         return p.layer_of_node
     from meshplan.dp_search.layers import assign_layers
-    g = retracer(fn, abstract, tuple(p.batch_argnums), p.function or "fn")(p.num_micro_batches)
+    g = traced.graph
     L = p.stages[-1].layers[1] + 1
     lay = assign_layers(g, L)
     if lay.num_layers != L:

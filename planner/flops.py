@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+from .graph import IDENTITY_MARKERS
+
 Shape = tuple[int, ...]
 FlopRule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], float]
 
@@ -36,8 +38,7 @@ reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
 dynamic_update_slice concatenate pad gather rev iota select_and_gather_add
 copy device_put sharding_constraint stack unstack split convert_layout
 mesh_cast reshard pvary psum_invariant axis_index empty full_like
-meshplan_pipeline_boundary meshplan_grad_boundary
-""".split())
+""".split()) | IDENTITY_MARKERS
 
 # Gather/scatter variants move data and may add.
 SCATTERS = frozenset("scatter scatter-add scatter_add scatter_mul scatter_min scatter_max".split())

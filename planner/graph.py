@@ -303,8 +303,12 @@ def topological(nodes: Iterable[Node]) -> bool:
     return True
 
 
-GRAD_MARKER = "meshplan_grad_boundary"      # = meshplan.markers.GRAD_BOUNDARY
-IDENTITY_MARKERS = frozenset({"meshplan_pipeline_boundary", GRAD_MARKER})
+# The marker primitives of :mod:`meshplan.markers` (the one definition of
+# their names): a cut between pipeline layers, and the end of the gradients.
+PIPELINE_BOUNDARY = "meshplan_pipeline_boundary"
+GRAD_BOUNDARY = "meshplan_grad_boundary"
+GRAD_MARKER = GRAD_BOUNDARY
+IDENTITY_MARKERS = frozenset({PIPELINE_BOUNDARY, GRAD_BOUNDARY})
 
 
 def forward_nodes(graph: Graph) -> list[bool]:

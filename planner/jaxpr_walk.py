@@ -8,10 +8,11 @@ runtime can evaluate the very same stream, tensor for tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from jax.extend import core as jcore
+
+from .traced import FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
 
 # primitive name -> name of the param holding the inlined (Closed)Jaxpr
 INLINE_CALLS: dict[str, str] = {
@@ -30,32 +31,6 @@ INLINE_CALLS: dict[str, str] = {
 INLINE_CALLS = {k: v for k, v in INLINE_CALLS.items() if v is not None}
 REMAT_CALLS = frozenset({"remat2", "checkpoint", "remat"})
 COMPOSITES = frozenset({"scan", "while", "cond"})
-
-
-@dataclass(frozen=True)
-class Lit:
-    """A literal operand (a Python/numpy scalar baked into the jaxpr)."""
-    value: Any
-    aval: Any
-
-
-@dataclass(frozen=True)
-class FlatEqn:
-    eqn: Any                        # the original jax JaxprEqn
-    invars: tuple[int | Lit, ...]   # global ids, or literals
-    outvars: tuple[int, ...]
-    remat: bool
-    scope: str
-
-
-@dataclass(frozen=True)
-class FlatJaxpr:
-    invars: tuple[int, ...]
-    constvars: tuple[int, ...]
-    consts: tuple[Any, ...]
-    eqns: tuple[FlatEqn, ...]
-    outvars: tuple[int | Lit, ...]
-    avals: dict[int, Any]           # global id -> abstract value
 
 
 def _closed_parts(j: Any) -> tuple[Any, tuple[Any, ...]]:

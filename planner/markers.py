@@ -16,8 +16,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-PIPELINE_BOUNDARY = "meshplan_pipeline_boundary"
-GRAD_BOUNDARY = "meshplan_grad_boundary"
+from .graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY
 
 
 def _identity_primitive(name: str) -> Primitive:

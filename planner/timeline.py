@@ -9,38 +9,12 @@ picture (stages x time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .plan import Plan
+from .schedule import Block, schedule_order
+
+__all__ = ["Block", "schedule_order", "simulate", "draw", "FORWARD_SHARE"]
 
 FORWARD_SHARE = 1 / 3   # forward ~ 1/3 of forward+backward time (2 matmuls of 6)
-
-
-@dataclass(frozen=True)
-class Block:
-    stage: int
-    micro_batch: int
-    kind: str          # "F" or "B"
-    start: float
-    end: float
-
-
-def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    """The (kind, micro-batch) order one stage runs: GPipe all forwards then
-    all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
-    forward / one backward."""
-    if schedule == "gpipe" or stages == 1:
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(stages - stage - 1, m)
-    out = [("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while b < m:
-        if f < m:
-            out.append(("F", f))
-            f += 1
-        out.append(("B", b))
-        b += 1
-    return out
 
 
 def simulate(plan: Plan) -> list[Block]:

@@ -19,10 +19,11 @@ import jax
 import numpy as np
 
 from . import flops as flop_rules
-from .errors import TraceError
+from .errors import MeshplanError, TraceError
 from .graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
-                    Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes)
+                    Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .jaxpr_walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
+from .traced import TracedStep
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
 _STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)
@@ -190,8 +191,10 @@ def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
 
 def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
                      batch_argnums: tuple[int, ...], name: str,
-                     argnames: Sequence[str]) -> Graph:
-    flat: FlatJaxpr = flatten(closed)
+                     argnames: Sequence[str], flat: FlatJaxpr | None = None) -> Graph:
+    """The Graph of ``closed`` (``flat``: its :func:`flatten`, if already made)."""
+    if flat is None:
+        flat = flatten(closed)
     warnings: set[str] = set()
     tensors: dict[int, Tensor] = {}
     const_set = set(flat.constvars)
@@ -304,3 +307,95 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, tuple):
         return [_jsonable(x) for x in v]
     return v
+
+
+# --------------------------------------------------------------------------
+# the step as the runtime runs it
+# --------------------------------------------------------------------------
+
+def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+                  micro_batches: int | None = None) -> TracedStep:
+    """``fn(*args)`` traced for the runtime (:class:`~meshplan.traced.TracedStep`).
+
+    Without ``micro_batches`` (one-stage plans) the arguments are traced as
+    given (arrays or ``jax.ShapeDtypeStruct``) and nothing more is made (no
+    Graph: the one-stage runtime needs none, and a step whose values include
+    typed PRNG keys has none).  With it (pipeline plans) the batch arguments
+    must agree on their dimension 0, which must divide into
+    ``micro_batches``; the step is traced at the micro-batch shapes, and its
+    Graph, forward equations and the outputs of the whole batch are recorded."""
+    batch_argnums = tuple(int(b) for b in batch_argnums)
+    args = tuple(args)
+    leaves_p, arg_tree = jax.tree_util.tree_flatten_with_path(args)
+    arg_paths = tuple((int(path[0].idx), jax.tree_util.keystr(tuple(path[1:])))
+                      for path, _ in leaves_p)
+    micro, mb = args, 0
+    if micro_batches is not None:
+        m = int(micro_batches)
+        args = jax.tree_util.tree_map(_abstract_leaf, args)
+        mb = _micro_batch_size(args, batch_argnums, m)
+        micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
+                      else a for i, a in enumerate(args))
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro)
+    flat = flatten(closed)
+    graph, forward, step_out, concat = None, (), out_shape, ()
+    if micro_batches is not None:
+        import warnings as _w
+        with _w.catch_warnings():
+            _w.simplefilter("ignore")
+            graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
+                                     name=getattr(fn, "__name__", "fn"),
+                                     argnames=_argnames(fn, len(micro)), flat=flat)
+        forward = tuple(forward_nodes(graph))
+        step_out = jax.eval_shape(fn, *args)
+        concat = _concat_outputs(out_shape, step_out, flat, int(micro_batches))
+    return TracedStep(closed=closed, flat=flat, graph=graph, arg_tree=arg_tree,
+                      arg_paths=arg_paths, batch_argnums=batch_argnums,
+                      out_tree=jax.tree_util.tree_structure(out_shape), out_shape=out_shape,
+                      step_out_avals=tuple((tuple(l.shape), l.dtype)
+                                           for l in jax.tree_util.tree_leaves(step_out)),
+                      forward=forward, micro_batches=micro_batches,
+                      micro_batch_size=mb, concat_outputs=concat)
+
+
+def _abstract_leaf(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype))
+
+
+def _shrink(x: Any, m: int) -> Any:
+    if not getattr(x, "shape", ()):
+        return x
+    return jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
+
+
+def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
+    """Rows of one micro-batch (0 without batch arguments); a batch that does
+    not split into ``m`` micro-batches is refused."""
+    sizes = {int(l.shape[0]) for a in batch_argnums if a < len(args)
+             for l in jax.tree_util.tree_leaves(args[a]) if l.shape}
+    if len(sizes) > 1:
+        raise MeshplanError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
+    if not sizes:
+        return 0
+    full = sizes.pop()
+    if full % m:
+        raise MeshplanError(f"the batch size {full} does not split into {m} micro-batches; "
+                            f"use a batch size divisible by {m}")
+    return full // m
+
+
+def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int) -> tuple[int, ...]:
+    """Output ids whose dimension 0 is the batch; another output whose shape
+    depends on the batch is refused."""
+    concat = []
+    for k, (a, b, x) in enumerate(zip(jax.tree_util.tree_leaves(micro_out),
+                                      jax.tree_util.tree_leaves(step_out), flat.outvars)):
+        if tuple(a.shape) != tuple(b.shape):
+            if not (a.shape and b.shape and a.shape[0] * m == b.shape[0]
+                    and a.shape[1:] == b.shape[1:]):
+                raise MeshplanError(f"output leaf {k} has shape {tuple(b.shape)} for the batch "
+                                    f"but {tuple(a.shape)} for a micro-batch; only outputs whose "
+                                    "dimension 0 is the batch can be split into micro-batches")
+            if isinstance(x, int):
+                concat.append(x)
+    return tuple(concat)

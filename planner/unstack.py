@@ -35,9 +35,8 @@ from jax import lax
 from jax.extend import core as jcore
 
 from .errors import MeshplanError
-from .graph import Graph
+from .graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph
 from .jaxpr_walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
-from .markers import GRAD_BOUNDARY, PIPELINE_BOUNDARY
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
 

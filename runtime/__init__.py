@@ -9,7 +9,7 @@
   processes -- process-local batches (:func:`global_view`), one plan for all
   processes (:func:`agree_on_plan`), outputs read back with :func:`to_host`;
   pipeline plans with one stage per process:
-  :mod:`~meshplan.runtime.pipeline_multihost`.
+  :mod:`~meshplan.runtime.pipeline_transport`.
 """
 from .hlo import Collective, collective_bytes, parse_collectives, summary
 from .multihost import agree_on_plan, global_view, is_multiprocess, to_host

@@ -9,14 +9,15 @@ the tasks into jitted programs and runs them.
 How a plan becomes programs
 ---------------------------
 The step is traced at the *micro-batch* shapes (the batch arguments' dimension
-0 divided by ``plan.num_micro_batches``) with ``jax.make_jaxpr`` and flattened
-with :func:`meshplan.jaxpr_walk.flatten`: the very equation stream (and integer
+0 divided by ``plan.num_micro_batches``) by the planner
+(:func:`meshplan.trace.trace_for_run`, handed over as a
+:class:`~meshplan.traced.TracedStep`): the very equation stream (and integer
 tensor ids) the inter-operator pass planned, so ``Plan.layer_of_node`` gives
 the layer of every equation and ``Stage.layers`` the stage of every layer.
 Every equation then gets a *phase*:
 
 * ``F`` (forward): ancestors of the step's metric outputs (the loss), as the
-  planner's :func:`forward_nodes` defines them;
+  planner's :func:`forward_nodes` defines them (``TracedStep.forward``);
 * ``B`` (backward): every other equation that must run once per micro-batch:
   the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker)
   and everything else that reads the batch;
@@ -47,9 +48,8 @@ from typing import Sequence
 import jax
 
 from meshplan.errors import MeshplanError, StalePlanError
-from meshplan.jaxpr_walk import FlatJaxpr, Lit
-from meshplan.markers import GRAD_BOUNDARY
-from meshplan.timeline import schedule_order
+from meshplan.schedule import schedule_order
+from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit
 
 __all__ = ["Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT"]
 
@@ -110,14 +110,29 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
     recomputes its forward (see the module doc); default none."""
-    eqns = flat.eqns
-    n = len(eqns)
+    eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
+    flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
+    phase = _phases(flat.eqns, flow, forward)
+    moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
+    tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn)
+    needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
+    crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
+    _replay_forwards(tasks, flat.eqns, remat, needed_by)
+    deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing)
+    _check_pipeline(tasks, flat.eqns, producer, deps)
+    const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
+    return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
+                     flow.alias, flow.batch_ids, deps, moved)
+
+
+def _eqn_stages(n: int, layer_of_node: Sequence[int],
+                stage_layers: Sequence[tuple[int, int]]) -> list[int]:
+    """The stage of every equation, from the plan's layering."""
     if len(layer_of_node) != n:
         raise StalePlanError(
             f"the plan's layering covers {len(layer_of_node)} operations but the step traced at "
             f"micro-batch size has {n}; the plan was made for another function or other shapes: "
             "re-plan with these arguments")
-    p = len(stage_layers)
     stage_of_layer: dict[int, int] = {}
     for s, (first, last) in enumerate(stage_layers):
         for l in range(first, last + 1):
@@ -125,25 +140,38 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     missing = sorted({l for l in layer_of_node if l not in stage_of_layer})
     if missing:
         raise StalePlanError(f"the plan's stages do not cover layer {missing[0]}; re-plan")
-    eqn_stage = [stage_of_layer[l] for l in layer_of_node]
-    batch_ids = frozenset(batch_ids)
-    invars = set(flat.invars)
-    constvars = set(flat.constvars)
+    return [stage_of_layer[l] for l in layer_of_node]
 
+
+@dataclasses.dataclass
+class _Flow:
+    """What every value depends on (see :func:`_flow`)."""
+    producer_eqn: dict[int, int]     # id -> the equation making it
+    const_ids: set[int]              # made from constants and literals alone
+    is_const: list[bool]             # per equation
+    bdep: set[int]                   # depends on the batch
+    after: set[int]                  # downstream of the gradients
+    markers: list[int]               # the gradient-marker equations
+    alias: dict[int, int]            # gradient-marker output id -> its input id
+    batch_ids: frozenset[int]
+
+
+def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) -> _Flow:
+    eqns = flat.eqns
     producer_eqn: dict[int, int] = {}
     for k, fe in enumerate(eqns):
         for o in fe.outvars:
             producer_eqn[o] = k
     # constant equations: read only constants and literals (transitively)
-    const_ids = set(constvars)
-    is_const = [False] * n
+    const_ids = set(flat.constvars)
+    is_const = [False] * len(eqns)
     for k, fe in enumerate(eqns):
         if all(isinstance(x, Lit) or x in const_ids for x in fe.invars):
             is_const[k] = True
             const_ids.update(fe.outvars)
     # batch dependence and "after the gradients"
     bdep = set(batch_ids)
-    after = set()
+    after: set[int] = set()
     markers = [k for k, fe in enumerate(eqns) if fe.eqn.primitive.name == GRAD_BOUNDARY]
     alias: dict[int, int] = {}
     for k in markers:
@@ -164,19 +192,26 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
             "running more than one micro-batch needs to know where the gradients end: compute "
             "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
             "num_micro_batches=1)")
-    # C phase: ancestors of the gradients and of everything batch-dependent
-    # that does not come after the gradients
+    return _Flow(producer_eqn, const_ids, is_const, bdep, after, markers, alias, batch_ids)
+
+
+def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool]) -> list[str]:
+    """The phase of every equation (see the module doc): the C phase holds
+    the ancestors of the gradients and of everything batch-dependent that
+    does not come after the gradients."""
+    n = len(eqns)
+    markers, after = flow.markers, flow.after
     need: set[int] = set()
     for k in markers:
         need.update(x for x in eqns[k].invars if isinstance(x, int))
     for k, fe in enumerate(eqns):
-        if not is_const[k] and k not in markers and any(o in bdep for o in fe.outvars) \
+        if not flow.is_const[k] and k not in markers and any(o in flow.bdep for o in fe.outvars) \
                 and not any(o in after for o in fe.outvars):
             need.update(fe.outvars)
     in_c = [False] * n
     for k in range(n - 1, -1, -1):
         fe = eqns[k]
-        if k in markers or is_const[k]:
+        if k in markers or flow.is_const[k]:
             continue
         if any(o in need for o in fe.outvars):
             if any(o in after for o in fe.outvars):
@@ -189,17 +224,21 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     for k in range(n):
         if k in markers:
             phase.append("M")
-        elif is_const[k]:
+        elif flow.is_const[k]:
             phase.append("K")
         elif in_c[k]:
             phase.append("F" if forward[k] else "B")
         else:
             phase.append("A")
+    return phase
 
-    # ---- keep the per-micro-batch work a pipeline: a forward op runs no
-    # earlier than the forward ops it reads, a backward op no later than the
-    # backward ops it reads (the planner's layering guarantees it for the
-    # usual steps; an odd op is moved, deterministically)
+
+def _keep_pipeline(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
+                   producer_eqn: dict[int, int]) -> int:
+    """Keep the per-micro-batch work a pipeline: a forward op runs no earlier
+    than the forward ops it reads, a backward op no later than the backward
+    ops it reads (the planner's layering guarantees it for the usual steps;
+    an odd op is moved, deterministically).  Returns how many were moved."""
     moved = 0
     for k, fe in enumerate(eqns):
         if phase[k] == "F":
@@ -214,18 +253,23 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
             for x in fe.invars:
                 if isinstance(x, int) and x in producer_eqn:
                     consumers[producer_eqn[x]].append(k)
-    for k in range(n - 1, -1, -1):
+    for k in range(len(eqns) - 1, -1, -1):
         if phase[k] == "B":
             users = [eqn_stage[c] for c in consumers.get(k, ())]
             if users and max(users) > eqn_stage[k]:
                 eqn_stage[k] = max(users)
                 moved += 1
+    return moved
 
-    # ---- apply levels: a stage's update work is cut where it needs a value
-    # computed by another stage's update work
+
+def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
+           producer_eqn: dict[int, int]) -> tuple[dict[tuple, Task], dict[int, tuple]]:
+    """(tasks, id -> key of the task making it).  Apply levels: a stage's
+    update work is cut where it needs a value computed by another stage's
+    update work."""
     level_of_id: dict[int, int] = {}
     tasks: dict[tuple, Task] = {}
-    eqn_task: list[tuple | None] = [None] * n
+    producer: dict[int, tuple] = {}
     for k, fe in enumerate(eqns):
         ph, s = phase[k], eqn_stage[k]
         if ph in ("K", "M"):
@@ -244,16 +288,14 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         if key not in tasks:
             tasks[key] = Task(ph, s, key[2] if ph == "A" else 0)
         tasks[key].eqns.append(k)
-        eqn_task[k] = key
-    producer: dict[int, tuple] = {}
-    for k, key in enumerate(eqn_task):
-        if key is not None:
-            for o in eqns[k].outvars:
-                producer[o] = key
-    const_eqn = {o: k for k, fe in enumerate(eqns) if is_const[k] for o in fe.outvars}
+        for o in fe.outvars:
+            producer[o] = key
+    return tasks, producer
 
-    # ---- wiring: inputs, outputs, what crosses into the update phase
-    out_ids = [x for x in flat.outvars if isinstance(x, int)]
+
+def _wire_inputs(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn],
+                 const_ids: set[int]) -> dict[int, set[tuple]]:
+    """Set every task's inputs; returns id -> keys of the tasks reading it."""
     needed_by: dict[int, set[tuple]] = defaultdict(set)
     for key, t in tasks.items():
         own = {o for k in t.eqns for o in eqns[k].outvars}
@@ -268,18 +310,25 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         t.inputs = tuple(ins)
         for x in ins:
             needed_by[x].add(key)
-    crossing: dict[int, str] = {}
-    concat = set(concat_outputs)
+    return needed_by
 
-    def c_phase(key: tuple | None) -> bool:
-        return key is not None and key[0] in ("F", "B")
+
+def _c_phase(key: tuple | None) -> bool:
+    return key is not None and key[0] in ("F", "B")
+
+
+def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tuple],
+               flow: _Flow, concat: set[int], num_micro_batches: int) -> dict[int, str]:
+    """What crosses from the per-micro-batch phase into the update and the
+    outputs, and how it is combined over micro-batches."""
+    crossing: dict[int, str] = {}
 
     def cross(x: int, why: str) -> None:
-        if x in crossing or not c_phase(producer.get(x)):
+        if x in crossing or not _c_phase(producer.get(x)):
             return
-        if x in concat and x in bdep:
+        if x in concat and x in flow.bdep:
             crossing[x] = CONCAT
-        elif x in bdep:
+        elif x in flow.bdep:
             aval = flat.avals[x]
             if num_micro_batches > 1 and not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
                 raise MeshplanError(
@@ -293,18 +342,23 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         if key[0] != "A":
             continue
         for x in t.inputs:
-            if x in batch_ids and num_micro_batches > 1:
+            if x in flow.batch_ids and num_micro_batches > 1:
                 raise MeshplanError(
                     f"the update ({t.name()}) reads the batch itself; with micro-batches the "
                     "update may only read gradients, state and batch means")
-            src = alias.get(x, x)
-            cross(src, f"a value the update ({t.name()}) reads")
-    for x in out_ids:
-        cross(alias.get(x, x), "an output of the step")
+            cross(flow.alias.get(x, x), f"a value the update ({t.name()}) reads")
+    for x in flat.outvars:
+        if isinstance(x, int):
+            cross(flow.alias.get(x, x), "an output of the step")
     # marker outputs whose input comes straight from the C phase
-    for o, i in alias.items():
+    for o, i in flow.alias.items():
         cross(i, "a gradient")
-    # ---- remat: a backward replays its stage's forward from the forward's inputs
+    return crossing
+
+
+def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: Sequence[bool],
+                     needed_by: dict[int, set[tuple]]) -> None:
+    """[remat] a backward replays its stage's forward from the forward's inputs."""
     for s, r in enumerate(remat):
         f, b = tasks.get(("F", s)), tasks.get(("B", s))
         if not r or f is None or b is None:
@@ -327,6 +381,15 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         b.inputs = tuple(ins)
         for x in ins:
             needed_by[x].add(b.key)
+
+
+def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[int, tuple],
+                      needed_by: dict[int, set[tuple]], crossing: dict[int, str]
+                      ) -> dict[tuple, set[tuple]]:
+    """Set every task's outputs and running sums; returns, per C task, the C
+    tasks it reads from (within one micro-batch)."""
+    eqns = flat.eqns
+    out_ids = [x for x in flat.outvars if isinstance(x, int)]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
         if key[0] == "A":
@@ -339,9 +402,14 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         t.outputs = tuple(dict.fromkeys(outs))
         t.accumulate = tuple(o for k in t.eqns for o in eqns[k].outvars if crossing.get(o) == MEAN)
         if key[0] in ("F", "B"):
-            deps[key] = {producer[x] for x in t.inputs if c_phase(producer.get(x))}
-    # ---- the C phase must fit a pipeline: forward reads earlier stages'
-    # forwards; backward reads forwards and later stages' backwards
+            deps[key] = {producer[x] for x in t.inputs if _c_phase(producer.get(x))}
+    return deps
+
+
+def _check_pipeline(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], producer: dict[int, tuple],
+                    deps: dict[tuple, set[tuple]]) -> None:
+    """The C phase must fit a pipeline: forward reads earlier stages'
+    forwards; backward reads forwards and later stages' backwards."""
     for key, ds in deps.items():
         for d in ds:
             ok = (d[0] == "F" and d[1] < key[1]) if key[0] == "F" else \
@@ -353,8 +421,6 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                     f"the plan's layering does not fit a pipeline: {tasks[key].name()} "
                     f"(operation {k}, {eqns[k].eqn.primitive.name}) reads a value of "
                     f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
-    return StepSplit(p, eqn_stage, phase, tasks, producer, const_eqn, crossing, alias,
-                     batch_ids, deps, moved)
 
 
 def dispatch_order(split: StepSplit, schedule: str, m: int) -> list[tuple[str, int, int]]:

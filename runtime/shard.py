@@ -4,10 +4,10 @@ The plan says how every argument leaf, every output leaf and some
 intermediate tensors are split over a logical mesh.  This module binds the
 logical mesh to real devices and builds one jitted program:
 
-* the function is traced with ``jax.make_jaxpr`` and flattened with
-  :func:`meshplan.jaxpr_walk.flatten`, the very stream of equations the
-  planner saw, so the integer tensor ids in ``Stage.constraints`` name the
-  same values here;
+* the planner traces the function (:func:`meshplan.trace.trace_for_run`)
+  and hands over the :class:`~meshplan.traced.TracedStep`: the flattened
+  jaxpr is the very stream of equations the planner saw, so the integer
+  tensor ids in ``Stage.constraints`` name the same values here;
 * an evaluator replays that stream equation by equation (as
   ``jax.core.eval_jaxpr`` does) and wraps every constrained value in
   ``jax.lax.with_sharding_constraint``;
@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError
-from meshplan.jaxpr_walk import FlatJaxpr, Lit, flatten
 from meshplan.plan import LogicalMesh, Plan, Spec, Stage, arg_prefixes, spec_axes, spec_str
+from meshplan.traced import FlatJaxpr, Lit, TracedStep
 
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
                         global_view, is_multiprocess, place_global)
@@ -270,8 +270,10 @@ class ShardExecutable:
     """``fn`` run under a one-stage plan; called like ``fn``.
 
     ``args`` are example arguments (arrays or ``jax.ShapeDtypeStruct``) that
-    fix the shardings reported by ``in_shardings`` / ``out_shardings``; other
-    argument shapes compile their own program on first use.  ``donate_argnums``
+    fix the shardings reported by ``in_shardings`` / ``out_shardings``, and
+    ``traced`` the step traced for them (:func:`meshplan.trace.trace_for_run`);
+    other argument shapes compile their own program on first use, traced by
+    ``retrace(args)`` (without it they are refused).  ``donate_argnums``
     defaults to ``(0,)`` (the train state) unless argument 0 is a batch
     argument.  ``devices`` is the pool the plan's device ids index (default
     ``jax.devices()`` sorted by id).
@@ -292,6 +294,8 @@ class ShardExecutable:
     """
 
     def __init__(self, fn: Callable[..., Any], plan: Plan, args: Sequence[Any], *,
+                 traced: TracedStep,
+                 retrace: Callable[[tuple[Any, ...]], TracedStep] | None = None,
                  donate_argnums: Sequence[int] | None = None,
                  devices: Sequence[jax.Device] | None = None) -> None:
         if len(plan.stages) != 1:
@@ -310,7 +314,8 @@ class ShardExecutable:
             check_mesh_spans_processes(self.mesh)
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
-        first = self._entry(tuple(args))
+        self._retrace = retrace
+        first = self._entry(tuple(args), traced)
         self.in_shardings = first.in_shardings
         self.out_shardings = first.out_shardings
 
@@ -380,7 +385,7 @@ class ShardExecutable:
     def _place_all(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         if not self.multiprocess:
-            placed = [_place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
+            placed = [place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
         else:
             batch = set(entry.batch_leaves)
             placed = []
@@ -407,16 +412,22 @@ class ShardExecutable:
         return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
 
     # ---- building ---------------------------------------------------------
-    def _entry(self, args: tuple[Any, ...]) -> _Compiled:
+    def _entry(self, args: tuple[Any, ...], traced: TracedStep | None = None) -> _Compiled:
         view = self._global_view(tuple(args))
         key = _signature(view)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(view)
+            entry = self._build(view, traced)
             self._cache[key] = entry
         return entry
 
-    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+    def _trace(self, args: tuple[Any, ...]) -> TracedStep:
+        if self._retrace is None:
+            raise StalePlanError("the arguments do not match the shapes this executable was built "
+                                 "for; call the parallelized step (it re-plans per signature)")
+        return self._retrace(args)
+
+    def _build(self, args: tuple[Any, ...], traced: TracedStep | None) -> _Compiled:
         logical = self.stage.logical_mesh
         named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
         specs = arg_specs(self.plan, args)
@@ -433,8 +444,8 @@ class ShardExecutable:
                 batch_leaves.extend(range(offset, offset + count))
             offset += count
 
-        closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
-        flat = flatten(closed)
+        traced = traced if traced is not None else self._trace(args)
+        out_shape, flat = traced.out_shape, traced.flat
         in_avals = tuple(flat.avals[i] for i in flat.invars)
         constraints: dict[int, NamedSharding] = {}
         for tid, spec in self.stage.constraints:
@@ -555,7 +566,7 @@ def _follow(args: tuple[Any, ...], argnum: int, path: tuple[Any, ...]) -> Any:
     return node
 
 
-def _place(x: Any, sharding: NamedSharding) -> Any:
+def place(x: Any, sharding: NamedSharding) -> Any:
     """``x`` on ``sharding``; arrays already placed that way are passed through."""
     if isinstance(x, jax.Array) and not x.is_deleted():
         current = getattr(x, "sharding", None)

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
             "losses": losses, "seconds": seconds, "total_s": time.perf_counter() - started,
             "stages": len(plan.stages), "stage_devices": [list(s.devices) for s in plan.stages],
             "stage_processes": stage_procs,
-            "local_stages": [k for k, loc in enumerate(executable._local) if loc],
+            "local_stages": [k for k, loc in enumerate(executable.transfers.local) if loc],
             "plan_sha": __import__("hashlib").sha256(plan.to_json().encode()).hexdigest(),
             # each parameter's data lives on its stage's process only
             "params_here": sum(1 for x in leaves if x.is_fully_addressable),
@@ -108,7 +108,7 @@ def _check_transport(nproc: int) -> dict:
 
     from meshplan.plan import LogicalMesh
     from meshplan.runtime import build_mesh, to_host
-    from meshplan.runtime.pipeline_multihost import StageTransport
+    from meshplan.runtime.pipeline_transport import StageTransport
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
     n = jax.local_device_count()

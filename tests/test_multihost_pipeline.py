@@ -103,7 +103,7 @@ def test_a_stage_over_several_processes_is_refused_with_a_clear_message() -> Non
     from types import SimpleNamespace
 
     import meshplan
-    from meshplan.runtime.pipeline_multihost import stage_processes
+    from meshplan.runtime.pipeline_transport import stage_processes
 
     def mesh(*processes: int) -> Any:
         grid = np.empty(len(processes), dtype=object)

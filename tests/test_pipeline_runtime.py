@@ -13,6 +13,7 @@ import pytest
 import meshplan
 from meshplan.models import build_model
 from meshplan.runtime.pipeline import PipelineExecutable, schedule_order
+from meshplan.trace import trace_for_run
 
 CONFIGS = {
     "mlp": {"optimizer": "sgd", "layers": "4"},
@@ -136,6 +137,26 @@ def test_schedule_orders():
         assert sorted(o) == sorted([(k, i) for k in "FB" for i in range(8)])
 
 
+def _observe_programs(ex, probe):
+    """Call ``probe(info)`` after every program of a micro-batch ran: what it
+    made and the activations it received (the inputs other than argument
+    leaves).  Undone by ``del ex._call``."""
+    run_program = ex._call
+    leaf_ids = set(ex.flat.invars)
+
+    def call(prog, ins, accs, mb):
+        plain, new = run_program(prog, ins, accs, mb)
+        if mb >= 0:
+            task = prog.task
+            received_ids = [x for x in task.inputs if x not in leaf_ids]
+            received = [v for x, v in zip(task.inputs, ins) if x not in leaf_ids]
+            probe({"kind": task.kind, "stage": task.stage, "micro_batch": mb,
+                   "outputs": list(plain), "received": received, "received_ids": received_ids})
+            del received
+        return plain, new
+    ex._call = call
+
+
 def _live_activations(schedule, pp, mb):
     """Per stage, the most micro-batches whose activations (forward outputs,
     received activations and gradients) were alive at once during a step."""
@@ -150,7 +171,7 @@ def _live_activations(schedule, pp, mb):
     refs = []                              # (weakref, stage, micro-batch)
     peak = [0] * pp
 
-    def probe(event, info):
+    def probe(info):
         for arr in (info["outputs"] if info["kind"] == "F" else []) + info["received"]:
             dev = next(iter(arr.devices())).id
             refs.append((weakref.ref(arr), stage_of_device[dev], info["micro_batch"]))
@@ -162,9 +183,9 @@ def _live_activations(schedule, pp, mb):
         for s in range(pp):
             peak[s] = max(peak[s], len(live[s]))
 
-    ex.probe = probe
+    _observe_programs(ex, probe)
     state, _ = step(state, batch)
-    ex.probe = None
+    del ex._call
     return peak, ex.last_stats["max_in_flight"]
 
 
@@ -246,7 +267,7 @@ def _held_for_backward(remat):
     from meshplan.runtime.pipeline_split import CONCAT, LAST
     fwd_in, fwd_out, bwd_in, alive_before, alive_now = {}, {}, {}, {}, {}
 
-    def probe(event, info):
+    def probe(info):
         key = (info["stage"], info["micro_batch"])
         got = dict(zip(info["received_ids"], info["received"]))
         if info["kind"] == "F":
@@ -264,9 +285,9 @@ def _held_for_backward(remat):
         for k, refs in fwd_out.items():
             alive_now[k] = sum(1 for r in refs if r() is not None)
 
-    ex.probe = probe
+    _observe_programs(ex, probe)
     step(state, batch)
-    ex.probe = None
+    del ex._call
     return ex, fwd_in, bwd_in, alive_before
 
 
@@ -355,19 +376,25 @@ def test_stage_failure_names_the_stage():
         step(state, batch)
 
 
+def _pipeline_executable(fn, plan, args):
+    """A PipelineExecutable given the step traced as meshplan.parallelize gives it."""
+    traced = trace_for_run(fn, args, plan.batch_argnums, plan.num_micro_batches)
+    return PipelineExecutable(fn, plan, args, traced=traced)
+
+
 def test_batch_that_does_not_split_into_micro_batches_is_refused():
     m = build_model("mlp", {"optimizer": "sgd", "layers": "4", "batch": "12"})
     state, batch = m.init(0)
     plan = _plan("mlp", 2, 2, 2, 4, "gpipe")
     with pytest.raises(meshplan.MeshplanError):
-        PipelineExecutable(m.train_step, plan, (state, batch))
+        _pipeline_executable(m.train_step, plan, (state, batch))
 
 
 def test_interleaved_plans_are_refused_clearly():
     plan = dataclasses.replace(_plan("mlp", 2, 2, 2, 2, "1f1b"), schedule="interleaved")
     m, state, batch = _model("mlp")
     with pytest.raises(meshplan.RuntimeStageError, match="interleaved.*1f1b"):
-        PipelineExecutable(m.train_step, plan, (state, batch))
+        _pipeline_executable(m.train_step, plan, (state, batch))
 
 
 def test_plain_jax_grad_with_micro_batches_is_refused():

@@ -23,6 +23,7 @@ from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.jaxpr_walk import flatten
 from meshplan.plan import LogicalMesh, Plan, Stage
 from meshplan.runtime import ShardExecutable, arg_specs, build_mesh, parse_collectives
+from meshplan.trace import trace_for_run
 from meshplan.runtime.hlo import summary
 from meshplan.runtime.shard import make_evaluator
 
@@ -121,9 +122,15 @@ def mesh3d_plan(state: Any, batch: Any) -> Plan:
 # helpers
 # ---------------------------------------------------------------------------
 
+def executable(fn: Any, plan: Plan, args: Any, **kw: Any) -> ShardExecutable:
+    """A ShardExecutable given the step traced as meshplan.parallelize gives it."""
+    return ShardExecutable(fn, plan, args, traced=trace_for_run(fn, args, plan.batch_argnums),
+                           retrace=lambda a: trace_for_run(fn, a, plan.batch_argnums), **kw)
+
+
 def run_both(plan: Plan, steps: int = 3) -> tuple[Any, Any, ShardExecutable]:
     state, batch = init()
-    ex = ShardExecutable(step, plan, (state, batch))
+    ex = executable(step, plan, (state, batch))
     ref_step = jax.jit(step)
     ref_state, got_state = state, jax.tree_util.tree_map(jnp.copy, state)
     for _ in range(steps):
@@ -194,7 +201,7 @@ def test_composites_replay_and_run_under_a_plan():
     # three non-batch arguments: keys are prefixed [0], [1], [2]
     plan = Plan(graph_fingerprint="", cluster=meshplan.Cluster.local(), method="shard",
                 stages=(stage,), batch_argnums=())
-    ex = ShardExecutable(_composite_step, plan, (w, xs, key))
+    ex = executable(_composite_step, plan, (w, xs, key))
     got = ex(w, xs, key)
     assert_close(jax.jit(_composite_step)(w, xs, key), got)
     assert got[1].sharding.spec == P("d", None)
@@ -227,7 +234,7 @@ def test_plan_for_more_devices_than_present():
                               logical_mesh=LogicalMesh(("data",), (16,)))
     plan = dataclasses.replace(plan, stages=(big,))
     with pytest.raises(MeshplanError, match="only 8 devices"):
-        ShardExecutable(step, plan, (state, batch))
+        executable(step, plan, (state, batch))
 
 
 def test_arg_specs_keys_missing_leaves_and_rank():
@@ -310,7 +317,7 @@ def test_constraint_reaches_the_compiled_program():
     base = megatron_plan(state, batch)
     stage = dataclasses.replace(base.stages[0], constraints=((tid, (None, None)),))
     other = dataclasses.replace(base, stages=(stage,))
-    kinds = lambda plan: summary(ShardExecutable(step, plan, (state, batch))  # noqa: E731
+    kinds = lambda plan: summary(executable(step, plan, (state, batch))  # noqa: E731
                                  .lower(state, batch).compile().as_text())
     assert "all-gather" not in kinds(base)
     assert "all-gather" in kinds(other)
@@ -332,7 +339,7 @@ def test_lower_from_shape_dtype_structs_and_unspecified_outputs():
     plan = data_parallel_plan(state, batch)
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                       (state, batch))
-    ex = ShardExecutable(step, plan, abstract)
+    ex = executable(step, plan, abstract)
     # the plan names only the loss among the outputs: the rest is jit's choice
     assert isinstance(ex.out_shardings[1]["loss"], NamedSharding)
     assert ex.out_shardings[0]["params"]["w1"] is None
@@ -348,14 +355,14 @@ def test_lower_from_shape_dtype_structs_and_unspecified_outputs():
 def test_donation_and_reuse_of_placed_outputs():
     state, batch = init()
     plan = data_parallel_plan(state, batch)
-    ex = ShardExecutable(step, plan, (state, batch))
+    ex = executable(step, plan, (state, batch))
     s1, _ = ex(state, batch)       # like jax.jit(donate_argnums=0): the state is consumed
     s2, _ = ex(s1, batch)          # placed outputs go straight in ...
     assert s1["params"]["w1"].is_deleted()           # ... and are donated
     assert not s2["params"]["w1"].is_deleted()
     assert not batch["x"].is_deleted()               # the batch is never donated
 
-    keep = ShardExecutable(step, plan, (s2, batch), donate_argnums=())
+    keep = executable(step, plan, (s2, batch), donate_argnums=())
     keep(s2, batch)
     assert not s2["params"]["w1"].is_deleted()
 
@@ -365,10 +372,10 @@ def test_batch_not_divisible_by_the_mesh_is_a_clear_error():
     plan = data_parallel_plan(state, batch)
     _, odd = init(batch=12)
     with pytest.raises(StalePlanError, match="not divisible by 8") as info:
-        ShardExecutable(step, plan, (state, odd))
+        executable(step, plan, (state, odd))
     assert isinstance(info.value, MeshplanError)
     assert "['x']" in str(info.value)
-    ex = ShardExecutable(step, plan, (state, batch))
+    ex = executable(step, plan, (state, batch))
     with pytest.raises(StalePlanError, match="12 is not divisible by 8"):
         ex(state, odd)
 
@@ -379,4 +386,4 @@ def test_constraint_of_wrong_rank_is_stale():
     tid = hidden_tensor(state, batch)
     stage = dataclasses.replace(plan.stages[0], constraints=((tid, ("data",)),))
     with pytest.raises(StalePlanError, match="constraint on tensor"):
-        ShardExecutable(step, dataclasses.replace(plan, stages=(stage,)), (state, batch))
+        executable(step, dataclasses.replace(plan, stages=(stage,)), (state, batch))

@@ -1,9 +1,21 @@
-"""Pipeline plans across processes: stages on different ``jax.distributed``
-processes, values moved between them by a small collective.
+"""Moving values between pipeline stages.
+
+Within one process (:class:`Transfers`): a value crosses to another stage
+only through an explicit ``jax.device_put`` onto a ``NamedSharding`` of the
+receiving stage's mesh (its planned layout there; see
+:class:`~meshplan.runtime.pipeline_programs.StageLayouts`): jax 0.10.2
+crashed on the cached second call of a program given an array of another
+submesh.  Batch arguments are cut into micro-batches on the stages that read
+them.
+
+Across processes
+----------------
+Stages on different ``jax.distributed`` processes, values moved between
+them by a small collective.
 
 A multi-stage plan runs as a *multi-controller* program: every process runs
-the same driver loop (:class:`~meshplan.runtime.pipeline.PipelineExecutable`)
-in the same order and dispatches only the programs of the stages whose devices
+the same driver loop (:mod:`~meshplan.runtime.pipeline_driver`) in the same
+order and dispatches only the programs of the stages whose devices
 are its own.  Each stage must sit on the devices of one process (the planner
 places stages host by host, and a process is a host).
 
@@ -31,17 +43,164 @@ the others; :func:`meshplan.runtime.to_host` reads it in every process.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError
+from meshplan.traced import TracedStep
 
-__all__ = ["StageTransport", "same_mesh", "stage_processes"]
+from .multihost import is_global_array, is_local_batch_leaf, to_host
+from .pipeline_programs import StageLayouts
+from .pipeline_split import CONCAT, StepSplit
+from .shard import place
+
+__all__ = ["Transfers", "StageTransport", "same_mesh", "stage_processes", "place",
+           "concat"]
 
 PIPE_AXIS = "meshplan_pipe"
+
+
+# ---------------------------------------------------------------------------
+# One executable's transfers
+# ---------------------------------------------------------------------------
+
+class Transfers:
+    """Moves the values of one pipeline executable between its stages.
+    ``xp``: the cross-process transport (None in a one-process run)."""
+
+    def __init__(self, meshes: Sequence[Mesh], layouts: StageLayouts, split: StepSplit,
+                 traced: TracedStep, m: int, xp: "StageTransport | None",
+                 leaf_readers: Mapping[int, tuple[int, ...]]) -> None:
+        self.meshes = list(meshes)
+        self.layouts = layouts
+        self.split = split
+        self.flat = traced.flat
+        self.step_out_avals = traced.step_out_avals
+        self.m = m
+        self.mb = traced.micro_batch_size
+        self.xp = xp
+        self.local = list(xp.local) if xp is not None else [True] * len(self.meshes)
+        self.leaf_readers = leaf_readers
+
+    def send(self, v: Any, x: int, s: int) -> Any:
+        """``v`` onto stage ``s``: unchanged if it already lives there, else one
+        explicit ``device_put`` onto the receiving stage's sharding."""
+        cur = getattr(v, "sharding", None)
+        if isinstance(cur, NamedSharding) and cur.mesh == self.meshes[s]:
+            return v
+        return jax.device_put(v, self.layouts.send(v, x, s))
+
+    def split_batch(self, x: Any, i: int, s: int) -> list[Any]:
+        """Batch argument leaf ``i`` on stage ``s``, one piece per micro-batch."""
+        sh = self.layouts.arg(i, s)
+        mb, m = self.mb, self.m
+        if m == 1:
+            return [place(x, sh)]
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+            return [jax.device_put(x[k * mb:(k + 1) * mb], sh) for k in range(m)]
+        return [jax.device_put(piece, sh) for piece in _split_rows(x, m)]
+
+    # ---- multi-host ---------------------------------------------------------
+    def arguments(self, given: dict[int, Any], placed: dict[tuple[int, int], Any]
+                  ) -> dict[int, Any]:
+        """[multi-host] The arguments as this process's stages read them, made
+        with collectives every process issues in the same order: the global
+        batch gathered to host, arrays spread over processes gathered to
+        host, stage outputs of the last step moved to the stages of other
+        processes that read them (into ``placed``)."""
+        xp = self.xp
+        assert xp is not None
+        leaf_of = dict(given)
+        spread: list[int] = []
+        for i in self.flat.invars:
+            x = given[i]
+            if i in self.layouts.is_batch:
+                leaf_of[i] = _global_batch(x)
+            elif isinstance(x, jax.Array) and xp.stage_of(x) is None and not x.is_fully_addressable:
+                procs = sorted({d.process_index for d in x.sharding.device_set})
+                if jax.process_index() not in procs and len(procs) < jax.process_count():
+                    raise RuntimeStageError(
+                        f"argument {self.layouts.leaf_key[i]} lives on the devices of process(es) "
+                        f"{procs} only and on no stage of this pipeline: pass the same host value "
+                        "(NumPy) in every process, a global array, or the state the step returned")
+                spread.append(i)
+        if spread:
+            for i, v in zip(spread, to_host([given[i] for i in spread])):
+                leaf_of[i] = v
+        for i in self.flat.invars:
+            x = given[i]
+            r = None if i in self.layouts.is_batch or i in spread else xp.stage_of(x)
+            if r is None:
+                continue        # a host value: each process places its copy
+            for s in self.leaf_readers.get(i, ()):
+                target = self.layouts.arg(i, s)
+                if xp.same_process(r, s):
+                    if xp.local[s]:
+                        placed[(i, s)] = place(x, target)
+                elif xp.local[r] or xp.local[s]:
+                    y = xp.move(x if xp.local[r] else None, r, s, target, x.shape, x.dtype)
+                    if y is not None:
+                        placed[(i, s)] = y
+        return leaf_of
+
+    def move(self, v: Any, x: int, r: int, s: int, after: bool) -> Any:
+        """[multi-host] value ``x`` of stage ``r`` to stage ``s`` of another
+        process (``v`` on the sender, None on the receiver); ``after``: in the
+        update phase (concatenated outputs have the full batch there)."""
+        aval = self.flat.avals[x]
+        shape = tuple(aval.shape)
+        if after and self.split.crossing.get(x) == CONCAT:
+            shape = (shape[0] * self.m,) + shape[1:]
+        target = self.layouts.cross(x, r, s, len(shape))
+        return self.xp.move(v, r, s, target, shape, aval.dtype)
+
+    def output(self, v: Any, x: int, k: int) -> Any:
+        """[multi-host] output leaf ``k`` (value ``x``): on its stage's mesh in
+        the process of that stage, a handle without local data elsewhere."""
+        xp = self.xp
+        r = self.split.producer[x][1]
+        if xp.local[r]:
+            return xp.on_stage(v, r) if isinstance(v, jax.Array) else v
+        shape, dtype = self.step_out_avals[k]
+        planned = self.layouts.constraints[r].get(x)
+        spec = planned.spec if planned is not None and len(planned.spec) == len(shape) else None
+        return xp.remote(r, shape, dtype, spec)
+
+
+def _global_batch(x: Any) -> Any:
+    """[multi-host] a batch leaf's global value on host, in every process
+    (a collective): process-local rows stacked in process order."""
+    if is_local_batch_leaf(x):
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if is_global_array(x):
+        return to_host(x)
+    return x
+
+
+@jax.jit
+def concat(parts: list[Any]) -> Any:
+    """Outputs of the micro-batches joined along dimension 0."""
+    return jax.numpy.concatenate(parts, axis=0)
+
+
+def _split_rows(x: jax.Array, m: int) -> list[jax.Array]:
+    return list(_split_jit(x, m))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_jit(x: jax.Array, m: int) -> tuple[jax.Array, ...]:
+    return tuple(jax.numpy.split(x, m, axis=0))
+
+
+# ---------------------------------------------------------------------------
+# Across processes
+# ---------------------------------------------------------------------------
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:
@@ -145,7 +304,7 @@ class StageTransport:
             if tuple(x.shape) != shape:
                 raise RuntimeStageError(f"internal: a value of shape {tuple(x.shape)} sent from "
                                         f"stage {r} to stage {s} as shape {shape}")
-            src = _place(x, NamedSharding(mesh_a, spec))
+            src = place(x, NamedSharding(mesh_a, spec))
             pieces = {p.device: p.data for p in src.addressable_shards}
         else:
             local_shape = sharding.shard_shape(shape)
@@ -159,7 +318,7 @@ class StageTransport:
         dst = NamedSharding(mesh_b, spec)
         y = jax.make_array_from_single_device_arrays(
             shape, dst, [got[d] for d in dst.addressable_devices_indices_map(shape)])
-        return _place(y, target)
+        return place(y, target)
 
     def _layout(self, r: int, s: int, target: NamedSharding, ndim: int
                 ) -> tuple[Mesh, Mesh, PartitionSpec]:
@@ -207,11 +366,3 @@ def _one_device_mesh(device: Any) -> Mesh:
     grid = np.empty((1,), dtype=object)
     grid[0] = device
     return Mesh(grid, ("meshplan_one",), axis_types=(AxisType.Auto,))
-
-
-def _place(x: Any, sharding: NamedSharding) -> Any:
-    if isinstance(x, jax.Array):
-        cur = x.sharding
-        if cur == sharding or cur.is_equivalent_to(sharding, x.ndim):
-            return x
-    return jax.device_put(x, sharding)

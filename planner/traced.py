@@ -1,0 +1,97 @@
+"""The step as the runtime runs it: traced once on the planner side and
+handed to the runtime, which never traces.
+
+:class:`TracedStep` is frozen data: the closed jaxpr of the step, its
+flattened form (:class:`FlatJaxpr`, the very equation stream and integer
+tensor ids the planner saw, so a plan's tensor ids name values here), the
+:class:`~meshplan.graph.Graph` of that stream (which output updates which
+input: ``graph.outputs[k].updates``), the argument and output structure, and,
+for pipeline plans, the micro-batch split.  It is made by
+:func:`meshplan.trace.trace_for_run`.
+
+The flat stream's data types live here (and are re-exported by
+:mod:`meshplan.jaxpr_walk`, which makes them), as do the names of the marker
+primitives (:data:`GRAD_BOUNDARY`, :data:`PIPELINE_BOUNDARY`, defined once in
+:mod:`meshplan.graph`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .graph import GRAD_BOUNDARY, IDENTITY_MARKERS, PIPELINE_BOUNDARY, Graph
+
+__all__ = ["Lit", "FlatEqn", "FlatJaxpr", "TracedStep", "GRAD_BOUNDARY", "PIPELINE_BOUNDARY",
+           "IDENTITY_MARKERS"]
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A literal operand (a Python/numpy scalar baked into the jaxpr)."""
+    value: Any
+    aval: Any
+
+
+@dataclass(frozen=True)
+class FlatEqn:
+    eqn: Any                        # the original jax JaxprEqn
+    invars: tuple[int | Lit, ...]   # global ids, or literals
+    outvars: tuple[int, ...]
+    remat: bool
+    scope: str
+
+
+@dataclass(frozen=True)
+class FlatJaxpr:
+    invars: tuple[int, ...]
+    constvars: tuple[int, ...]
+    consts: tuple[Any, ...]
+    eqns: tuple[FlatEqn, ...]
+    outvars: tuple[int | Lit, ...]
+    avals: dict[int, Any]           # global id -> abstract value
+
+
+@dataclass(frozen=True, eq=False)
+class TracedStep:
+    """A train step traced for the runtime (see the module doc).
+
+    With ``micro_batches`` (pipeline plans) the step is traced at the
+    micro-batch shapes: the batch arguments' dimension 0 divided by
+    ``micro_batches``; ``step_out_avals`` are then the output leaves of the
+    whole batch and ``concat_outputs`` the output ids whose dimension 0 is
+    the batch (concatenated over micro-batches), and ``graph`` and
+    ``forward`` are made (the one-stage runtime needs neither)."""
+    closed: Any                                  # jax ClosedJaxpr, as jax.make_jaxpr made it
+    flat: FlatJaxpr
+    graph: Graph | None                          # of ``flat`` (tensor ids are flat ids); pipelines only
+    arg_tree: Any                                # treedef of the argument tuple
+    arg_paths: tuple[tuple[int, str], ...]       # per flat input: (argnum, keystr inside it)
+    batch_argnums: tuple[int, ...]
+    out_tree: Any                                # treedef of the outputs
+    out_shape: Any                               # outputs as traced: pytree of ShapeDtypeStruct
+    step_out_avals: tuple[tuple[tuple[int, ...], Any], ...]   # (shape, dtype) per output leaf
+    forward: tuple[bool, ...]                    # per equation: in the forward pass; pipelines only
+    micro_batches: int | None = None             # None: traced at the arguments' own shapes
+    micro_batch_size: int = 0                    # rows of one micro-batch (0: no batch)
+    concat_outputs: tuple[int, ...] = ()
+
+    @property
+    def num_args(self) -> int:
+        return len(self.arg_tree.children())
+
+    @property
+    def batch_leaves(self) -> tuple[bool, ...]:
+        """Per flat input: is it a leaf of a batch argument?"""
+        return tuple(a in self.batch_argnums for a, _ in self.arg_paths)
+
+    def updated_input(self) -> dict[int, int]:
+        """Output id -> id of the input it is the new value of."""
+        g = self.graph
+        if g is None:
+            raise ValueError("a TracedStep made without micro_batches has no Graph")
+        return {o.tensor: g.inputs[o.updates].tensor for o in g.outputs if o.updates is not None}
+
+    def __repr__(self) -> str:
+        mb = f", {self.micro_batches} micro-batches" if self.micro_batches else ""
+        return (f"TracedStep({len(self.flat.eqns)} equations, "
+                f"{len(self.flat.invars)} inputs, {len(self.flat.outvars)} outputs{mb})")

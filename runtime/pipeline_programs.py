@@ -1,0 +1,289 @@
+"""The per-stage programs of a pipeline plan and where their values live.
+
+:class:`StageLayouts` holds, per stage, the plan's shardings bound to the
+stage's mesh: the planned constraints on values, the operand constraints of
+the ILP (``Stage.read_constraints``), the layout of every argument leaf, of
+the running sums, and of values arriving from other stages.
+:func:`build_programs` turns every task of a
+:class:`~meshplan.runtime.pipeline_split.StepSplit` into one ``jax.jit`` of
+an evaluator that replays its equations (plus the constant equations it
+reads) with the stage's constraints; :class:`RunningSums` makes the jitted
+zeros and means of the gradients summed over micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshplan.errors import StalePlanError
+from meshplan.plan import Plan, arg_prefixes
+from meshplan.traced import FlatJaxpr, TracedStep
+
+from .pipeline_split import StepSplit, Task
+from .shard import check_spec, make_evaluator, to_partition_spec
+
+__all__ = ["Program", "StageLayouts", "RunningSums", "build_programs", "const_outputs"]
+
+
+@dataclasses.dataclass
+class Program:
+    """One task as a jitted program: ``fn(*inputs, *running_sums)`` returns
+    (outputs, new running sums)."""
+    task: Task
+    fn: Callable[..., Any]                       # jitted
+    constraints: Mapping[int, NamedSharding]
+
+
+# ---------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------
+
+class StageLayouts:
+    """The plan's shardings on the stages' meshes (see the module doc).
+    Shardings are made on first use and kept (one compiled program per task)."""
+
+    def __init__(self, plan: Plan, meshes: Sequence[Mesh], traced: TracedStep,
+                 split: StepSplit) -> None:
+        self.plan = plan
+        self.meshes = list(meshes)
+        self.flat = flat = traced.flat
+        nargs = traced.num_args
+        nonbatch = [a for a in range(nargs) if a not in plan.batch_argnums]
+        batch = [a for a in range(nargs) if a in plan.batch_argnums]
+        prefixes = dict(arg_prefixes(nonbatch)) | dict(arg_prefixes(batch)) | dict(plan.arg_prefixes)
+        self.leaf_key = {i: prefixes.get(a, "") + path
+                         for (a, path), i in zip(traced.arg_paths, flat.invars)}
+        self.is_batch = {i for i, b in zip(flat.invars, traced.batch_leaves) if b}
+        self._batch_table = dict(plan.batch)
+        self.constraints: list[dict[int, NamedSharding]] = []
+        self.reads: list[dict[int, list[tuple[int, NamedSharding]]]] = []
+        for s in range(len(plan.stages)):
+            cons, reads = self._planned(s)
+            self.constraints.append(cons)
+            self.reads.append(reads)
+        self._args: dict[tuple[int, int], NamedSharding] = {}
+        self._sends: dict[tuple[int, int], NamedSharding] = {}
+        self._cross: dict[tuple[int, int], NamedSharding] = {}
+        # outputs that update an input keep that input's layout on their stage
+        for x, i in traced.updated_input().items():
+            key = split.producer.get(x)
+            if key is not None and key[0] == "A" and hasattr(flat.avals.get(x), "shape"):
+                s = key[1]
+                self.constraints[s].setdefault(x, self._arg_sharding(i, s))
+
+    def _planned(self, s: int) -> tuple[dict[int, NamedSharding],
+                                        dict[int, list[tuple[int, NamedSharding]]]]:
+        """Stage ``s``'s planned value constraints and operand constraints."""
+        st, mesh, flat = self.plan.stages[s], self.meshes[s], self.flat
+        cons: dict[int, NamedSharding] = {}
+        for tid, spec in st.constraints:
+            aval = flat.avals.get(tid)
+            if aval is None or not hasattr(aval, "shape"):
+                continue
+            check_spec(spec, aval.shape, st.logical_mesh, f"stage {s} constraint on tensor t{tid}")
+            cons[tid] = NamedSharding(mesh, to_partition_spec(spec))
+        reads: dict[int, list[tuple[int, NamedSharding]]] = {}
+        for tid, pos, spec in getattr(st, "read_constraints", ()):
+            if tid in flat.avals:
+                reads.setdefault(tid, []).append((pos, NamedSharding(mesh, to_partition_spec(spec))))
+        return cons, reads
+
+    def arg(self, i: int, s: int) -> NamedSharding:
+        """Where argument leaf ``i`` lives on stage ``s``."""
+        sh = self._args.get((i, s))
+        if sh is None:
+            sh = self._args[(i, s)] = self._arg_sharding(i, s)
+        return sh
+
+    def _arg_sharding(self, i: int, s: int) -> NamedSharding:
+        key = self.leaf_key[i]
+        aval = self.flat.avals[i]
+        st = self.plan.stages[s]
+        spec = None
+        if i in self.is_batch:
+            c = self.constraints[s].get(i)
+            if c is not None:
+                return c
+            spec = self._batch_table.get(key)
+        else:
+            spec = dict(st.params).get(key)
+        if spec is not None:
+            try:
+                check_spec(spec, aval.shape, st.logical_mesh, f"stage {s} argument {key}")
+            except StalePlanError:
+                if i not in self.is_batch:
+                    raise
+                spec = None     # a batch spec of another stage's mesh: replicate here
+        ps = to_partition_spec(spec) if spec is not None else PartitionSpec()
+        return NamedSharding(self.meshes[s], ps)
+
+    def acc(self, x: int, s: int) -> NamedSharding:
+        """Where the running sum of ``x`` lives on stage ``s``: its planned
+        layout, else replicated."""
+        sh = self.constraints[s].get(x)
+        return sh if sh is not None else NamedSharding(self.meshes[s], PartitionSpec())
+
+    def send(self, v: Any, x: int, s: int) -> NamedSharding:
+        """Where value ``x`` (the array ``v`` of another stage) lands on stage
+        ``s``: its planned layout there, else ``v``'s spec when it fits the
+        stage's mesh, else replicated."""
+        sh = self._sends.get((x, s))
+        if sh is None:
+            sh = self.constraints[s].get(x)
+            if sh is None:
+                cur = getattr(v, "sharding", None)
+                spec = cur.spec if isinstance(cur, NamedSharding) else PartitionSpec()
+                st = self.plan.stages[s]
+                try:
+                    check_spec(tuple(_norm(d) for d in spec) + (None,) * (v.ndim - len(spec)),
+                               v.shape, st.logical_mesh, "transfer")
+                    sh = NamedSharding(self.meshes[s], spec)
+                except StalePlanError:
+                    sh = NamedSharding(self.meshes[s], PartitionSpec())
+            self._sends[(x, s)] = sh
+        return sh
+
+    def cross(self, x: int, r: int, s: int, ndim: int) -> NamedSharding:
+        """[multi-host] where a value from another process lands on stage
+        ``s``: its planned layout there, else its planned layout on ``r`` when
+        stage ``s`` has those axes, else replicated.  (The same in every
+        process: the receiver cannot see the sender's array.)"""
+        sh = self._cross.get((x, s))
+        if sh is None:
+            sh = self.constraints[s].get(x)
+            if sh is None:
+                theirs = self.constraints[r].get(x)
+                sh = NamedSharding(self.meshes[s], PartitionSpec())
+                if theirs is not None:
+                    spec = tuple(_norm(d) for d in theirs.spec) + (None,) * (ndim - len(theirs.spec))
+                    try:
+                        check_spec(spec, self.flat.avals[x].shape, self.plan.stages[s].logical_mesh,
+                                   "transfer")
+                        sh = NamedSharding(self.meshes[s], PartitionSpec(*spec))
+                    except StalePlanError:
+                        pass
+            self._cross[(x, s)] = sh
+        return sh
+
+
+def _norm(d: Any) -> Any:
+    return tuple(d) if isinstance(d, (list, tuple)) else d
+
+
+# ---------------------------------------------------------------------------
+# Programs
+# ---------------------------------------------------------------------------
+
+def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts) -> dict[tuple, Program]:
+    """One jitted program per task of ``split``."""
+    return {key: _program(task, split, flat, layouts) for key, task in split.tasks.items()}
+
+
+def _closure_eqns(task: Task, split: StepSplit, flat: FlatJaxpr) -> list[int]:
+    """The task's equations plus the constant equations it reads, in flat order."""
+    eqns = flat.eqns
+    own = set(task.eqns)
+    stack = [x for k in task.eqns for x in eqns[k].invars if isinstance(x, int)]
+    while stack:
+        x = stack.pop()
+        k = split.const_eqn.get(x)
+        if k is not None and k not in own:
+            own.add(k)
+            stack.extend(y for y in eqns[k].invars if isinstance(y, int))
+    return sorted(own)
+
+
+def _sub(flat: FlatJaxpr, eqn_ids: list[int], inputs: Sequence[int],
+         outputs: Sequence[int]) -> FlatJaxpr:
+    read = {x for k in eqn_ids for x in flat.eqns[k].invars if isinstance(x, int)}
+    read |= set(outputs)
+    # captured constants go in as host values: a constant committed to a
+    # device of another stage must not be handed to this stage's program
+    cv = [(i, np.asarray(c) if isinstance(c, jax.Array) else c)
+          for i, c in zip(flat.constvars, flat.consts) if i in read]
+    return FlatJaxpr(tuple(inputs), tuple(i for i, _ in cv), tuple(c for _, c in cv),
+                     tuple(flat.eqns[k] for k in eqn_ids), tuple(outputs), flat.avals)
+
+
+def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts) -> Program:
+    s = task.stage
+    eqn_ids = _closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
+                            split, flat)
+    outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
+    sub = _sub(flat, eqn_ids, task.inputs, outs)
+    cons = layouts.constraints[s]
+    reads = layouts.reads[s]
+    evaluate = make_evaluator(sub, cons, reads) if reads else make_evaluator(sub, cons)
+    n_out = len(task.outputs)
+    acc_pos = [outs.index(x) for x in task.accumulate]
+    acc_sh = [layouts.acc(x, s) for x in task.accumulate]
+    n_in = len(task.inputs)
+
+    def program(*xs: Any) -> tuple[list[Any], list[Any]]:
+        vals = evaluate(*xs[:n_in])
+        accs = xs[n_in:]
+        plain = list(vals[:n_out])
+        new = [vals[p] for p in acc_pos]
+        if accs:
+            new = [a + v for a, v in zip(accs, new)]
+        # the running sums keep one layout: one compiled program per task
+        return plain, [jax.lax.with_sharding_constraint(v, sh) for v, sh in zip(new, acc_sh)]
+
+    program.__name__ = f"stage{s}_{task.kind}{task.level if task.kind == 'A' else ''}"
+    program.__qualname__ = program.__name__
+    return Program(task, jax.jit(program), cons)
+
+
+def const_outputs(split: StepSplit, flat: FlatJaxpr) -> dict[int, Any]:
+    """The values of the step's outputs made from constants alone."""
+    out: dict[int, Any] = {}
+    for x in flat.outvars:
+        if isinstance(x, int) and x in split.const_eqn:
+            t = Task("K", 0, 0, [split.const_eqn[x]])
+            sub = _sub(flat, _closure_eqns(t, split, flat), (), (x,))
+            out[x] = make_evaluator(sub, {})()[0]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Running sums over micro-batches
+# ---------------------------------------------------------------------------
+
+class RunningSums:
+    """Jitted functions making the zero running sums of a stage and the
+    means of its sums (made on first use, one per stage and count)."""
+
+    def __init__(self, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts, m: int) -> None:
+        self.split, self.flat, self.layouts, self.m = split, flat, layouts, m
+        self._zeros: dict[int, tuple[list[int], Callable[[], list[Any]]]] = {}
+        self._means: dict[tuple[int, int], Callable[..., Any]] = {}
+
+    def zeros(self, s: int) -> tuple[list[int], Callable[[], list[Any]]]:
+        """(ids, a jitted function making zero running sums) of stage ``s``."""
+        hit = self._zeros.get(s)
+        if hit is None:
+            ids = [x for key, t in self.split.tasks.items() if key[0] != "A" and key[1] == s
+                   for x in t.accumulate]
+            avals = [self.flat.avals[x] for x in ids]
+            shardings = [self.layouts.acc(x, s) for x in ids]
+
+            def zeros() -> list[Any]:
+                return [jax.numpy.zeros(a.shape, a.dtype) for a in avals]
+            hit = self._zeros[s] = (ids, jax.jit(zeros, out_shardings=shardings))
+        return hit
+
+    def mean(self, s: int, n: int) -> Callable[..., Any]:
+        """A jitted function dividing ``n`` sums of stage ``s`` by the number
+        of micro-batches."""
+        f = self._means.get((s, n))
+        if f is None:
+            m = self.m
+
+            def mean(*xs: Any) -> list[Any]:
+                return [(x / m).astype(x.dtype) for x in xs]
+            f = self._means[(s, n)] = jax.jit(mean)
+        return f
