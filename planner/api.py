@@ -17,7 +17,7 @@ from .errors import StalePlanError
 from .graph import Graph
 from .methods import Method, ShardParallel
 from .plan import Plan
-from .planning import plan_function, plan_step, trace_function
+from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
 from .traced import TracedStep
@@ -132,8 +132,7 @@ class Parallelized:
         session = self.session or Session.from_env()
         traced = trace_function(self.fn, _abstract(args), self.batch_argnums,
                                 getattr(self.fn, "__name__", "fn"), session)
-        graph, step, abstract, unstacked = traced.graph, traced.step, traced.args, \
-            traced.unstacked
+        graph, abstract, unstacked = traced.graph, traced.args, traced.unstacked
         if self._given_plan is not None:
             p = self._given_plan
             if p.graph_fingerprint != graph.fingerprint:
@@ -146,7 +145,7 @@ class Parallelized:
                               session).plan
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
-        executable = self._executable(p, graph, step, abstract)
+        executable = self._executable(p, traced)
         if unstacked is not None:
             # arguments already in per-layer form (split_layers) run as they are
             self._cache[_signature(abstract)] = (p, executable)
@@ -155,17 +154,19 @@ class Parallelized:
         self._last = p
         return p, executable
 
-    def _executable(self, p: Plan, graph: Graph, step: Callable, abstract: tuple[Any, ...]) -> Any:
-        """The runtime's executable of ``p``, given ``step`` traced as it runs."""
+    def _executable(self, p: Plan, traced: TracedFunction) -> Any:
+        """The runtime's executable of ``p`` for the step as traced for planning."""
         from meshplan.runtime import ShardExecutable
+        step, abstract, graph = traced.step, traced.args, traced.graph
         batch_argnums = tuple(p.batch_argnums)
         if len(p.stages) > 1:
             # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B
             from meshplan.runtime.pipeline import PipelineExecutable
-            traced = trace_for_run(step, abstract, batch_argnums, p.num_micro_batches)
-            return PipelineExecutable(step, p, abstract, traced=traced,
-                                      layer_of_node=_layer_of_node(p, traced))
-        return ShardExecutable(step, p, abstract, traced=trace_for_run(step, abstract, batch_argnums),
+            run = trace_for_run(step, abstract, batch_argnums, p.num_micro_batches)
+            return PipelineExecutable(step, p, abstract, traced=run,
+                                      layer_of_node=_layer_of_node(p, run))
+        # (one stage: the planner's own trace, which the plan's tensor ids name)
+        return ShardExecutable(step, p, abstract, traced=traced.run,
                                retrace=functools.partial(trace_for_run, step,
                                                          batch_argnums=batch_argnums),
                                donate_argnums=self._donate(graph))

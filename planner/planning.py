@@ -21,7 +21,8 @@ from .graph import BATCH, Graph, strip_markers
 from .methods import Method
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
-from .trace import trace
+from .trace import trace, trace_both
+from .traced import TracedStep
 from .unstack import Unstacked, layer_counts, unstack_scanned_layers
 
 
@@ -35,13 +36,15 @@ class Planned:
 
 @dataclass(frozen=True)
 class TracedFunction:
-    """A step traced for planning: its Graph, and the step and arguments that
-    were traced (with a scan over stacked layers, its per-layer rewrite)."""
+    """A step traced for planning: its Graph, the step and arguments that
+    were traced (with a scan over stacked layers, its per-layer rewrite), and
+    the same trace as the runtime takes it for a one-stage plan (``run``)."""
     graph: Graph
     step: Callable
     args: tuple[Any, ...]
     batch_argnums: tuple[int, ...]
     name: str
+    run: TracedStep
     unstacked: Unstacked | None = None
 
     def retrace(self, B: int) -> Graph:
@@ -55,15 +58,15 @@ def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[i
     parameters, the step planned (and run) is its rewrite with one input per
     layer (:mod:`meshplan.unstack`)."""
     with session.progress.step(f"tracing {name}"):
-        graph = trace(fn, *abstract, batch_argnums=batch_argnums, name=name)
+        graph, run = trace_both(fn, *abstract, batch_argnums=batch_argnums, name=name)
     unstacked = unstack_scanned_layers(graph, fn, abstract)
     if unstacked is None:
-        return TracedFunction(graph, fn, tuple(abstract), batch_argnums, name)
+        return TracedFunction(graph, fn, tuple(abstract), batch_argnums, name, run)
     step_args = unstacked.split(abstract)
     with session.progress.step(f"unrolling the lax.scan over {layer_counts(unstacked.shapes)} "
                                "stacked layers"):
-        graph = trace(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
-    return TracedFunction(graph, unstacked.fn, step_args, batch_argnums, name, unstacked)
+        graph, run = trace_both(unstacked.fn, *step_args, batch_argnums=batch_argnums, name=name)
+    return TracedFunction(graph, unstacked.fn, step_args, batch_argnums, name, run, unstacked)
 
 
 def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,

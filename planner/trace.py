@@ -174,6 +174,14 @@ def _body_digest(eqn: Any) -> str:
 def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
           name: str | None = None) -> Graph:
     """Trace ``fn(*args)`` into a :class:`Graph` without running it."""
+    return trace_both(fn, *args, batch_argnums=batch_argnums, name=name)[0]
+
+
+def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
+               name: str | None = None) -> tuple[Graph, TracedStep]:
+    """``fn(*args)`` traced once: its :class:`Graph` for the planner and the
+    :class:`~meshplan.traced.TracedStep` a one-stage runtime runs (its graph
+    is that Graph)."""
     batch_argnums = tuple(int(b) for b in batch_argnums)
     for b in batch_argnums:
         if not 0 <= b < len(args):
@@ -184,9 +192,11 @@ def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
     except Exception as e:  # the user's function failed: say so, keep the cause
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: "
                          f"{type(e).__name__}: {e}") from e
-    return graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
-                            name=name or getattr(fn, "__name__", "fn"),
-                            argnames=_argnames(fn, len(args)))
+    flat = flatten(closed)
+    graph = graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
+                             name=name or getattr(fn, "__name__", "fn"),
+                             argnames=_argnames(fn, len(args)), flat=flat)
+    return graph, _traced_step(closed, out_shape, flat, tuple(args), batch_argnums, graph=graph)
 
 
 def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
@@ -326,36 +336,45 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     Graph, forward equations and the outputs of the whole batch are recorded."""
     batch_argnums = tuple(int(b) for b in batch_argnums)
     args = tuple(args)
+    if micro_batches is None:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        return _traced_step(closed, out_shape, flatten(closed), args, batch_argnums)
+    m = int(micro_batches)
+    args = jax.tree_util.tree_map(_abstract_leaf, args)
+    mb = _micro_batch_size(args, batch_argnums, m)
+    micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
+                  else a for i, a in enumerate(args))
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro)
+    flat = flatten(closed)
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("ignore")
+        graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
+                                 name=getattr(fn, "__name__", "fn"),
+                                 argnames=_argnames(fn, len(micro)), flat=flat)
+    step_out = jax.eval_shape(fn, *args)
+    return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
+                        forward=tuple(forward_nodes(graph)), step_out=step_out,
+                        micro_batches=m, micro_batch_size=mb,
+                        concat=_concat_outputs(out_shape, step_out, flat, m))
+
+
+def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, ...],
+                 batch_argnums: tuple[int, ...], *, graph: Graph | None = None,
+                 forward: tuple[bool, ...] = (), step_out: Any = None,
+                 micro_batches: int | None = None, micro_batch_size: int = 0,
+                 concat: tuple[int, ...] = ()) -> TracedStep:
     leaves_p, arg_tree = jax.tree_util.tree_flatten_with_path(args)
     arg_paths = tuple((int(path[0].idx), jax.tree_util.keystr(tuple(path[1:])))
                       for path, _ in leaves_p)
-    micro, mb = args, 0
-    if micro_batches is not None:
-        m = int(micro_batches)
-        args = jax.tree_util.tree_map(_abstract_leaf, args)
-        mb = _micro_batch_size(args, batch_argnums, m)
-        micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
-                      else a for i, a in enumerate(args))
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro)
-    flat = flatten(closed)
-    graph, forward, step_out, concat = None, (), out_shape, ()
-    if micro_batches is not None:
-        import warnings as _w
-        with _w.catch_warnings():
-            _w.simplefilter("ignore")
-            graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
-                                     name=getattr(fn, "__name__", "fn"),
-                                     argnames=_argnames(fn, len(micro)), flat=flat)
-        forward = tuple(forward_nodes(graph))
-        step_out = jax.eval_shape(fn, *args)
-        concat = _concat_outputs(out_shape, step_out, flat, int(micro_batches))
+    step_out = out_shape if step_out is None else step_out
     return TracedStep(closed=closed, flat=flat, graph=graph, arg_tree=arg_tree,
                       arg_paths=arg_paths, batch_argnums=batch_argnums,
                       out_tree=jax.tree_util.tree_structure(out_shape), out_shape=out_shape,
                       step_out_avals=tuple((tuple(l.shape), l.dtype)
                                            for l in jax.tree_util.tree_leaves(step_out)),
                       forward=forward, micro_batches=micro_batches,
-                      micro_batch_size=mb, concat_outputs=concat)
+                      micro_batch_size=micro_batch_size, concat_outputs=concat)
 
 
 def _abstract_leaf(x: Any) -> Any:
