@@ -13,9 +13,9 @@ import jax
 from .cluster import ClusterSpec
 from .dp_search import Session
 from .dp_search.assemble import plan_from_intra_op  # noqa: F401 (re-exported)
-from .errors import StalePlanError
+from .errors import MeshplanError, StalePlanError
 from .graph import Graph
-from .methods import Method, ShardParallel
+from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
@@ -29,14 +29,14 @@ from .unstack import Unstacked
 # --------------------------------------------------------------------------
 
 def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
-         method: Method | None = None, batch_argnums: Sequence[int] = (1,),
+         method: Method | None = None, batch_argnums: int | Sequence[int] = (1,),
          session: Session | None = None) -> Plan:
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
     ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees.
     ``session``: a :class:`meshplan.dp_search.Session` to plan in (its
     progress reporter and layer-cost cache; default a new one)."""
     session = session or Session.from_env()
-    traced = trace_function(fn, _abstract(args), tuple(batch_argnums),
+    traced = trace_function(fn, _abstract(args), _argnums(batch_argnums),
                             getattr(fn, "__name__", "fn"), session)
     return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
                          session).plan
@@ -59,6 +59,13 @@ def trace_step(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, 
 # --------------------------------------------------------------------------
 # parallelize
 # --------------------------------------------------------------------------
+
+def _argnums(batch_argnums: Any) -> tuple[int, ...]:
+    try:
+        return normalize_argnums(batch_argnums)
+    except TypeError as e:
+        raise MeshplanError(f"{e}; e.g. batch_argnums=1 or (1,)") from None
+
 
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
@@ -85,7 +92,7 @@ class Parallelized:
         self.session = session
         self.cluster = cluster
         self.method = method or ShardParallel()
-        self.batch_argnums = tuple(batch_argnums) if plan is None else tuple(plan.batch_argnums)
+        self.batch_argnums = _argnums(batch_argnums) if plan is None else tuple(plan.batch_argnums)
         self.donate_argnums = donate_argnums
         self._given_plan = plan
         self._cache: dict[Any, tuple[Plan, Any]] = {}
@@ -259,11 +266,14 @@ def _layer_of_node(p: Plan, traced: TracedStep) -> tuple[int, ...]:
 
 
 def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = None,
-                method: Method | None = None, batch_argnums: Sequence[int] = (1,),
-                donate_argnums: Any = "auto", plan: Plan | None = None,
+                method: Method | None = None, batch_argnums: int | Sequence[int] = (1,),
+                donate_argnums: Any = (), plan: Plan | None = None,
                 session: Session | None = None) -> Any:
     """Run ``fn`` in parallel: ``meshplan.parallelize(step, cluster=..., method=...)``
-    or as a decorator, with or without arguments.  ``session``: see :func:`plan`."""
+    or as a decorator, with or without arguments.  ``donate_argnums`` as in
+    ``jax.jit``: only the arguments named are donated (``"auto"``: every
+    argument the step returns a new value of, the batch never).
+    ``session``: see :func:`plan`."""
     def wrap(f: Callable) -> Parallelized:
         return Parallelized(f, cluster=cluster, method=method, batch_argnums=batch_argnums,
                             donate_argnums=donate_argnums, plan=plan, session=session)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from . import progress
 from .errors import MeshplanError, ModelConfigError
+from .methods import normalize_argnums
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,18 +77,32 @@ def _load_fn(spec: str) -> Target:
         raise ModelConfigError(f"--fn {spec}: calling {func_name}() failed: {type(e).__name__}: "
                                f"{e}; it must take no arguments and return (train_step, "
                                "example_args)") from e
-    if not (isinstance(result, tuple) and len(result) in (2, 3) and callable(result[0])):
-        raise ModelConfigError(f"--fn {spec}: the function must return (train_step, example_args) "
-                               "or (train_step, example_args, batch_argnums)")
-    batch_argnums = tuple(result[2]) if len(result) == 3 else (1,)
+    shape = ("must return (train_step, example_args) or (train_step, example_args, "
+             "batch_argnums), with example_args a tuple or list of the step's arguments")
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and callable(result[0])
+            and isinstance(result[1], (tuple, list))):
+        raise ModelConfigError(f"--fn {spec}: the function {shape}; it returned "
+                               f"{_describe(result)}")
+    try:
+        batch_argnums = normalize_argnums(result[2] if len(result) == 3 else (1,))
+    except (TypeError, ValueError):
+        raise ModelConfigError(f"--fn {spec}: batch_argnums must be an int or a tuple of ints; "
+                               f"got {result[2]!r}") from None
     return Target(name=func_name, train_step=result[0], args=tuple(result[1]),
                   batch_argnums=batch_argnums, model_config=None)
 
 
-def _add_target_args(p: argparse.ArgumentParser) -> None:
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value[:4])})"
+    return f"a {type(value).__name__}"
+
+
+def _add_target_args(p: argparse.ArgumentParser, fn: bool = True) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", help="built-in model or preset (mlp, gpt, moe, wresnet, gpt-1.3b, ...)")
-    g.add_argument("--fn", help="MODULE:FUNCTION returning (train_step, example_args)")
+    if fn:   # (run needs a built-in model: it makes concrete data with the model's init)
+        g.add_argument("--fn", help="MODULE:FUNCTION returning (train_step, example_args)")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="override a size of the built-in model (repeatable)")
 
@@ -162,6 +177,17 @@ def _method(args: argparse.Namespace):
     if args.remat != "auto" and name != "manual":
         raise ModelConfigError(f"--remat applies to --method manual only (got --method {name}); "
                                "the other methods choose recomputation per stage")
+    applies = {"manual": ("dp", "tp", "pp", "micro_batches", "schedule"),
+               "pipeshard": ("pp", "micro_batches", "schedule")}.get(name, ())
+    given = [k for k in ("dp", "tp", "pp", "micro_batches", "schedule")
+             if getattr(args, k) not in (None, "auto") and k not in applies]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        users = "--method manual" + (" or pipeshard" if set(given) <= {"pp", "micro_batches",
+                                                                       "schedule"} else "")
+        raise ModelConfigError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to {users} "
+                               f"only (got --method {name}); --method {name} chooses "
+                               f"{'it' if len(given) == 1 else 'them'} itself")
     if name == "shard":
         mesh = _parse_mesh(args.mesh) if args.mesh else None
         return M.ShardParallel(mesh_shape=mesh, time_limit=args.time_limit)
@@ -354,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "
                                     "compare with the unparallelized step")
-    _add_target_args(pr)
+    _add_target_args(pr, fn=False)
     _add_method_args(pr)
     pr.add_argument("--plan", help="run this saved plan instead of planning")
     pr.add_argument("--steps", type=_positive(int), default=3)

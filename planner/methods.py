@@ -7,9 +7,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import MeshplanError
 from .request import PipelineOptions, PlanRequest
+
+def normalize_argnums(argnums: Any) -> tuple[int, ...]:
+    """``batch_argnums`` as jax takes argnums: an int or a sequence of ints."""
+    if isinstance(argnums, bool):
+        raise TypeError("batch_argnums must be an int or a sequence of ints, not a bool")
+    if isinstance(argnums, int):
+        return (argnums,)
+    out = tuple(argnums)
+    if not all(isinstance(a, int) and not isinstance(a, bool) for a in out):
+        raise TypeError(f"batch_argnums must be an int or a sequence of ints, got {argnums!r}")
+    return out
+
 
 # What a searched schedule ("auto") may be: the runtime executes GPipe and
 # 1F1B; interleaved 1F1B is planned only when asked for by name.

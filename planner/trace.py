@@ -41,7 +41,8 @@ def infer_role(argname: str, path: str, dtype: str, is_batch: bool) -> str:
     words = f"{argname} {path}".replace("'", " ").replace("[", " ").replace("]", " ").replace(".", " ")
     if _OPT_WORDS.search(words):
         return OPT_STATE
-    is_float = dtype == "bfloat16" or np.issubdtype(np.dtype(dtype), np.floating)
+    is_float = dtype == "bfloat16" or (not dtype.startswith("key<")
+                                        and np.issubdtype(np.dtype(dtype), np.floating))
     if not is_float:
         return STATE
     if _STATE_WORDS.search(words):
@@ -56,7 +57,11 @@ def _dtype_name(aval: Any) -> str:
     dt = aval.dtype
     name = _DTYPE_NAMES.get(dt)
     if name is None:
-        name = _DTYPE_NAMES[dt] = str(np.dtype(dt)) if dt != "bfloat16" else "bfloat16"
+        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            name = str(dt)            # "key<fry>": a typed PRNG key (graph.dtype_bytes sizes it)
+        else:
+            name = str(np.dtype(dt)) if dt != "bfloat16" else "bfloat16"
+        _DTYPE_NAMES[dt] = name
     return name
 
 

@@ -121,7 +121,7 @@ def test_fast_path_runs_placed_arguments_and_falls_back_otherwise() -> None:
     state, batch = model.init(0)
     ref_step = jax.jit(model.train_step)
     step = meshplan.parallelize(model.train_step, cluster=meshplan.Cluster.local(),
-                                method=meshplan.DataParallel())
+                                method=meshplan.DataParallel(), donate_argnums=(0,))
     full_calls = []
     original = ShardExecutable._place_all
 
