@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, PARAM, Graph
+from ..graph import BATCH, PARAM, Graph, batch_shaped_draws
 from ..plan import Plan
 from .assemble import pipeline_plan
 from .options import PipelineOptions
@@ -90,6 +90,9 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
             return e
         finally:
             search.trace_s += time.perf_counter() - t0
+        why = batch_shaped_draws(graph, g) if B > 1 else None
+        if why:     # (never plan what the runtime would refuse)
+            return TraceError(why)
         return layer_problems(g, B, cluster, opts)
 
     try:
@@ -138,6 +141,9 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         traced = [b for b in errors if b not in untraceable]
         why = [errors[max(traced)]] if traced else []
         why += [errors[min(untraceable)]] if untraceable else []
+        if not traced and untraceable:
+            raise InfeasiblePlanError(
+                f"no number of micro-batches can be planned ({'; '.join(why)})")
         raise InfeasiblePlanError(
             "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
             f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "

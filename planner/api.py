@@ -14,7 +14,7 @@ from .cluster import ClusterSpec
 from .dp_search import Session
 from .dp_search.assemble import plan_from_intra_op  # noqa: F401 (re-exported)
 from .errors import MeshplanError, StalePlanError
-from .graph import Graph
+from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
 from .planning import TracedFunction, plan_function, plan_step, trace_function
@@ -170,6 +170,10 @@ class Parallelized:
             # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B
             from meshplan.runtime.pipeline import PipelineExecutable
             run = trace_for_run(step, abstract, batch_argnums, p.num_micro_batches)
+            why = batch_shaped_draws(graph, run.graph) if p.num_micro_batches > 1 else None
+            if why:
+                raise MeshplanError(f"this pipeline plan runs {p.num_micro_batches} "
+                                    f"micro-batches, but {why}")
             return PipelineExecutable(step, p, abstract, traced=run,
                                       layer_of_node=_layer_of_node(p, run))
         # (one stage: the planner's own trace, which the plan's tensor ids name)

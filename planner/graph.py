@@ -350,3 +350,25 @@ def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> G
         nodes.append(dataclasses.replace(n, id=len(nodes), inputs=tuple(a(t) for t in n.inputs)))
     outputs = tuple(dataclasses.replace(o, tensor=a(o.tensor)) for o in graph.outputs)
     return dataclasses.replace(graph, nodes=tuple(nodes), outputs=outputs)
+
+
+def random_draw_shapes(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the random bits the step draws (``random_bits`` nodes, in
+    order).  A step traced at micro-batch size that draws other shapes than
+    at full size (dropout masks over the batch) would draw each micro-batch
+    its own mask: a pipeline of it would not equal the plain step."""
+    return tuple(graph.tensors[n.outputs[0]].shape for n in graph.nodes
+                 if n.primitive == "random_bits" and n.outputs)
+
+
+def batch_shaped_draws(full: Graph, micro: Graph) -> str | None:
+    """Why ``micro`` (the step at micro-batch size) may not stand for the
+    plain step ``full``: its random draws have other shapes; None if not."""
+    a, b = random_draw_shapes(full), random_draw_shapes(micro)
+    if a == b:
+        return None
+    differ = next(((x, y) for x, y in zip(a, b) if x != y), (a[:1], b[:1]))
+    return (f"the step draws random bits shaped by the batch (e.g. a dropout mask of shape "
+            f"{differ[0]} at full batch, {differ[1]} per micro-batch), and meshplan does not yet "
+            "give each micro-batch its rows of the plain step's draw; use one micro-batch "
+            "(num_micro_batches=1) or no randomness over the batch")

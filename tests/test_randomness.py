@@ -1,0 +1,98 @@
+"""Steps that draw random numbers (dropout) plan, shard and run like jax.jit.
+
+Random draws are planned replicated: every device draws the same bits, so the
+numbers equal the plain step's.  A pipeline with more than one micro-batch
+would draw a mask per micro-batch, unlike the plain step: that is refused
+with the reason, never run silently different.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshplan
+
+OPT = optax.sgd(0.1)
+
+
+def _loss(p, x, y, key):
+    h = jnp.tanh(x @ p["w1"])
+    keep = jax.random.bernoulli(key, 0.9, h.shape)           # dropout over the batch
+    h = jnp.where(keep, h / 0.9, 0.0)
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def _step(grad):
+    def step(state, batch):
+        p, o, key = state
+        key, sub = jax.random.split(key)
+        loss, g = grad(_loss)(p, batch["x"], batch["y"], sub)
+        u, o = OPT.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss}
+    return step
+
+
+def _state(key):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (16, 32)) * 0.3, "w2": jax.random.normal(k2, (32, 4)) * 0.3}
+    return (p, OPT.init(p), key)
+
+
+BATCH = {"x": jnp.linspace(-1, 1, 16 * 16).reshape(16, 16), "y": jnp.ones((16, 4))}
+
+
+def _check(step_fn, state, method, steps=2):
+    ref, par = state, state
+    step = meshplan.parallelize(step_fn, method=method)
+    jitted = jax.jit(step_fn)
+    for _ in range(steps):
+        ref, rm = jitted(ref, BATCH)
+        par, pm = step(par, BATCH)
+        assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par[:2]), jax.tree.leaves(ref[:2])):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+    # the carried key advanced as the plain step's did
+    assert (jax.random.key_data(par[2]) == jax.random.key_data(ref[2])).all()
+    return step
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(), meshplan.DataParallel(),
+                                    meshplan.Auto()], ids=["shard", "data", "auto"])
+def test_dropout_with_a_typed_key_plans_and_matches_jit(method):
+    _check(_step(jax.value_and_grad), _state(jax.random.key(7)), method)
+
+
+def test_dropout_with_a_raw_uint32_key():
+    def step(state, batch):
+        p, o, raw = state
+        (p, o, key), m = _step(jax.value_and_grad)((p, o, jax.random.wrap_key_data(raw)), batch)
+        return (p, o, jax.random.key_data(key)), m
+    s = _state(jax.random.key(3))
+    state = (s[0], s[1], jax.random.key_data(s[2]))
+    ref, par = state, state
+    par_step = meshplan.parallelize(step, method=meshplan.ShardParallel())
+    for _ in range(2):
+        ref, rm = jax.jit(step)(ref, BATCH)
+        par, pm = par_step(par, BATCH)
+        assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
+
+
+def test_dropout_pipelines_with_one_micro_batch():
+    step = _check(_step(meshplan.value_and_grad), _state(jax.random.key(5)),
+                  meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=1))
+    assert len(step.plan.stages) == 2
+
+
+def test_dropout_over_the_batch_is_not_split_into_micro_batches():
+    # each micro-batch would draw its own mask: refused, with the reason
+    step = meshplan.parallelize(_step(meshplan.value_and_grad),
+                                method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    with pytest.raises(meshplan.InfeasiblePlanError, match="random bits shaped by the batch"):
+        step(_state(jax.random.key(5)), BATCH)
+    # the search over micro-batch counts keeps to one
+    p = meshplan.plan(_step(meshplan.value_and_grad), _state(jax.random.key(5)), BATCH,
+                      cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2))
+    assert p.num_micro_batches == 1
