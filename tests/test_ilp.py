@@ -13,7 +13,8 @@ from meshplan.cost_model.sharding import spec_from_names
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import OPT_STATE, PARAM
 from meshplan.ilp import best_intra_op, build_problem, candidate_meshes, solve_intra_op
-from meshplan.ilp.core import Edge, IlpProblem, MemoryRow, brute_force, solve
+from meshplan.ilp.problem import Edge, IlpProblem, MemoryRow, brute_force
+from meshplan.ilp.solvers import solve
 from meshplan.models import build_model
 from meshplan.plan import LogicalMesh
 from meshplan.trace import trace
@@ -175,7 +176,7 @@ def test_odd_sizes_only_split_where_divisible():
 
 # ---- exact reductions and dynamic programming ---------------------------------
 
-from meshplan.ilp.core import eliminate, reduce_problem  # noqa: E402
+from meshplan.ilp.presolve import eliminate, reduce_problem  # noqa: E402
 from meshplan.ilp.dp import min_sum_eliminate  # noqa: E402
 
 
