@@ -28,8 +28,8 @@ from .options import SolverOptions
 from .problem import Edge, IlpProblem, MemoryRow, Solution, brute_force
 from .solvers import solve
 
-__all__ = ["IntraOpResult", "InputLayouts", "solve_intra_op", "best_intra_op", "candidate_meshes",
+__all__ = ("IntraOpResult", "InputLayouts", "solve_intra_op", "best_intra_op", "candidate_meshes",
            "memory_floor", "decode", "peak_memory", "SolverOptions", "IlpCaches",
            "IlpProblem", "Edge", "MemoryRow", "Solution", "brute_force", "solve",
            "build_problem", "explain", "read_layouts", "Built", "InputFilter",
-           "PlannedCollective"]
+           "PlannedCollective")

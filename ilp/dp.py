@@ -36,7 +36,7 @@ import numpy as np
 
 from .problem import Edge, IlpProblem
 
-__all__ = ["min_sum_eliminate"]
+__all__ = ("min_sum_eliminate",)
 
 
 class _GiveUp(Exception):
