@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .collectives import Cost, ZERO, add, all_gather, all_to_all, collective_permute
+from .collectives import Cost, ZERO, all_gather, all_to_all, collective_permute
 from .mesh import MeshModel
 
 ISpec = tuple[tuple[int, ...], ...]
