@@ -87,7 +87,7 @@ def reshard_steps(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
       major split left a dimension whose minor split stays.
 
     Two reshardings of one tensor from one layout that share a step emit the
-    same collective, which XLA computes once (see ``ilp.explain``).
+    same collective, which XLA computes once (see ``ilp.decode.explain``).
     """
     if src == dst:
         return ()

@@ -10,18 +10,19 @@ Modules, in the order data flows through them:
 * :mod:`.rules`, :mod:`.strategies`: per-primitive sharding rules and the
   strategies of one operator;
 * :mod:`.build`: Graph + mesh -> :class:`IlpProblem` (memoised through
-  :class:`IlpCaches`), and the collectives a choice implies;
+  :class:`IlpCaches`);
 * :mod:`.problem`: the problem as numbers; :mod:`.presolve`: exact
   reductions; :mod:`.dp`: dynamic programming; :mod:`.solvers`: ``solve``
   with the MIP back ends, run as :class:`SolverOptions` say;
-* :mod:`.decode`: a solution -> :class:`IntraOpResult`;
+* :mod:`.decode`: a solution -> :class:`IntraOpResult`, with the
+  collectives and reshardings the choice implies;
 * :mod:`.intra_op`: the entry points.
 """
 from __future__ import annotations
 
-from .build import Built, InputFilter, PlannedCollective, build_problem, explain, read_layouts
+from .build import Built, InputFilter, build_problem
 from .caches import IlpCaches
-from .decode import IntraOpResult, decode, peak_memory
+from .decode import IntraOpResult, PlannedCollective, decode, explain, peak_memory, read_layouts
 from .intra_op import (InputLayouts, best_intra_op, candidate_meshes, memory_floor,
                        solve_intra_op)
 from .options import SolverOptions

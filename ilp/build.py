@@ -1,4 +1,4 @@
-"""From a Graph and a logical mesh to an IlpProblem, and back to shardings.
+"""From a Graph and a logical mesh to an IlpProblem.
 
 Groups are the ILP's decision units:
 
@@ -81,7 +81,7 @@ class Built:
     per_iteration: frozenset[int] = frozenset()
 
 
-def _follow_input(space, node, graph) -> int | None:
+def follow_input(space, node, graph) -> int | None:
     """Position of the operand a node follows, if any.
 
     Elementwise nodes follow their first same-shaped operand (one that depends
@@ -108,7 +108,7 @@ def _follow_input(space, node, graph) -> int | None:
 
 
 @dataclass(frozen=True)
-class _Mapped:
+class Mapped:
     """A follower's layout under one layout of the operand it follows."""
     main_req: ISpec                      # the operand as the node needs it
     out: ISpec
@@ -117,7 +117,7 @@ class _Mapped:
     shards: int
 
 
-def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
+def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
     """Carry the layout ``spec`` of operand ``k`` through the node's labels.
     Axes on labels the node cannot split are gathered first."""
     per_label: dict[int, tuple[int, ...]] = {}
@@ -133,7 +133,7 @@ def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
                   for p, labs in enumerate(space.in_labels) if labs is not None and p != k)
     red = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
     shards = math.prod(mesh_shape[a] for ax in per_label.values() for a in ax)
-    return _Mapped(main_req, out, reads, red, shards)
+    return Mapped(main_req, out, reads, red, shards)
 
 
 InputFilter = Callable[[GraphInput, ISpec], bool]
@@ -238,7 +238,7 @@ class _Builder:
                 if node is None:
                     continue
             space = node_space(graph, node)
-            k = _follow_input(space, node, graph)
+            k = follow_input(space, node, graph)
             main = node.inputs[k] if k is not None else None
             moved = traffic.get(node.id, node.bytes_accessed)
             gt = self.group_of_tensor
@@ -273,12 +273,12 @@ class _Builder:
         out_shape = graph.tensors[out_t].shape
         dtype = node_dtype(graph, node)
         out_bytes = graph.tensors[out_t].nbytes
-        mapped_cache: dict[ISpec, _Mapped] = {}
+        mapped_cache: dict[ISpec, Mapped] = {}
         for i in range(g.size):
             ms = g.specs[i][main]
             mp = mapped_cache.get(ms)
             if mp is None:
-                mp = mapped_cache[ms] = _map_through(space, k, ms, shape, out_shape)
+                mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
             g.specs[i][out_t] = mp.out
             t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
             steps = self.rs.steps(main, ms, mp.main_req)
@@ -484,137 +484,3 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     problem = IlpProblem([g.name for g in groups], costs, edges, rows)
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration)
-
-
-@dataclass(frozen=True)
-class PlannedCollective:
-    """One collective the chosen plan implies (for reports and verification)."""
-    kind: str          # HLO opcode family: all-reduce, all-gather, all-to-all, ...
-    seconds: float
-    nbytes: float      # result bytes on one device
-    tensor: int        # the tensor it acts on (the result, for a reduction)
-    where: str         # which operator or read causes it
-    key: tuple = ()    # reshardings: (tensor, source layout, layout after the step)
-    group: int = -1    # the ILP group that pays for it
-    internal: bool = True   # paid inside the group (not on an edge between groups)
-
-
-def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
-            dedupe: bool = True) -> list[PlannedCollective]:
-    """Every collective the choice ``choice`` (one strategy per group) implies,
-    in the order of the groups: the partial-sum reductions of operators, the
-    reshardings inside a group and those on the reads between groups.
-
-    With ``dedupe`` a resharding step that several readers of one tensor share
-    (same tensor, same source layout, same collective, same result layout) is
-    listed once: XLA emits one collective for them (common-subexpression
-    elimination), while the ILP's objective charges every reader."""
-    groups = built.groups
-    shape = mm.shape
-    spec_of: dict[int, ISpec] = {}
-    for g, c in zip(groups, choice):
-        spec_of.update(g.specs[c])
-    out: list[PlannedCollective] = []
-
-    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool) -> None:
-        tt = graph.tensors[t]
-        for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
-            out.append(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after),
-                                         gid, internal))
-
-    gt = built.group_of_tensor
-    for g, c in zip(groups, choice):
-        if g.root_node is not None:
-            node = graph.nodes[g.root_node]
-            s = g.strategies[c]
-            if s.comm_bytes:
-                out.append(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
-                                             node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
-                                             (), g.gid, True))
-        for nid in g.members:
-            node = graph.nodes[nid]
-            space = node_space(graph, node)
-            k = _follow_input(space, node, graph)
-            main = node.inputs[k]
-            out_t = node.outputs[0]
-            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
-            where = f"n{nid} {node.primitive} (follower)"
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True)
-            if mp.reduce_axes:
-                sec, b = all_reduce(mm, mp.reduce_axes,
-                                    graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                out.append(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True))
-        seen: set[tuple[int, ISpec]] = set()
-        for t, req in g.reads[c]:
-            if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
-                continue
-            seen.add((t, req))
-            what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
-                    if g.root_node is not None else f"read by {g.name}")
-            steps_of(t, spec_of[t], req, what, g.gid, gt[t] == g.gid)
-    for o in graph.outputs:
-        if o.updates is None or o.tensor not in gt:
-            continue
-        in_t = graph.inputs[o.updates].tensor
-        if not graph.tensors[in_t].shape:
-            continue
-        p = gt[in_t]
-        once = len(out)
-        steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
-                 p, gt[o.tensor] == p)
-        if gt[o.tensor] in built.per_iteration:   # the new value arrives once per iteration
-            out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
-    if built.grad_accum > 1:
-        f = 1.0 / built.grad_accum
-        out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
-               if (pc.group in built.accumulated and pc.internal)
-               or pc.group in built.per_iteration
-               or gt.get(pc.tensor) in built.per_iteration else pc for pc in out]
-    if dedupe:
-        seen_keys: set[tuple] = set()
-        kept = []
-        for pc in out:
-            if pc.key:
-                if pc.key in seen_keys:
-                    continue
-                seen_keys.add(pc.key)
-            kept.append(pc)
-        out = kept
-    return out
-
-
-def read_layouts(graph: Graph, mm: MeshModel, built: Built, choice, *,
-                 all_reads: bool = False) -> list[tuple[int, int, ISpec]]:
-    """``(node id, operand position, layout)`` for every operand that the chosen
-    strategies read in a layout other than the one its producer leaves: where
-    the plan reshards (with ``all_reads``, every laid-out operand).  A runtime
-    that constrains each operand as its reader takes it makes XLA do exactly
-    these reshardings; with one constraint per value only, XLA's partitioner
-    picks its own algorithm for such a reader."""
-    shape = mm.shape
-    spec_of: dict[int, ISpec] = {}
-    for g, c in zip(built.groups, choice):
-        spec_of.update(g.specs[c])
-    out = []
-
-    def add(nid: int, p: int, t: int, req: ISpec) -> None:
-        if t in spec_of and graph.tensors[t].shape and (all_reads or spec_of[t] != req):
-            out.append((nid, p, req))
-
-    for g, c in zip(built.groups, choice):
-        if g.root_node is not None:
-            node = graph.nodes[g.root_node]
-            s = g.strategies[c]
-            for p, (t, req) in enumerate(zip(node.inputs, s.in_specs)):
-                if req is not None:
-                    add(node.id, p, t, req)
-        for nid in g.members:
-            node = graph.nodes[nid]
-            space = node_space(graph, node)
-            k = _follow_input(space, node, graph)
-            main = node.inputs[k]
-            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[node.outputs[0]].shape)
-            add(nid, k, main, mp.main_req)
-            for p, req in mp.reads:
-                add(nid, p, node.inputs[p], req)
-    return out
