@@ -41,7 +41,8 @@ def _timed(fn):
 def run(layers: int, cluster, mesh, *, cbc: bool, raw: bool, mip: bool, time_limit: float) -> dict:
     from meshplan.cost_model import mesh_model
     from meshplan.ilp import build_problem, decode
-    from meshplan.ilp.core import formulation_size, reduced, solve
+    from meshplan.ilp.presolve import reduced
+    from meshplan.ilp.solvers import formulation_size, solve
     from meshplan.models import build_model
     from meshplan.trace import trace
 

@@ -9,7 +9,7 @@ from .mesh import AxisLink, MeshModel, default_axis_names, mesh_model, mesh_shap
 from .sharding import (ISpec, divides, enumerate_specs, local_shape, num_shards, replicated,
                        reshard_cost, spec_from_names, spec_names)
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "reduce_scatter", "compute_time",
+__all__ = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "compute_time",
            "AxisLink", "MeshModel", "default_axis_names", "mesh_model", "mesh_shapes",
            "ISpec", "divides", "enumerate_specs", "local_shape", "num_shards", "replicated",
-           "reshard_cost", "spec_from_names", "spec_names"]
+           "reshard_cost", "spec_from_names", "spec_names")

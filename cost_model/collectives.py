@@ -66,10 +66,6 @@ def collective_permute(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> C
     return lat + nbytes / bw, nbytes
 
 
-def add(*costs: Cost) -> Cost:
-    return sum(c[0] for c in costs), sum(c[1] for c in costs)
-
-
 def reduce_scatter_kind(mm: MeshModel) -> str:
     """The HLO collective a reduce-scatter becomes on ``mm``'s devices."""
     return "reduce-scatter" if mm.native_reduce_scatter else "all-reduce"

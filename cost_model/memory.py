@@ -8,6 +8,7 @@ Inputs are resident for the whole step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -38,13 +39,20 @@ def liveness(graph: Graph) -> Liveness:
                 continue
             end = n - 1 if t in outputs else last_use.get(t, node.id)
             intervals[t] = (node.id, end)
+    return Liveness(intervals, live_bytes(intervals, n, lambda t: graph.tensors[t].nbytes))
+
+
+def live_bytes(intervals: Mapping[int, tuple[int, int]], n: int,
+               nbytes: Callable[[int], float]) -> np.ndarray:
+    """Bytes live after each of ``n`` nodes: tensor ``t`` counts ``nbytes(t)``
+    from the first to the last node of its interval (the sweep of every
+    liveness profile, unsharded or as one plan lays the tensors out)."""
     delta = np.zeros(n + 1)
     for t, (a, b) in intervals.items():
-        nb = graph.tensors[t].nbytes
-        delta[a] += nb
-        delta[b + 1] -= nb
-    profile = np.cumsum(delta)[:n]
-    return Liveness(intervals, profile)
+        v = nbytes(t)
+        delta[a] += v
+        delta[b + 1] -= v
+    return np.cumsum(delta)[:n]
 
 
 def peak_steps(live: Liveness, k: int) -> list[int]:
@@ -62,7 +70,3 @@ def peak_steps(live: Liveness, k: int) -> list[int]:
             chosen.append(int(i))
     return sorted(chosen)
 
-
-def resident_bytes(graph: Graph) -> int:
-    """Unsharded bytes of all inputs (parameters, optimizer state, batch, state)."""
-    return sum(graph.tensors[i.tensor].nbytes for i in graph.inputs)

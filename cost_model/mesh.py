@@ -123,9 +123,6 @@ def mesh_shapes(num_devices: int, max_rank: int = 3) -> list[tuple[int, ...]]:
     return sorted(out, key=lambda s: (len(s), s))
 
 
-AXIS_NAMES = ("data", "model", "fsdp", "expert")
-
-
 def default_axis_names(rank: int) -> tuple[str, ...]:
     if rank == 1:
         return ("x",)

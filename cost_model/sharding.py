@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
+from dataclasses import dataclass
 from typing import Sequence
 
-from .collectives import Cost, ZERO, add, all_gather, all_to_all, collective_permute
+from .collectives import Cost, ZERO, all_gather, all_to_all, collective_permute
 from .mesh import MeshModel
 
 ISpec = tuple[tuple[int, ...], ...]
@@ -34,7 +34,6 @@ def divides(shape: Sequence[int], spec: ISpec, mesh_shape: Sequence[int]) -> boo
     return all(s % math.prod(mesh_shape[a] for a in d) == 0 for s, d in zip(shape, spec))
 
 
-@lru_cache(maxsize=65536)
 def enumerate_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
                     blocked: frozenset[int] = frozenset()) -> tuple[ISpec, ...]:
     """Every spec of a tensor: each mesh axis of size > 1 splits one dimension
@@ -88,68 +87,110 @@ def reshard_steps(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
       major split left a dimension whose minor split stays.
 
     Two reshardings of one tensor from one layout that share a step emit the
-    same collective, which XLA computes once (see ``ilp.explain``).
+    same collective, which XLA computes once (see ``ilp.decode.explain``).
     """
     if src == dst:
         return ()
-    shp = mm.shape
-    rank = len(src)
-
-    def ways(axes) -> int:
-        return math.prod(shp[a] for a in axes)
-
     every = tuple(sorted({a for d in src for a in d} | {a for d in dst for a in d}))
     # 1. containment: no data has to be merged, at most moved between devices
-    if all(ways(dst[d]) % ways(src[d]) == 0 for d in range(rank)):
-        if all(tuple(dst[d][:len(src[d])]) == tuple(src[d]) for d in range(rank)):
-            return ()
-        b = nbytes / num_shards(dst, shp)
-        return (("collective-permute",) + collective_permute(mm, every, b) + (tuple(dst),),)
-    src_dim = {a: d for d, axes in enumerate(src) for a in axes}
-    dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
-    moved = [a for a in src_dim if a in dst_dim and dst_dim[a] != src_dim[a]]
-    dropped = {a for a in src_dim if a not in dst_dim}
-    new = [a for a in dst_dim if a not in src_dim]
-
+    contained = _contained(mm, nbytes, src, dst, every)
+    if contained is not None:
+        return contained
+    mv = _Moves.of(src, dst)
     # 2. the cases XLA handles by gathering the whole tensor
-    def whole_move(a: int) -> bool:
-        d = src[src_dim[a]]
-        return all(b in dst_dim and dst_dim[b] == dst_dim[a] for b in d) and \
-            tuple(x for x in dst[dst_dim[a]] if x in d) == tuple(d)
+    if mv.gathers_whole():
+        return _replicate(mm, src, nbytes)
+    return _step_by_step(mm, nbytes, src, dst, mv, every)
 
-    def breaks(a: int) -> bool:
-        d = src[src_dim[a]]
-        if d[-1] == a or whole_move(a):
+
+def _ways(mesh_shape: Sequence[int], axes) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def _contained(mm: MeshModel, nbytes: float, src: ISpec, dst: ISpec, every: tuple[int, ...]):
+    """The steps when every block a device needs lies inside one block of
+    ``src`` (none, or one collective-permute); None when it does not."""
+    shp = mm.shape
+    if not all(_ways(shp, dst[d]) % _ways(shp, src[d]) == 0 for d in range(len(src))):
+        return None
+    if all(tuple(dst[d][:len(src[d])]) == tuple(src[d]) for d in range(len(src))):
+        return ()
+    b = nbytes / num_shards(dst, shp)
+    return (("collective-permute",) + collective_permute(mm, every, b) + (tuple(dst),),)
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """Where the mesh axes of ``src`` and ``dst`` go."""
+    src: ISpec
+    dst: ISpec
+    src_dim: dict[int, int]      # axis -> dimension it splits in src
+    dst_dim: dict[int, int]
+    moved: list[int]             # axes splitting another dimension in dst
+    dropped: set[int]            # axes of src not in dst
+    new: list[int]               # axes of dst not in src
+
+    @classmethod
+    def of(cls, src: ISpec, dst: ISpec) -> "_Moves":
+        src_dim = {a: d for d, axes in enumerate(src) for a in axes}
+        dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
+        moved = [a for a in src_dim if a in dst_dim and dst_dim[a] != src_dim[a]]
+        dropped = {a for a in src_dim if a not in dst_dim}
+        new = [a for a in dst_dim if a not in src_dim]
+        return cls(src, dst, src_dim, dst_dim, moved, dropped, new)
+
+    def whole_move(self, a: int) -> bool:
+        """``a`` moves with every axis of its dimension, in their order."""
+        d = self.src[self.src_dim[a]]
+        dst_dim = self.dst_dim
+        return all(b in dst_dim and dst_dim[b] == dst_dim[a] for b in d) and \
+            tuple(x for x in self.dst[dst_dim[a]] if x in d) == tuple(d)
+
+    def breaks(self, a: int) -> bool:
+        """``a`` leaves its dimension, not minor-most, while splits under it go elsewhere."""
+        d = self.src[self.src_dim[a]]
+        if d[-1] == a or self.whole_move(a):
             return False
         minor = d[d.index(a) + 1:]
-        return any(b not in dst_dim or dst_dim[b] != src_dim[a] for b in minor)
+        return any(b not in self.dst_dim or self.dst_dim[b] != self.src_dim[a] for b in minor)
 
-    merges = any(len({src_dim[a] for a in dst[d] if a in moved}) > 1 for d in range(rank))
-    # a split of several axes that loses one and sends another elsewhere
-    torn = any(any(a in dropped for a in d) and any(a in moved for a in d) for d in src)
-    if merges or torn or any(breaks(a) for a in moved):
-        return _replicate(mm, src, nbytes)
+    def gathers_whole(self) -> bool:
+        """Axes moving from several dimensions into one, a split of several
+        axes that loses one and sends another elsewhere, or a move that
+        breaks a split: XLA gathers the tensor whole."""
+        moved, dropped = self.moved, self.dropped
+        merges = any(len({self.src_dim[a] for a in self.dst[d] if a in moved}) > 1
+                     for d in range(len(self.src)))
+        torn = any(any(a in dropped for a in d) and any(a in moved for a in d) for d in self.src)
+        return merges or torn or any(self.breaks(a) for a in moved)
 
-    steps: list[tuple[str, float, float, ISpec]] = []
-    cur = [list(d) for d in src]
 
-    def spec() -> ISpec:
-        return tuple(tuple(d) for d in cur)
+@dataclass
+class _Layout:
+    """The layout as the steps change it: axes per dimension."""
+    shp: tuple[int, ...]
+    cur: list[list[int]]
 
-    def shards() -> int:
-        return math.prod(shp[a] for d in cur for a in d)
+    def spec(self) -> ISpec:
+        return tuple(tuple(d) for d in self.cur)
 
-    losing = {src_dim[a] for a in dropped}
-    vacated = {src_dim[a] for a in moved}
-    # 3. with a gather, new axes are sliced last (XLA gathers the value as it
-    #    comes and slices the result); otherwise they are sliced first (the
-    #    all-to-alls move less), except on a dimension past every moving axis
-    #    or one a moving axis leaves (a permute follows when that dimension
-    #    ends up split by several axes)
+    def shards(self) -> int:
+        return math.prod(self.shp[a] for d in self.cur for a in d)
+
+
+def _late_axes(mv: _Moves, cur: list[list[int]]) -> tuple[list[int], bool]:
+    """Step 3: with a gather, new axes are sliced last (XLA gathers the value
+    as it comes and slices the result); otherwise they are sliced first (the
+    all-to-alls move less), except on a dimension past every moving axis or
+    one a moving axis leaves (a permute follows when that dimension ends up
+    split by several axes).  Slices the early ones into ``cur``; returns the
+    late ones and whether the blocks must be permuted at the end."""
+    src_dim, dst_dim, dst = mv.src_dim, mv.dst_dim, mv.dst
+    vacated = {src_dim[a] for a in mv.moved}
     late, reorder = [], False
-    last_moving = max((max(src_dim[a], dst_dim[a]) for a in moved), default=-1)
-    for a in new:
-        if dropped or (len(dst[dst_dim[a]]) == 1 and dst_dim[a] > last_moving):
+    last_moving = max((max(src_dim[a], dst_dim[a]) for a in mv.moved), default=-1)
+    for a in mv.new:
+        if mv.dropped or (len(dst[dst_dim[a]]) == 1 and dst_dim[a] > last_moving):
             late.append(a)
         elif dst_dim[a] in vacated:
             late.append(a)
@@ -157,49 +198,67 @@ def reshard_steps(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
         else:
             cur[dst_dim[a]].append(a)
     # a major split leaving a dimension whose minor split stays moves blocks
-    reorder = reorder or any(src[src_dim[a]][-1] != a and not whole_move(a) for a in moved)
-    # 4. axes moving into a dimension that loses none: all-to-all first, on
-    #    the still finely split tensor (the shard count stays)
-    early = [] if dropped else list(moved)
-    _all_to_alls(mm, early, src_dim, dst_dim, cur, nbytes, steps, spec, shards)
-    # 5. all-gather the dropped axes, one dimension at a time from the last
-    for d in reversed(range(rank)):
-        drop = [a for a in cur[d] if a in dropped]
+    reorder = reorder or any(mv.src[src_dim[a]][-1] != a and not mv.whole_move(a)
+                             for a in mv.moved)
+    return late, reorder
+
+
+def _gather_dropped(mm: MeshModel, nbytes: float, mv: _Moves, lay: _Layout, late: list[int],
+                    every: tuple[int, ...], steps: list) -> None:
+    """Step 5: all-gather the dropped axes, one dimension at a time from the last."""
+    cur, shp = lay.cur, lay.shp
+    for d in reversed(range(len(mv.src))):
+        drop = [a for a in cur[d] if a in mv.dropped]
         if not drop:
             continue
-        keep = [a for a in cur[d] if a not in dropped]
-        coarser = [a for a in late if dst_dim[a] == d]
-        if not keep and coarser and ways(drop) % ways(coarser) == 0:
+        keep = [a for a in cur[d] if a not in mv.dropped]
+        coarser = [a for a in late if mv.dst_dim[a] == d]
+        if not keep and coarser and _ways(shp, drop) % _ways(shp, coarser) == 0:
             # a coarser split by other axes: permute the blocks, then gather
             # only within the new blocks
-            steps.append(("collective-permute",) + collective_permute(mm, every, nbytes / shards())
-                         + (spec(),))
+            steps.append(("collective-permute",)
+                         + collective_permute(mm, every, nbytes / lay.shards()) + (lay.spec(),))
             cur[d] = list(coarser)
             for a in coarser:
                 late.remove(a)
-            steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / shards())
-                         + (spec(),))
+            steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / lay.shards())
+                         + (lay.spec(),))
             continue
         if cur[d][len(cur[d]) - len(drop):] != drop:
             # the kept axes are not the major part: reorder the blocks first
-            steps.append(("collective-permute",) + collective_permute(mm, every, nbytes / shards())
-                         + (spec(),))
+            steps.append(("collective-permute",)
+                         + collective_permute(mm, every, nbytes / lay.shards()) + (lay.spec(),))
             cur[d] = keep + drop
         for a in drop:
             cur[d].remove(a)
-        steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / shards())
-                     + (spec(),))
+        steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / lay.shards())
+                     + (lay.spec(),))
+
+
+def _step_by_step(mm: MeshModel, nbytes: float, src: ISpec, dst: ISpec, mv: _Moves,
+                  every: tuple[int, ...]) -> tuple[tuple[str, float, float, ISpec], ...]:
+    """Steps 3 to 8 of :func:`reshard_steps`: slices, all-to-alls, gathers, permutes."""
+    shp = mm.shape
+    steps: list[tuple[str, float, float, ISpec]] = []
+    lay = _Layout(shp, [list(d) for d in src])
+    cur = lay.cur
+    late, reorder = _late_axes(mv, cur)
+    # 4. axes moving into a dimension that loses none: all-to-all first, on
+    #    the still finely split tensor (the shard count stays)
+    early = [] if mv.dropped else list(mv.moved)
+    _all_to_alls(mm, early, mv.src_dim, mv.dst_dim, cur, nbytes, steps, lay.spec, lay.shards)
+    _gather_dropped(mm, nbytes, mv, lay, late, every, steps)
     # 6. the other moved axes, after the gathers that make room for them
-    _all_to_alls(mm, [a for a in moved if a not in early], src_dim, dst_dim, cur, nbytes,
-                 steps, spec, shards)
+    _all_to_alls(mm, [a for a in mv.moved if a not in early], mv.src_dim, mv.dst_dim, cur, nbytes,
+                 steps, lay.spec, lay.shards)
     # 7. the remaining new axes are local slices
     for a in late:
-        cur[dst_dim[a]].append(a)
+        cur[mv.dst_dim[a]].append(a)
     # 8. axes of a dimension in another order than wanted: permute the blocks
-    if spec() != tuple(dst) or reorder:
+    if lay.spec() != tuple(dst) or reorder:
         b = nbytes / num_shards(dst, shp)
-        cur = [list(d) for d in dst]
-        steps.append(("collective-permute",) + collective_permute(mm, every, b) + (spec(),))
+        lay.cur = [list(d) for d in dst]
+        steps.append(("collective-permute",) + collective_permute(mm, every, b) + (lay.spec(),))
     return tuple(s for s in steps if s[2] > 0 or s[1] > 0)
 
 

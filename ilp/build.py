@@ -1,4 +1,4 @@
-"""From a Graph and a logical mesh to an IlpProblem, and back to shardings.
+"""From a Graph and a logical mesh to an IlpProblem.
 
 Groups are the ILP's decision units:
 
@@ -32,10 +32,10 @@ from ..cost_model.compute import compute_time
 from ..cost_model.fusion import fused_bytes
 from ..cost_model.memory import liveness, peak_steps
 from ..cost_model.mesh import MeshModel
-from ..cost_model.sharding import (ISpec, enumerate_specs, num_shards, replicated,
-                                   reshard_steps)
+from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
 from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
-from .core import Edge, IlpProblem, MemoryRow
+from .caches import IlpCaches, ReshardMemo
+from .problem import Edge, IlpProblem, MemoryRow
 from .strategies import Strategy, node_dtype, node_space, node_strategies
 
 
@@ -81,7 +81,7 @@ class Built:
     per_iteration: frozenset[int] = frozenset()
 
 
-def _follow_input(space, node, graph) -> int | None:
+def follow_input(space, node, graph) -> int | None:
     """Position of the operand a node follows, if any.
 
     Elementwise nodes follow their first same-shaped operand (one that depends
@@ -108,7 +108,7 @@ def _follow_input(space, node, graph) -> int | None:
 
 
 @dataclass(frozen=True)
-class _Mapped:
+class Mapped:
     """A follower's layout under one layout of the operand it follows."""
     main_req: ISpec                      # the operand as the node needs it
     out: ISpec
@@ -117,7 +117,7 @@ class _Mapped:
     shards: int
 
 
-def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
+def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
     """Carry the layout ``spec`` of operand ``k`` through the node's labels.
     Axes on labels the node cannot split are gathered first."""
     per_label: dict[int, tuple[int, ...]] = {}
@@ -133,7 +133,7 @@ def _map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> _Mapped:
                   for p, labs in enumerate(space.in_labels) if labs is not None and p != k)
     red = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
     shards = math.prod(mesh_shape[a] for ax in per_label.values() for a in ax)
-    return _Mapped(main_req, out, reads, red, shards)
+    return Mapped(main_req, out, reads, red, shards)
 
 
 InputFilter = Callable[[GraphInput, ISpec], bool]
@@ -147,150 +147,168 @@ def _restrict(g: Group, ok: list[int]) -> None:
         setattr(g, name, [vals[j] for j in ok])
 
 
-# Resharding costs depend only on the mesh model, the shape and the two
-# layouts: kept across problems (the layers of a pipeline search share them).
-_RESHARD_CACHES: dict[MeshModel, tuple[dict, dict]] = {}
+def _add_kinds(d: dict[str, float], steps) -> None:
+    """Add the bytes of reshard ``steps`` to ``d`` by collective kind."""
+    for kind, _, b, *_ in steps:
+        if b:
+            d[kind] = d.get(kind, 0.0) + b
 
 
-def _reshard_caches(mm: MeshModel) -> tuple[dict, dict]:
-    if mm not in _RESHARD_CACHES and len(_RESHARD_CACHES) >= 64:
-        _RESHARD_CACHES.clear()
-    return _RESHARD_CACHES.setdefault(mm, ({}, {}))
+@dataclass
+class _Resharding:
+    """Resharding costs of the tensors of one graph on one mesh model, memoised."""
+    graph: Graph
+    mm: MeshModel
+    memo: ReshardMemo
 
-
-def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
-                  memory_budget: float | None = None,
-                  input_filter: InputFilter | None = None,
-                  accumulate: frozenset[int] = frozenset(), grad_accum: int = 1) -> Built:
-    """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
-    the layouts an input can take (hand-made methods such as data parallel).
-    ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
-    micro-batches their reduction is paid once per iteration, so per
-    micro-batch it costs ``1 / grad_accum``."""
-    shape = mm.shape
-    groups: list[Group] = []
-    group_of_tensor: dict[int, int] = {}
-    traffic = fused_bytes(graph)
-    strat_cache: dict[tuple, list[Strategy]] = {}
-
-    reshard_cache, column_cache = _reshard_caches(mm)
-
-    def reshard_k(t: int, src: ISpec, dst: ISpec) -> tuple:
+    def steps(self, t: int, src: ISpec, dst: ISpec) -> tuple:
         """(kind, seconds, bytes, layout after) steps of a resharding of tensor ``t``."""
         if src == dst:
             return ()
-        tt = graph.tensors[t]
+        tt = self.graph.tensors[t]
         key = (tt.shape, tt.nbytes, src, dst)     # shared by the tensors of every layer
-        hit = reshard_cache.get(key)
+        hit = self.memo.steps.get(key)
         if hit is None:
-            hit = reshard_cache[key] = reshard_steps(mm, tt.shape, tt.nbytes, src, dst)
+            hit = self.memo.steps[key] = reshard_steps(self.mm, tt.shape, tt.nbytes, src, dst)
         return hit
 
-    def reshard_column(h: "Group", t: int, req: ISpec) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds and bytes of resharding ``t`` from each strategy of ``h`` to ``req``."""
-        tt = graph.tensors[t]
-        srcs = tuple(sp[t] for sp in h.specs)
-        key = (tt.shape, tt.nbytes, srcs, req)
-        hit = column_cache.get(key)
-        if hit is None:
-            sec = np.zeros(len(srcs))
-            byt = np.zeros(len(srcs))
-            for i, src in enumerate(srcs):
-                c, b = reshard(t, src, req)
-                sec[i], byt[i] = c, b
-            hit = column_cache[key] = (sec, byt)
-        return hit
-
-    def reshard(t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
-        steps = reshard_k(t, src, dst)
+    def cost(self, t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
+        """Seconds and bytes of resharding ``t`` from ``src`` to ``dst``."""
+        steps = self.steps(t, src, dst)
         if not steps:
             return 0.0, 0.0
         return sum(x[1] for x in steps), sum(x[2] for x in steps)
 
-    def add_kinds(d: dict[str, float], steps) -> None:
-        for kind, _, b, *_ in steps:
-            if b:
-                d[kind] = d.get(kind, 0.0) + b
+    def column(self, h: Group, t: int, req: ISpec) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds and bytes of resharding ``t`` from each strategy of ``h`` to ``req``."""
+        tt = self.graph.tensors[t]
+        srcs = tuple(sp[t] for sp in h.specs)
+        key = (tt.shape, tt.nbytes, srcs, req)
+        hit = self.memo.columns.get(key)
+        if hit is None:
+            sec = np.zeros(len(srcs))
+            byt = np.zeros(len(srcs))
+            for i, src in enumerate(srcs):
+                c, b = self.cost(t, src, req)
+                sec[i], byt[i] = c, b
+            hit = self.memo.columns[key] = (sec, byt)
+        return hit
+
+
+@dataclass
+class _Builder:
+    """The state :func:`build_problem` fills in, one part after the other."""
+    graph: Graph
+    mm: MeshModel
+    caches: IlpCaches
+    rs: _Resharding
+    groups: list[Group] = field(default_factory=list)
+    group_of_tensor: dict[int, int] = field(default_factory=dict)
+    # (reader group, writer group) -> (seconds, bytes) per strategy pair
+    edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     # ---- placeholders for inputs -----------------------------------------
-    for k, inp in enumerate(graph.inputs):
-        t = graph.tensors[inp.tensor]
-        specs = enumerate_specs(t.shape, shape) or (replicated(len(t.shape)),)
-        if input_filter is not None:
-            specs = tuple(s for s in specs if input_filter(inp, s)) or (replicated(len(t.shape)),)
-        strategies = [Strategy("in", (), (s,), 0.0, 0.0, 0.0) for s in specs]
-        g = Group(len(groups), f"in{k}", None, k, strategies)
-        g.specs = [{inp.tensor: s} for s in specs]
-        g.reads = [[] for _ in specs]
-        g.cost = [0.0] * len(specs)
-        g.compute = [0.0] * len(specs)
-        g.comm = [0.0] * len(specs)
-        g.comm_bytes = [0.0] * len(specs)
-        g.comm_kinds = [{} for _ in specs]
-        groups.append(g)
-        group_of_tensor[inp.tensor] = g.gid
+    def add_input_groups(self, input_filter: InputFilter | None) -> None:
+        graph, shape = self.graph, self.mm.shape
+        for k, inp in enumerate(graph.inputs):
+            t = graph.tensors[inp.tensor]
+            specs = self.caches.specs(t.shape, shape) or (replicated(len(t.shape)),)
+            if input_filter is not None:
+                specs = tuple(s for s in specs if input_filter(inp, s)) or (replicated(len(t.shape)),)
+            strategies = [Strategy("in", (), (s,), 0.0, 0.0, 0.0) for s in specs]
+            g = Group(len(self.groups), f"in{k}", None, k, strategies)
+            g.specs = [{inp.tensor: s} for s in specs]
+            g.reads = [[] for _ in specs]
+            g.cost = [0.0] * len(specs)
+            g.compute = [0.0] * len(specs)
+            g.comm = [0.0] * len(specs)
+            g.comm_bytes = [0.0] * len(specs)
+            g.comm_kinds = [{} for _ in specs]
+            self.groups.append(g)
+            self.group_of_tensor[inp.tensor] = g.gid
 
     # ---- operators: new groups or followers ---------------------------------
-    for node in graph.nodes:
-        if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
-            # markers change no value: each result is its operand, layout and all
-            loose = []
-            for t_in, t_out in zip(node.inputs, node.outputs):
-                h = group_of_tensor.get(t_in)
-                if h is None:
-                    loose.append(t_out)
+    def add_operator_groups(self) -> None:
+        graph = self.graph
+        traffic = fused_bytes(graph)
+        strat_cache: dict[tuple, list[Strategy]] = {}
+        for node in graph.nodes:
+            if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
+                node = self._pass_through(node)
+                if node is None:
                     continue
-                for spec in groups[h].specs:
-                    spec[t_out] = spec[t_in]
-                group_of_tensor[t_out] = h
-            if not loose:
+            space = node_space(graph, node)
+            k = follow_input(space, node, graph)
+            main = node.inputs[k] if k is not None else None
+            moved = traffic.get(node.id, node.bytes_accessed)
+            gt = self.group_of_tensor
+            if main is not None and main in gt and self.groups[gt[main]].size > 1:
+                self._add_follower(self.groups[gt[main]], node, space, k, moved)
+            else:
+                self._add_operator(node, moved, strat_cache)
+
+    def _pass_through(self, node):
+        """A marker changes no value: each result joins its operand's group,
+        layout and all.  The node of the results left (those whose operand
+        has no group yet), or None."""
+        loose = []
+        for t_in, t_out in zip(node.inputs, node.outputs):
+            h = self.group_of_tensor.get(t_in)
+            if h is None:
+                loose.append(t_out)
                 continue
-            node = dataclasses.replace(node, inputs=(), outputs=tuple(loose))
-        space = node_space(graph, node)
-        k = _follow_input(space, node, graph)
-        main = node.inputs[k] if k is not None else None
-        if main is not None and main in group_of_tensor and groups[group_of_tensor[main]].size > 1:
-            g = groups[group_of_tensor[main]]
-            out_t = node.outputs[0]
-            out_shape = graph.tensors[out_t].shape
-            dtype = node_dtype(graph, node)
-            # XLA fuses chains of elementwise ops: count what the fusion moves
-            nbytes = traffic.get(node.id, node.bytes_accessed)
-            out_bytes = graph.tensors[out_t].nbytes
-            mapped_cache: dict[ISpec, _Mapped] = {}
-            for i in range(g.size):
-                ms = g.specs[i][main]
-                mp = mapped_cache.get(ms)
-                if mp is None:
-                    mp = mapped_cache[ms] = _map_through(space, k, ms, shape, out_shape)
-                g.specs[i][out_t] = mp.out
-                t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
-                steps = reshard_k(main, ms, mp.main_req)
-                if mp.reduce_axes:
-                    steps = steps + (("all-reduce",) + all_reduce(
-                        mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
-                c_time = sum(x[1] for x in steps)
-                c_bytes = sum(x[2] for x in steps)
-                add_kinds(g.comm_kinds[i], steps)
-                g.cost[i] += t + c_time
-                g.compute[i] += t
-                g.comm[i] += c_time
-                g.comm_bytes[i] += c_bytes
-                for p, rs in mp.reads:
-                    if graph.tensors[node.inputs[p]].shape:
-                        g.reads[i].append((node.inputs[p], rs))
-            g.members.append(node.id)
-            group_of_tensor[out_t] = g.gid
-            continue
-        moved = traffic.get(node.id, node.bytes_accessed)
+            for spec in self.groups[h].specs:
+                spec[t_out] = spec[t_in]
+            self.group_of_tensor[t_out] = h
+        if not loose:
+            return None
+        return dataclasses.replace(node, inputs=(), outputs=tuple(loose))
+
+    def _add_follower(self, g: Group, node, space, k: int, nbytes: float) -> None:
+        """``node`` joins ``g``, laid out as its operand ``k`` is (XLA fuses
+        chains of elementwise ops: ``nbytes`` is what the fusion moves)."""
+        graph, mm, shape = self.graph, self.mm, self.mm.shape
+        main = node.inputs[k]
+        out_t = node.outputs[0]
+        out_shape = graph.tensors[out_t].shape
+        dtype = node_dtype(graph, node)
+        out_bytes = graph.tensors[out_t].nbytes
+        mapped_cache: dict[ISpec, Mapped] = {}
+        for i in range(g.size):
+            ms = g.specs[i][main]
+            mp = mapped_cache.get(ms)
+            if mp is None:
+                mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
+            g.specs[i][out_t] = mp.out
+            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+            steps = self.rs.steps(main, ms, mp.main_req)
+            if mp.reduce_axes:
+                steps = steps + (("all-reduce",) + all_reduce(
+                    mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+            c_time = sum(x[1] for x in steps)
+            c_bytes = sum(x[2] for x in steps)
+            _add_kinds(g.comm_kinds[i], steps)
+            g.cost[i] += t + c_time
+            g.compute[i] += t
+            g.comm[i] += c_time
+            g.comm_bytes[i] += c_bytes
+            for p, req in mp.reads:
+                if graph.tensors[node.inputs[p]].shape:
+                    g.reads[i].append((node.inputs[p], req))
+        g.members.append(node.id)
+        self.group_of_tensor[out_t] = g.gid
+
+    def _add_operator(self, node, moved: float, strat_cache: dict[tuple, list[Strategy]]) -> None:
+        """A group of its own for ``node``, one strategy per way to split it."""
+        graph = self.graph
         key = (node.primitive, tuple(graph.tensors[t].shape for t in node.inputs),
                tuple(graph.tensors[t].shape for t in node.outputs), node.params,
                node.flops, moved)
         strategies = strat_cache.get(key)
         if strategies is None:
-            strategies = node_strategies(graph, node, mm, bytes_accessed=moved)
+            strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved)
             strat_cache[key] = strategies
-        g = Group(len(groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
+        g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
         for s in strategies:
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
@@ -299,81 +317,89 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
             g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
-        groups.append(g)
+        self.groups.append(g)
         for t in node.outputs:
-            group_of_tensor[t] = g.gid
+            self.group_of_tensor[t] = g.gid
 
     # ---- inputs a hand-made method pins to one layout ----------------------------
-    # (DataParallel's replicated weights and batch-split data, say): the
-    # operators read them as they are laid out, never through a collective,
-    # or the method would quietly become another one.
-    if input_filter is not None:
+    def keep_pinned_reads(self) -> None:
+        """(DataParallel's replicated weights and batch-split data, say): the
+        operators read them as they are laid out, never through a collective,
+        or the method would quietly become another one."""
+        graph, groups = self.graph, self.groups
         pinned = {graph.inputs[g.input_index].tensor: g.specs[0][graph.inputs[g.input_index].tensor]
                   for g in groups if g.input_index is not None and g.size == 1}
         for g in groups:
             if g.input_index is not None or not pinned:
                 continue
             ok = [j for j in range(g.size)
-                  if not any(t in pinned and reshard_k(t, pinned[t], req)
+                  if not any(t in pinned and self.rs.steps(t, pinned[t], req)
                              for t, req in g.reads[j])]
             if ok and len(ok) < g.size:
                 _restrict(g, ok)
 
     # ---- reads -> edges (or costs inside a group) ------------------------------
-    edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def add_read(h: Group, g: Group, t: int, j: int, req: ISpec) -> None:
+    def _add_read(self, h: Group, g: Group, t: int, j: int, req: ISpec) -> None:
+        """Strategy ``j`` of ``g`` reads ``t`` (made by ``h``) laid out as ``req``."""
         if h.gid == g.gid:
-            steps = reshard_k(t, g.specs[j][t], req)
+            steps = self.rs.steps(t, g.specs[j][t], req)
             if steps:
                 c, b = sum(x[1] for x in steps), sum(x[2] for x in steps)
                 g.cost[j] += c
                 g.comm[j] += c
                 g.comm_bytes[j] += b
-                add_kinds(g.comm_kinds[j], steps)
+                _add_kinds(g.comm_kinds[j], steps)
             return
-        if (h.gid, g.gid) not in edge_acc:
-            edge_acc[h.gid, g.gid] = (np.zeros((h.size, g.size)), np.zeros((h.size, g.size)))
-        sec, byt = edge_acc[h.gid, g.gid]
-        c, b = reshard_column(h, t, req)
+        if (h.gid, g.gid) not in self.edge_acc:
+            self.edge_acc[h.gid, g.gid] = (np.zeros((h.size, g.size)), np.zeros((h.size, g.size)))
+        sec, byt = self.edge_acc[h.gid, g.gid]
+        c, b = self.rs.column(h, t, req)
         sec[:, j] += c
         byt[:, j] += b
 
-    for g in groups:
-        for j in range(g.size):
-            seen: set[tuple[int, ISpec]] = set()
-            for t, req in g.reads[j]:
-                if (t, req) in seen or not graph.tensors[t].shape or t not in group_of_tensor:
-                    continue
-                seen.add((t, req))
-                add_read(groups[group_of_tensor[t]], g, t, j, req)
+    def add_read_edges(self) -> None:
+        graph, groups, gt = self.graph, self.groups, self.group_of_tensor
+        for g in groups:
+            for j in range(g.size):
+                seen: set[tuple[int, ISpec]] = set()
+                for t, req in g.reads[j]:
+                    if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
+                        continue
+                    seen.add((t, req))
+                    self._add_read(groups[gt[t]], g, t, j, req)
 
-    # alias: the new value of an updated input must end in that input's layout
-    for o in graph.outputs:
-        if o.updates is None or o.tensor not in group_of_tensor:
-            continue
-        p = groups[group_of_tensor[graph.inputs[o.updates].tensor]]
-        in_t = graph.inputs[o.updates].tensor
-        if not graph.tensors[in_t].shape:
-            continue
-        h = groups[group_of_tensor[o.tensor]]
-        for j in range(p.size):
-            add_read(h, p, o.tensor, j, p.specs[j][in_t])
+    def add_alias_edges(self) -> None:
+        """The new value of an updated input must end in that input's layout."""
+        graph, groups, gt = self.graph, self.groups, self.group_of_tensor
+        for o in graph.outputs:
+            if o.updates is None or o.tensor not in gt:
+                continue
+            p = groups[gt[graph.inputs[o.updates].tensor]]
+            in_t = graph.inputs[o.updates].tensor
+            if not graph.tensors[in_t].shape:
+                continue
+            h = groups[gt[o.tensor]]
+            for j in range(p.size):
+                self._add_read(h, p, o.tensor, j, p.specs[j][in_t])
 
-    # Gradient accumulation: the groups that make parameter gradients
-    # communicate once per iteration, not once per micro-batch; the groups of
-    # the update (what reads a gradient, directly or not) run once per
-    # iteration, with the reshardings into and out of them.
-    accumulated = frozenset(group_of_tensor[t] for t in accumulate if t in group_of_tensor)
-    per_iteration: frozenset[int] = frozenset()
-    if grad_accum > 1:
+    # ---- gradient accumulation ---------------------------------------------------
+    def scale_for_accumulation(self, accumulate: frozenset[int], grad_accum: int
+                               ) -> tuple[frozenset[int], frozenset[int]]:
+        """The groups that make parameter gradients communicate once per
+        iteration, not once per micro-batch; the groups of the update (what
+        reads a gradient, directly or not) run once per iteration, with the
+        reshardings into and out of them.  ``(accumulated, per_iteration)``."""
+        gt, groups = self.group_of_tensor, self.groups
+        accumulated = frozenset(gt[t] for t in accumulate if t in gt)
+        per_iteration: frozenset[int] = frozenset()
+        if grad_accum <= 1:
+            return accumulated, per_iteration
         f = 1.0 / grad_accum
         later = set(accumulate)
-        for n in graph.nodes:
+        for n in self.graph.nodes:
             if any(t in later for t in n.inputs):
                 later.update(n.outputs)
-        per_iteration = frozenset(group_of_tensor[t] for t in later - set(accumulate)
-                                  if t in group_of_tensor) - accumulated
+        per_iteration = frozenset(gt[t] for t in later - set(accumulate) if t in gt) - accumulated
         for gid in accumulated:
             g = groups[gid]
             for i in range(g.size):
@@ -385,176 +411,76 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
             g = groups[gid]
             for name in ("cost", "compute", "comm", "comm_bytes"):
                 setattr(g, name, [x * f for x in getattr(g, name)])
-        for (u, v), (sec, byt) in edge_acc.items():
+        for (u, v), (sec, byt) in self.edge_acc.items():
             if u in per_iteration or v in per_iteration:
                 sec *= f
                 byt *= f
-
-    edges, edge_costs = [], []
-    for (u, v), (sec, byt) in edge_acc.items():
-        edges.append(Edge(u, v, sec, name=f"edge_{groups[u].name}_{groups[v].name}"))
-        edge_costs.append((u, v, sec, byt))
+        return accumulated, per_iteration
 
     # ---- memory rows ------------------------------------------------------------
-    budget = mm.memory_budget if memory_budget is None else memory_budget
-    resident: dict[int, np.ndarray] = {}
-    for g in groups:
-        if g.input_index is not None:
-            t = graph.inputs[g.input_index].tensor
-            nb = graph.tensors[t].nbytes
-            resident[g.gid] = np.array([nb / num_shards(s[t], shape) for s in g.specs])
-    rows = []
-    live = liveness(graph)
-    for step in peak_steps(live, memory_points):
-        coefs = {gid: v.copy() for gid, v in resident.items()}
-        for t in live.live_at(step):
-            if t not in group_of_tensor:
-                continue
-            g = groups[group_of_tensor[t]]
-            nb = graph.tensors[t].nbytes
-            v = np.array([nb / num_shards(s[t], shape) for s in g.specs])
-            coefs[g.gid] = coefs[g.gid] + v if g.gid in coefs else v
-        rows.append(MemoryRow(coefs, budget, name=f"mem_node{step}"))
-    if not rows:
-        rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
+    def resident_bytes(self) -> dict[int, np.ndarray]:
+        """Per input group: the bytes per device of each of its layouts."""
+        graph, shape = self.graph, self.mm.shape
+        resident: dict[int, np.ndarray] = {}
+        for g in self.groups:
+            if g.input_index is not None:
+                t = graph.inputs[g.input_index].tensor
+                nb = graph.tensors[t].nbytes
+                resident[g.gid] = np.array([nb / num_shards(s[t], shape) for s in g.specs])
+        return resident
 
+    def memory_rows(self, resident: dict[int, np.ndarray], budget: float,
+                    memory_points: int) -> list[MemoryRow]:
+        """Resident inputs plus live intermediates at the peaks of the liveness profile."""
+        graph, shape, groups = self.graph, self.mm.shape, self.groups
+        rows = []
+        live = liveness(graph)
+        for step in peak_steps(live, memory_points):
+            coefs = {gid: v.copy() for gid, v in resident.items()}
+            for t in live.live_at(step):
+                if t not in self.group_of_tensor:
+                    continue
+                g = groups[self.group_of_tensor[t]]
+                nb = graph.tensors[t].nbytes
+                v = np.array([nb / num_shards(s[t], shape) for s in g.specs])
+                coefs[g.gid] = coefs[g.gid] + v if g.gid in coefs else v
+            rows.append(MemoryRow(coefs, budget, name=f"mem_node{step}"))
+        if not rows:
+            rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
+        return rows
+
+
+def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
+                  memory_budget: float | None = None,
+                  input_filter: InputFilter | None = None,
+                  accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
+                  caches: IlpCaches | None = None) -> Built:
+    """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
+    the layouts an input can take (hand-made methods such as data parallel).
+    ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
+    micro-batches their reduction is paid once per iteration, so per
+    micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
+    tables from earlier problems (None: a fresh one)."""
+    caches = IlpCaches() if caches is None else caches
+    b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
+    b.add_input_groups(input_filter)
+    b.add_operator_groups()
+    if input_filter is not None:
+        b.keep_pinned_reads()
+    b.add_read_edges()
+    b.add_alias_edges()
+    accumulated, per_iteration = b.scale_for_accumulation(accumulate, grad_accum)
+    groups = b.groups
+    edges, edge_costs = [], []
+    for (u, v), (sec, byt) in b.edge_acc.items():
+        edges.append(Edge(u, v, sec, name=f"edge_{groups[u].name}_{groups[v].name}"))
+        edge_costs.append((u, v, sec, byt))
+    resident = b.resident_bytes()
+    budget = mm.memory_budget if memory_budget is None else memory_budget
+    rows = b.memory_rows(resident, budget, memory_points)
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]
     problem = IlpProblem([g.name for g in groups], costs, edges, rows)
-    return Built(problem, groups, group_of_tensor, edge_costs, resident,
+    return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration)
-
-
-@dataclass(frozen=True)
-class PlannedCollective:
-    """One collective the chosen plan implies (for reports and verification)."""
-    kind: str          # HLO opcode family: all-reduce, all-gather, all-to-all, ...
-    seconds: float
-    nbytes: float      # result bytes on one device
-    tensor: int        # the tensor it acts on (the result, for a reduction)
-    where: str         # which operator or read causes it
-    key: tuple = ()    # reshardings: (tensor, source layout, layout after the step)
-    group: int = -1    # the ILP group that pays for it
-    internal: bool = True   # paid inside the group (not on an edge between groups)
-
-
-def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
-            dedupe: bool = True) -> list[PlannedCollective]:
-    """Every collective the choice ``choice`` (one strategy per group) implies,
-    in the order of the groups: the partial-sum reductions of operators, the
-    reshardings inside a group and those on the reads between groups.
-
-    With ``dedupe`` a resharding step that several readers of one tensor share
-    (same tensor, same source layout, same collective, same result layout) is
-    listed once: XLA emits one collective for them (common-subexpression
-    elimination), while the ILP's objective charges every reader."""
-    groups = built.groups
-    shape = mm.shape
-    spec_of: dict[int, ISpec] = {}
-    for g, c in zip(groups, choice):
-        spec_of.update(g.specs[c])
-    out: list[PlannedCollective] = []
-
-    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool) -> None:
-        tt = graph.tensors[t]
-        for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
-            out.append(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after),
-                                         gid, internal))
-
-    gt = built.group_of_tensor
-    for g, c in zip(groups, choice):
-        if g.root_node is not None:
-            node = graph.nodes[g.root_node]
-            s = g.strategies[c]
-            if s.comm_bytes:
-                out.append(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
-                                             node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
-                                             (), g.gid, True))
-        for nid in g.members:
-            node = graph.nodes[nid]
-            space = node_space(graph, node)
-            k = _follow_input(space, node, graph)
-            main = node.inputs[k]
-            out_t = node.outputs[0]
-            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
-            where = f"n{nid} {node.primitive} (follower)"
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True)
-            if mp.reduce_axes:
-                sec, b = all_reduce(mm, mp.reduce_axes,
-                                    graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                out.append(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True))
-        seen: set[tuple[int, ISpec]] = set()
-        for t, req in g.reads[c]:
-            if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
-                continue
-            seen.add((t, req))
-            what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
-                    if g.root_node is not None else f"read by {g.name}")
-            steps_of(t, spec_of[t], req, what, g.gid, gt[t] == g.gid)
-    for o in graph.outputs:
-        if o.updates is None or o.tensor not in gt:
-            continue
-        in_t = graph.inputs[o.updates].tensor
-        if not graph.tensors[in_t].shape:
-            continue
-        p = gt[in_t]
-        once = len(out)
-        steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
-                 p, gt[o.tensor] == p)
-        if gt[o.tensor] in built.per_iteration:   # the new value arrives once per iteration
-            out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
-    if built.grad_accum > 1:
-        f = 1.0 / built.grad_accum
-        out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
-               if (pc.group in built.accumulated and pc.internal)
-               or pc.group in built.per_iteration
-               or gt.get(pc.tensor) in built.per_iteration else pc for pc in out]
-    if dedupe:
-        seen_keys: set[tuple] = set()
-        kept = []
-        for pc in out:
-            if pc.key:
-                if pc.key in seen_keys:
-                    continue
-                seen_keys.add(pc.key)
-            kept.append(pc)
-        out = kept
-    return out
-
-
-def read_layouts(graph: Graph, mm: MeshModel, built: Built, choice, *,
-                 all_reads: bool = False) -> list[tuple[int, int, ISpec]]:
-    """``(node id, operand position, layout)`` for every operand that the chosen
-    strategies read in a layout other than the one its producer leaves: where
-    the plan reshards (with ``all_reads``, every laid-out operand).  A runtime
-    that constrains each operand as its reader takes it makes XLA do exactly
-    these reshardings; with one constraint per value only, XLA's partitioner
-    picks its own algorithm for such a reader."""
-    shape = mm.shape
-    spec_of: dict[int, ISpec] = {}
-    for g, c in zip(built.groups, choice):
-        spec_of.update(g.specs[c])
-    out = []
-
-    def add(nid: int, p: int, t: int, req: ISpec) -> None:
-        if t in spec_of and graph.tensors[t].shape and (all_reads or spec_of[t] != req):
-            out.append((nid, p, req))
-
-    for g, c in zip(built.groups, choice):
-        if g.root_node is not None:
-            node = graph.nodes[g.root_node]
-            s = g.strategies[c]
-            for p, (t, req) in enumerate(zip(node.inputs, s.in_specs)):
-                if req is not None:
-                    add(node.id, p, t, req)
-        for nid in g.members:
-            node = graph.nodes[nid]
-            space = node_space(graph, node)
-            k = _follow_input(space, node, graph)
-            main = node.inputs[k]
-            mp = _map_through(space, k, spec_of[main], shape, graph.tensors[node.outputs[0]].shape)
-            add(nid, k, main, mp.main_req)
-            for p, req in mp.reads:
-                add(nid, p, node.inputs[p], req)
-    return out

@@ -1,6 +1,6 @@
 """Exact min-sum variable elimination (bucket elimination) for IlpProblems.
 
-With its memory rows set aside, an :class:`~meshplan.ilp.core.IlpProblem` is
+With its memory rows set aside, an :class:`~meshplan.ilp.problem.IlpProblem` is
 a pairwise cost network: minimise the sum of one cost per group and one per
 edge.  Eliminating the groups one by one (each time adding up the cost tables
 that mention the group and keeping, for every choice of the other groups in
@@ -20,21 +20,23 @@ holds tables without that group's axis.  When a table would pass
 ``max_entries`` entries, the most connected group is conditioned on (each of
 its strategies in turn); when the work passes ``max_work`` the elimination
 gives up and the caller solves the problem as an ILP instead.
+
+This is the solver of the two elimination engines; the other,
+:func:`meshplan.ilp.presolve.eliminate`, is an exact presolve that keeps the
+problem an ILP (memory rows and all).  See :mod:`meshplan.ilp.presolve` for
+why they stay two.
 """
 from __future__ import annotations
 
 import heapq
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .core import Edge, IlpProblem
+from .problem import Edge, IlpProblem
 
-__all__ = ["min_sum_eliminate"]
-
-_DEBUG = bool(os.environ.get("MESHPLAN_DP_DEBUG"))
+__all__ = ("min_sum_eliminate",)
 
 
 class _GiveUp(Exception):
@@ -171,14 +173,10 @@ def _network(p: IlpProblem, max_entries: float, max_work: float) -> _Net:
     net.by_group = [set() for _ in range(p.num_groups)]
     for g, c in enumerate(p.costs):
         net.add((g,), np.asarray(c, dtype=float))
-    pair: dict[tuple[int, int], np.ndarray] = {}
-    for e in p.edges:
-        if e.u == e.v:
-            net.add((e.u,), np.diag(e.cost).astype(float))
-            continue
-        key, mat = ((e.u, e.v), e.cost) if e.u < e.v else ((e.v, e.u), e.cost.T)
-        pair[key] = pair[key] + mat if key in pair else np.array(mat, dtype=float)
-    for key, mat in pair.items():
+    loops, pairs = p.pair_tables()
+    for g, diag in loops:
+        net.add((g,), diag)
+    for key, mat in pairs.items():
         net.add(key, mat)
     return net
 
@@ -229,7 +227,7 @@ def _signature(net: _Net, piece: list[int], hubs: set[int]) -> tuple:
 
 
 def min_sum_eliminate(p: IlpProblem, *, max_entries: int = 1 << 25,
-                      max_work: float = 3e9, condition_depth: int = 1
+                      max_work: float = 3e9, condition_depth: int = 1, debug: bool = False
                       ) -> tuple[list[int], float] | None:
     """The optimal choice of ``p`` (ignoring its memory rows) and its value, by
     variable elimination, or None when it would take too much (a table of
@@ -239,15 +237,16 @@ def min_sum_eliminate(p: IlpProblem, *, max_entries: int = 1 << 25,
     *conditioned on*: each of its strategies in turn is fixed (its edges become
     costs of its neighbours) and the smaller problem is eliminated; the best
     of those answers is the optimum.  ``condition_depth`` bounds how many
-    groups may be conditioned on in this way, one inside the other."""
-    got = _eliminate(p, max_entries, max_work)
+    groups may be conditioned on in this way, one inside the other.  ``debug``
+    prints the largest table and the work of each attempt."""
+    got = _eliminate(p, max_entries, max_work, debug)
     if got is not None or condition_depth <= 0:
         return got
-    return _conditioned(p, max_entries, max_work, condition_depth)
+    return _conditioned(p, max_entries, max_work, condition_depth, debug)
 
 
-def _conditioned(p: IlpProblem, max_entries: int, max_work: float, depth: int
-                 ) -> tuple[list[int], float] | None:
+def _conditioned(p: IlpProblem, max_entries: int, max_work: float, depth: int,
+                 debug: bool = False) -> tuple[list[int], float] | None:
     n = p.num_groups
     nbr: list[set[int]] = [set() for _ in range(n)]
     for e in p.edges:
@@ -276,7 +275,7 @@ def _conditioned(p: IlpProblem, max_entries: int, max_work: float, depth: int
                 edges.append(Edge(new_of[e.u], new_of[e.v], e.cost, e.name))
         q = IlpProblem([p.names[g] for g in rest], costs, edges)
         got = min_sum_eliminate(q, max_entries=max_entries, max_work=budget,
-                                condition_depth=depth - 1)
+                                condition_depth=depth - 1, debug=debug)
         if got is None:
             return None
         sub, _ = got
@@ -290,7 +289,7 @@ def _conditioned(p: IlpProblem, max_entries: int, max_work: float, depth: int
     return best
 
 
-def _eliminate(p: IlpProblem, max_entries: int, max_work: float
+def _eliminate(p: IlpProblem, max_entries: int, max_work: float, debug: bool = False
                ) -> tuple[list[int], float] | None:
     n = p.num_groups
     net = _network(p, max_entries, max_work)
@@ -323,10 +322,10 @@ def _eliminate(p: IlpProblem, max_entries: int, max_work: float
         done = {r[0] for r in order}
         order.extend(net.eliminate_all(set(range(n)) - done))
     except _GiveUp:
-        if _DEBUG:
+        if debug:
             print("dp gave up: max table", net.max_seen, "work", net.work)
         return None
-    if _DEBUG:
+    if debug:
         print("dp max table", net.max_seen, "work", net.work)
     choice = [0] * n
     for g, rest, best in reversed(order):

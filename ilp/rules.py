@@ -15,8 +15,9 @@ A primitive with no rule is planned replicated, with a warning.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 from ..flops import ELEMENTWISE
 
@@ -355,45 +356,52 @@ def scatter_rule(reduce_updates: bool) -> Rule:
     return rule
 
 
-RULES: dict[str, Rule] = {
-    **{p: elementwise_rule for p in ELEMENTWISE},
-    "select_n": select_n_rule,
-    "dot_general": dot_general_rule,
-    "conv_general_dilated": conv_rule,
-    "reduce_sum": reduction_rule,
-    "reduce_max": reduction_rule,
-    "reduce_min": reduction_rule,
-    "reduce_prod": reduction_rule,
-    "reduce_and": reduction_rule,
-    "reduce_or": reduction_rule,
-    "argmax": arg_reduction_rule,
-    "argmin": arg_reduction_rule,
-    "cumsum": along_axis_rule("axis"),
-    "cumprod": along_axis_rule("axis"),
-    "cummax": along_axis_rule("axis"),
-    "cummin": along_axis_rule("axis"),
-    "cumlogsumexp": along_axis_rule("axis"),
-    "sort": along_axis_rule("dimension"),
-    "transpose": transpose_rule,
-    "broadcast_in_dim": broadcast_rule,
-    "reshape": reshape_rule,
-    "slice": slice_like_rule,
-    "pad": slice_like_rule,
-    "dynamic_slice": slice_like_rule,
-    "dynamic_update_slice": dynamic_update_slice_rule,
-    "concatenate": concatenate_rule,
-    "squeeze": squeeze_rule,
-    "iota": iota_rule,
-    "rev": rev_rule,
-    "gather": gather_rule,
-    "scatter-add": scatter_rule(True),
-    "scatter_add": scatter_rule(True),
-    "scatter": scatter_rule(False),
-}
 # Random-number and key primitives are planned replicated (identical on all devices).
-for _p in ("random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-           "random_split", "threefry2x32"):
-    RULES.pop(_p, None)
+REPLICATED = frozenset({"random_bits", "random_seed", "random_wrap", "random_unwrap",
+                        "random_fold_in", "random_split", "threefry2x32"})
+
+
+def _rules() -> Mapping[str, Rule]:
+    table: dict[str, Rule] = {
+        **{p: elementwise_rule for p in ELEMENTWISE},
+        "select_n": select_n_rule,
+        "dot_general": dot_general_rule,
+        "conv_general_dilated": conv_rule,
+        "reduce_sum": reduction_rule,
+        "reduce_max": reduction_rule,
+        "reduce_min": reduction_rule,
+        "reduce_prod": reduction_rule,
+        "reduce_and": reduction_rule,
+        "reduce_or": reduction_rule,
+        "argmax": arg_reduction_rule,
+        "argmin": arg_reduction_rule,
+        "cumsum": along_axis_rule("axis"),
+        "cumprod": along_axis_rule("axis"),
+        "cummax": along_axis_rule("axis"),
+        "cummin": along_axis_rule("axis"),
+        "cumlogsumexp": along_axis_rule("axis"),
+        "sort": along_axis_rule("dimension"),
+        "transpose": transpose_rule,
+        "broadcast_in_dim": broadcast_rule,
+        "reshape": reshape_rule,
+        "slice": slice_like_rule,
+        "pad": slice_like_rule,
+        "dynamic_slice": slice_like_rule,
+        "dynamic_update_slice": dynamic_update_slice_rule,
+        "concatenate": concatenate_rule,
+        "squeeze": squeeze_rule,
+        "iota": iota_rule,
+        "rev": rev_rule,
+        "gather": gather_rule,
+        "scatter-add": scatter_rule(True),
+        "scatter_add": scatter_rule(True),
+        "scatter": scatter_rule(False),
+    }
+    return MappingProxyType({p: rule for p, rule in table.items() if p not in REPLICATED})
+
+
+# primitive name -> rule (read-only)
+RULES = _rules()
 
 
 def op_space(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape],

@@ -13,7 +13,8 @@ from meshplan.cost_model.sharding import spec_from_names
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import OPT_STATE, PARAM
 from meshplan.ilp import best_intra_op, build_problem, candidate_meshes, solve_intra_op
-from meshplan.ilp.core import Edge, IlpProblem, MemoryRow, brute_force, solve
+from meshplan.ilp.problem import Edge, IlpProblem, MemoryRow, brute_force
+from meshplan.ilp.solvers import solve
 from meshplan.models import build_model
 from meshplan.plan import LogicalMesh
 from meshplan.trace import trace
@@ -175,7 +176,7 @@ def test_odd_sizes_only_split_where_divisible():
 
 # ---- exact reductions and dynamic programming ---------------------------------
 
-from meshplan.ilp.core import eliminate, reduce_problem  # noqa: E402
+from meshplan.ilp.presolve import eliminate, reduce_problem  # noqa: E402
 from meshplan.ilp.dp import min_sum_eliminate  # noqa: E402
 
 
@@ -231,8 +232,14 @@ def test_dp_respects_memory_through_the_mip():
     assert r.peak_memory_bytes <= 0.6 * state_bytes
 
 
-def test_comm_breakdown_adds_up():
-    m = build_model("gpt", {"layers": "1"})
+@pytest.mark.parametrize("config, reshards", [
+    ({"layers": "1"}, False),
+    # large enough that the plan splits the model and reshards between operators
+    ({"layers": "1", "hidden": "256", "heads": "4", "seq_len": "128", "vocab": "1024",
+      "batch": "16"}, True),
+])
+def test_comm_breakdown_adds_up(config, reshards):
+    m = build_model("gpt", config)
     g = trace(m.train_step, *m.abstract_args)
     r = solve_intra_op(g, A100, LogicalMesh(("x", "y"), (2, 4)))
     assert sum(b for _, b in r.comm_by_kind) == pytest.approx(r.comm_bytes)
@@ -241,8 +248,19 @@ def test_comm_breakdown_adds_up():
     # every laid-out intermediate is pinned, and reshards are listed per operand
     laid = {t for t, _ in r.constraints}
     assert len(laid) > len(g.nodes) // 2
+    # a read constraint names the reader (by its first result) and one of its
+    # operands, in a layout of that operand's rank other than the one planned
+    # for the operand's value
+    planned = dict(r.constraints)
+    planned.update((i.tensor, s) for i, s in zip(g.inputs, r.input_specs))
+    if reshards:
+        assert r.comm_bytes > 0 and r.read_constraints
     for tid, pos, spec in r.read_constraints:
-        assert g.tensors[tid].shape is not None and pos >= 0
+        reader = g.nodes[g.producer[tid]]
+        assert reader.outputs[0] == tid and 0 <= pos < len(reader.inputs)
+        operand = reader.inputs[pos]
+        assert len(spec) == len(g.tensors[operand].shape)
+        assert planned[operand] != spec
 
 
 def test_deep_gpt_plans_quickly():

@@ -1,0 +1,251 @@
+"""From a solved ILP back to a plan: layouts, constraints, collectives, memory.
+
+:func:`explain` lists the collectives a choice implies, :func:`read_layouts`
+the operands it reshards, :func:`decode` turns a :class:`Solution` into an
+:class:`IntraOpResult`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost_model.fusion import materialised
+from ..cost_model.memory import liveness, live_bytes
+from ..cost_model.collectives import all_reduce
+from ..cost_model.mesh import MeshModel
+from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
+from ..graph import Graph
+from ..plan import LogicalMesh, Spec
+from .build import Built, follow_input, map_through
+from .strategies import node_space
+from .problem import Solution
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective the chosen plan implies (for reports and verification)."""
+    kind: str          # HLO opcode family: all-reduce, all-gather, all-to-all, ...
+    seconds: float
+    nbytes: float      # result bytes on one device
+    tensor: int        # the tensor it acts on (the result, for a reduction)
+    where: str         # which operator or read causes it
+    key: tuple = ()    # reshardings: (tensor, source layout, layout after the step)
+    group: int = -1    # the ILP group that pays for it
+    internal: bool = True   # paid inside the group (not on an edge between groups)
+
+
+def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
+            dedupe: bool = True) -> list[PlannedCollective]:
+    """Every collective the choice ``choice`` (one strategy per group) implies,
+    in the order of the groups: the partial-sum reductions of operators, the
+    reshardings inside a group and those on the reads between groups.
+
+    With ``dedupe`` a resharding step that several readers of one tensor share
+    (same tensor, same source layout, same collective, same result layout) is
+    listed once: XLA emits one collective for them (common-subexpression
+    elimination), while the ILP's objective charges every reader."""
+    groups = built.groups
+    shape = mm.shape
+    spec_of: dict[int, ISpec] = {}
+    for g, c in zip(groups, choice):
+        spec_of.update(g.specs[c])
+    out: list[PlannedCollective] = []
+
+    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool) -> None:
+        tt = graph.tensors[t]
+        for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
+            out.append(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after),
+                                         gid, internal))
+
+    gt = built.group_of_tensor
+    for g, c in zip(groups, choice):
+        if g.root_node is not None:
+            node = graph.nodes[g.root_node]
+            s = g.strategies[c]
+            if s.comm_bytes:
+                out.append(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
+                                             node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
+                                             (), g.gid, True))
+        for nid in g.members:
+            node = graph.nodes[nid]
+            space = node_space(graph, node)
+            k = follow_input(space, node, graph)
+            main = node.inputs[k]
+            out_t = node.outputs[0]
+            mp = map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
+            where = f"n{nid} {node.primitive} (follower)"
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True)
+            if mp.reduce_axes:
+                sec, b = all_reduce(mm, mp.reduce_axes,
+                                    graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
+                out.append(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True))
+        seen: set[tuple[int, ISpec]] = set()
+        for t, req in g.reads[c]:
+            if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
+                continue
+            seen.add((t, req))
+            what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
+                    if g.root_node is not None else f"read by {g.name}")
+            steps_of(t, spec_of[t], req, what, g.gid, gt[t] == g.gid)
+    for o in graph.outputs:
+        if o.updates is None or o.tensor not in gt:
+            continue
+        in_t = graph.inputs[o.updates].tensor
+        if not graph.tensors[in_t].shape:
+            continue
+        p = gt[in_t]
+        once = len(out)
+        steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
+                 p, gt[o.tensor] == p)
+        if gt[o.tensor] in built.per_iteration:   # the new value arrives once per iteration
+            out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
+    if built.grad_accum > 1:
+        f = 1.0 / built.grad_accum
+        out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
+               if (pc.group in built.accumulated and pc.internal)
+               or pc.group in built.per_iteration
+               or gt.get(pc.tensor) in built.per_iteration else pc for pc in out]
+    if dedupe:
+        seen_keys: set[tuple] = set()
+        kept = []
+        for pc in out:
+            if pc.key:
+                if pc.key in seen_keys:
+                    continue
+                seen_keys.add(pc.key)
+            kept.append(pc)
+        out = kept
+    return out
+
+
+def read_layouts(graph: Graph, mm: MeshModel, built: Built, choice, *,
+                 all_reads: bool = False) -> list[tuple[int, int, ISpec]]:
+    """``(node id, operand position, layout)`` for every operand that the chosen
+    strategies read in a layout other than the one its producer leaves: where
+    the plan reshards (with ``all_reads``, every laid-out operand).  A runtime
+    that constrains each operand as its reader takes it makes XLA do exactly
+    these reshardings; with one constraint per value only, XLA's partitioner
+    picks its own algorithm for such a reader."""
+    shape = mm.shape
+    spec_of: dict[int, ISpec] = {}
+    for g, c in zip(built.groups, choice):
+        spec_of.update(g.specs[c])
+    out = []
+
+    def add(nid: int, p: int, t: int, req: ISpec) -> None:
+        if t in spec_of and graph.tensors[t].shape and (all_reads or spec_of[t] != req):
+            out.append((nid, p, req))
+
+    for g, c in zip(built.groups, choice):
+        if g.root_node is not None:
+            node = graph.nodes[g.root_node]
+            s = g.strategies[c]
+            for p, (t, req) in enumerate(zip(node.inputs, s.in_specs)):
+                if req is not None:
+                    add(node.id, p, t, req)
+        for nid in g.members:
+            node = graph.nodes[nid]
+            space = node_space(graph, node)
+            k = follow_input(space, node, graph)
+            main = node.inputs[k]
+            mp = map_through(space, k, spec_of[main], shape, graph.tensors[node.outputs[0]].shape)
+            add(nid, k, main, mp.main_req)
+            for p, req in mp.reads:
+                add(nid, p, node.inputs[p], req)
+    return out
+
+
+@dataclass(frozen=True)
+class IntraOpResult:
+    mesh: LogicalMesh
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+    peak_memory_bytes: int
+    input_specs: tuple[Spec, ...]            # one per Graph.inputs
+    output_specs: tuple[Spec | None, ...]    # one per Graph.outputs
+    constraints: tuple[tuple[int, Spec], ...]
+    strategies: tuple[tuple[int, str], ...]
+    solution: Solution
+    num_groups: int
+    comm_by_kind: tuple[tuple[str, float], ...] = ()      # HLO collective kind -> bytes
+    collectives: tuple[PlannedCollective, ...] = ()       # every collective of the plan
+    # (tensor id of the reader's first result, operand position, layout): the
+    # operands the plan reshards before an operator reads them
+    read_constraints: tuple[tuple[int, int, Spec], ...] = ()
+
+    def describe(self) -> str:
+        s = self.solution
+        return (f"mesh {self.mesh}: {self.objective_s * 1e3:.3f} ms (compute {self.compute_s * 1e3:.3f}, "
+                f"comm {self.comm_s * 1e3:.3f}), peak {self.peak_memory_bytes / 2**20:.1f} MiB, "
+                f"{self.num_groups} groups, {s.num_variables} variables, {s.num_constraints} "
+                f"constraints, {s.solve_s:.2f} s ({s.backend}, {s.status})")
+
+
+def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpResult:
+    groups, choice = built.groups, sol.choice
+    names = mm.mesh.axes
+    tensor_spec: dict[int, ISpec] = {}
+    for g, c in zip(groups, choice):
+        tensor_spec.update(g.specs[c])
+    compute = sum(g.compute[c] for g, c in zip(groups, choice))
+
+    input_specs = tuple(spec_names(tensor_spec[i.tensor], names) for i in graph.inputs)
+    # The new value of an updated input leaves the step in that input's layout
+    # (the alias edge paid for the resharding): its buffer is the donated one.
+    output_specs = tuple(
+        input_specs[o.updates] if o.updates is not None and graph.tensors[o.tensor].shape
+        else spec_names(tensor_spec[o.tensor], names) if o.tensor in tensor_spec else None
+        for o in graph.outputs)
+    # Every laid-out intermediate is pinned to its planned layout: the ILP's
+    # costs (followers included) assume these layouts, and a tensor left open
+    # is laid out by XLA's propagation, which may pick another one and add
+    # collectives the plan never paid for.
+    strategies = [(graph.nodes[g.root_node].id, g.strategies[c].name)
+                  for g, c in zip(groups, choice) if g.root_node is not None]
+    inputs = {i.tensor for i in graph.inputs}
+    constraints = [(t, spec_names(spec, names)) for t, spec in sorted(tensor_spec.items())
+                   if t not in inputs and graph.tensors[t].shape]
+    # Where a reader takes an operand in another layout than the value has,
+    # the plan reshards: (first result of the reader, operand position, layout).
+    read_constraints = tuple(
+        (graph.nodes[nid].outputs[0], p, spec_names(req, names))
+        for nid, p, req in read_layouts(graph, mm, built, choice) if graph.nodes[nid].outputs)
+    peak = peak_memory(graph, mm, tensor_spec)
+    planned = tuple(explain(graph, mm, built, choice))
+    # What XLA emits for these layouts: one collective per distinct resharding
+    # step (the objective charges every reader of a tensor separately, an
+    # upper bound of this).
+    comm = sum(pc.seconds for pc in planned)
+    comm_bytes = sum(pc.nbytes for pc in planned)
+    by_kind: dict[str, float] = {}
+    for pc in planned:
+        by_kind[pc.kind] = by_kind.get(pc.kind, 0.0) + pc.nbytes
+    return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
+                         output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
+                         tuple(sorted(by_kind.items())), planned, read_constraints)
+
+
+def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:
+    """Resident inputs plus the peak of live intermediates, per device.
+    Values computed from constants alone (a causal mask broadcast to the
+    scores' shape) and values passed only between fused element-wise
+    operators are not counted: XLA keeps them out of memory."""
+    shape = mm.shape
+    const = graph.constant_tensors
+    kept = materialised(graph)
+
+    def local(t: int) -> float:
+        spec = tensor_spec.get(t)
+        nb = graph.tensors[t].nbytes
+        return nb / num_shards(spec, shape) if spec is not None else nb
+
+    resident = sum(local(i.tensor) for i in graph.inputs)
+    intervals = {t: iv for t, iv in liveness(graph).intervals.items()
+                 if t not in const and t in kept}
+    n = len(graph.nodes)
+    act = float(np.max(live_bytes(intervals, n, local))) if n else 0.0
+    return int(resident + act)

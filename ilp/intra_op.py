@@ -1,0 +1,159 @@
+"""The intra-operator pass: :func:`solve_intra_op` on one logical mesh,
+:func:`best_intra_op` over the mesh shapes worth trying.
+
+``solve_intra_op(graph, cluster, mesh)`` chooses a layout for every tensor and
+a strategy for every operator of ``graph`` on one logical mesh, minimising
+compute + communication + resharding time under the per-device memory budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import progress
+from ..cluster import ClusterSpec
+from ..cost_model.memory import liveness
+from ..cost_model.mesh import default_axis_names, mesh_model, mesh_shapes
+from ..cost_model.sharding import ISpec
+from ..errors import InfeasiblePlanError
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
+from ..plan import LogicalMesh
+from .build import InputFilter, build_problem
+from .caches import IlpCaches
+from .decode import IntraOpResult, decode
+from .options import SolverOptions
+from .solvers import solve
+
+
+@dataclass(frozen=True)
+class InputLayouts:
+    """An input filter for hand-made methods (a picklable ``InputFilter``).
+
+    The batch is split along dimension 0 over mesh axis 0 (``data``) only.
+    ``params`` says how parameters, optimizer and other state may be laid out:
+    ``"replicated"`` (data parallel), ``"sharded"`` (ZeRO-3 style: split over
+    axis 0 wherever a dimension divides) or ``"model"`` (Megatron: split over
+    the other axes only, never over ``data``)."""
+    params: str = "replicated"
+
+    def __call__(self, inp: GraphInput, spec: ISpec) -> bool:
+        axes = [a for d in spec for a in d]
+        if inp.role == BATCH:
+            # (an input with no split of dimension 0 on offer falls back to
+            # replicated: a data axis of size 1, a batch it does not divide)
+            return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
+        if inp.role not in (PARAM, OPT_STATE, STATE):    # activations from another stage
+            return True
+        if self.params == "replicated":
+            return not axes
+        if self.params == "sharded":
+            return 0 in axes
+        if self.params == "model":
+            return 0 not in axes
+        raise ValueError(f"InputLayouts(params={self.params!r})")
+
+
+def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
+                     cluster: ClusterSpec | None = None,
+                     submesh: tuple[int, int] | None = None) -> list[LogicalMesh]:
+    """Logical meshes worth trying for ``num_devices``.
+
+    Every ordered factorisation into at most ``max_rank`` axes (default: 2 below
+    16 devices, 3 from 16 on).  Given the cluster, a permutation of a shape
+    whose axes have identical link figures is dropped: it plans the same.
+    """
+    if max_rank is None:
+        max_rank = 2 if num_devices < 16 else 3
+    out, seen = [], set()
+    for shape in mesh_shapes(num_devices, max_rank):
+        mesh = LogicalMesh(default_axis_names(len(shape)), shape)
+        if cluster is not None:
+            links = mesh_model(cluster, mesh, submesh=submesh).links
+            key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency) for l in links])))
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(mesh)
+    return out
+
+
+def memory_floor(graph: Graph, num_devices: int) -> float:
+    """A lower bound of the peak bytes per device of any plan of ``graph`` on
+    ``num_devices`` devices, as the ILP's memory rows count them: the inputs
+    and the intermediates live at the busiest point, all split evenly."""
+    profile = liveness(graph).profile
+    peak = float(profile.max()) if len(profile) else 0.0
+    return (sum(graph.tensors[i.tensor].nbytes for i in graph.inputs) + peak) / num_devices
+
+
+def _too_big(graph: Graph, n: int, budget: float) -> InfeasiblePlanError | None:
+    need = memory_floor(graph, n)
+    if need <= budget:
+        return None
+    return InfeasiblePlanError(
+        f"the model does not fit: it needs at least {need / 2**30:.2f} GiB per device on {n} "
+        f"device(s) however it is split, but the budget is {budget / 2**30:.2f} GiB; use more "
+        "devices, pipeline stages, remat, smaller micro-batches or a cluster with more memory "
+        "per device", budget_bytes=int(budget), needed_bytes=int(need))
+
+
+def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
+                   submesh: tuple[int, int] | None = None, backend: str = "highs",
+                   time_limit: float | None = 60.0, memory_budget: float | None = None,
+                   input_filter: InputFilter | None = None,
+                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
+                   options: SolverOptions = SolverOptions(),
+                   caches: IlpCaches | None = None) -> IntraOpResult:
+    """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
+    solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
+    may be shared by many calls (None: a fresh one for this call)."""
+    mm = mesh_model(cluster, mesh, submesh=submesh)
+    err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget)
+    if err is not None:
+        raise err       # (before building an ILP no layout could satisfy)
+    built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
+                          accumulate=accumulate, grad_accum=grad_accum, caches=caches)
+    sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
+    return decode(graph, mm, built, sol)
+
+
+def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
+                  submesh: tuple[int, int] | None = None, backend: str = "highs",
+                  time_limit: float | None = 60.0, memory_budget: float | None = None,
+                  input_filter: InputFilter | None = None,
+                  reporter: progress.Progress | None = None,
+                  options: SolverOptions = SolverOptions(), caches: IlpCaches | None = None
+                  ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
+    """The fastest plan over ``meshes`` (default: every mesh shape of the device
+    count); ``reporter`` shows each mesh's ILP as a progress step.  ``options``
+    and ``caches`` as for :func:`solve_intra_op`."""
+    reporter = reporter or progress.Progress(progress.QUIET)
+    n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
+    meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
+    budget = (mesh_model(cluster, meshes[0], submesh=submesh).memory_budget
+              if memory_budget is None else memory_budget)
+    err = _too_big(graph, n, budget)
+    if err is not None:
+        raise err       # on every mesh: nothing to try
+    results: list[IntraOpResult | InfeasiblePlanError] = []
+    for mesh in meshes:
+        try:
+            with reporter.step(f"ILP on mesh {mesh}"):
+                results.append(solve_intra_op(graph, cluster, mesh, submesh=submesh,
+                                              backend=backend, time_limit=time_limit,
+                                              memory_budget=memory_budget,
+                                              input_filter=input_filter,
+                                              options=options, caches=caches))
+        except InfeasiblePlanError as e:
+            results.append(e)
+    ok = [r for r in results if isinstance(r, IntraOpResult)]
+    if not ok:
+        errs = [r for r in results if isinstance(r, InfeasiblePlanError)]
+        need = min((e.needed_bytes or 0) for e in errs)
+        raise InfeasiblePlanError(
+            f"the model does not fit on {n} device(s) with any mesh shape: it needs at least "
+            f"{need / 2**30:.2f} GiB per device, the budget is "
+            f"{(errs[0].budget_bytes or 0) / 2**30:.2f} GiB; use more devices, pipeline stages "
+            "(method=Auto()/PipeshardParallel) or a cluster with more memory per device",
+            budget_bytes=errs[0].budget_bytes, needed_bytes=need)
+    best = min(ok, key=lambda r: (round(r.objective_s, 12), len(r.mesh.shape)))
+    return best, results

@@ -1,0 +1,46 @@
+"""How the ILP solvers run: one typed object, parsed once at the edge.
+
+The algorithms of :mod:`meshplan.ilp` read no environment variables; the API
+and the CLI call :meth:`SolverOptions.from_env` once and pass the result down
+(``solve_intra_op(..., options=...)``).  ``SolverOptions()`` is how meshplan
+runs with none of the variables set.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    # write every MIP handed to HiGHS to this file (an LP/MPS dump with
+    # readable names); None: no dump.  MESHPLAN_ILP_DUMP
+    dump_path: str | None = None
+    # HiGHS's own presolve ("off", "on", "choose"); off by default: on our
+    # problems its probing costs more than it saves.  MESHPLAN_HIGHS_PRESOLVE
+    highs_presolve: str = "off"
+    # the back end's log on stdout.  MESHPLAN_ILP_LOG=1
+    log: bool = False
+    # print the dynamic programming's table sizes and work.  MESHPLAN_DP_DEBUG
+    dp_debug: bool = False
+
+    @property
+    def names(self) -> bool:
+        """Whether the MIP needs readable variable and row names (for a dump)."""
+        return bool(self.dump_path)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "SolverOptions":
+        """The options the ``MESHPLAN_*`` variables of ``env`` (default:
+        ``os.environ``) ask for; unset ones keep their defaults."""
+        env = os.environ if env is None else env
+        log = env.get("MESHPLAN_ILP_LOG", "0") or "0"
+        try:
+            verbose = bool(int(log))
+        except ValueError:
+            raise ValueError(f"MESHPLAN_ILP_LOG={log!r}: use 0 or 1") from None
+        return cls(dump_path=env.get("MESHPLAN_ILP_DUMP") or None,
+                   highs_presolve=env.get("MESHPLAN_HIGHS_PRESOLVE", "off"),
+                   log=verbose,
+                   dp_debug=bool(env.get("MESHPLAN_DP_DEBUG")))
