@@ -7,6 +7,6 @@ from .session import SearchStats, Session
 from .solver import LayerCost
 from .stage_dp import Submesh, brute_force, stage_dp, submesh_shapes
 
-__all__ = ["plan_pipeline", "search_pipeline", "PipelineOptions", "Session", "SearchStats",
+__all__ = ("plan_pipeline", "search_pipeline", "PipelineOptions", "Session", "SearchStats",
            "LayerCost", "assign_layers", "stage_dp", "brute_force", "submesh_shapes", "Submesh",
-           "SCHEDULES", "AUTO_SCHEDULES"]
+           "SCHEDULES", "AUTO_SCHEDULES",)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, STATE, Graph,
+from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, Graph,
                      GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, strip_markers)
 
 # Role of a tensor that enters a layer from another layer.
@@ -53,7 +53,6 @@ class Layering:
 
 def _cut_profile(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
     """bytes[k] = forward values made by fwd_ids[:k+1] and read by fwd_ids[k+1:]."""
-    pos = {nid: k for k, nid in enumerate(fwd_ids)}
     last: dict[int, int] = {}
     for k, nid in enumerate(fwd_ids):
         for t in graph.nodes[nid].inputs:
@@ -447,7 +446,7 @@ class UnmarkedView:
     per layering (:func:`unmarked_view`) and passed to the functions below."""
     graph: Graph
     layer_of: list[int]
-    const: set[int]
+    const: frozenset[int]
     by_layer: list[list[int]]
     forward: list[bool]
 
@@ -460,19 +459,7 @@ def unmarked_view(graph: Graph, layering: Layering) -> UnmarkedView:
     for nid, l in enumerate(layer_of):
         by_layer[l].append(nid)
     fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
-    return UnmarkedView(view, layer_of, constant_nodes(view), by_layer, fwd)
-
-
-def constant_nodes(graph: Graph) -> set[int]:
-    """Nodes whose value depends on no input of the step (only literals/constants)."""
-    out: set[int] = set()
-    produced_by_const: set[int] = set()
-    for n in graph.nodes:
-        if all(graph.tensors[t].kind not in (INPUT, INTERMEDIATE) or t in produced_by_const
-               for t in n.inputs):
-            out.add(n.id)
-            produced_by_const.update(n.outputs)
-    return out
+    return UnmarkedView(view, layer_of, view.constant_nodes, by_layer, fwd)
 
 
 def canonical_tensors(graph: Graph) -> tuple[int, ...]:

@@ -7,4 +7,4 @@ from ..request import PipelineOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
-__all__ = ["PipelineOptions", "SCHEDULES", "AUTO_SCHEDULES"]
+__all__ = ("PipelineOptions", "SCHEDULES", "AUTO_SCHEDULES",)

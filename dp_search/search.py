@@ -136,19 +136,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         raise
     search.close()
     if best is None:
-        # why the most micro-batches that traced (the least memory) fit nothing,
-        # then why the fewest micro-batches that did not trace failed
-        traced = [b for b in errors if b not in untraceable]
-        why = [errors[max(traced)]] if traced else []
-        why += [errors[min(untraceable)]] if untraceable else []
-        if not traced and untraceable:
-            raise InfeasiblePlanError(
-                f"no number of micro-batches can be planned ({'; '.join(why)})")
-        raise InfeasiblePlanError(
-            "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
-            f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
-            "cluster with more memory per device",
-            budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
+        raise _no_plan(errors, untraceable, cluster, opts)
     plan = best[1]
     scan_note = _scanned_layers(graph)
     if scan_note:
@@ -162,6 +150,23 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
     return replace(plan, notes=plan.notes + (note,)), search.stats(len(searched))
+
+
+def _no_plan(errors: dict[int, str], untraceable: set[int], cluster: ClusterSpec,
+             opts: PipelineOptions) -> InfeasiblePlanError:
+    """Why no micro-batch count has a plan: why the most micro-batches that
+    traced (the least memory) fit nothing, then why the fewest micro-batches
+    that did not trace failed."""
+    traced = [b for b in errors if b not in untraceable]
+    why = [errors[max(traced)]] if traced else []
+    why += [errors[min(untraceable)]] if untraceable else []
+    if not traced and untraceable:
+        return InfeasiblePlanError(f"no number of micro-batches can be planned ({'; '.join(why)})")
+    return InfeasiblePlanError(
+        "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
+        f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
+        "cluster with more memory per device",
+        budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

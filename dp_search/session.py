@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import MeshplanError
+from ..ilp import IlpCaches, SolverOptions
 from ..progress import Progress
 
 LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
@@ -29,13 +30,18 @@ def usable_cpus() -> int:
 class Session:
     progress: Progress = field(default_factory=Progress)
     workers: int = field(default_factory=usable_cpus)    # processes for layer ILPs
+    solver: SolverOptions = SolverOptions()               # how the ILP back ends run
     # layer ILP results by problem (see dp_search.solver.LayerSolver)
     layer_cache: dict = field(default_factory=dict)
+    # resharding costs and layouts, shared by the ILPs solved in this process
+    # (a worker process keeps its own per job)
+    ilp_caches: IlpCaches = field(default_factory=IlpCaches)
 
     @classmethod
     def from_env(cls, progress: Progress | None = None) -> "Session":
         """A session configured from the environment: ``MESHPLAN_WORKERS``
-        (processes for layer ILPs; default the usable CPUs, at most 8)."""
+        (processes for layer ILPs; default the usable CPUs, at most 8) and
+        the solver's ``MESHPLAN_*`` variables (:meth:`SolverOptions.from_env`)."""
         env = os.environ.get("MESHPLAN_WORKERS")
         workers = usable_cpus()
         if env:
@@ -43,11 +49,15 @@ class Session:
                 workers = max(1, int(env))
             except ValueError:
                 raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer") from None
-        return cls(progress=progress or Progress(), workers=workers)
+        try:
+            solver = SolverOptions.from_env()
+        except ValueError as e:
+            raise MeshplanError(str(e)) from None
+        return cls(progress=progress or Progress(), workers=workers, solver=solver)
 
     def __repr__(self) -> str:
         return (f"Session(workers={self.workers}, {len(self.layer_cache)} layer costs cached, "
-                f"{self.progress!r})")
+                f"{self.solver}, {self.progress!r})")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.sharding import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
-from ..ilp import InputLayouts, IntraOpResult, solve_intra_op
+from ..ilp import IlpCaches, InputLayouts, IntraOpResult, solve_intra_op
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
 from .options import PipelineOptions
@@ -44,15 +44,18 @@ class LayerCost:
         return max(self.activation_bytes - self.saved_bytes, 0.0)
 
 
-def solve_job(job: tuple) -> tuple[IntraOpResult | None, float]:
+def solve_job(job: tuple, caches: IlpCaches | None = None) -> tuple[IntraOpResult | None, float]:
     """One layer ILP (run in a worker process when solving in parallel): its
-    result (None: it does not fit) and the seconds it took."""
-    sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt = job
+    result (None: it does not fit) and the seconds it took.  ``caches``: the
+    session's, when solved in its process."""
+    (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
+     options) = job
     t0 = time.perf_counter()
     try:
         r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
                            time_limit=time_limit, memory_budget=budget,
-                           accumulate=grads, grad_accum=grad_accum, input_filter=filt)
+                           accumulate=grads, grad_accum=grad_accum, input_filter=filt,
+                           options=options, caches=caches)
     except InfeasiblePlanError:
         r = None
     return r, time.perf_counter() - t0
@@ -104,7 +107,8 @@ class LayerSolver:
         used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
         filt = InputLayouts(o.input_filter) if isinstance(o.input_filter, str) else o.input_filter
         return (sub, self.cluster, mesh, submesh, o.backend, o.time_limit,
-                self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt)
+                self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
+                self.session.solver)
 
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
@@ -173,7 +177,8 @@ class LayerSolver:
             return self.cache[key]
         self.solves += 1
         t0 = time.perf_counter()
-        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum))
+        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum),
+                            self.session.ilp_caches)
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing))

@@ -20,7 +20,7 @@ from .plan import Plan
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
-from .traced import TracedStep
+from .traced import TracedStep, signature
 from .unstack import Unstacked
 
 
@@ -77,9 +77,7 @@ def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _signature(args: Sequence[Any]) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
-    return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l))))
-                          for l in leaves)
+    return signature(tuple(args))
 
 
 class Parallelized:

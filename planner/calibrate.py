@@ -264,7 +264,36 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     measurements: list[Measurement] = []
     how: list[str] = []
 
-    # matmul FLOP/s per dtype
+    flops = _measure_matmuls(mesh, platform, opts, timer, reporter, measurements, how)
+    memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
+                                     measurements, how)
+    links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        import jaxlib
+        jaxlib_version = f", jaxlib {jaxlib.__version__}"
+    except (ImportError, AttributeError):
+        jaxlib_version = ""
+    description = (
+        f"Measured by `meshplan calibrate{' --quick' if opts.quick_mode else ''}` on {now} "
+        f"with jax {jax.__version__}{jaxlib_version}: {hosts} host(s) x {per_host} "
+        f"{kind!r} ({platform}) device(s), all devices measured at once. "
+        + ". ".join(how) + ".")
+    spec = ClusterSpec(
+        name=name or f"calibrated-{platform}-{hosts}x{per_host}", num_hosts=hosts,
+        devices_per_host=per_host,
+        device=DeviceSpec(kind=kind, memory_bytes=int(memory),
+                          memory_bandwidth_bytes_per_s=mem_bw, peak_flops=flops),
+        intra_host=links["intra_host"], inter_host=links["inter_host"],
+        description=description,
+        sources=(f"meshplan calibrate, {now}, jax {jax.__version__}",))
+    return Calibration(cluster=spec, measurements=tuple(measurements))
+
+
+def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
+                     measurements: list, how: list) -> dict[str, float]:
+    """Matmul FLOP/s per dtype."""
     flops: dict[str, float] = {}
     sizes = _doubling(opts.matmul_min_n, opts.matmul_max_n)
     skipped = []
@@ -284,7 +313,12 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
                    f"{m.what.split()[1]} n={m.size} {m.seconds * 1e3:.3g} ms" for m in measurements)
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
-    # memory bandwidth
+    return flops
+
+
+def _measure_memory(mesh, dev0, platform: str, per_host: int, opts: Options, timer: Timer,
+                    reporter, measurements: list, how: list) -> tuple[int, float]:
+    """Device memory (bytes) and memory bandwidth (bytes/s)."""
     mem_limit = allocator_limit(dev0)
     if mem_limit is not None:
         memory, mem_how = mem_limit, "the XLA allocator limit (device.memory_stats()['bytes_limit'])"
@@ -303,7 +337,12 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
                f"({t * 1e3:.3g} ms)")
     how.append(f"memory_bytes: {mem_how}")
 
-    # collectives per mesh axis
+    return memory, mem_bw
+
+
+def _measure_links(mesh, hosts: int, per_host: int, opts: Options, timer: Timer, reporter,
+                   measurements: list, how: list) -> dict[str, LinkSpec]:
+    """All-reduce bandwidth and latency per mesh axis (within a host, between hosts)."""
     links: dict[str, LinkSpec] = {}
     small = opts.collective_small_bytes
     for axis, size, key in (("device", per_host, "intra_host"), ("host", hosts, "inter_host")):
@@ -338,23 +377,4 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
             why = ("only one device per host" if key == "intra_host" else "one host")
             how.append(f"links.{key}: not measured ({why}); meshplan's platform default")
 
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    try:
-        import jaxlib
-        jaxlib_version = f", jaxlib {jaxlib.__version__}"
-    except (ImportError, AttributeError):
-        jaxlib_version = ""
-    description = (
-        f"Measured by `meshplan calibrate{' --quick' if opts.quick_mode else ''}` on {now} "
-        f"with jax {jax.__version__}{jaxlib_version}: {hosts} host(s) x {per_host} "
-        f"{kind!r} ({platform}) device(s), all devices measured at once. "
-        + ". ".join(how) + ".")
-    spec = ClusterSpec(
-        name=name or f"calibrated-{platform}-{hosts}x{per_host}", num_hosts=hosts,
-        devices_per_host=per_host,
-        device=DeviceSpec(kind=kind, memory_bytes=int(memory),
-                          memory_bandwidth_bytes_per_s=mem_bw, peak_flops=flops),
-        intra_host=links["intra_host"], inter_host=links["inter_host"],
-        description=description,
-        sources=(f"meshplan calibrate, {now}, jax {jax.__version__}",))
-    return Calibration(cluster=spec, measurements=tuple(measurements))
+    return links

@@ -148,12 +148,20 @@ class Graph:
     def constant_tensors(self) -> frozenset[int]:
         """Intermediates that depend on no input of the step: values computed
         from literals and constants alone (causal masks, iotas, filled arrays)."""
-        out: set[int] = set()
+        return frozenset(t for nid in self.constant_nodes for t in self.nodes[nid].outputs)
+
+    @functools.cached_property
+    def constant_nodes(self) -> frozenset[int]:
+        """The nodes that make :attr:`constant_tensors` (their operands are
+        literals, constants or other constant values)."""
+        nodes: set[int] = set()
+        made: set[int] = set()
         for n in self.nodes:
-            if all(self.tensors[t].kind not in (INPUT, INTERMEDIATE) or t in out
+            if all(self.tensors[t].kind not in (INPUT, INTERMEDIATE) or t in made
                    for t in n.inputs):
-                out.update(n.outputs)
-        return frozenset(out)
+                nodes.add(n.id)
+                made.update(n.outputs)
+        return frozenset(nodes)
 
     @functools.cached_property
     def input_of_tensor(self) -> dict[int, GraphInput]:

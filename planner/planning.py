@@ -135,11 +135,13 @@ def _one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     if request.input_layouts is not None:
         # hand-made layouts (data parallel, Megatron): one mesh, one ILP
         r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
-                           backend=request.backend, time_limit=request.time_limit)
+                           backend=request.backend, time_limit=request.time_limit,
+                           options=session.solver, caches=session.ilp_caches)
     else:
         r, _ = best_intra_op(graph, cluster, meshes=None if mesh is None else [mesh],
                              backend=request.backend, time_limit=request.time_limit,
-                             reporter=session.progress)
+                             reporter=session.progress, options=session.solver,
+                             caches=session.ilp_caches)
     return plan_from_intra_op(graph, cluster, r, request.method)
 
 

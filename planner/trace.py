@@ -23,7 +23,7 @@ from .errors import MeshplanError, TraceError
 from .graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .jaxpr_walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
-from .traced import TracedStep
+from .traced import TracedStep, signature
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
 _STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)
@@ -285,9 +285,9 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
     used_args: set[int] = set()
     for part in parts:
         n = len(jax.tree_util.tree_leaves(part))
-        sig = _signature(part)
+        sig = signature(part)
         for a, arg in enumerate(args):
-            if a in batch_argnums or a in used_args or _signature(arg) != sig:
+            if a in batch_argnums or a in used_args or signature(arg) != sig:
                 continue
             used_args.add(a)
             for j, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(part)[0]):
@@ -296,12 +296,6 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
         offset += n
     return tuple(GraphOutput(tensor=t, path=p, updates=u)
                  for t, p, u in zip(out_ids, paths, updates))
-
-
-def _signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l))))
-                          for l in leaves)
 
 
 def _with_fingerprint(g: Graph) -> Graph:

@@ -19,10 +19,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+import numpy as np
+
 from .graph import GRAD_BOUNDARY, IDENTITY_MARKERS, PIPELINE_BOUNDARY, Graph
 
 __all__ = ["Lit", "FlatEqn", "FlatJaxpr", "TracedStep", "GRAD_BOUNDARY", "PIPELINE_BOUNDARY",
-           "IDENTITY_MARKERS"]
+           "IDENTITY_MARKERS", "signature"]
+
+
+def signature(tree: Any, *, weak_types: bool = False) -> Any:
+    """What a trace of ``tree`` depends on: its structure and each leaf's shape
+    and dtype.  ``weak_types``: also whether a leaf is weakly typed (a Python
+    scalar), which ``jax.jit`` compiles apart (the runtime's program key)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not weak_types:
+        return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l))))
+                              for l in leaves)
+    return treedef, tuple(_jit_key(x) for x in leaves)
+
+
+def _jit_key(leaf: Any) -> tuple[Any, ...]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
+    a = np.asarray(leaf)
+    return (a.shape, str(a.dtype), isinstance(leaf, (bool, int, float, complex)))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from .multihost import agree_on_plan, global_view, is_multiprocess, to_host
 from .shard import FastPathMiss, ShardExecutable, arg_specs, build_mesh
 from .watchdog import PEER_LOST_EXIT_CODE, PeerWatchdog, initialize
 
-__all__ = ["ShardExecutable", "FastPathMiss", "build_mesh", "arg_specs", "Collective",
+__all__ = ("ShardExecutable", "FastPathMiss", "build_mesh", "arg_specs", "Collective",
            "collective_bytes", "parse_collectives", "summary", "to_host", "global_view",
            "agree_on_plan", "is_multiprocess", "initialize", "PeerWatchdog",
-           "PEER_LOST_EXIT_CODE"]
+           "PEER_LOST_EXIT_CODE",)

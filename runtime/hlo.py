@@ -37,20 +37,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Union
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping, Union
 
-__all__ = ["Collective", "KINDS", "parse_collectives", "collective_bytes", "summary",
-           "shape_bytes", "parse_shape"]
+__all__ = ("Collective", "KINDS", "parse_collectives", "collective_bytes", "summary",
+           "shape_bytes", "parse_shape",)
 
 KINDS: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                           "collective-permute")
 
 # Bits per element of the HLO primitive types.
-_DTYPE_BITS: dict[str, int] = {
+_DTYPE_BITS: Mapping[str, int] = MappingProxyType({
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
     "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
     "c64": 64, "c128": 128, "f4e2m1fn": 4, "token": 0, "opaque": 0,
-}
+})
 _COMMENT = re.compile(r"/\*.*?\*/")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?")

@@ -65,9 +65,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshplan.errors import RuntimeStageError, StalePlanError
 from meshplan.plan import Plan
 
-__all__ = ["is_multiprocess", "global_view", "is_global_array", "is_local_batch_leaf",
+__all__ = ("is_multiprocess", "global_view", "is_global_array", "is_local_batch_leaf",
            "check_mesh_spans_processes", "BatchAssembler", "place_global", "agree_on_plan",
-           "to_host"]
+           "to_host",)
 
 
 def is_multiprocess() -> bool:

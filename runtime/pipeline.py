@@ -83,8 +83,8 @@ from .pipeline_split import MEAN, StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
 from .shard import FastPathMiss, _signature, build_mesh, stage_devices
 
-__all__ = ["PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
-           "SCHEDULES"]
+__all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
+           "SCHEDULES",)
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -44,7 +44,7 @@ from .pipeline_transport import concat, place
 if TYPE_CHECKING:
     from .pipeline import PipelineExecutable
 
-__all__ = ["Wiring", "wire", "StepRun", "Watcher", "timeline_blocks"]
+__all__ = ("Wiring", "wire", "StepRun", "Watcher", "timeline_blocks",)
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from meshplan.traced import FlatJaxpr, TracedStep
 from .pipeline_split import StepSplit, Task
 from .shard import check_spec, make_evaluator, to_partition_spec
 
-__all__ = ["Program", "StageLayouts", "RunningSums", "build_programs", "const_outputs"]
+__all__ = ("Program", "StageLayouts", "RunningSums", "build_programs", "const_outputs",)
 
 
 @dataclasses.dataclass

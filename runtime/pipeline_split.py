@@ -51,7 +51,7 @@ from meshplan.errors import MeshplanError, StalePlanError
 from meshplan.schedule import schedule_order
 from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit
 
-__all__ = ["Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT"]
+__all__ = ("Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT",)
 
 # kinds of value crossing from the per-micro-batch phase to the update/outputs
 MEAN, LAST, CONCAT = "mean", "last", "concat"

@@ -58,8 +58,8 @@ from .pipeline_programs import StageLayouts
 from .pipeline_split import CONCAT, StepSplit
 from .shard import place
 
-__all__ = ["Transfers", "StageTransport", "same_mesh", "stage_processes", "place",
-           "concat"]
+__all__ = ("Transfers", "StageTransport", "same_mesh", "stage_processes", "place",
+           "concat",)
 
 PIPE_AXIS = "meshplan_pipe"
 

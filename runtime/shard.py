@@ -31,12 +31,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError
 from meshplan.plan import LogicalMesh, Plan, Spec, Stage, arg_prefixes, spec_axes, spec_str
-from meshplan.traced import FlatJaxpr, Lit, TracedStep
+from meshplan.traced import FlatJaxpr, Lit, TracedStep, signature
 
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
                         global_view, is_multiprocess, place_global)
 
-__all__ = ["build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "FastPathMiss"]
+__all__ = ("build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "FastPathMiss",)
 
 
 # ---------------------------------------------------------------------------
@@ -534,16 +534,8 @@ def _shape_of(leaf: Any) -> tuple[int, ...]:
     return tuple(shape) if shape is not None else np.shape(leaf)
 
 
-def _abstract(leaf: Any) -> tuple[Any, ...]:
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
-    a = np.asarray(leaf)
-    return (a.shape, str(a.dtype), isinstance(leaf, (bool, int, float, complex)))
-
-
 def _signature(args: tuple[Any, ...]) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple(_abstract(x) for x in leaves)
+    return signature(args, weak_types=True)
 
 
 def _follow(args: tuple[Any, ...], argnum: int, path: tuple[Any, ...]) -> Any:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-__all__ = ["initialize", "PeerWatchdog", "PEER_LOST_EXIT_CODE", "lost_message"]
+__all__ = ("initialize", "PeerWatchdog", "PEER_LOST_EXIT_CODE", "lost_message",)
 
 PEER_LOST_EXIT_CODE = 75
 _PREFIX = "meshplan/watchdog"

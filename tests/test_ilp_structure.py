@@ -126,10 +126,15 @@ def _module_state(path: pathlib.Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("folder", ["ilp", "cost_model"])
+# where configuration is parsed, once, at the edge (the rest receives it)
+EDGES = {"ilp": ["options.py"], "cost_model": [], "dp_search": ["session.py"],
+         "runtime": []}
+
+
+@pytest.mark.parametrize("folder", ["ilp", "cost_model", "dp_search", "runtime"])
 def test_no_module_level_state_and_no_environment_reads(folder):
     files = sorted((ROOT / folder).glob("*.py"))
     assert files
     assert [b for f in files for b in _module_state(f)] == []
     readers = [f.name for f in files if "environ" in f.read_text() or "getenv" in f.read_text()]
-    assert readers == (["options.py"] if folder == "ilp" else [])
+    assert readers == EDGES[folder]

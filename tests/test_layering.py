@@ -71,7 +71,7 @@ def _imports(path: pathlib.Path, module: str):
     X.name when that is a module)."""
     tree = ast.parse(path.read_text())
     pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    for node in ast.walk(tree):
+    for node in _walk_runtime(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name
@@ -86,6 +86,18 @@ def _imports(path: pathlib.Path, module: str):
             if len(subs) < len(node.names):     # (names from the module itself)
                 yield name
             yield from subs
+
+
+def _walk_runtime(tree: ast.AST):
+    """The nodes of ``tree`` outside ``if TYPE_CHECKING:`` blocks (annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def _resolve(name: str) -> str | None:
@@ -174,3 +186,37 @@ def test_no_generic_top_level_packages_installed():
     for generic in ("runtime", "ilp", "dp_search", "cost_model", "planner"):
         assert ROOT.as_posix() not in origins[generic], (generic, origins[generic])
     assert origins["meshplan.ilp"].startswith((ROOT / "ilp").as_posix())
+
+
+# The runtime reads the planner's data types only: it never traces (the
+# planner hands it a meshplan.traced.TracedStep) and knows no planning pass.
+# what runtime/ may import from meshplan besides its own modules
+RUNTIME_ALLOWED = {"meshplan.plan", "meshplan.graph", "meshplan.traced", "meshplan.schedule",
+           "meshplan.errors", "meshplan.cluster"}
+
+
+def _meshplan_imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.ImportFrom) and node.level > 1:
+            yield node.lineno, "meshplan." + (node.module or "")
+
+
+def test_runtime_imports_only_data_types():
+    problems = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for line, module in _meshplan_imports(path):
+            if module.startswith("meshplan") and not module.startswith("meshplan.runtime") \
+                    and module not in RUNTIME_ALLOWED:
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_runtime_has_no_global_state_statements():
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert not any(isinstance(n, ast.Global) for n in ast.walk(tree)), path
