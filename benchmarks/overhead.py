@@ -90,7 +90,7 @@ def bench_model(name: str, calls: int, repeats: int, warmup: int) -> list[dict[s
     state0, batch0 = model.init(0)
     host_state = jax.tree.map(np.asarray, state0)
     step = meshplan.parallelize(model.train_step, cluster=meshplan.Cluster.local(),
-                                method=meshplan.ShardParallel())
+                                method=meshplan.ShardParallel(), donate_argnums=(0,))
     state_mp, _ = step(host_state, batch0)              # plan + compile
     plan = step.plan
     executable = next(iter(step._cache.values()))[1]

@@ -15,10 +15,10 @@ or an input of the step) plus its result when the result is materialised
 """
 from __future__ import annotations
 
-from ..flops import ELEMENTWISE
+from ..flops import PER_ELEMENT
 from ..graph import Graph
 
-FUSIBLE = ELEMENTWISE | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
+FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
 
 
 def fused_bytes(graph: Graph) -> dict[int, float]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from ..flops import ELEMENTWISE
+from ..flops import BARRIERS, ELEMENTWISE, RANDOM
 
 Shape = tuple[int, ...]
 
@@ -357,13 +357,12 @@ def scatter_rule(reduce_updates: bool) -> Rule:
 
 
 # Random-number and key primitives are planned replicated (identical on all devices).
-REPLICATED = frozenset({"random_bits", "random_seed", "random_wrap", "random_unwrap",
-                        "random_fold_in", "random_split", "threefry2x32"})
+REPLICATED = RANDOM
 
 
 def _rules() -> Mapping[str, Rule]:
     table: dict[str, Rule] = {
-        **{p: elementwise_rule for p in ELEMENTWISE},
+        **{p: elementwise_rule for p in ELEMENTWISE | BARRIERS},
         "select_n": select_n_rule,
         "dot_general": dot_general_rule,
         "conv_general_dilated": conv_rule,

@@ -13,9 +13,12 @@ which is exact for one-hot ``s`` and tight in the LP relaxation.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -281,11 +284,30 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
                     mip.num_rows, backend)
 
 
+def _new_highs(quiet: bool) -> Any:
+    """A HiGHS instance.  HiGHS prints its banner on the process's standard
+    output (file descriptor 1, below Python) when the first instance is made;
+    ``quiet`` sends that to /dev/null, so that nothing but the plan reaches
+    stdout (``meshplan plan ... > plan.txt``)."""
+    import highspy
+    if not quiet:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run_highs(mip: _Mip, warm: list[int] | None, time_limit: float | None, threads: int,
                options: SolverOptions) -> tuple[list[float] | None, str]:
     import highspy
 
-    h = highspy.Highs()
+    h = _new_highs(quiet=not options.log)
     h.setOptionValue("output_flag", bool(options.log))
     h.setOptionValue("threads", int(threads))
     # Our problems are solved at the root node or close to it; HiGHS's presolve

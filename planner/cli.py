@@ -249,11 +249,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             text = open(args.plan).read()
         except OSError as e:
             raise ModelConfigError(f"cannot read plan {args.plan}: {e.strerror}") from e
-        step = parallelize(target.train_step, plan=Plan.from_json(text))
+        step = parallelize(target.train_step, plan=Plan.from_json(text), donate_argnums=(0,))
     else:
         from .cluster import ClusterSpec
         step = parallelize(target.train_step, cluster=ClusterSpec.local(), method=_method(args),
-                           batch_argnums=target.batch_argnums, session=args.session)
+                           batch_argnums=target.batch_argnums, session=args.session,
+                           donate_argnums=(0,))     # (the state: a copy of our own)
     state, batch = target.init(0)
     ref_state = state
     par_state = jax.tree.map(lambda x: np.array(x), state)

@@ -2,7 +2,7 @@
 
 A rule takes the input shapes, output shapes and the (raw) params of one
 equation and returns its floating-point operations.  Primitives in
-:data:`ELEMENTWISE` cost one FLOP per output element, those in
+:data:`PER_ELEMENT` cost one FLOP per output element, those in
 :data:`DATA_MOVEMENT` cost none; a primitive found in no table gets the
 elementwise estimate and the tracer records a warning.
 """
@@ -16,6 +16,9 @@ from .graph import IDENTITY_MARKERS
 Shape = tuple[int, ...]
 FlopRule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], float]
 
+# The one definition of the element-wise primitives: one output, of the
+# operands' shape, element by element (the ILP gives them one layout rule,
+# the scan unrolling runs them layer piece by layer piece).
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
 complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv
@@ -23,10 +26,18 @@ erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le lga
 log log1p logistic lt max min mul ne neg nextafter not or polygamma pow real
 reduce_precision regularized_incomplete_beta rem round rsqrt select_n sign sin
 sinh sqrt square sub tan tanh xor shift_left shift_right_logical
-shift_right_arithmetic population_count clz random_bits random_seed random_wrap
-random_unwrap random_fold_in random_split threefry2x32 erf_inv stop_gradient
-bessel_i0e bessel_i1e zeta optimization_barrier
+shift_right_arithmetic population_count clz stop_gradient
+bessel_i0e bessel_i1e zeta
 """.split())
+# Random bits and keys: one FLOP per element too, but planned replicated
+# (every device draws the same bits; the ILP has no rule for them).
+RANDOM = frozenset("""
+random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32
+""".split())
+# An identity over any number of operands that XLA may not move code across.
+BARRIERS = frozenset({"optimization_barrier"})
+# What costs one FLOP per output element and fuses into its neighbours.
+PER_ELEMENT = ELEMENTWISE | RANDOM | BARRIERS
 
 REDUCTIONS = frozenset("""
 reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor
@@ -86,7 +97,7 @@ def sort_flops(ins, outs, params) -> float:
 FLOP_RULES: dict[str, FlopRule] = {
     "dot_general": dot_general_flops,
     "conv_general_dilated": conv_flops,
-    **{p: elementwise_flops for p in ELEMENTWISE},
+    **{p: elementwise_flops for p in PER_ELEMENT},
     **{p: reduction_flops for p in REDUCTIONS},
     **{p: no_flops for p in DATA_MOVEMENT},
     **{p: elementwise_flops for p in SCATTERS},

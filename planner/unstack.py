@@ -35,20 +35,12 @@ from jax import lax
 from jax.extend import core as jcore
 
 from .errors import MeshplanError
+from .flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
 from .graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph
 from .jaxpr_walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
 
-# equations that map their operands element by element (same output shape);
-# over stacked operands they run piece by piece
-ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "pow", "neg", "exp", "exp2",
-    "log", "log1p", "expm1", "sqrt", "rsqrt", "cbrt", "tanh", "logistic", "abs", "sign",
-    "floor", "ceil", "round", "integer_pow", "square", "convert_element_type", "select_n",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "copy",
-    "copy_p", "erf", "sin", "cos", "clamp", "reduce_precision", "stop_gradient",
-})
 # identity markers over any number of operands: applied to the pieces
 MARKERS = frozenset({GRAD_BOUNDARY, PIPELINE_BOUNDARY})
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import StalePlanError
-from meshplan.plan import Plan, arg_prefixes
+from meshplan.plan import Plan
 from meshplan.traced import FlatJaxpr, TracedStep
 
 from .pipeline_split import StepSplit, Task
@@ -51,10 +51,7 @@ class StageLayouts:
         self.plan = plan
         self.meshes = list(meshes)
         self.flat = flat = traced.flat
-        nargs = traced.num_args
-        nonbatch = [a for a in range(nargs) if a not in plan.batch_argnums]
-        batch = [a for a in range(nargs) if a in plan.batch_argnums]
-        prefixes = dict(arg_prefixes(nonbatch)) | dict(arg_prefixes(batch)) | dict(plan.arg_prefixes)
+        prefixes = plan.key_prefixes(traced.num_args)
         self.leaf_key = {i: prefixes.get(a, "") + path
                          for (a, path), i in zip(traced.arg_paths, flat.invars)}
         self.is_batch = {i for i, b in zip(flat.invars, traced.batch_leaves) if b}

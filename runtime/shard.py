@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError
-from meshplan.plan import LogicalMesh, Plan, Spec, Stage, arg_prefixes, spec_axes, spec_str
+from meshplan.plan import LogicalMesh, Plan, Spec, Stage, spec_axes, spec_str
 from meshplan.traced import FlatJaxpr, Lit, TracedStep, signature
 
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
@@ -122,13 +122,10 @@ def _section_keys(plan: Plan, nargs: int) -> dict[int, tuple[Mapping[str, Spec],
     """argnum -> (the spec table its leaves are keyed in, the key prefix).
 
     Non-batch arguments live in ``stages[0].params``, batch arguments in
-    ``plan.batch``; each section numbers its own arguments (see
-    :func:`meshplan.plan.arg_prefixes`).  ``plan.arg_prefixes`` wins where it
-    names an argument.
+    ``plan.batch``; each section numbers its own arguments
+    (:meth:`meshplan.plan.Plan.key_prefixes`).
     """
-    batch = [a for a in range(nargs) if a in plan.batch_argnums]
-    other = [a for a in range(nargs) if a not in plan.batch_argnums]
-    prefixes = dict(arg_prefixes(other)) | dict(arg_prefixes(batch)) | dict(plan.arg_prefixes)
+    prefixes = plan.key_prefixes(nargs)
     params = dict(plan.stages[0].params)
     batch_table = dict(plan.batch)
     return {a: (batch_table if a in plan.batch_argnums else params, prefixes[a])

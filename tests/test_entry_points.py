@@ -81,3 +81,16 @@ def test_batch_argnums_as_an_int_like_jax():
     out = meshplan.parallelize(step, batch_argnums=1, method=meshplan.DataParallel())(s, b)
     ref = jax.jit(step)(s, b)
     assert jnp.allclose(out[0], ref[0]) and jnp.allclose(out[1], ref[1])
+
+
+def test_nothing_but_the_plan_on_stdout():
+    # HiGHS prints a banner on file descriptor 1 when a process makes its
+    # first solver: a fresh process, so that this is that first one (a GPT's
+    # ILP is solved by HiGHS; the mlp's by dynamic programming alone)
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "meshplan.cli", "plan", "--model", "gpt",
+                          "--cluster", DGX, "--method", "shard"],
+                         capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.startswith("Plan for gpt"), out.stdout[:200]
+    assert "HiGHS" not in out.stdout

@@ -96,3 +96,22 @@ def test_dropout_over_the_batch_is_not_split_into_micro_batches():
                       cluster=meshplan.Cluster.local(),
                       method=meshplan.PipeshardParallel(stages=2))
     assert p.num_micro_batches == 1
+
+
+def test_a_plain_jax_grad_step_is_never_planned_with_micro_batches_it_cannot_run():
+    # without meshplan's end-of-gradients marker the runtime cannot
+    # accumulate over micro-batches: the search keeps to one, a fixed count
+    # says why
+    def step_fn(state, batch):          # no randomness, jax's own value_and_grad
+        p, o = state
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
+        u, o = OPT.update(g, o, p)
+        return (optax.apply_updates(p, u), o), {"loss": loss}
+    state = _state(jax.random.key(1))[:2]
+    for method in (meshplan.Auto(), meshplan.PipeshardParallel(stages=2)):
+        p = meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(), method=method)
+        assert p.num_micro_batches == 1
+    with pytest.raises(meshplan.InfeasiblePlanError, match="where the gradients end"):
+        meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
