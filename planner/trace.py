@@ -355,7 +355,8 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
                         forward=tuple(forward_nodes(graph)), step_out=step_out,
                         micro_batches=m, micro_batch_size=mb,
-                        concat=_concat_outputs(out_shape, step_out, flat, m))
+                        concat=_concat_outputs(out_shape, step_out, flat, m,
+                                               _batch_ids(flat, args, batch_argnums)))
 
 
 def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, ...],
@@ -402,10 +403,13 @@ def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: 
     return full // m
 
 
-def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int) -> tuple[int, ...]:
+def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int,
+                    batch_ids: set[int]) -> tuple[int, ...]:
     """Output ids whose dimension 0 is the batch; another output whose shape
     depends on the batch is refused."""
     concat = []
+    bdep = _batch_dependent(flat, batch_ids)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(step_out)[0]]
     for k, (a, b, x) in enumerate(zip(jax.tree_util.tree_leaves(micro_out),
                                       jax.tree_util.tree_leaves(step_out), flat.outvars)):
         if tuple(a.shape) != tuple(b.shape):
@@ -414,6 +418,28 @@ def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int) -> t
                 raise MeshplanError(f"output leaf {k} has shape {tuple(b.shape)} for the batch "
                                     f"but {tuple(a.shape)} for a micro-batch; only outputs whose "
                                     "dimension 0 is the batch can be split into micro-batches")
-            if isinstance(x, int):
-                concat.append(x)
+            if not isinstance(x, int) or x not in bdep:
+                # (its micro-batch pieces would not make it up: an arange over
+                # the batch is not two aranges over half of it)
+                raise MeshplanError(
+                    f"output {paths[k] or k} has the batch's shape {tuple(b.shape)} but does not depend "
+                    "on the batch's values, so it cannot be put together from micro-batches; "
+                    "compute it outside the step (or plan with num_micro_batches=1)")
+            concat.append(x)
     return tuple(concat)
+
+
+def _batch_ids(flat: FlatJaxpr, args: tuple[Any, ...], batch_argnums: tuple[int, ...]
+               ) -> set[int]:
+    """The flat input ids of the batch arguments' leaves."""
+    leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    return {i for i, (path, _) in zip(flat.invars, leaves) if int(path[0].idx) in batch_argnums}
+
+
+def _batch_dependent(flat: FlatJaxpr, batch_ids: set[int]) -> set[int]:
+    """The ids of ``flat`` whose values depend on the batch inputs."""
+    dep = set(batch_ids)
+    for fe in flat.eqns:
+        if any(isinstance(x, int) and x in dep for x in fe.invars):
+            dep.update(fe.outvars)
+    return dep

@@ -1,4 +1,4 @@
-"""Steps that draw random numbers (dropout) plan, shard and run like jax.jit.
+"""Real train steps: random numbers (dropout), jax's own grad, per-example outputs.
 
 Random draws are planned replicated: every device draws the same bits, so the
 numbers equal the plain step's.  A pipeline with more than one micro-batch
@@ -115,3 +115,28 @@ def test_a_plain_jax_grad_step_is_never_planned_with_micro_batches_it_cannot_run
     with pytest.raises(meshplan.InfeasiblePlanError, match="where the gradients end"):
         meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
+def test_a_batch_shaped_output_that_ignores_the_batch_is_not_shrunk():
+    # its micro-batch pieces would not make it up (it used to come back at
+    # micro-batch size): refused with the output's name
+    def step_fn(state, batch):
+        p, o = state
+        loss, g = meshplan.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
+        u, o = OPT.update(g, o, p)
+        rows = jnp.arange(batch["x"].shape[0])          # batch-shaped, batch-independent
+        return (optax.apply_updates(p, u), o), {"loss": loss, "rows": rows,
+                                                "pred": batch["x"][:, 0] * 2}
+    state = _state(jax.random.key(1))[:2]
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+    with pytest.raises(meshplan.MeshplanError, match=r"\['rows'\] has the batch's shape"):
+        meshplan.parallelize(step_fn, method=method)(state, BATCH)
+
+    def step_ok(state, batch):                              # per-example values concatenate
+        new, m = step_fn(state, batch)
+        return new, {"loss": m["loss"], "pred": m["pred"]}
+    ref = jax.jit(step_ok)(state, BATCH)
+    out = meshplan.parallelize(step_ok, method=method)(state, BATCH)
+    assert out[1]["pred"].shape == (16,)
+    assert np.allclose(np.asarray(out[1]["pred"]), np.asarray(ref[1]["pred"]))
