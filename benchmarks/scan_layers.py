@@ -2,7 +2,7 @@
 
 The built-in GPT has both forms (``scan_layers=true``: every block parameter
 stacked with a leading ``[layers]`` axis and applied with ``jax.lax.scan``).
-meshplan unrolls the scan into one input per layer (``meshplan.unstack``), so
+meshplan unrolls the scan into one input per layer (``meshplan.trace.unstack``), so
 the two forms should get the same plan and the same predicted speed.  For each
 row of Alpa's GPT suite given, both forms are planned with ``meshplan.plan``
 (``Auto``) in this process; the table gives the planning time, the plan and

@@ -3,7 +3,7 @@
 Plans the built-in models (small defaults) with ShardParallel on 8 fake CPU
 devices for every mesh shape of 8 devices, compiles each step and compares
 the plan's comm_bytes_per_device and peak memory with the compiled HLO and
-``memory_analysis()`` (see meshplan.verify).  Prints a markdown table and
+``memory_analysis()`` (see meshplan.tools.verify).  Prints a markdown table and
 writes benchmarks/results/verify.md and verify.csv.
 
     python benchmarks/verify.py [--models mlp,gpt] [--meshes 8 2x4]
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
 
-    from meshplan.verify import csv_text, markdown_table, verify
+    from meshplan.tools.verify import csv_text, markdown_table, verify
 
     rows = []
     for model in a.models.split(","):

@@ -197,7 +197,7 @@ def _scanned_layers(graph: Graph) -> str | None:
     """What to tell a user whose layers run inside one ``lax.scan`` that
     reads parameters: the search cannot cut inside a scan.  (``meshplan.plan``
     and ``parallelize`` unroll a scan that iterates over stacked arguments
-    first, :mod:`meshplan.unstack`; this remains for other scans and graphs
+    first, :mod:`meshplan.trace.unstack`; this remains for other scans and graphs
     traced as they are.)"""
     total = graph.total_flops or 1.0
     params = {i.tensor for i in graph.inputs if i.role == PARAM}

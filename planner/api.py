@@ -21,7 +21,7 @@ from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
 from .traced import TracedStep, signature
-from .unstack import Unstacked
+from .trace.unstack import Unstacked
 
 
 # --------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Parallelized:
 
     def split_layers(self, *args: Any) -> tuple[Any, ...]:
         """[lax.scan over stacked layers] ``args`` in the per-layer form the
-        step runs on (see :mod:`meshplan.unstack`); the step called with them
+        step runs on (see :mod:`meshplan.trace.unstack`); the step called with them
         returns its results in that form, with no split or stack per call:
         ``state, metrics = step(*step.split_layers(state, batch))`` ... then
         ``step.stack_layers(state)``.  Other steps get ``args`` back."""
@@ -211,7 +211,7 @@ class Parallelized:
     @property
     def last_timeline(self) -> list[Any]:
         """[pipeline] What the last call of a pipeline plan ran: one
-        ``meshplan.timeline.Block`` per stage program (see
+        ``meshplan.tools.timeline.Block`` per stage program (see
         ``PipelineExecutable.last_timeline``); ``[]`` for one-stage plans."""
         ex = self._fast[1] if self._fast is not None else None
         return list(getattr(ex, "last_timeline", None) or [])
@@ -226,7 +226,7 @@ class Parallelized:
 
 
 class _Unstacking:
-    """An executable of the rewritten step (:mod:`meshplan.unstack`) called
+    """An executable of the rewritten step (:mod:`meshplan.trace.unstack`) called
     with the user's stacked arguments: split on the way in, stacked on the way out."""
 
     def __init__(self, inner: Any, unstacked: Unstacked, in_tree: Any) -> None:

@@ -142,7 +142,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"    n{b['node']:<6} {b['primitive']:<22} {b['flops']:.3g} FLOPs -> {shapes}  {b['scope']}")
     for w in s["warnings"]:
         print(f"  warning: {w}")
-    from .unstack import layer_counts, scanned_leaf_shapes
+    from .trace.unstack import layer_counts, scanned_leaf_shapes
     stacked = scanned_leaf_shapes(graph)
     if stacked:
         print(f"  note: a lax.scan iterates over {layer_counts(stacked)} stacked layers; planning "
@@ -228,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _write_text(args.json, plan.to_json())
         print(f"plan written to {args.json}")
     if args.timeline:
-        from .timeline import draw
+        from .tools.timeline import draw
         draw(plan, args.timeline)
         print(f"timeline written to {args.timeline}")
     return 0
@@ -288,7 +288,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import Options, calibrate
+    from .tools.calibrate import Options, calibrate
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if os.path.isdir(args.out):
         raise MeshplanError(f"--out {args.out} is a directory; give a file name such as "

@@ -1,7 +1,7 @@
 """Planning, one path for the API and the CLI.
 
 ``plan_function`` traces a step (unrolling a ``lax.scan`` over stacked layers,
-:mod:`meshplan.unstack`), then ``plan_step`` runs what the method's request
+:mod:`meshplan.trace.unstack`), then ``plan_step`` runs what the method's request
 (:mod:`meshplan.request`) asks: the whole-graph ILP for one stage, or the
 inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
 (progress, layer-cost cache, worker count), made at the edge.
@@ -23,7 +23,7 @@ from .plan import LogicalMesh, Plan
 from .request import PlanRequest
 from .trace import trace, trace_both
 from .traced import TracedStep
-from .unstack import Unstacked, layer_counts, unstack_scanned_layers
+from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[i
                    name: str, session: Session) -> TracedFunction:
     """Trace ``fn`` for planning.  When a ``lax.scan`` iterates over stacked
     parameters, the step planned (and run) is its rewrite with one input per
-    layer (:mod:`meshplan.unstack`)."""
+    layer (:mod:`meshplan.trace.unstack`)."""
     with session.progress.step(f"tracing {name}"):
         graph, run = trace_both(fn, *abstract, batch_argnums=batch_argnums, name=name)
     unstacked = unstack_scanned_layers(graph, fn, abstract)

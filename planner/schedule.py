@@ -1,5 +1,5 @@
 """Pipeline schedule order, one definition for the planner's drawing
-(:mod:`meshplan.timeline`) and the runtime's driver
+(:mod:`meshplan.tools.timeline`) and the runtime's driver
 (:mod:`meshplan.runtime.pipeline_driver`).  Pure data, no jax."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ for pipeline plans, the micro-batch split.  It is made by
 :func:`meshplan.trace.trace_for_run`.
 
 The flat stream's data types live here (and are re-exported by
-:mod:`meshplan.jaxpr_walk`, which makes them), as do the names of the marker
+:mod:`meshplan.trace.walk`, which makes them), as do the names of the marker
 primitives (:data:`GRAD_BOUNDARY`, :data:`PIPELINE_BOUNDARY`, defined once in
 :mod:`meshplan.graph`).
 """

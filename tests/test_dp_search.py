@@ -186,7 +186,7 @@ def test_auto_plans_and_parallelize_runs():
 
 
 def test_timeline_simulation_follows_the_schedule(tmp_path):
-    from meshplan.timeline import draw, simulate
+    from meshplan.tools.timeline import draw, simulate
     m, g = _gpt(4)
     cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
     for schedule in ("gpipe", "1f1b"):
@@ -372,7 +372,7 @@ def test_layers_inside_a_scan_are_reported_or_unrolled():
     m2 = build_model("gpt", {"layers": "4", "hidden": "64", "seq_len": "32", "vocab": "128",
                              "batch": "8"})
     assert _scanned_layers(trace(m2.train_step, *m2.abstract_args)) is None
-    # meshplan.plan unrolls the scan (meshplan.unstack): nothing to warn about,
+    # meshplan.plan unrolls the scan (meshplan.trace.unstack): nothing to warn about,
     # and the layering sees the blocks
     import warnings
     with warnings.catch_warnings():

@@ -21,14 +21,14 @@ LAYER_OF = {
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
     "schedule": "types", "datasheets": "types", "primitives": "types",
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
-    # the front end: jaxpr -> Graph
-    "trace": "trace", "jaxpr_walk": "trace", "markers": "trace",
-    "unstack": "trace",
+    # the front end: jaxpr -> Graph (the meshplan.trace package), and the
+    # public gradient and pipeline markers
+    "trace": "trace", "markers": "trace",
     # built-in models (user code: they use the public markers)
     "models": "models",
     # on top of everything
-    "": "top", "api": "top", "cli": "top", "planning": "top", "verify": "top",
-    "calibrate": "top", "checkpoint": "top", "timeline": "top",
+    "": "top", "api": "top", "cli": "top", "planning": "top", "checkpoint": "top",
+    "tools": "top",             # calibrate, verify, timeline drawing
 }
 FOLDER_LAYER = {"cost_model": "cost_model", "ilp": "ilp", "dp_search": "dp_search",
                 "runtime": "runtime", "models": "models"}

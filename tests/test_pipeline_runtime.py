@@ -220,7 +220,7 @@ def test_last_timeline_records_what_ran(tmp_path):
         assert start[(1, i, "F")] >= end[(0, i, "F")]
         assert start[(1, i, "B")] >= end[(1, i, "F")]
         assert start[(0, i, "B")] >= end[(1, i, "B")]
-    from meshplan.timeline import draw
+    from meshplan.tools.timeline import draw
     out = draw(plan, str(tmp_path / "t.png"), executed=blocks)
     assert (tmp_path / "t.png").stat().st_size > 0 and out
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
-from meshplan.jaxpr_walk import flatten
+from meshplan.trace.walk import flatten
 from meshplan.plan import LogicalMesh, Plan, Stage
 from meshplan.runtime import ShardExecutable, arg_specs, build_mesh, parse_collectives
 from meshplan.trace import trace_for_run

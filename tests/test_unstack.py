@@ -1,5 +1,5 @@
 """Layers inside a lax.scan over stacked parameters: the rewrite to one input
-per layer (meshplan.unstack) changes no number, and pipeline plans cut
+per layer (meshplan.trace.unstack) changes no number, and pipeline plans cut
 between the scanned layers and run."""
 from collections import Counter
 
@@ -11,7 +11,7 @@ import meshplan
 from meshplan.models import build_model
 from meshplan.plan import Plan
 from meshplan.trace import trace
-from meshplan.unstack import unstack_scanned_layers
+from meshplan.trace.unstack import unstack_scanned_layers
 
 GPT = {"layers": "4", "hidden": "32", "seq_len": "16", "vocab": "64", "batch": "8",
        "scan_layers": "true"}

@@ -1,13 +1,13 @@
-"""meshplan.verify: predicted vs compiled communication and memory."""
+"""meshplan.tools.verify: predicted vs compiled communication and memory."""
 import pytest
 
-from meshplan.verify import VerifyRow, csv_text, markdown_table, verify
+from meshplan.tools.verify import VerifyRow, csv_text, markdown_table, verify
 
 
 @pytest.mark.parametrize("model, mesh, overrides", [
     ("gpt", (2, 4), {"layers": 1}),
     ("mlp", (8,), {"batch": 256, "hidden": 512}),
-    # blocks in a lax.scan, planned and compiled unrolled (meshplan.unstack)
+    # blocks in a lax.scan, planned and compiled unrolled (meshplan.trace.unstack)
     ("gpt", (2, 4), {"layers": 2, "scan_layers": True}),
 ])
 def test_plan_run_as_planned_communicates_as_predicted(model, mesh, overrides):

@@ -29,7 +29,6 @@ actual`` (0 when both are 0).
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -91,7 +90,7 @@ def predicted_breakdown(result: Any) -> dict[str, int]:
 
 def _local_cluster(num_devices: int):
     import jax
-    from .cluster import ClusterSpec
+    from ..cluster import ClusterSpec
     if len(jax.devices()) < num_devices:
         raise RuntimeError(
             f"verify needs {num_devices} devices, jax sees {len(jax.devices())}: set "
@@ -107,15 +106,12 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
 
     The step is compiled as ``parallelize`` runs it: every planned layout and
     every operand the plan reshards pinned by ``with_sharding_constraint``."""
-    import jax
-
-    from .api import parallelize, plan_from_intra_op, trace_step
-    from .methods import ShardParallel
-    from .models import build_model
-    from .plan import LogicalMesh
-    from .cost_model import default_axis_names
-    from .ilp import solve_intra_op
-    from .runtime import hlo
+    from ..api import parallelize, plan_from_intra_op, trace_step
+    from ..models import build_model
+    from ..plan import LogicalMesh
+    from ..cost_model import default_axis_names
+    from ..ilp import solve_intra_op
+    from ..runtime import hlo
 
     mesh_shape = tuple(int(s) for s in mesh_shape)
     n = math.prod(mesh_shape)

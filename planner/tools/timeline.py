@@ -9,8 +9,8 @@ picture (stages x time).
 """
 from __future__ import annotations
 
-from .plan import Plan
-from .schedule import Block, schedule_order
+from ..plan import Plan
+from ..schedule import Block, schedule_order
 
 __all__ = ["Block", "schedule_order", "simulate", "draw", "FORWARD_SHARE"]
 
@@ -60,7 +60,7 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - matplotlib is a test/plot extra
-        from .errors import MeshplanError
+        from ..errors import MeshplanError
         raise MeshplanError("--timeline needs matplotlib: pip install 'meshplan[plot]'") from e
     blocks = simulate(plan)
     p = len(plan.stages)

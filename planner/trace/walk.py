@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from jax.extend import core as jcore
 
-from .traced import FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
+from ..traced import FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
 
 # primitive name -> name of the param holding the inlined (Closed)Jaxpr
 INLINE_CALLS: dict[str, str] = {

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from .errors import MeshplanError
-from .flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
-from .graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph
-from .jaxpr_walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
+from ..errors import MeshplanError
+from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
+from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph
+from .walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
 

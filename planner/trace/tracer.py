@@ -18,12 +18,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import flops as flop_rules
-from .errors import MeshplanError, TraceError
-from .graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
+from .. import flops as flop_rules
+from ..errors import MeshplanError, TraceError
+from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
-from .jaxpr_walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
-from .traced import TracedStep, signature
+from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
+from ..traced import TracedStep, signature
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
 _STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)

@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from . import progress
-from .cluster import ClusterSpec, DeviceSpec, LinkSpec
-from .datasheets import allocator_limit, physical_memory
-from .errors import MeshplanError
+from .. import progress
+from ..cluster import ClusterSpec, DeviceSpec, LinkSpec
+from ..datasheets import allocator_limit, physical_memory
+from ..errors import MeshplanError
 
 Timer = Callable[[Callable[[], Any]], float]
 
