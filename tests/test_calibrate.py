@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import meshplan
-from meshplan import calibrate as C
+from meshplan.tools import calibrate as C
 from meshplan.cli import main
 
 
