@@ -243,6 +243,17 @@ def concatenate_rule(ins, outs, params) -> OpSpace:
     return L.space(in_labels, [out])
 
 
+def split_rule(ins, outs, params) -> OpSpace:
+    """jnp.split: pieces along ``axis``; every other dimension may stay split
+    (rotary embeddings split q and k in halves in every layer)."""
+    axis = params["axis"] % len(ins[0])
+    L = _Labels()
+    inl = L.fresh(ins[0], blocked_dims=[axis])
+    outl = [tuple(inl[d] if d != axis else L.new(o[d], True) for d in range(len(o)))
+            for o in outs]
+    return L.space([inl], outl)
+
+
 def squeeze_rule(ins, outs, params) -> OpSpace:
     dims = set(d % len(ins[0]) for d in params["dimensions"])
     L = _Labels()
@@ -388,6 +399,8 @@ def _rules() -> Mapping[str, Rule]:
         "dynamic_slice": slice_like_rule,
         "dynamic_update_slice": dynamic_update_slice_rule,
         "concatenate": concatenate_rule,
+        "split": split_rule,
+        "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,
         "rev": rev_rule,

@@ -140,3 +140,48 @@ def test_a_batch_shaped_output_that_ignores_the_batch_is_not_shrunk():
     out = meshplan.parallelize(step_ok, method=method)(state, BATCH)
     assert out[1]["pred"].shape == (16,)
     assert np.allclose(np.asarray(out[1]["pred"]), np.asarray(ref[1]["pred"]))
+
+
+def test_rotary_split_and_checkpoint_name_stay_sharded():
+    # jnp.split (rotary embeddings) and checkpoint_name used to be planned
+    # replicated: every layer all-gathered its activations around them
+    import warnings
+    from jax.ad_checkpoint import checkpoint_name
+
+    def make(use_split):
+        def step(w, x):
+            def loss(w):
+                h = x @ w
+                a, b = jnp.split(h, 2, axis=-1) if use_split else (h[:, :512], h[:, 512:])
+                return jnp.mean(checkpoint_name(jnp.concatenate([-b, a], axis=-1), "rope") ** 2)
+            l, g = jax.value_and_grad(loss)(w)
+            return w - 0.1 * g, l
+        return step
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((16384, 1024), jnp.float32)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    comm = {}
+    for use_split in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = meshplan.plan(make(use_split), w, x, cluster=cluster,
+                              method=meshplan.ShardParallel(mesh_shape=(8,)))
+        assert not [c for c in caught if "unknown primitive" in str(c.message)]
+        comm[use_split] = p.predicted.comm_bytes_per_device
+    # data parallel: only the weight gradient is reduced (not the activations)
+    assert comm[True] == comm[False] <= 2 * 1024 * 1024 * 4
+
+
+def test_a_split_step_runs_sharded_like_jit():
+    def step(w, x):
+        def loss(w):
+            a, b = jnp.split(jnp.tanh(x @ w), 2, axis=-1)
+            return jnp.mean(jnp.concatenate([-b * a, a], axis=-1) ** 2)
+        l, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, l
+    w = jnp.linspace(-1, 1, 32 * 64).reshape(32, 64)
+    x = jnp.linspace(-1, 1, 64 * 32).reshape(64, 32)
+    ref = jax.jit(step)(w, x)
+    out = meshplan.parallelize(step, method=meshplan.ShardParallel(mesh_shape=(2, 4)))(w, x)
+    assert float(out[1]) == pytest.approx(float(ref[1]), rel=1e-5)
+    assert np.allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
