@@ -367,8 +367,10 @@ def scatter_rule(reduce_updates: bool) -> Rule:
     return rule
 
 
-# Random-number and key primitives are planned replicated (identical on all devices).
-REPLICATED = RANDOM
+# Random keys are planned replicated (identical on all devices).  The bits
+# drawn from them may be split any way: with jax_threefry_partitionable (on
+# by default) a sharded draw equals the unsharded one, element by element.
+REPLICATED = RANDOM - {"random_bits"}
 
 
 def _rules() -> Mapping[str, Rule]:
@@ -403,6 +405,8 @@ def _rules() -> Mapping[str, Rule]:
         "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,
+        "random_bits": iota_rule,            # (the key read whole; see REPLICATED)
+        "bitcast_convert_type": elementwise_rule,
         "rev": rev_rule,
         "gather": gather_rule,
         "scatter-add": scatter_rule(True),

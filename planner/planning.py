@@ -8,6 +8,7 @@ inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -17,7 +18,7 @@ from .cluster import ClusterSpec
 from .dp_search import SearchStats, Session, search_pipeline
 from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError, MeshplanError
-from .graph import BATCH, Graph, strip_markers
+from .graph import BATCH, IDENTITY_MARKERS, Graph, strip_markers
 from .methods import Method
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
@@ -106,6 +107,46 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
                             "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
     request: PlanRequest = lower(cluster.num_devices)
     session = session or Session.from_env()
+    planned = _plan_request(graph, cluster, request, retrace, session)
+    why = replicated_work(graph)
+    if why is None:
+        return planned
+    warnings.warn(f"meshplan: {why}", stacklevel=3)
+    p = planned.plan
+    return replace(planned, plan=replace(p, notes=p.notes + (why,)))
+
+
+REPLICATED_SHARE = 0.02     # replicated work worth a word: this share of FLOPs or bytes
+
+
+def replicated_work(graph: Graph) -> str | None:
+    """What the plan must run replicated because no sharding rule covers it
+    (control flow, primitives without a rule), when it is more than a few
+    percent of the step's FLOPs or of the bytes its operations make; None if not."""
+    from .ilp.strategies import node_space
+    total_flops = graph.total_flops or 1.0
+    total_bytes = sum(graph.tensors[t].nbytes for n in graph.nodes for t in n.outputs) or 1.0
+    by: dict[str, list[float]] = {}
+    for n in graph.nodes:
+        if n.primitive in IDENTITY_MARKERS or not any(graph.tensors[t].shape for t in n.outputs):
+            continue        # (markers change nothing; scalars have nothing to split)
+        if node_space(graph, n) is None:
+            f, b = by.setdefault(n.primitive, [0.0, 0.0])
+            by[n.primitive] = [f + n.flops, b + sum(graph.tensors[t].nbytes for t in n.outputs)]
+    flops = sum(f for f, _ in by.values()) / total_flops
+    nbytes = sum(b for _, b in by.values()) / total_bytes
+    if max(flops, nbytes) < REPLICATED_SHARE:
+        return None
+    top = sorted(by.items(), key=lambda kv: -max(kv[1][0] / total_flops, kv[1][1] / total_bytes))
+    parts = ", ".join(f"{k} ({f / total_flops:.0%} of FLOPs, {b / 2**20:.1f} MiB)"
+                      for k, (f, b) in top[:4])
+    return (f"{flops:.0%} of the step's FLOPs and {nbytes:.0%} of the bytes its operations make "
+            f"run replicated on every device, in operations with no sharding rule: {parts}")
+
+
+def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
+                  retrace: Callable[[int], Graph] | None, session: Session) -> Planned:
+    """The passes the request asks for."""
     if request.pipeline is None:
         return Planned(_one_stage(graph, cluster, request, session))
     p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,

@@ -185,3 +185,33 @@ def test_a_split_step_runs_sharded_like_jit():
     out = meshplan.parallelize(step, method=meshplan.ShardParallel(mesh_shape=(2, 4)))(w, x)
     assert float(out[1]) == pytest.approx(float(ref[1]), rel=1e-5)
     assert np.allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_replicated_control_flow_is_named_once_per_plan():
+    # optax.MultiSteps wraps the update in a lax.cond, which no sharding rule
+    # covers: the plan says what runs replicated, and how much, once
+    import warnings
+    multi = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+
+    def step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]) ** 2))(p)
+        u, o = multi.update(g, o, p)
+        return (optax.apply_updates(p, u), o), loss
+    p = {"w1": jax.ShapeDtypeStruct((512, 512), jnp.float32),
+         "w2": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
+    state = (p, jax.eval_shape(multi.init, p))
+    batch = {"x": jax.ShapeDtypeStruct((64, 512), jnp.float32)}
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = meshplan.plan(step, state, batch, cluster=cluster)
+    said = [str(c.message) for c in caught if "run replicated" in str(c.message)]
+    assert len(said) == 1 and "cond (" in said[0], said
+    assert any("cond (" in n for n in plan.notes)
+    # a step with nothing replicated says nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meshplan.plan(_step(jax.value_and_grad), _state(jax.random.key(0)), BATCH, cluster=cluster)
+    assert not [c for c in caught if "run replicated" in str(c.message)]
