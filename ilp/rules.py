@@ -274,6 +274,12 @@ def iota_rule(ins, outs, params) -> OpSpace:
     return L.space([None] * len(ins), [L.fresh(outs[0])])
 
 
+def random_bits_rule(ins, outs, params) -> OpSpace | None:
+    """Bits drawn from a key read whole, split any way, when a split draw equals
+    the whole one (jax_threefry_partitionable, recorded when traced)."""
+    return iota_rule(ins, outs, params) if params.get("partitionable") else None
+
+
 def select_n_rule(ins, outs, params) -> OpSpace:
     return elementwise_rule(ins, outs, params)
 
@@ -405,7 +411,7 @@ def _rules() -> Mapping[str, Rule]:
         "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,
-        "random_bits": iota_rule,            # (the key read whole; see REPLICATED)
+        "random_bits": random_bits_rule,
         "bitcast_convert_type": elementwise_rule,
         "rev": rev_rule,
         "gather": gather_rule,

@@ -215,3 +215,17 @@ def test_replicated_control_flow_is_named_once_per_plan():
         warnings.simplefilter("always")
         meshplan.plan(_step(jax.value_and_grad), _state(jax.random.key(0)), BATCH, cluster=cluster)
     assert not [c for c in caught if "run replicated" in str(c.message)]
+
+
+def test_random_bits_are_split_only_when_a_split_draw_equals_the_whole():
+    from meshplan.trace import trace
+    g_on = trace(_step(jax.value_and_grad), _state(jax.random.key(0)), BATCH)
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        g_off = trace(_step(jax.value_and_grad), _state(jax.random.key(0)), BATCH)
+    finally:
+        jax.config.update("jax_threefry_partitionable", True)
+    from meshplan.ilp.strategies import node_space
+    bits = lambda g: [n for n in g.nodes if n.primitive == "random_bits"]   # noqa: E731
+    assert bits(g_on) and all(node_space(g_on, n) is not None for n in bits(g_on))
+    assert bits(g_off) and all(node_space(g_off, n) is None for n in bits(g_off))

@@ -240,6 +240,9 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
         if prim in COMPOSITES:
             repeat = _composite_cost(eqn, set())[2]
             params = params + (("body", _body_digest(eqn)),)
+        if prim == "random_bits":
+            # whether a split draw equals the whole one (the ILP may split it then)
+            params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),)
         nodes.append(Node(id=len(nodes), primitive=prim, inputs=in_ids, outputs=fe.outvars,
                           params=params, flops=f, bytes_accessed=b, remat=fe.remat,
                           repeat=repeat, scope=fe.scope))
