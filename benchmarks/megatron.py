@@ -27,6 +27,7 @@ import time
 import meshplan
 from meshplan.errors import InfeasiblePlanError
 from meshplan.api import plan_graph, retracer
+from meshplan.dp_search import Session
 from meshplan.models import PRESET_INFO, build_model
 from meshplan.trace import trace
 
@@ -60,17 +61,19 @@ def run_row(name: str, searched: bool) -> dict:
     gpus, tp, pp, dp = info["gpus"], info["tp"], info["pp"], info["dp"]
     cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"dgx-a100-x{gpus // 8}.json")
     mb_pub = batch // dp          # micro-batch size 1 per data-parallel replica
+    session = Session.from_env()      # the two plans share their layer costs
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
     rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
     published = plan_graph(graph, cluster, meshplan.Manual(dp=dp, tp=tp, pp=pp,
                                                            num_micro_batches=mb_pub,
                                                            schedule="1f1b", remat=True),
-                           retrace=rt)
+                           retrace=rt, session=session)
     t1 = time.perf_counter()
     mbs = None if searched else mb_pub
     own = plan_graph(graph, cluster, meshplan.PipeshardParallel(num_micro_batches=mbs,
-                                                                schedule="1f1b"), retrace=rt)
+                                                                schedule="1f1b"), retrace=rt,
+                     session=session)
     t2 = time.perf_counter()
     otp, odp, opp = stage_shape(own)
     t_pub, t_own = published.predicted.iteration_s, own.predicted.iteration_s

@@ -26,6 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import meshplan
 from meshplan import progress
+from meshplan.dp_search import Session
 from meshplan.models import PRESET_INFO, build_model
 from plan_quality import cluster_for, describe   # (benchmarks/ is on sys.path)
 
@@ -36,18 +37,18 @@ KEYS = ["model", "gpus", "loop_s", "loop_plan", "loop_tflops", "scan_s", "scan_p
         "scan_tflops", "same_plan", "tflops_ratio"]
 
 
-def _plan(name: str, gpus: int, scan: bool) -> tuple[float, meshplan.Plan]:
+def _plan(name: str, gpus: int, scan: bool, session: Session) -> tuple[float, meshplan.Plan]:
     m = build_model(name, {"scan_layers": scan})
     t = time.perf_counter()
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster_for(gpus),
-                      method=meshplan.Auto(), batch_argnums=m.batch_argnums)
+                      method=meshplan.Auto(), batch_argnums=m.batch_argnums, session=session)
     return time.perf_counter() - t, p
 
 
-def row(name: str) -> dict:
+def row(name: str, session: Session) -> dict:
     gpus = PRESET_INFO[name]["gpus"]
-    loop_s, loop = _plan(name, gpus, False)
-    scan_s, scan = _plan(name, gpus, True)
+    loop_s, loop = _plan(name, gpus, False, session)
+    scan_s, scan = _plan(name, gpus, True, session)
     lt, st = loop.predicted.tflops_per_device, scan.predicted.tflops_per_device
     return {"model": name, "gpus": gpus, "loop_s": round(loop_s, 1), "loop_plan": describe(loop),
             "loop_tflops": round(lt, 2), "scan_s": round(scan_s, 1), "scan_plan": describe(scan),
@@ -59,10 +60,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS))
     args = ap.parse_args()
-    progress.configure(progress.QUIET)
+    # one session for the run: layer costs are shared, as they were by the
+    # process-wide cache before sessions existed
+    session = Session.from_env(progress.Progress(progress.QUIET))
     rows = []
     for name in args.rows.split(","):
-        r = row(name)
+        r = row(name, session)
         print(" | ".join(str(r[k]) for k in KEYS), flush=True)
         rows.append(r)
     OUT.mkdir(parents=True, exist_ok=True)
