@@ -32,6 +32,7 @@ class LayerProblems:
     submeshes: list[Submesh]
     meshes_of: list[list[LogicalMesh]]
     max_stages: int | None
+    min_stages: int                 # PipeshardParallel(stages=N): exactly N
     budget: float
     p2p_bw: float                   # one device's share of the links between stages (bytes/s)
     # parameters, optimizer and other state of each layer, unsharded: a stage
@@ -95,7 +96,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         submeshes=submeshes,
         meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
                    for s in submeshes],
-        max_stages=max_stages, budget=cluster.device.memory_bytes * opts.memory_fraction,
+        max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
+        budget=cluster.device.memory_bytes * opts.memory_fraction,
         p2p_bw=(cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
                 if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s),
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs

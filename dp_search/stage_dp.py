@@ -68,10 +68,13 @@ def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> floa
 
 def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
              num_micro_batches: int, cost: StageCost, *,
-             max_stages: int | None = None) -> DPResult | None:
-    """The optimal stages, or ``None`` when no assignment fits."""
+             max_stages: int | None = None, min_stages: int = 1) -> DPResult | None:
+    """The optimal stages (between ``min_stages`` and ``max_stages`` of them),
+    or ``None`` when no assignment fits."""
     L, B = num_layers, num_micro_batches
     max_stages = min(max_stages or L, L)
+    if min_stages > max_stages:
+        return None
     sizes = [s.size for s in submeshes]
 
     @lru_cache(maxsize=None)
@@ -87,7 +90,7 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     for t_max in (latencies if B > 1 else latencies[-1:]):
         if best is not None and (B - 1) * t_max >= best.total_s:
             break
-        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c)
+        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages)
         if res is None:
             continue
         total, stages = res
@@ -98,7 +101,7 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
 
 
 def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
-            c: Callable) -> tuple[float, tuple[StageChoice, ...]] | None:
+            c: Callable, min_stages: int = 1) -> tuple[float, tuple[StageChoice, ...]] | None:
     INF = math.inf
     min_size = min(sizes)
 
@@ -121,7 +124,7 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
                     best = (t + rest, (StageChoice(k, j, m, t),) + stages)
         return best
 
-    results = [F(s, 0, D) for s in range(1, max_stages + 1)]
+    results = [F(s, 0, D) for s in range(min_stages, max_stages + 1)]
     total, stages = min(results, key=lambda r: r[0])
     if total == INF:
         return None
@@ -129,11 +132,13 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
 
 
 def brute_force(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
-                num_micro_batches: int, cost: StageCost) -> float | None:
-    """Every cut of the layers, every submesh per stage (tests only)."""
+                num_micro_batches: int, cost: StageCost, *,
+                stages: int | None = None) -> float | None:
+    """Every cut of the layers (into ``stages`` stages, if given), every
+    submesh per stage (tests only)."""
     L = num_layers
     best = None
-    for n_cuts in range(L):
+    for n_cuts in (range(L) if stages is None else [stages - 1]):
         for cuts in itertools.combinations(range(1, L), n_cuts):
             bounds = list(zip((0,) + cuts, cuts + (L,)))
             S = len(bounds)

@@ -153,7 +153,9 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
         if c is not None:
             found.append(c)
     if not found:
-        raise InfeasiblePlanError(f"no stage assignment fits with {lay.B} micro-batch(es)")
+        exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
+        raise InfeasiblePlanError(f"no stage assignment{exactly} fits with {lay.B} "
+                                  "micro-batch(es)")
     return min(found, key=lambda c: c.total_s), costs
 
 
@@ -171,7 +173,7 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
 
     t0, ilp0 = time.perf_counter(), solver.ilp_s
     res = stage_dp(len(lay.groups), lay.submeshes, cluster.num_devices, lay.B, stage_cost,
-                   max_stages=lay.max_stages)
+                   max_stages=lay.max_stages, min_stages=lay.min_stages)
     solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
     if res is None:
         return None

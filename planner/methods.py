@@ -115,7 +115,7 @@ class Manual:
 @dataclass(frozen=True)
 class PipeshardParallel:
     """Pipeline stages on submeshes, each sharded by the ILP.  ``None``/"auto"
-    means searched."""
+    means searched; ``stages=N`` is exact (N stages, or a clear error)."""
     num_micro_batches: int | None = None
     schedule: str = "auto"
     stages: int | str = "auto"
@@ -131,6 +131,10 @@ class PipeshardParallel:
         mb = None if self.num_micro_batches is None else (int(self.num_micro_batches),)
         sched = AUTO_SCHEDULES if self.schedule == "auto" else (self.schedule,)
         stages = None if self.stages == "auto" else int(self.stages)
+        if stages is not None and not 1 <= stages <= num_devices:
+            raise MeshplanError(f"PipeshardParallel(stages={stages}): a stage needs at least one "
+                                f"device and the cluster has {num_devices}; use 1 to "
+                                f"{num_devices} stages or stages='auto'")
         return PlanRequest("pipeshard", pipeline=PipelineOptions(
             num_micro_batches=mb, schedules=sched, num_stages=stages,
             time_limit=self.time_limit, backend=self.backend),

@@ -519,3 +519,42 @@ def test_a_schedule_searched_after_interleaved_is_costed():
     best = min(alone.values(), key=lambda q: q.predicted.iteration_s)
     assert p.predicted.iteration_s == best.predicted.iteration_s
     assert p.schedule == best.schedule
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stage_dp_with_an_exact_number_of_stages_equals_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    L = int(rng.integers(2, 6))
+    hosts, dph = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+    subs = submesh_shapes(hosts, dph)
+    B = int(rng.integers(1, 6))
+    table = {}
+    for i in range(L):
+        for j in range(i, L):
+            for m in range(len(subs)):
+                for s in range(1, L + 1):
+                    base = rng.random() * (j - i + 1) / subs[m].size ** rng.random()
+                    table[i, j, m, s] = None if rng.random() < 0.15 else base
+    cost = lambda i, j, m, s: table[i, j, m, s]  # noqa: E731
+    for S in range(1, L + 1):
+        r = stage_dp(L, subs, hosts * dph, B, cost, max_stages=S, min_stages=S)
+        bf = brute_force(L, subs, hosts * dph, B, cost, stages=S)
+        if bf is None:
+            assert r is None
+        else:
+            assert r is not None and len(r.stages) == S
+            assert r.total_s == pytest.approx(bf, rel=1e-12)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeshard_stages_is_an_exact_count(stages):
+    # (it used to be an upper bound: stages=2 often gave one stage)
+    m = build_model("mlp", {"layers": "4", "optimizer": "sgd"})
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.PipeshardParallel(stages=stages))
+    assert len(p.stages) == stages
+    assert sum(len(s.devices) for s in p.stages) == cluster.num_devices
+    with pytest.raises(meshplan.MeshplanError, match="stages=9"):
+        meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                      method=meshplan.PipeshardParallel(stages=9))
