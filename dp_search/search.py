@@ -179,11 +179,22 @@ def _no_plan(errors: dict[int, str], untraceable: set[int], cluster: ClusterSpec
     why += [errors[min(untraceable)]] if untraceable else []
     if not traced and untraceable:
         return InfeasiblePlanError(f"no number of micro-batches can be planned ({'; '.join(why)})")
+    budget = int(cluster.device.memory_bytes * opts.memory_fraction)
+    if opts.fixed is not None:         # one configuration was tried, not a search
+        dp, tp, pp = opts.fixed
+        mb = ", ".join(str(b) for b in sorted(errors))
+        remat = {None: "where needed", True: "in every stage", False: "nowhere"}[opts.remat]
+        hint = ("recomputation is off (--remat never / remat=False): allow it, or use "
+                if opts.remat is False else "use ")
+        return InfeasiblePlanError(
+            f"Manual(dp={dp}, tp={tp}, pp={pp}) with {mb} micro-batch(es) and recomputation "
+            f"{remat} does not fit the devices' memory ({'; '.join(why)}); {hint}more "
+            "micro-batches, more tensor or pipeline parallelism, or devices with more memory",
+            budget_bytes=budget)
     return InfeasiblePlanError(
         "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
         f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
-        "cluster with more memory per device",
-        budget_bytes=int(cluster.device.memory_bytes * opts.memory_fraction))
+        "cluster with more memory per device", budget_bytes=budget)
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

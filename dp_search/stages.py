@@ -76,6 +76,8 @@ class StageCosts:
         self.lay, self.opts, self.solver = lay, opts, solver
         self._layer: dict[tuple[int, int, int], LayerCost | None] = {}
         self._groups: dict[tuple[int, int], list[GroupCost | None]] = {}
+        # the least memory of a stage that fits no way (what the error reports)
+        self.least_unfit: float | None = None
         self.state_prefix = [0.0]
         for b in lay.state_bytes:
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -119,7 +121,7 @@ class StageCosts:
         keep = in_flight(schedule, lay.B, s)
         if (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size > lay.budget:
             return None
-        best = None
+        best, least = None, None
         for k in range(len(lay.meshes_of[m])):
             rows = self.groups(m, k)[gi:gj + 1]
             if any(r is None for r in rows):
@@ -140,6 +142,9 @@ class StageCosts:
             for lat, remat, mem in ways:
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
                     best = StageOption(lat, remat, mem, k, send)
+                least = mem if least is None else min(least, mem)
+        if best is None and least is not None:
+            self.least_unfit = least if self.least_unfit is None else min(self.least_unfit, least)
         return best
 
 
@@ -154,8 +159,12 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
             found.append(c)
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
+        need = costs.least_unfit
+        over = (f": a stage needs at least {_size(need)} per device of the "
+                f"{_size(lay.budget)} available" if need else "")
         raise InfeasiblePlanError(f"no stage assignment{exactly} fits with {lay.B} "
-                                  "micro-batch(es)")
+                                  f"micro-batch(es){over}", budget_bytes=int(lay.budget),
+                                  needed_bytes=None if need is None else int(need))
     return min(found, key=lambda c: c.total_s), costs
 
 
@@ -190,3 +199,10 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
                  for k, st in enumerate(res.stages[:-1])]
         total = interleaved_iteration_s([st.latency for st in res.stages], sends, lay.B)
     return PipelineChoice(total, schedule, res, dict(chosen))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

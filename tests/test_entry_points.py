@@ -94,3 +94,22 @@ def test_nothing_but_the_plan_on_stdout():
                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
     assert out.stdout.startswith("Plan for gpt"), out.stdout[:200]
     assert "HiGHS" not in out.stdout
+
+
+def test_a_refused_manual_plan_names_the_configuration_not_a_search(tmp_path, capsys):
+    import json
+    tiny = json.loads(open(DGX).read())
+    tiny["device"]["memory_bytes"] = 50_000
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny))
+    code, out, err = _run(["plan", "--model", "mlp", "--cluster", str(tmp_path / "tiny.json"),
+                           "--method", "manual", "--dp", "2", "--tp", "2", "--pp", "2",
+                           "--micro-batches", "2", "--remat", "never"], capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "Manual(dp=2, tp=2, pp=2) with 2 micro-batch(es)" in lines[0]
+    assert "recomputation is off" in lines[0]
+    assert "any number of stages" not in lines[0]
+    # ... and by how much it is over (the budget: 0.9 x 50,000 bytes)
+    import re
+    need = re.search(r"a stage needs at least ([\d.]+) KiB per device of the 43\.95 KiB", lines[0])
+    assert need and float(need.group(1)) > 43.95, lines[0]
