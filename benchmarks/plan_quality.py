@@ -38,7 +38,8 @@ import time
 import traceback
 
 import meshplan
-from meshplan.api import plan_from_intra_op, plan_graph, retracer
+from meshplan.api import plan_graph, retracer
+from meshplan.dp_search.assemble import plan_from_intra_op
 from meshplan.dp_search import PipelineOptions, Session, plan_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import BATCH, strip_markers

@@ -12,7 +12,6 @@ import jax
 
 from .cluster import ClusterSpec
 from .dp_search import Session
-from .dp_search.assemble import plan_from_intra_op  # noqa: F401 (re-exported)
 from .errors import MeshplanError, StalePlanError
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums

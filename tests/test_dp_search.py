@@ -19,10 +19,10 @@ from meshplan.trace import trace
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_stage_dp_equals_brute_force(seed):
-    rng = np.random.default_rng(seed)
-    L = int(rng.integers(1, 6))
+def _random_stage_problem(rng, min_layers: int):
+    """A random stage-DP instance: layers, submeshes, hosts, devices per host,
+    micro-batches and a cost table (some entries infeasible)."""
+    L = int(rng.integers(min_layers, 6))
     hosts, dph = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
     subs = submesh_shapes(hosts, dph)
     B = int(rng.integers(1, 6))
@@ -33,7 +33,12 @@ def test_stage_dp_equals_brute_force(seed):
                 for s in range(1, L + 1):
                     base = rng.random() * (j - i + 1) / subs[m].size ** rng.random()
                     table[i, j, m, s] = None if rng.random() < 0.15 else base
-    cost = lambda i, j, m, s: table[i, j, m, s]  # noqa: E731
+    return L, subs, hosts, dph, B, lambda i, j, m, s: table[i, j, m, s]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stage_dp_equals_brute_force(seed):
+    L, subs, hosts, dph, B, cost = _random_stage_problem(np.random.default_rng(seed), 1)
     r = stage_dp(L, subs, hosts * dph, B, cost)
     bf = brute_force(L, subs, hosts * dph, B, cost)
     if bf is None:
@@ -523,19 +528,7 @@ def test_a_schedule_searched_after_interleaved_is_costed():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_stage_dp_with_an_exact_number_of_stages_equals_brute_force(seed):
-    rng = np.random.default_rng(100 + seed)
-    L = int(rng.integers(2, 6))
-    hosts, dph = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
-    subs = submesh_shapes(hosts, dph)
-    B = int(rng.integers(1, 6))
-    table = {}
-    for i in range(L):
-        for j in range(i, L):
-            for m in range(len(subs)):
-                for s in range(1, L + 1):
-                    base = rng.random() * (j - i + 1) / subs[m].size ** rng.random()
-                    table[i, j, m, s] = None if rng.random() < 0.15 else base
-    cost = lambda i, j, m, s: table[i, j, m, s]  # noqa: E731
+    L, subs, hosts, dph, B, cost = _random_stage_problem(np.random.default_rng(100 + seed), 2)
     for S in range(1, L + 1):
         r = stage_dp(L, subs, hosts * dph, B, cost, max_stages=S, min_stages=S)
         bf = brute_force(L, subs, hosts * dph, B, cost, stages=S)

@@ -106,7 +106,8 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
 
     The step is compiled as ``parallelize`` runs it: every planned layout and
     every operand the plan reshards pinned by ``with_sharding_constraint``."""
-    from ..api import parallelize, plan_from_intra_op, trace_step
+    from ..api import parallelize, trace_step
+    from ..dp_search.assemble import plan_from_intra_op
     from ..models import build_model
     from ..plan import LogicalMesh
     from ..cost_model import default_axis_names

@@ -179,7 +179,7 @@ def _body_digest(eqn: Any) -> str:
 def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
           name: str | None = None) -> Graph:
     """Trace ``fn(*args)`` into a :class:`Graph` without running it."""
-    return trace_both(fn, *args, batch_argnums=batch_argnums, name=name)[0]
+    return _traced(fn, args, batch_argnums, name)[3]
 
 
 def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
@@ -187,6 +187,14 @@ def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
     """``fn(*args)`` traced once: its :class:`Graph` for the planner and the
     :class:`~meshplan.traced.TracedStep` a one-stage runtime runs (its graph
     is that Graph)."""
+    closed, out_shape, flat, graph = _traced(fn, args, batch_argnums, name)
+    return graph, _traced_step(closed, out_shape, flat, tuple(args), graph.batch_argnums,
+                               graph=graph)
+
+
+def _traced(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+            name: str | None) -> tuple[Any, Any, FlatJaxpr, Graph]:
+    """``(closed jaxpr, output shapes, flat stream, Graph)`` of ``fn(*args)``."""
     batch_argnums = tuple(int(b) for b in batch_argnums)
     for b in batch_argnums:
         if not 0 <= b < len(args):
@@ -201,7 +209,7 @@ def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
     graph = graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
                              name=name or getattr(fn, "__name__", "fn"),
                              argnames=_argnames(fn, len(args)), flat=flat)
-    return graph, _traced_step(closed, out_shape, flat, tuple(args), batch_argnums, graph=graph)
+    return closed, out_shape, flat, graph
 
 
 def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
