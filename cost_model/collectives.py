@@ -1,4 +1,11 @@
-"""Alpha-beta ring model of collectives over one or more mesh axes.
+"""Collectives at achieved link bandwidth, over one or more mesh axes.
+
+Inside a host a collective is a ring: latency-bound for small messages
+(``alpha`` per step), bandwidth-bound for large ones.  A collective whose
+devices span hosts runs hierarchically, as NCCL runs it: a reduce-scatter
+inside each host, an all-reduce of the host's shard across hosts (each device
+with its share of the host's network cards), an all-gather inside the host.
+Every collective is a kernel and pays the device's launch cost.
 
 Each function returns ``(seconds, result_bytes)``: the time of the collective
 and the bytes of its result on one device, which is what XLA's per-device HLO
@@ -6,35 +13,51 @@ shows and what ``comm_bytes_per_device`` adds up.
 """
 from __future__ import annotations
 
-from .mesh import MeshModel
+from .mesh import Group, MeshModel
 
 Cost = tuple[float, float]
 ZERO: Cost = (0.0, 0.0)
 
 
-def _group(mm: MeshModel, axes: tuple[int, ...], nbytes: float
-           ) -> tuple[int, float, float] | None:
-    """(devices, bandwidth, latency) of the axes, or None when nothing moves."""
+def _group(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Group | None:
+    """The collective's devices and links, or None when nothing moves."""
     if not axes or nbytes <= 0:
         return None
-    n, bw, lat = mm.group_link(axes)
-    return None if n == 1 else (n, bw, lat)
+    g = mm.group(axes)
+    return None if g.size == 1 else g
+
+
+def _ring(n: int, steps: int, nbytes: float, bw: float, lat: float) -> float:
+    """``steps`` ring steps over ``n`` devices, each moving nbytes/n."""
+    return 0.0 if n <= 1 else steps * lat + steps / n * nbytes / bw
+
+
+def _launch(mm: MeshModel, t: float) -> float:
+    return t + mm.device.achieved.kernel_launch_s
+
+
+def _gather_time(g: Group, nbytes: float) -> float:
+    """An all-gather (or a reduce-scatter) of a ``nbytes`` buffer: across
+    hosts on the host's share, then inside each host."""
+    return (_ring(g.hosts, g.hosts - 1, nbytes / g.local, g.inter_bw, g.inter_lat)
+            + _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat))
 
 
 def all_reduce(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
-    """All-reduce of a ``nbytes`` buffer: 2(n-1)a + 2(n-1)/n * S/B."""
+    """All-reduce of a ``nbytes`` buffer: 2(n-1)a + 2(n-1)/n * S/B on one
+    host; reduce-scatter, cross-host all-reduce of S/local, all-gather."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    n, bw, lat = g
-    return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw, nbytes
+    t = (2 * _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat)
+         + _ring(g.hosts, 2 * (g.hosts - 1), nbytes / g.local, g.inter_bw, g.inter_lat))
+    return _launch(mm, t), nbytes
 
 
 def all_gather(mm: MeshModel, axes: tuple[int, ...], result_bytes: float) -> Cost:
     """All-gather producing ``result_bytes`` per device: (n-1)a + (n-1)/n * S/B."""
     if (g := _group(mm, axes, result_bytes)) is None:
         return ZERO
-    n, bw, lat = g
-    return (n - 1) * lat + (n - 1) / n * result_bytes / bw, result_bytes
+    return _launch(mm, _gather_time(g, result_bytes)), result_bytes
 
 
 def reduce_scatter(mm: MeshModel, axes: tuple[int, ...], input_bytes: float) -> Cost:
@@ -46,24 +69,29 @@ def reduce_scatter(mm: MeshModel, axes: tuple[int, ...], input_bytes: float) -> 
         return all_reduce(mm, axes, input_bytes)
     if (g := _group(mm, axes, input_bytes)) is None:
         return ZERO
-    n, bw, lat = g
-    return (n - 1) * lat + (n - 1) / n * input_bytes / bw, input_bytes / n
+    return _launch(mm, _gather_time(g, input_bytes)), input_bytes / g.size
 
 
 def all_to_all(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
-    """All-to-all of a ``nbytes`` buffer per device: (n-1)a + (n-1)/n * S/B."""
+    """All-to-all of a ``nbytes`` buffer per device: (n-1)a + (n-1)/n * S/B
+    inside a host; across hosts the (hosts-1)/hosts of the buffer bound for
+    other hosts goes over the device's share of the network."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    n, bw, lat = g
-    return (n - 1) * lat + (n - 1) / n * nbytes / bw, nbytes
+    t = _ring(g.size, g.size - 1, nbytes, g.intra_bw, g.intra_lat) \
+        if g.hosts == 1 else \
+        ((g.size - 1) * g.inter_lat + (g.hosts - 1) / g.hosts * nbytes / g.inter_bw
+         + (g.local - 1) / g.size * nbytes / g.intra_bw)
+    return _launch(mm, t), nbytes
 
 
 def collective_permute(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
-    """Each device sends one ``nbytes`` buffer to another: one step, a + S/B."""
+    """Each device sends one ``nbytes`` buffer to another: one step, a + S/B
+    (over the network when the axes cross hosts)."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    _, bw, lat = g
-    return lat + nbytes / bw, nbytes
+    bw, lat = (g.intra_bw, g.intra_lat) if g.hosts == 1 else (g.inter_bw, g.inter_lat)
+    return _launch(mm, lat + nbytes / bw), nbytes
 
 
 def reduce_scatter_kind(mm: MeshModel) -> str:

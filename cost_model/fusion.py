@@ -15,18 +15,21 @@ or an input of the step) plus its result when the result is materialised
 """
 from __future__ import annotations
 
-from ..flops import PER_ELEMENT
+from ..flops import DATA_MOVEMENT, PER_ELEMENT
 from ..graph import Graph
 
 FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
+# Operators that are no kernel of their own: a change of view XLA makes a
+# bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.
+NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_slice",
+                                       "select_and_gather_add"})
 
 
 def fused_bytes(graph: Graph) -> dict[int, float]:
     """node id -> bytes moved, for every fusible operator of ``graph``."""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     producer = graph.producer
-    consumers = graph.consumers
-    outputs = {o.tensor for o in graph.outputs}
+    leaving = materialised_results(graph)
     out: dict[int, float] = {}
     for n in graph.nodes:
         if n.id not in fusible:
@@ -39,11 +42,41 @@ def fused_bytes(graph: Graph) -> dict[int, float]:
             p = producer.get(t)
             if p is None or p not in fusible:
                 moved += tt.nbytes
+        moved += sum(graph.tensors[t].nbytes for t in n.outputs if t in leaving)
+        out[n.id] = moved
+    return out
+
+
+def kernels(graph: Graph) -> dict[int, int]:
+    """node id -> kernels it launches (1), for the nodes that launch one: every
+    operator that is neither fusible nor a view, and every fusible operator
+    whose result is materialised (the root of a fusion; the rest of the
+    chain is inside that kernel)."""
+    keep = materialised_results(graph)
+    out: dict[int, int] = {}
+    for n in graph.nodes:
+        if n.primitive in FUSIBLE:
+            if any(t in keep for t in n.outputs):
+                out[n.id] = 1
+        elif n.primitive not in NO_KERNEL:
+            out[n.id] = 1
+    return out
+
+
+def materialised_results(graph: Graph) -> set[int]:
+    """Results of fusible operators that leave the fusion: read by an operator
+    that is not fusible, returned by the step, or read by nobody."""
+    fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
+    consumers = graph.consumers
+    outputs = {o.tensor for o in graph.outputs}
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.id not in fusible:
+            continue
         for t in n.outputs:
             readers = consumers.get(t, ())
-            if t in outputs or any(r not in fusible for r in readers) or not readers:
-                moved += graph.tensors[t].nbytes
-        out[n.id] = moved
+            if t in outputs or not readers or any(r not in fusible for r in readers):
+                out.add(t)
     return out
 
 

@@ -3,9 +3,11 @@
 Devices of a submesh of ``hosts x devices_per_host`` are numbered host-major;
 a logical mesh lays them out row-major.  Axis ``i`` (stride = product of the
 later axis sizes) stays inside a host when ``stride * size <= devices_per_host``
-and then uses the host's links; otherwise its collectives cross hosts and every
-device of a host shares the host's network bandwidth (one figure per axis, as
-in Alpa).
+and then uses the host's links.  Otherwise its collectives cross hosts; they
+run hierarchically, as NCCL runs them (:mod:`.collectives`): inside each host
+over the host's links, across hosts over the network, where every device of
+the host that sends at once gets its share of the host's network cards.
+Bandwidths are what the links achieve (``LinkSpec.efficiency``), not peak.
 """
 from __future__ import annotations
 
@@ -18,9 +20,26 @@ from ..plan import LogicalMesh
 
 @dataclass(frozen=True)
 class AxisLink:
-    bandwidth: float   # bytes/s per device per direction
+    bandwidth: float   # bytes/s per device per direction (the slowest link the axis uses)
     latency: float     # seconds per message step
     crosses_hosts: bool
+    local: int = 0     # devices of one group of the axis on one host (0: the whole axis)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The devices of one collective and the links between them: ``local``
+    of the ``size`` devices share a host (all of them when ``hosts == 1``)."""
+    size: int
+    local: int
+    intra_bw: float
+    intra_lat: float
+    inter_bw: float     # one device's share of its host's network
+    inter_lat: float
+
+    @property
+    def hosts(self) -> int:
+        return self.size // self.local
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,9 @@ class MeshModel:
     # reduce-scatter; its CPU pipeline keeps the full all-reduce (and slices
     # locally), so there a reduce-scatter costs, and shows, a whole all-reduce.
     native_reduce_scatter: bool = True
+    # the links inside a host, and one device's share of the host's network
+    intra: tuple[float, float] = (0.0, 0.0)    # (bytes/s, seconds per step)
+    inter: tuple[float, float] = (0.0, 0.0)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,6 +73,17 @@ class MeshModel:
         lat = max(self.links[a].latency for a in axes)
         return n, bw, lat
 
+    def group(self, axes: tuple[int, ...]) -> Group:
+        """The devices of a collective over ``axes`` and the links between them."""
+        n = math.prod(self.mesh.shape[a] for a in axes)
+        local = math.prod(self.links[a].local or self.mesh.shape[a] for a in axes)
+        local = max(1, min(n, local))
+        if local == n or not self.intra[0]:
+            bw, lat = min(self.links[a].bandwidth for a in axes), \
+                max(self.links[a].latency for a in axes)
+            return Group(n, n, bw, lat, bw, lat)
+        return Group(n, local, *self.intra, *self.inter)
+
 
 def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
                submesh: tuple[int, int] | None = None,
@@ -66,22 +99,23 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
     if mesh.size != hosts * dph:
         raise ValueError(f"logical mesh {mesh} has {mesh.size} devices, submesh {hosts}x{dph} "
                          f"has {hosts * dph}")
+    intra = (cluster.intra_host.achieved_bandwidth, cluster.intra_host.latency_s)
+    # every device of a host sends across hosts at once (each group's members
+    # on the host each carry their share): they split the host's network
+    inter = (min(cluster.inter_host.achieved_bandwidth / dph, intra[0]),
+             cluster.inter_host.latency_s)
     links = []
     for i, size in enumerate(mesh.shape):
         stride = math.prod(mesh.shape[i + 1:])
-        crosses = hosts > 1 and stride * size > dph
-        if crosses:
-            # groups of this axis that run at once on one host share its network
-            concurrent = max(1, min(dph, hosts * dph // size))
-            per_dev = min(cluster.inter_host.bandwidth_bytes_per_s / concurrent,
-                          cluster.intra_host.bandwidth_bytes_per_s)
-            links.append(AxisLink(per_dev, cluster.inter_host.latency_s, True))
+        if hosts > 1 and stride * size > dph:
+            local = max(1, min(size, dph // stride)) if stride < dph else 1
+            links.append(AxisLink(inter[0], inter[1], True, local))
         else:
-            links.append(AxisLink(cluster.intra_host.bandwidth_bytes_per_s,
-                                  cluster.intra_host.latency_s, False))
+            links.append(AxisLink(*intra, False, size))
     budget = int(cluster.device.memory_bytes * memory_fraction)
     return MeshModel(mesh, tuple(links), cluster.device, budget,
-                     native_reduce_scatter=not is_cpu(cluster.device))
+                     native_reduce_scatter=not is_cpu(cluster.device),
+                     intra=intra, inter=inter if hosts > 1 else intra)
 
 
 def is_cpu(device: DeviceSpec) -> bool:

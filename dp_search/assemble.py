@@ -36,11 +36,13 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                   predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
                   outputs=outputs, constraints=result.constraints, strategies=result.strategies,
                   read_constraints=tuple(getattr(result, "read_constraints", ())))
-    it = result.compute_s + result.comm_s
+    # one program per iteration
+    it = result.compute_s + result.comm_s + cluster.device.achieved.program_dispatch_s
     tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
     predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
                               peak_memory_bytes=int(result.peak_memory_bytes),
-                              comm_bytes_per_device=int(round(result.comm_bytes)))
+                              comm_bytes_per_device=int(round(result.comm_bytes)),
+                              hardware_tflops_per_device=tflops)
     return Plan(graph_fingerprint=graph.fingerprint, cluster=cluster, method=method,
                 stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
                 predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
@@ -78,11 +80,14 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     placements = place_stages(submeshes, res.stages, cluster)
     stages, batch_specs = [], {}
     n_stages = len(res.stages)
+    recomputed = 0.0     # forward FLOPs run again by recomputing stages
     peak_mem = 0
     comm_bytes = 0.0
     for k, (st, devices) in enumerate(zip(res.stages, placements)):
         opt = choice.options[st.first, st.last, st.submesh, n_stages - k]
         remat, mem, mesh_k = opt.remat, opt.memory_bytes, opt.mesh
+        if remat:
+            recomputed += B * sum(lay.fwd_flops[st.first:st.last + 1])
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
         # the layers' planned layouts, keyed by tensor ids of the step traced
@@ -121,12 +126,14 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                             read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
-    tflops = full.total_flops / cluster.num_devices / total / 1e12 if total > 0 else 0.0
+    per_s = 1 / (cluster.num_devices * total * 1e12) if total > 0 else 0.0
+    tflops = full.total_flops * per_s
     return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,
                 stages=tuple(stages), num_micro_batches=B,
                 schedule=schedule if n_stages > 1 else "none",
                 batch=tuple(sorted(batch_specs.items())),
-                predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes)),
+                predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes),
+                                        (full.total_flops + recomputed) * per_s),
                 function=full.name, batch_argnums=full.batch_argnums,
                 arg_prefixes=tuple(sorted(pre.items())),
                 notes=(f"{layering.num_layers} layers "

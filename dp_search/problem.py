@@ -35,6 +35,7 @@ class LayerProblems:
     min_stages: int                 # PipeshardParallel(stages=N): exactly N
     budget: float
     p2p_bw: float                   # one device's share of the links between stages (bytes/s)
+    dispatch_s: float               # launching one compiled program (ClusterSpec achieved)
     # parameters, optimizer and other state of each layer, unsharded: a stage
     # whose state cannot fit even when split over all its devices is skipped
     # before any ILP is solved
@@ -98,8 +99,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                    for s in submeshes],
         max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
         budget=cluster.device.memory_bytes * opts.memory_fraction,
-        p2p_bw=(cluster.inter_host.bandwidth_bytes_per_s / cluster.devices_per_host
-                if cluster.num_hosts > 1 else cluster.intra_host.bandwidth_bytes_per_s),
+        p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
+                if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
+        dispatch_s=cluster.device.achieved.program_dispatch_s,
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs])

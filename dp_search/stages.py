@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cluster import ClusterSpec
-from ..cost_model.pipeline import in_flight, interleaved_iteration_s, stage_send_s
+from ..cost_model.pipeline import (in_flight, interleaved_iteration_s, shared_compute_iteration_s,
+                                   stage_send_s)
 from ..errors import InfeasiblePlanError
 from .options import PipelineOptions
 from .problem import LayerProblems
@@ -122,6 +123,8 @@ class StageCosts:
         if (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size > lay.budget:
             return None
         best, least = None, None
+        # a stage launches a forward and a backward program per micro-batch
+        dispatch = 2 * lay.dispatch_s
         for k in range(len(lay.meshes_of[m])):
             rows = self.groups(m, k)[gi:gj + 1]
             if any(r is None for r in rows):
@@ -134,10 +137,10 @@ class StageCosts:
             # just before its backward.
             ways = []
             if opts.remat is not True:
-                ways.append((c.time_s + send, False,
+                ways.append((c.time_s + send + dispatch, False,
                              c.resident_bytes + keep * c.saved_bytes + c.transient_bytes))
             if opts.remat is not False:
-                ways.append((c.remat_time_s + send, True,
+                ways.append((c.remat_time_s + send + dispatch, True,
                              c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
             for lat, remat, mem in ways:
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
@@ -198,6 +201,13 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         sends = [chosen[st.first, st.last, st.submesh, n_st - k].send_s
                  for k, st in enumerate(res.stages[:-1])]
         total = interleaved_iteration_s([st.latency for st in res.stages], sends, lay.B)
+    if cluster.device.achieved.shared_host_compute:
+        total = shared_compute_iteration_s(
+            [st.latency - 2 * lay.dispatch_s for st in res.stages],
+            [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
+            cluster.num_devices, lay.dispatch_s)
+    # and each stage's update program, once per iteration
+    total += n_st * lay.dispatch_s
     return PipelineChoice(total, schedule, res, dict(chosen))
 
 

@@ -28,8 +28,8 @@ import math
 import numpy as np
 
 from ..cost_model.collectives import all_reduce
-from ..cost_model.compute import compute_time
-from ..cost_model.fusion import fused_bytes
+from ..cost_model.compute import compute_time, launch_time
+from ..cost_model.fusion import fused_bytes, kernels
 from ..cost_model.memory import liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
@@ -206,6 +206,7 @@ class _Builder:
     group_of_tensor: dict[int, int] = field(default_factory=dict)
     # (reader group, writer group) -> (seconds, bytes) per strategy pair
     edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    launches: dict[int, int] = field(default_factory=dict)   # node id -> kernels it launches
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -231,6 +232,7 @@ class _Builder:
     def add_operator_groups(self) -> None:
         graph = self.graph
         traffic = fused_bytes(graph)
+        self.launches = kernels(graph)
         strat_cache: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
             if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
@@ -280,7 +282,8 @@ class _Builder:
             if mp is None:
                 mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
             g.specs[i][out_t] = mp.out
-            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype) + \
+                launch_time(mm.device, self.launches.get(node.id, 0))
             steps = self.rs.steps(main, ms, mp.main_req)
             if mp.reduce_axes:
                 steps = steps + (("all-reduce",) + all_reduce(
@@ -309,11 +312,12 @@ class _Builder:
             strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved)
             strat_cache[key] = strategies
         g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
+        launch = launch_time(self.mm.device, self.launches.get(node.id, 0))
         for s in strategies:
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
-            g.cost.append(s.cost)
-            g.compute.append(s.compute_s)
+            g.cost.append(s.cost + launch)
+            g.compute.append(s.compute_s + launch)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
             g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})

@@ -54,8 +54,16 @@ def replicated_strategy(graph: Graph, node: Node, mm: MeshModel,
                 for t in node.inputs)
     outs = tuple(replicated(len(graph.tensors[t].shape)) for t in node.outputs)
     moved = node.bytes_accessed if bytes_accessed is None else bytes_accessed
-    t = compute_time(mm.device, node.flops, moved, node_dtype(graph, node))
+    t = compute_time(mm.device, node.flops, moved, node_dtype(graph, node),
+                     _out_elements(graph, node))
     return Strategy("R", ins, outs, t, 0.0, 0.0)
+
+
+def _out_elements(graph: Graph, node: Node, shards: float = 1) -> float:
+    """Elements of the first result on one device (what a matmul tiles)."""
+    if not node.outputs:
+        return 0.0
+    return math.prod(graph.tensors[node.outputs[0]].shape) / shards
 
 
 def _spec(labels: Sequence[int], per_label: dict[int, tuple[int, ...]]) -> ISpec:
@@ -101,9 +109,11 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         in_specs = tuple(None if ls is None else _spec(ls, per_label) for ls in space.in_labels)
         out_specs = tuple(_spec(ls, per_label) for ls in space.out_labels)
         shards = math.prod(shape[a] for ax in per_label.values() for a in ax)
-        t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype)
         red_axes = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
         local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
+        t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype,
+                              _out_elements(graph, node, num_shards(out_specs[0], shape))
+                              if out_specs else 0.0)
         assign = list(zip(axes, choice))
         variants: list[tuple[tuple[ISpec, ...], float, float, int | None, str]] = []
         if red_axes:

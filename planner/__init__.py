@@ -1,7 +1,7 @@
 """meshplan: automatic intra- and inter-operator parallelization for JAX."""
 from __future__ import annotations
 
-from .cluster import ClusterSpec, DeviceSpec, LinkSpec, load_cluster, parse_cluster
+from .cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec, load_cluster, parse_cluster
 from .errors import (CheckpointError, ClusterSpecError, InfeasiblePlanError, MeshplanError,
                      ModelConfigError,
                      PlanFormatError, RuntimeStageError, SolverError, StalePlanError,
@@ -19,7 +19,7 @@ Cluster = ClusterSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec", "load_cluster", "parse_cluster",
+    "Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec", "Achieved", "load_cluster", "parse_cluster",
     "Graph", "GraphInput", "GraphOutput", "Node", "Tensor", "trace",
     "Auto", "DataParallel", "Manual", "PipeshardParallel", "ShardParallel",
     "LogicalMesh", "Plan", "PlanPredicted", "Predicted", "Stage",

@@ -26,6 +26,21 @@ JSON format (``"format": "meshplan.cluster/1"``)::
       }
     }
 
+Optional, what the hardware achieves rather than its peak (absent: the
+ideal peak figures, no overheads)::
+
+      "device": {..., "achieved": {
+        "matmul_efficiency": 0.86,      # fraction of peak FLOP/s a large matmul reaches
+        "memory_efficiency": 0.9,       # fraction of memory bandwidth a streaming kernel reaches
+        "kernel_launch_s": 5e-6,        # fixed cost of every kernel (fusion, matmul, collective)
+        "program_dispatch_s": 2e-5,     # fixed cost of launching one compiled program
+        "compute_units": 108,           # SMs / cores a matmul's tiles are spread over (0: none)
+        "tile_elements": 16384,         # output elements of one matmul tile (128 x 128)
+        "shared_host_compute": false    # the devices of a host share one pool of compute
+      }},
+      "links": {"intra_host": {..., "efficiency": 0.7}}   # fraction of bandwidth a large
+                                                          # collective reaches (bus bandwidth)
+
 ``links.intra_host.bandwidth_bytes_per_s`` is per device, per direction.
 ``links.inter_host.bandwidth_bytes_per_s`` is the whole host's network
 bandwidth per direction (all NICs together); the cost model shares it among
@@ -75,10 +90,42 @@ _FLOPS_FALLBACK = {
 class LinkSpec:
     bandwidth_bytes_per_s: float
     latency_s: float
+    # fraction of the bandwidth a large collective reaches (nccl-tests' bus
+    # bandwidth over the link's peak); 1.0 is the ideal link
+    efficiency: float = 1.0
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
 
     def to_dict(self) -> dict[str, float]:
-        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "latency_s": self.latency_s}
+        d = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        if self.efficiency != 1.0:
+            d["efficiency"] = self.efficiency
+        return d
+
+
+@dataclass(frozen=True)
+class Achieved:
+    """What a device achieves, as opposed to its datasheet peak.  The
+    defaults are the ideal device (peak rates, no fixed costs): a cluster
+    file without an ``achieved`` object plans as it always did."""
+    matmul_efficiency: float = 1.0     # large matmul FLOP/s over peak
+    memory_efficiency: float = 1.0     # streaming bandwidth over peak
+    kernel_launch_s: float = 0.0       # per kernel (fusion, matmul, collective)
+    program_dispatch_s: float = 0.0    # per compiled program launched
+    compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
+    tile_elements: int = 128 * 128     # output elements per matmul tile
+    # the devices of a host share one pool of compute (XLA's fake CPU
+    # devices): a device idle in a pipeline bubble lends its share to others
+    shared_host_compute: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_ideal(self) -> bool:
+        return self == Achieved()
 
 
 @dataclass(frozen=True)
@@ -88,6 +135,7 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     # (dtype name, FLOP/s) pairs, sorted by dtype name.
     peak_flops: tuple[tuple[str, float], ...]
+    achieved: Achieved = Achieved()
 
     def __post_init__(self) -> None:
         # Accept a mapping or unsorted pairs; store the canonical sorted tuple.
@@ -118,9 +166,12 @@ class DeviceSpec:
         return f32 / 2 if name == "float64" else f32
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "memory_bytes": self.memory_bytes,
-                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                "peak_flops": dict(self.peak_flops)}
+        d = {"kind": self.kind, "memory_bytes": self.memory_bytes,
+             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+             "peak_flops": dict(self.peak_flops)}
+        if not self.achieved.is_ideal:
+            d["achieved"] = self.achieved.to_dict()
+        return d
 
 
 @dataclass(frozen=True)
@@ -244,7 +295,9 @@ class ClusterSpec:
             devices_per_host=per_host,
             device=DeviceSpec(kind=kind, memory_bytes=int(memory),
                               memory_bandwidth_bytes_per_s=known.memory_bandwidth,
-                              peak_flops=known.flops),
+                              peak_flops=known.flops,
+                              # XLA's host devices are threads over the same cores
+                              achieved=Achieved(shared_host_compute=platform == "cpu")),
             intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
             description=description, sources=(known.source,))
 
@@ -258,6 +311,7 @@ class ClusterSpec:
             f"  device      {d.kind}, {d.memory_bytes / 2**30:.1f} GiB, "
             f"memory {d.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s",
             f"  peak        {flops} TFLOP/s",
+            f"  achieved    {_achieved_text(d.achieved)}",
             f"  intra-host  {_link_text(self.intra_host)} per device per direction",
             f"  inter-host  {_link_text(self.inter_host)} per host per direction "
             f"({self.inter_host_bandwidth_per_device / 1e9:.4g} GB/s per device)",
@@ -274,7 +328,19 @@ class ClusterSpec:
 
 
 def _link_text(link: LinkSpec) -> str:
-    return f"{link.bandwidth_bytes_per_s / 1e9:.4g} GB/s, {link.latency_s * 1e6:.3g} us"
+    eff = f" ({link.efficiency:.0%} achieved)" if link.efficiency != 1.0 else ""
+    return f"{link.bandwidth_bytes_per_s / 1e9:.4g} GB/s{eff}, {link.latency_s * 1e6:.3g} us"
+
+
+def _achieved_text(a: Achieved) -> str:
+    if a.is_ideal:
+        return "not given: peak rates, no fixed costs (ideal)"
+    waves = (f", tiles of {a.tile_elements} over {a.compute_units} units"
+             if a.compute_units else "")
+    shared = ", devices share the host's compute" if a.shared_host_compute else ""
+    return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
+            f"{a.kernel_launch_s * 1e6:.3g} us per kernel, {a.program_dispatch_s * 1e6:.3g} us "
+            f"per program{waves}{shared}")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -296,8 +362,11 @@ _MAX_COUNT = 2**53          # counts (hosts, devices, bytes) beyond this are not
 _TOP_REQUIRED = ("format", "name", "num_hosts", "devices_per_host", "device", "links")
 _TOP_OPTIONAL = ("description", "sources", "num_devices")
 _DEVICE_KEYS = ("kind", "memory_bytes", "memory_bandwidth_bytes_per_s", "peak_flops")
+_DEVICE_OPTIONAL = ("achieved",)
+_ACHIEVED_KEYS = tuple(f.name for f in dataclasses.fields(Achieved))
 _LINKS_KEYS = ("intra_host", "inter_host")
 _LINK_KEYS = ("bandwidth_bytes_per_s", "latency_s")
+_LINK_OPTIONAL = ("efficiency",)
 
 _HINTS = {
     "format": f'add "format": "{CLUSTER_FORMAT}"',
@@ -378,12 +447,41 @@ class _Reader:
             raise self.fail(path, f"must be {want}, got {value}")
         return float(value)
 
+    def fraction(self, value: Any, path: str) -> float:
+        v = self.number(value, path)
+        if v > 1:
+            raise self.fail(path, f"is a fraction of the peak figure, at most 1, got {v}")
+        return v
+
     def link(self, value: Any, path: str) -> LinkSpec:
-        d = self.obj(value, path, _LINK_KEYS)
+        d = self.obj(value, path, _LINK_KEYS, _LINK_OPTIONAL)
         return LinkSpec(
             bandwidth_bytes_per_s=self.number(d["bandwidth_bytes_per_s"],
                                               f"{path}.bandwidth_bytes_per_s"),
-            latency_s=self.number(d["latency_s"], f"{path}.latency_s", zero_ok=True))
+            latency_s=self.number(d["latency_s"], f"{path}.latency_s", zero_ok=True),
+            efficiency=self.fraction(d.get("efficiency", 1.0), f"{path}.efficiency"))
+
+    def achieved(self, value: Any, path: str) -> Achieved:
+        d = self.obj(value, path, (), _ACHIEVED_KEYS)
+        out: dict[str, Any] = {}
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            if key in d:
+                out[key] = self.fraction(d[key], f"{path}.{key}")
+        for key in ("kernel_launch_s", "program_dispatch_s"):
+            if key in d:
+                out[key] = self.number(d[key], f"{path}.{key}", zero_ok=True)
+        if "compute_units" in d:
+            units = d["compute_units"]
+            out["compute_units"] = 0 if units == 0 and not isinstance(units, bool) else \
+                self.count(units, f"{path}.compute_units")
+        if "tile_elements" in d:
+            out["tile_elements"] = self.count(d["tile_elements"], f"{path}.tile_elements")
+        if "shared_host_compute" in d:
+            if not isinstance(d["shared_host_compute"], bool):
+                raise self.fail(f"{path}.shared_host_compute", "must be true or false, got "
+                                f"{_show(d['shared_host_compute'])}")
+            out["shared_host_compute"] = d["shared_host_compute"]
+        return Achieved(**out)
 
     def peak_flops(self, value: Any, path: str) -> tuple[tuple[str, float], ...]:
         if not isinstance(value, dict):
@@ -428,14 +526,15 @@ def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
                          f"{hosts} x {per_host} = {hosts * per_host}; fix one of them "
                          f"or drop num_devices")
 
-    dev = r.obj(top["device"], "$.device", _DEVICE_KEYS)
+    dev = r.obj(top["device"], "$.device", _DEVICE_KEYS, _DEVICE_OPTIONAL)
     memory = r.count(dev["memory_bytes"], "$.device.memory_bytes")
     device = DeviceSpec(
         kind=r.string(dev["kind"], "$.device.kind"),
         memory_bytes=memory,
         memory_bandwidth_bytes_per_s=r.number(dev["memory_bandwidth_bytes_per_s"],
                                               "$.device.memory_bandwidth_bytes_per_s"),
-        peak_flops=r.peak_flops(dev["peak_flops"], "$.device.peak_flops"))
+        peak_flops=r.peak_flops(dev["peak_flops"], "$.device.peak_flops"),
+        achieved=r.achieved(dev.get("achieved", {}), "$.device.achieved"))
 
     links = r.obj(top["links"], "$.links", _LINKS_KEYS)
     return ClusterSpec(

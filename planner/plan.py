@@ -95,15 +95,21 @@ class Predicted:
 
 @dataclass(frozen=True)
 class PlanPredicted:
+    """Predicted figures of a whole plan.  ``tflops_per_device`` counts model
+    FLOPs (the step's own, without recomputation, as MFU does);
+    ``hardware_tflops_per_device`` counts what the devices execute, the
+    forward passes recomputation repeats included (as HFU does)."""
     iteration_s: float = 0.0
     tflops_per_device: float = 0.0
     peak_memory_bytes: int = 0
     comm_bytes_per_device: int = 0
+    hardware_tflops_per_device: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "tflops_per_device": self.tflops_per_device,
                 "peak_memory_bytes": int(self.peak_memory_bytes),
-                "comm_bytes_per_device": int(self.comm_bytes_per_device)}
+                "comm_bytes_per_device": int(self.comm_bytes_per_device),
+                "hardware_tflops_per_device": self.hardware_tflops_per_device}
 
 
 SpecTable = tuple[tuple[str, Spec], ...]
@@ -259,7 +265,8 @@ class Plan:
             f"Plan for {self.function or 'train step'} on {self.cluster.name} "
             f"({self.cluster.num_devices} devices), method {self.method}",
             f"  predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.tflops_per_device:.2f} TFLOP/s "
-            f"per device, peak memory {p.peak_memory_bytes / 2**30:.2f} GiB/device, "
+            f"per device (model FLOPs; {p.hardware_tflops_per_device:.2f} with recomputation), "
+            f"peak memory {p.peak_memory_bytes / 2**30:.2f} GiB/device, "
             f"communication {p.comm_bytes_per_device / 2**20:.1f} MiB/device",
             f"  micro-batches {self.num_micro_batches}, schedule {self.schedule}",
         ]
