@@ -18,7 +18,12 @@ from __future__ import annotations
 from ..flops import DATA_MOVEMENT, PER_ELEMENT
 from ..graph import Graph
 
-FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
+# Reductions fuse with the element-wise operators around them: XLA fuses a
+# reduction's producers into its kernel, and on GPU the normalisation
+# patterns (softmax, layer norm) into one kernel with their consumers.
+FUSED_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
+FUSIBLE = PER_ELEMENT | FUSED_REDUCTIONS | frozenset({"broadcast_in_dim", "squeeze",
+                                                      "expand_dims", "iota"})
 # Operators that are no kernel of their own: a change of view XLA makes a
 # bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.
 NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_slice",
@@ -26,10 +31,16 @@ NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_sl
 
 
 def fused_bytes(graph: Graph) -> dict[int, float]:
-    """node id -> bytes moved, for every fusible operator of ``graph``."""
+    """node id -> bytes moved, for every fusible operator of ``graph``.
+
+    Fusible operators joined by values they pass to each other form one
+    fusion, which reads each value from memory once however many of its
+    operators use it: the read is charged to the first of them."""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     producer = graph.producer
     leaving = materialised_results(graph)
+    fusion = _fusions(graph, fusible)
+    read: set[tuple[int, int]] = set()        # (fusion, tensor) already charged
     out: dict[int, float] = {}
     for n in graph.nodes:
         if n.id not in fusible:
@@ -37,14 +48,37 @@ def fused_bytes(graph: Graph) -> dict[int, float]:
         moved = 0.0
         for t in dict.fromkeys(n.inputs):
             tt = graph.tensors[t]
-            if not tt.shape:
+            if not tt.shape or (fusion[n.id], t) in read:
                 continue
             p = producer.get(t)
             if p is None or p not in fusible:
                 moved += tt.nbytes
+                read.add((fusion[n.id], t))
         moved += sum(graph.tensors[t].nbytes for t in n.outputs if t in leaving)
         out[n.id] = moved
     return out
+
+
+def _fusions(graph: Graph, fusible: set[int]) -> dict[int, int]:
+    """fusible node id -> a representative of its fusion (the connected set of
+    fusible operators passing values to each other)."""
+    parent = {i: i for i in fusible}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    producer = graph.producer
+    for n in graph.nodes:
+        if n.id not in fusible:
+            continue
+        for t in n.inputs:
+            p = producer.get(t)
+            if p is not None and p in fusible:
+                parent[find(p)] = find(n.id)
+    return {i: find(i) for i in fusible}
 
 
 def kernels(graph: Graph) -> dict[int, int]:
@@ -65,7 +99,8 @@ def kernels(graph: Graph) -> dict[int, int]:
 
 def materialised_results(graph: Graph) -> set[int]:
     """Results of fusible operators that leave the fusion: read by an operator
-    that is not fusible, returned by the step, or read by nobody."""
+    that is not fusible, or returned by the step.  (A result read by nobody is
+    dead code, which XLA removes.)"""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     consumers = graph.consumers
     outputs = {o.tensor for o in graph.outputs}
@@ -75,7 +110,7 @@ def materialised_results(graph: Graph) -> set[int]:
             continue
         for t in n.outputs:
             readers = consumers.get(t, ())
-            if t in outputs or not readers or any(r not in fusible for r in readers):
+            if t in outputs or any(r not in fusible for r in readers):
                 out.add(t)
     return out
 

@@ -45,6 +45,19 @@ def test_all_reduce_link_noise_is_clamped():
     assert flat.bandwidth_bytes_per_s == pytest.approx(2 * 3 / 4 / (1e-3 / 1e6))
 
 
+def test_fixed_costs_recover_dispatch_and_launch():
+    dispatch, launch = 40e-6, 3e-6
+    pts = [(k, dispatch + k * launch) for k in (1, 16, 64)]
+    assert C.fixed_costs(pts) == (pytest.approx(dispatch), pytest.approx(launch))
+    # noise below zero is clamped
+    assert C.fixed_costs([(1, 1e-3), (64, 0.5e-3)])[1] == 0.0
+
+
+def test_shares_compute_threshold():
+    assert C.shares_compute(alone_s=1.0, together_s=4.0)        # 8 devices on 2 cores
+    assert not C.shares_compute(alone_s=1.0, together_s=1.05)   # own compute each
+
+
 def test_median_time_and_grow_with_injected_timer():
     times = iter([5.0, 1.0, 3.0, 2.0])
     assert C.median_time(lambda: None, lambda fn: next(times), repeats=3, warmup=1) == 2.0
@@ -70,6 +83,10 @@ def test_calibrate_with_constant_timer_is_deterministic():
     assert dict(spec.device.peak_flops)["float32"] == pytest.approx(2 * n ** 3 / 1e-3)
     assert spec.name == "fake" and spec.num_devices == len(jax.devices())
     assert meshplan.parse_cluster(json.loads(spec.to_json())) == spec
+    # constant times: no slope, so no kernel cost; the intercept is the dispatch
+    a = spec.device.achieved
+    assert a.kernel_launch_s == 0.0 and a.program_dispatch_s == pytest.approx(1e-3)
+    assert not a.shared_host_compute
 
 
 def test_calibrate_quick_writes_a_cluster_that_plans(tmp_path, capsys):
@@ -90,9 +107,12 @@ def test_calibrate_quick_writes_a_cluster_that_plans(tmp_path, capsys):
     intra = spec.intra_host
     assert 1e5 < intra.bandwidth_bytes_per_s < 1e13
     assert 0 <= intra.latency_s < 0.1
+    a = spec.device.achieved
+    assert 0 <= a.kernel_launch_s < 0.01 and 0 < a.program_dispatch_s < 0.1
     d = spec.description
     assert re.search(r"\d{4}-\d\d-\d\d", d) and jax.__version__ in d
-    for word in ("matmul", "x + y", "psum", "memory_bytes", "cpu", "inter_host"):
+    for word in ("matmul", "x + y", "psum", "memory_bytes", "cpu", "inter_host",
+                 "kernel_launch_s", "shared_host_compute"):
         assert word in d, word
     # a plan can be made with it
     assert main(["plan", "--model", "mlp", "--cluster", str(out), "--method", "shard"]) == 0

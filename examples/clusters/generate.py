@@ -25,12 +25,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 try:
-    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 except ImportError:  # meshplan not installed: load planner/ as the package without its __init__
     _pkg = types.ModuleType("meshplan")
     _pkg.__path__ = [str(ROOT / "planner")]
     sys.modules["meshplan"] = _pkg
-    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 
 GIB = 2**30
 T = 1e12
@@ -38,6 +38,19 @@ T = 1e12
 LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: the cost of one step of a ring "
                 "collective, ~1 us over NVLink, ~5 us across InfiniBand, ~20 us over 25 Gbit/s "
                 "Ethernet (TCP).")
+ACHIEVED_NOTE = ("achieved: what the hardware reaches, not its peak; matmul_efficiency is "
+                 "the best measured bf16 matmul over the dense peak; figures marked as "
+                 "estimates in sources are not measurements.")
+# Fixed costs on NVIDIA GPUs (estimates, the same for every generation): a
+# kernel launch with its gap on the stream, and one jitted XLA program
+# launched from Python.
+GPU_KERNEL_LAUNCH_S = 5e-6
+GPU_PROGRAM_DISPATCH_S = 50e-6
+FIXED_COSTS_SOURCE = (
+    "Estimates, not measurements: kernel_launch_s 5 us (a CUDA kernel launch and its gap "
+    "on the stream without CUDA graphs), program_dispatch_s 50 us (one jitted XLA program "
+    "launched from Python); tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for "
+    "large 16-bit GEMMs)")
 MEMORY_NOTE = ("memory_bytes is the nominal capacity; the usable amount is smaller "
                "(CUDA context, XLA allocator fraction).")
 
@@ -50,9 +63,12 @@ P3_DEVICE = DeviceSpec(
     # rate, so bfloat16 gets the fp32 figure rather than the fp16 tensor-core one.
     peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
                 "float64": 7.8 * T},
+    achieved=Achieved(matmul_efficiency=round(83 / 125, 3), memory_efficiency=round(750 / 900, 3),
+                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=80),
 )
-P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6)
-P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6)
+P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6, efficiency=0.8)
+P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6, efficiency=0.8)
 P3_TEXT = (
     "AWS p3.16xlarge: 8 x NVIDIA V100-SXM2 16 GB per host, the testbed of Alpa "
     "(Zheng et al., OSDI'22). Within a host the GPUs are joined by NVLink 2 in a "
@@ -60,7 +76,8 @@ P3_TEXT = (
     "aggregate bidirectional, 150 GB/s per direction), but not every pair of GPUs is "
     "directly linked, so 150 GB/s is optimistic for all-to-all patterns. Between "
     "hosts, 25 Gbit/s networking = 3.125e9 bytes/s per host. V100 lacks bfloat16 "
-    "hardware, so bfloat16 is given the fp32 rate. " + MEMORY_NOTE + " " + LATENCY_NOTE)
+    "hardware, so bfloat16 is given the fp32 rate. " + MEMORY_NOTE + " " + LATENCY_NOTE + " "
+    + ACHIEVED_NOTE)
 P3_SOURCES = (
     "NVIDIA Tesla V100 GPU datasheet (SXM2): 125 TFLOP/s tensor (fp16), 15.7 TFLOP/s "
     "fp32, 7.8 TFLOP/s fp64, 16 GB HBM2 at 900 GB/s, NVLink 300 GB/s "
@@ -71,6 +88,14 @@ P3_SOURCES = (
     "network bandwidth - https://aws.amazon.com/ec2/instance-types/p3/",
     "Zheng et al., Alpa: Automating Inter- and Intra-Operator Parallelism for "
     "Distributed Deep Learning, OSDI 2022 (arXiv:2201.12023): p3.16xlarge testbed",
+    "achieved.matmul_efficiency 0.664: Markidis et al., NVIDIA Tensor Core Programmability, "
+    "Performance & Precision, IPDPSW 2018 (arXiv:1803.04014): cuBLAS mixed-precision GEMM "
+    "reached 83 TFLOP/s on a V100, over the 125 TFLOP/s peak",
+    "achieved.memory_efficiency 0.833: Jia et al., Dissecting the NVIDIA Volta GPU "
+    "Architecture via Microbenchmarking (arXiv:1804.06826): 750 GB/s measured global "
+    "memory bandwidth of the 900 GB/s peak; compute_units 80 SMs (V100 whitepaper)",
+    "links efficiency 0.8 (NVLink 2 and 25 Gbit/s TCP): estimates, not measurements",
+    FIXED_COSTS_SOURCE,
 )
 
 # -- DGX A100 (80 GB): Megatron-LM's testbed (Selene) ----------------------------
@@ -81,15 +106,19 @@ A100_DEVICE = DeviceSpec(
     # float64 is the FP64 tensor-core rate that DGEMM reaches (9.7 without).
     peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
                 "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
+    achieved=Achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
+                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=108),
 )
-A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6)
-A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6)
+A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6, efficiency=0.7)
+A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6, efficiency=0.96)
 A100_TEXT = (
     "NVIDIA DGX A100 (80 GB): 8 x A100-SXM4-80GB per host, the testbed of Megatron-LM "
     "(Narayanan et al., SC'21, on Selene). NVLink 3 through NVSwitch gives every GPU "
     "300 GB/s per direction to any other GPU of its host. Between hosts, 8 x 200 Gbit/s "
     "HDR InfiniBand (one HCA per GPU) = 200e9 bytes/s per host. Peak figures are dense; "
-    "float64 is the FP64 tensor-core rate. " + MEMORY_NOTE + " " + LATENCY_NOTE)
+    "float64 is the FP64 tensor-core rate. " + MEMORY_NOTE + " " + LATENCY_NOTE + " "
+    + ACHIEVED_NOTE)
 A100_SOURCES = (
     "NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM): 312 TFLOP/s bf16/fp16, 156 "
     "TFLOP/s tf32, 19.5 TFLOP/s fp32, 19.5 TFLOP/s fp64 tensor core, 624 TOPS int8 "
@@ -101,6 +130,17 @@ A100_SOURCES = (
     "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
     "Using Megatron-LM, SC 2021 (arXiv:2104.04473): DGX A100 80 GB nodes with 8 x "
     "200 Gbit/s HDR InfiniBand each, up to 3072 GPUs (384 nodes)",
+    "achieved.matmul_efficiency 0.859: Bekman, Machine Learning Engineering, Maximum "
+    "Achievable Matmul FLOPS table (github.com/stas00/ml-engineering, "
+    "compute/accelerator): A100 SXM 267.9 of 312 TFLOP/s bf16, CUDA 12.1; compute_units "
+    "108 SMs (A100 whitepaper); memory_efficiency 0.9: estimate",
+    "links.intra_host.efficiency 0.7: nccl-tests all_reduce_perf bus bandwidth of about "
+    "200-208 GB/s on 8 x A100-SXM4-80GB over NVLink (github.com/NVIDIA/nccl-tests issues "
+    "149 and 178) of 300 GB/s per direction",
+    "links.inter_host.efficiency 0.96: nccl-tests all_reduce_perf across 3 hosts of 8 x "
+    "A100 with 4 x HDR each reached 96 GB/s bus bandwidth of 100 GB/s "
+    "(github.com/NVIDIA/nccl-tests issue 119)",
+    FIXED_COSTS_SOURCE,
 )
 
 # -- DGX H100 -----------------------------------------------------------------------
@@ -111,15 +151,18 @@ H100_DEVICE = DeviceSpec(
     peak_flops={"bfloat16": 989.4 * T, "float16": 989.4 * T, "tfloat32": 494.7 * T,
                 "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
                 "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
+    achieved=Achieved(matmul_efficiency=round(792.1 / 989.4, 3), memory_efficiency=0.9,
+                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=132),
 )
-H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6)
-H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6)
+H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6, efficiency=0.8)
+H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6, efficiency=0.9)
 H100_TEXT = (
     "NVIDIA DGX H100: 8 x H100-SXM5-80GB per host. NVLink 4 through NVSwitch gives "
     "every GPU 450 GB/s per direction (900 GB/s bidirectional). Between hosts, 8 x "
     "400 Gbit/s NDR InfiniBand (one ConnectX-7 per GPU) = 400e9 bytes/s per host. "
     "Peak figures are dense; float64 is the FP64 tensor-core rate. " + MEMORY_NOTE + " "
-    + LATENCY_NOTE)
+    + LATENCY_NOTE + " " + ACHIEVED_NOTE)
 H100_SOURCES = (
     "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB): HBM3 3.35 TB/s, NVLink "
     "900 GB/s bidirectional - https://www.nvidia.com/en-us/data-center/h100/",
@@ -128,6 +171,12 @@ H100_SOURCES = (
     "NVIDIA DGX H100 datasheet and user guide: 8 x H100 SXM5 80 GB, 4 NVSwitch chips, "
     "8 x ConnectX-7 400 Gb/s NDR InfiniBand for compute traffic "
     "- https://www.nvidia.com/en-us/data-center/dgx-h100/",
+    "achieved.matmul_efficiency 0.801: Bekman, Machine Learning Engineering, Maximum "
+    "Achievable Matmul FLOPS table (github.com/stas00/ml-engineering, "
+    "compute/accelerator): H100 SXM 792.1 of 989 TFLOP/s bf16, CUDA 12.1; compute_units "
+    "132 SMs (H100 whitepaper); memory_efficiency 0.9: estimate",
+    "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
+    FIXED_COSTS_SOURCE,
 )
 
 FAMILIES = (

@@ -9,6 +9,14 @@ so devices that share chips or cores -- the fake CPU devices of
   until one run is long enough to be compute bound; 2 n^3 / time;
 - memory bandwidth: ``z = x + y`` on large per-device arrays (read 2, write 1):
   3 x array bytes / time;
+- fixed costs: a jitted chain of k dependent small matmuls per device, k
+  in a few sizes; the line t = a + b k gives the cost of launching one
+  program (a, ``achieved.program_dispatch_s``) and one kernel (b,
+  ``achieved.kernel_launch_s``);
+- shared compute: the largest matmul on one device alone against every
+  device at once; when the devices' throughput divides (each runs at under
+  two thirds of its speed alone) they share the host's compute
+  (``achieved.shared_host_compute``, what XLA's fake CPU devices do);
 - per axis of the physical mesh (hosts x devices per host): ``psum`` inside
   ``jax.shard_map`` at a small, a middle and a large message size (grown until
   bandwidth bound), each repeated in a ``fori_loop``; the line t = a + b S
@@ -31,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from .. import progress
-from ..cluster import ClusterSpec, DeviceSpec, LinkSpec
+from ..cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 from ..datasheets import allocator_limit, physical_memory
 from ..errors import MeshplanError
 
@@ -60,6 +68,7 @@ class Options:
     collective_small_bytes: int = 1 << 12
     collective_max_bytes: int = 1 << 28
     collective_loop: int = 8            # collectives per timed run (fori_loop)
+    launch_chain: tuple[int, ...] = (1, 16, 64)   # kernels per program for the fixed costs
     dtypes: tuple[str, ...] = MATMUL_DTYPES
     quick_mode: bool = False
 
@@ -68,7 +77,7 @@ class Options:
         return cls(repeats=3, target_s=0.005, matmul_min_n=64, matmul_max_n=256,
                    memory_min_bytes=1 << 16, memory_max_bytes=1 << 22,
                    collective_small_bytes=1 << 10, collective_max_bytes=1 << 20,
-                   collective_loop=4, quick_mode=True)
+                   collective_loop=4, launch_chain=(1, 16), quick_mode=True)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,25 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         raise ValueError("the points need at least two different sizes")
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - b * mx, b
+
+
+def fixed_costs(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(program dispatch, kernel launch) seconds from (kernels, seconds) runs
+    of one program: the line t = dispatch + k * launch; noise that makes
+    either negative makes it zero."""
+    a, b = fit_line(points)
+    return max(a, 0.0), max(b, 0.0)
+
+
+# a device whose throughput with every device busy is below this fraction of
+# its throughput alone shares its compute with the others
+SHARED_BELOW = 2 / 3
+
+
+def shares_compute(alone_s: float, together_s: float) -> bool:
+    """Do devices share compute, given one matmul's time on one device alone
+    and on every device at once?"""
+    return alone_s / together_s < SHARED_BELOW
 
 
 def all_reduce_link(points: Sequence[tuple[float, float]], n: int) -> LinkSpec:
@@ -236,6 +264,19 @@ def _psum_fn(mesh, axis: str, loop: int) -> Callable[[int], Callable[[], Any]]:
     return lambda nbytes: _per_device(mesh, body, [(max(1, nbytes // 4),)], jnp.float32, 0.0)
 
 
+def _chain_fn(mesh) -> Callable[[int], Callable[[], Any]]:
+    """k dependent 8 x 8 matmuls per device: k kernels of next to no work."""
+    import jax.numpy as jnp
+
+    def body(k):
+        def chain(x, w):
+            for _ in range(k):
+                x = jnp.matmul(x, w)
+            return x
+        return chain
+    return lambda k: _per_device(mesh, body(k), [(8, 8), (8, 8)], jnp.float32, 0.125)
+
+
 def _supported(dtype: str, mesh) -> bool:
     try:
         _matmul_fn(mesh, dtype)(8)()
@@ -268,6 +309,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
+    achieved = _measure_fixed_costs(mesh, devices, opts, timer, reporter, measurements, how)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
@@ -284,7 +326,8 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         name=name or f"calibrated-{platform}-{hosts}x{per_host}", num_hosts=hosts,
         devices_per_host=per_host,
         device=DeviceSpec(kind=kind, memory_bytes=int(memory),
-                          memory_bandwidth_bytes_per_s=mem_bw, peak_flops=flops),
+                          memory_bandwidth_bytes_per_s=mem_bw, peak_flops=flops,
+                          achieved=achieved),
         intra_host=links["intra_host"], inter_host=links["inter_host"],
         description=description,
         sources=(f"meshplan calibrate, {now}, jax {jax.__version__}",))
@@ -314,6 +357,41 @@ def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
     return flops
+
+
+def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
+                         measurements: list, how: list) -> Achieved:
+    """Program dispatch and kernel launch costs, and whether the devices share
+    compute.  The rates measured elsewhere are already what the devices
+    achieve, so the efficiencies stay 1."""
+    import numpy as np
+    from jax.sharding import Mesh
+    with reporter.step("calibrate: fixed costs"):
+        make = _chain_fn(mesh)
+        points = [(float(k), median_time(make(k), timer, opts.repeats, opts.warmup))
+                  for k in opts.launch_chain]
+    dispatch, launch = fixed_costs(points)
+    measurements.append(Measurement("program dispatch", dispatch, 0, points[0][1]))
+    measurements.append(Measurement("kernel launch", launch, int(points[-1][0]), points[-1][1]))
+    how.append("achieved.program_dispatch_s and kernel_launch_s: a jitted chain of k dependent "
+               "8 x 8 matmuls on every device, the line t = dispatch + k launch through "
+               + ", ".join(f"k={int(k)} {t * 1e6:.3g} us" for k, t in points))
+    shared = False
+    if len(devices) > 1:
+        n = opts.matmul_min_n * 2
+        alone_mesh = Mesh(np.array(devices[:1], dtype=object).reshape(1, 1), ("host", "device"))
+        with reporter.step("calibrate: shared compute"):
+            alone = median_time(_matmul_fn(alone_mesh, "float32")(n), timer, opts.repeats,
+                                opts.warmup)
+            together = median_time(_matmul_fn(mesh, "float32")(n), timer, opts.repeats,
+                                   opts.warmup)
+        shared = shares_compute(alone, together)
+        how.append(f"achieved.shared_host_compute: a float32 matmul n={n} took "
+                   f"{alone * 1e3:.3g} ms on one device alone and {together * 1e3:.3g} ms on "
+                   f"all {len(devices)} at once: "
+                   + ("the devices share compute" if shared else "each device has its own"))
+    return Achieved(kernel_launch_s=launch, program_dispatch_s=dispatch,
+                    shared_host_compute=shared)
 
 
 def _measure_memory(mesh, dev0, platform: str, per_host: int, opts: Options, timer: Timer,

@@ -1,0 +1,190 @@
+"""The cost model at achieved rates: cluster JSON, compute, kernels,
+hierarchical collectives, pipelines on hosts whose devices share compute, and
+the two FLOP counts.  Synthetic figures chosen so each formula is checked by
+hand."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+import meshplan
+from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
+from meshplan.cost_model.collectives import all_gather, all_reduce, reduce_scatter
+from meshplan.cost_model.compute import compute_time, launch_time, wave_utilisation
+from meshplan.cost_model.fusion import kernels
+from meshplan.cost_model.mesh import mesh_model
+from meshplan.cost_model.pipeline import shared_compute_iteration_s
+from meshplan.errors import ClusterSpecError
+from meshplan.plan import LogicalMesh
+from meshplan.trace import trace
+
+A100 = meshplan.load_cluster("examples/clusters/dgx-a100-x2.json")
+
+
+def _device(**achieved):
+    return DeviceSpec(kind="gpu", memory_bytes=2**34, memory_bandwidth_bytes_per_s=1e12,
+                      peak_flops={"float32": 100e12}, achieved=Achieved(**achieved))
+
+
+def _cluster(hosts=2, dph=8, intra=LinkSpec(100e9, 0.0), inter=LinkSpec(80e9, 0.0), **achieved):
+    return ClusterSpec("c", hosts, dph, _device(**achieved), intra, inter)
+
+
+def test_achieved_round_trips_and_is_optional():
+    spec = A100
+    again = meshplan.parse_cluster(json.loads(spec.to_json()))
+    assert again == spec and again.device.achieved.matmul_efficiency == pytest.approx(0.859)
+    assert spec.intra_host.efficiency == pytest.approx(0.7)
+    # a file without the optional keys is the ideal device, written as before
+    plain = dataclasses.replace(spec, device=dataclasses.replace(spec.device, achieved=Achieved()),
+                                intra_host=LinkSpec(300e9, 1e-6), inter_host=LinkSpec(200e9, 5e-6))
+    d = plain.to_dict()
+    assert "achieved" not in d["device"] and "efficiency" not in d["links"]["intra_host"]
+    assert meshplan.parse_cluster(d) == plain
+    assert "ideal" in plain.describe() and "86%" in spec.describe()
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("achieved.matmul_efficiency", 1.5, "at most 1"),
+    ("achieved.memory_efficiency", 0, "positive"),
+    ("achieved.kernel_launch_s", -1e-6, "non-negative"),
+    ("achieved.compute_units", 1.5, "integer"),
+    ("achieved.shared_host_compute", "yes", "true or false"),
+    ("achieved.tile_size", 4, "unknown key"),
+])
+def test_bad_achieved_is_one_clear_error(where, value, message):
+    d = A100.to_dict()
+    key = where.split(".")[1]
+    d["device"]["achieved"][key] = value
+    with pytest.raises(ClusterSpecError) as info:
+        meshplan.parse_cluster(d)
+    assert info.value.path == f"$.device.{where}" and message in str(info.value)
+
+
+def test_bad_link_efficiency_names_its_path():
+    d = A100.to_dict()
+    d["links"]["inter_host"]["efficiency"] = 2
+    with pytest.raises(ClusterSpecError) as info:
+        meshplan.parse_cluster(d)
+    assert info.value.path == "$.links.inter_host.efficiency"
+
+
+def test_compute_at_achieved_rates_with_wave_quantization():
+    dev = _device(matmul_efficiency=0.5, memory_efficiency=0.8, compute_units=4,
+                  tile_elements=100)
+    # 4 tiles fill one wave: half the peak
+    assert compute_time(dev, 1e12, 0.0, "float32", out_elements=400) == pytest.approx(
+        1e12 / 50e12)
+    # 5 tiles need two waves of 4: 5/8 of the units' time is used
+    assert wave_utilisation(dev, 500) == pytest.approx(5 / 8)
+    # fewer tiles than units: split-K fills them
+    assert wave_utilisation(dev, 200) == 1.0
+    assert compute_time(dev, 1e12, 0.0, "float32", out_elements=500) == pytest.approx(
+        1e12 / (50e12 * 5 / 8))
+    # memory-bound at 80% of the bandwidth
+    assert compute_time(dev, 0.0, 8e9, "float32") == pytest.approx(8e9 / 0.8e12)
+    assert launch_time(_device(kernel_launch_s=5e-6), 3) == pytest.approx(15e-6)
+    # the ideal device is the plain roofline at peak
+    ideal = _device()
+    assert compute_time(ideal, 1e12, 1e9, "float32", out_elements=1) == pytest.approx(
+        max(1e12 / 100e12, 1e9 / 1e12))
+
+
+def test_kernels_one_per_fusion_and_per_matmul():
+    import jax.numpy as jnp
+
+    def f(x, w):
+        h = jnp.tanh(x * 2.0 + 1.0)          # one fusion (its root feeds the matmul)
+        y = h @ w                             # a kernel
+        return (jnp.exp(y) - 1.0).reshape(-1).sum()   # exp-sub fused into the reduce's input
+    g = trace(f, jnp.ones((8, 16)), jnp.ones((16, 4)))
+    k = kernels(g)
+    prims = sorted(g.nodes[i].primitive for i in k)
+    assert prims.count("dot_general") == 1 and "reduce_sum" in prims
+    assert "reshape" not in prims
+    # the elementwise chains: only their roots (tanh feeding the dot, sub feeding the
+    # reduction) launch a kernel
+    assert sum(p in ("tanh", "add", "mul") for p in prims) == 1
+    assert sum(p in ("exp", "sub") for p in prims) == 1
+
+
+def test_collective_inside_a_host_is_a_ring_at_achieved_bandwidth():
+    c = _cluster(intra=LinkSpec(100e9, 1e-6, efficiency=0.5), kernel_launch_s=2e-6)
+    mm = mesh_model(c, LogicalMesh(("x",), (8,)), submesh=(1, 8))
+    t, b = all_reduce(mm, (0,), 8e9)
+    assert b == 8e9
+    assert t == pytest.approx(2e-6 + 14 * 1e-6 + 2 * 7 / 8 * 8e9 / 50e9)
+
+
+def test_collective_across_hosts_is_hierarchical():
+    # 16 devices on 2 hosts in one axis: reduce-scatter over 8 in the host,
+    # all-reduce of S/8 across the 2 hosts on a device's share (80/8 GB/s), all-gather
+    c = _cluster()
+    mm = mesh_model(c, LogicalMesh(("x",), (16,)))
+    S = 16e9
+    intra = 7 / 8 * S / 100e9
+    inter = 2 * 1 / 2 * (S / 8) / (80e9 / 8)
+    assert all_reduce(mm, (0,), S)[0] == pytest.approx(2 * intra + inter)
+    assert all_gather(mm, (0,), S)[0] == pytest.approx(intra + 1 / 2 * (S / 8) / 10e9)
+    t, out = reduce_scatter(mm, (0,), S)
+    assert out == S / 16 and t == pytest.approx(intra + 1 / 2 * (S / 8) / 10e9)
+    # an axis with one device per host (data parallel across hosts): the
+    # network only, each of the 8 devices of a host with its share
+    mm2 = mesh_model(c, LogicalMesh(("x", "y"), (2, 8)))
+    assert all_reduce(mm2, (0,), S)[0] == pytest.approx(2 * 1 / 2 * S / 10e9)
+    assert all_reduce(mm2, (1,), S)[0] == pytest.approx(2 * intra)
+
+
+def test_shared_compute_pipeline_has_no_bubble():
+    # two stages of 4 devices on an 8-device host, 4 micro-batches: the host
+    # works through 4 x (1 + 3) s of stage time at half the devices each
+    t = shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, dispatch_s=0.0)
+    assert t == pytest.approx(4 * (1.0 * 4 + 3.0 * 4) / 8)
+    # dispatch is serial: two programs per stage and micro-batch
+    assert shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, 0.01) == pytest.approx(
+        t + 4 * 2 * 2 * 0.01)
+
+
+def test_local_cpu_cluster_shares_compute():
+    assert ClusterSpec.local().device.achieved.shared_host_compute
+
+
+def _gpt():
+    from meshplan.models import build_model
+    return build_model("gpt", {"layers": "2", "hidden": "32", "heads": "2", "seq_len": "16",
+                               "vocab": "64", "batch": "8"})
+
+
+def test_model_and_hardware_flops():
+    m = _gpt()
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    one = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                        method=meshplan.ShardParallel())
+    p = one.predicted
+    assert p.tflops_per_device > 0
+    assert p.hardware_tflops_per_device == pytest.approx(p.tflops_per_device)
+    pipe = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                         method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2,
+                                                remat=True))
+    q = pipe.predicted
+    assert all(s.remat for s in pipe.stages)
+    # recomputation runs the forward again: about a third more FLOPs than the model's
+    assert 1.1 < q.hardware_tflops_per_device / q.tflops_per_device < 1.5
+    assert "with recomputation" in str(pipe)
+
+
+def test_program_dispatch_is_charged_per_stage_and_micro_batch():
+    m = _gpt()
+    base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    slow = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                  program_dispatch_s=1.0)))
+    manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+    t0 = meshplan.plan(m.train_step, *m.abstract_args, cluster=base, method=manual).predicted.iteration_s
+    t1 = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow, method=manual).predicted.iteration_s
+    # 1F1B over 2 stages and 2 micro-batches: 3 stage slots on the critical
+    # path, 2 programs each, plus each stage's update program
+    extra = t1 - t0
+    assert extra == pytest.approx(3 * 2 * (1.0 - 50e-6) + 2 * (1.0 - 50e-6), rel=1e-3)
+    assert math.isfinite(t1)
