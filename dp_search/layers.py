@@ -16,6 +16,9 @@
    global gradient norm places nothing).  An update
    reads its parameter, which belongs to the layer of its first forward
    reader.  So a layer's forward, backward and updates land together.
+4. Values made from constants alone (a causal mask, a zero cotangent) belong
+   to no layer of their own: each layer that reads one computes it, no other
+   layer pays for it, and it never crosses a cut (:func:`layer_members`).
 
 Repeated blocks (identical transformer layers written as a Python loop) are
 found in the forward op sequence (:func:`find_blocks`); without marks, the
@@ -287,8 +290,8 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         if len(users) == 1 and (u := users.pop()) < layer[nid]:
             layer[nid] = u
     flops_per_layer = [0.0] * L
-    for n in graph.nodes:
-        flops_per_layer[layer[n.id]] += n.flops
+    for l, members in enumerate(layer_members(graph, layer, L)):
+        flops_per_layer[l] = sum(graph.nodes[nid].flops for nid in members)
     cut_bytes = tuple(int(cut[c]) for c in cuts)
     return Layering(L, tuple(layer), tuple(fwd), tuple(flops_per_layer), cut_bytes, marked)
 
@@ -349,17 +352,10 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     # identity markers (the gradient marker gathers every layer's gradients)
     # are read through: a layer's update reads its own layer's gradient
     v = view or unmarked_view(graph, layering)
-    graph, const, by_layer = v.graph, v.const, v.by_layer
-    keep_ids = {nid for l in range(first, last + 1) for nid in by_layer[l]}
-    # values computed from constants alone (masks, iotas) are recomputed in
-    # every layer that reads them instead of crossing layer boundaries
-    stack = [t for nid in keep_ids for t in graph.nodes[nid].inputs]
-    while stack:
-        t = stack.pop()
-        p = graph.producer.get(t)
-        if p is not None and p in const and p not in keep_ids:
-            keep_ids.add(p)
-            stack.extend(graph.nodes[p].inputs)
+    graph, const = v.graph, v.const
+    # (values computed from constants alone are in every layer that reads
+    # them, and in no other: see :func:`layer_members`)
+    keep_ids = {nid for l in range(first, last + 1) for nid in v.members[l]}
     keep = [graph.nodes[nid] for nid in sorted(keep_ids)]
     produced = {t for n in keep for t in n.outputs}
     orig_inputs = graph.input_of_tensor
@@ -386,7 +382,9 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
                 if o.updates is not None:
                     upd = index.get(graph.inputs[o.updates].tensor)
                 outputs.append(GraphOutput(t, o.path, upd))
-            elif any(c not in keep_ids for c in consumers.get(t, ())):
+            elif n.id not in const and any(c not in keep_ids for c in consumers.get(t, ())):
+                # (a constant-only value is recomputed by the layers reading
+                # it: it never leaves the layer)
                 outputs.append(GraphOutput(t, f"t{t}", None))
     nodes = tuple(n.renumbered(k) for k, n in enumerate(keep))
     # only the layer's own tensors (ids keep their numbering): a layer sent
@@ -438,16 +436,52 @@ def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph],
             for l, sub in enumerate(subs)]
 
 
+def layer_members(graph: Graph, layer_of: Sequence[int], num_layers: int) -> list[list[int]]:
+    """The nodes each layer computes, in graph order: the nodes of its own
+    (``layer_of``), except the values made from constants alone (masks,
+    iotas, broadcast literals: :attr:`Graph.constant_nodes`), which are in
+    every layer that reads them, directly or through other such values, and
+    in no other.
+
+    XLA fuses such a value into each reader, or folds it, and drops one
+    nobody reads, wherever the layering happens to put it: a layer pays for
+    its own copy, never for another layer's, and none crosses between
+    layers.  (Nodes that read nothing of the forward pass and have no reader,
+    like the zero cotangent ``jnp.where``'s ``jit`` returns for the backward
+    it then never reads, land on the last layer: counted there, the head
+    layer would pay for one such value per transformer block.)  A constant
+    value the step returns stays with the layer it was put on."""
+    const = graph.constant_nodes
+    returned = {o.tensor for o in graph.outputs}
+    readers: dict[int, set[int]] = {}
+    for nid in sorted(const, reverse=True):      # readers come later in the graph
+        r = readers[nid] = set()
+        for t in graph.nodes[nid].outputs:
+            if t in returned:
+                r.add(layer_of[nid])
+            for c in graph.consumers.get(t, ()):
+                if c in const:
+                    r |= readers[c]
+                else:
+                    r.add(layer_of[c])
+    members: list[list[int]] = [[] for _ in range(num_layers)]
+    for n in graph.nodes:
+        for l in (sorted(readers[n.id]) if n.id in const else (layer_of[n.id],)):
+            members[l].append(n.id)
+    return members
+
+
 @dataclass(frozen=True)
 class UnmarkedView:
     """A step's graph without identity markers, as the layer functions read
     it: the graph, the layer of each remaining node, its constant nodes, the
-    nodes of each layer and whether each node is a forward op.  Made once
-    per layering (:func:`unmarked_view`) and passed to the functions below."""
+    nodes each layer's subgraph holds (:func:`layer_members`) and whether
+    each node is a forward op.  Made once per layering (:func:`unmarked_view`)
+    and passed to the functions below."""
     graph: Graph
     layer_of: list[int]
     const: frozenset[int]
-    by_layer: list[list[int]]
+    members: list[list[int]]
     forward: list[bool]
 
 
@@ -455,11 +489,9 @@ def unmarked_view(graph: Graph, layering: Layering) -> UnmarkedView:
     layer_of = [layering.layer_of_node[n.id] for n in graph.nodes
                 if n.primitive not in IDENTITY_MARKERS]
     view = strip_markers(graph)
-    by_layer: list[list[int]] = [[] for _ in range(layering.num_layers)]
-    for nid, l in enumerate(layer_of):
-        by_layer[l].append(nid)
     fwd = [layering.forward[n.id] for n in graph.nodes if n.primitive not in IDENTITY_MARKERS]
-    return UnmarkedView(view, layer_of, view.constant_nodes, by_layer, fwd)
+    return UnmarkedView(view, layer_of, view.constant_nodes,
+                        layer_members(view, layer_of, layering.num_layers), fwd)
 
 
 def canonical_tensors(graph: Graph) -> tuple[int, ...]:

@@ -74,10 +74,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         n_groups = S * (min(n_groups, L) // S)
     view = unmarked_view(g, layering)
     subs = [layer_subgraph(g, layering, l, l, view) for l in range(L)]
-    fwd_flops = [0.0] * L
-    for n in g.nodes:
-        if layering.forward[n.id]:
-            fwd_flops[layering.layer_of_node[n.id]] += n.flops
+    fwd_flops = [sum(view.graph.nodes[nid].flops for nid in members if view.forward[nid])
+                 for members in view.members]
     if opts.fixed is not None:
         dp, tp, pp = opts.fixed
         submeshes = [fixed_submesh(cluster, dp * tp)]
