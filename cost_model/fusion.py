@@ -22,8 +22,8 @@ from ..graph import Graph
 # reduction's producers into its kernel, and on GPU the normalisation
 # patterns (softmax, layer norm) into one kernel with their consumers.
 FUSED_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
-FUSIBLE = PER_ELEMENT | FUSED_REDUCTIONS | frozenset({"broadcast_in_dim", "squeeze",
-                                                      "expand_dims", "iota"})
+LOOP_FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
+FUSIBLE = LOOP_FUSIBLE | FUSED_REDUCTIONS
 # Operators that are no kernel of their own: a change of view XLA makes a
 # bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.
 NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_slice",
@@ -120,11 +120,13 @@ def materialised(graph: Graph) -> set[int]:
     results of fusible ones that a non-fusible operator reads or the step
     returns.  (A value passed only between fusible operators stays in
     registers: XLA fuses the chain, duplicating cheap producers into each
-    fusion that needs them.)"""
+    fusion that needs them.)  For memory a reduction is not fusible: its
+    operand and result may well be buffers (XLA's CPU back end keeps them),
+    and the budget must not count on their fusion."""
     outputs = {o.tensor for o in graph.outputs}
     out: set[int] = set()
     for n in graph.nodes:
-        if n.primitive not in FUSIBLE:
+        if n.primitive not in LOOP_FUSIBLE:
             out.update(n.outputs)
             out.update(n.inputs)
     out.update(outputs)
