@@ -10,12 +10,21 @@
    activations before parameters (a backward op reads the activations of its
    own layer, and perhaps values shared by all layers, like a mask made in
    the first; a tied embedding read by the first and the last layer must not
-   pull the last layer's backward into the first); one that reads no
+   pull the last layer's backward into the first).  A forward value counts
+   as its own layer (its maker's, or a parameter's first reader's), except
+   that one the forward of several layers reads (a tied embedding, the
+   activation entering a layer) counts as the highest of those layers at
+   most the layer of the backward values the op reads: the head's
+   ``dlogits @ wte`` joins the head, whose backward made ``dlogits``
+   (:func:`_read_layer`).  One that reads no
    forward value inherits the smallest layer among its non-scalar operands
    (the gradient arriving from the layer above is of a higher layer; a
    global gradient norm places nothing).  An update
    reads its parameter, which belongs to the layer of its first forward
-   reader.  So a layer's forward, backward and updates land together.
+   reader, and its gradient, made there.  So a layer's forward, backward
+   and updates land together.  Last, a backward op that a higher layer's
+   backward reads is raised to that layer, as the pipeline runtime does
+   (:func:`_keep_pipeline_order`): each layer costs what its stage runs.
 4. Values made from constants alone (a causal mask, a zero cotangent) belong
    to no layer of their own: each layer that reads one computes it, no other
    layer pays for it, and it never crosses a cut (:func:`layer_members`).
@@ -233,24 +242,34 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
             ci += 1
     # parameters: the layer of their first forward reader
     tensor_layer: dict[int, int] = {}
+    graph_inputs = {i.tensor for i in graph.inputs}
+    # forward value -> the layer making it (none for an input) and those reading it
+    read_in: dict[int, set[int]] = {}
     for nid in fwd_ids:
         for t in graph.nodes[nid].inputs:
             tensor_layer.setdefault(t, layer[nid])
+            read_in.setdefault(t, set()).add(layer[nid])
         for t in graph.nodes[nid].outputs:
             tensor_layer[t] = layer[nid]
+            read_in.setdefault(t, set()).add(layer[nid])
     forward_values = set(tensor_layer)
-    graph_inputs = {i.tensor for i in graph.inputs}
     pending = []
     loose: set[int] = set()     # placed by their operands' layers: they read no forward value
     for n in graph.nodes:
         if layer[n.id] >= 0:
             continue
         # the activations a backward op reads place it; a parameter places it
-        # only when it reads no activation (a tied embedding read by the first
-        # and the last layer must not pull the last layer's backward matmul
-        # into the first layer)
-        fl = [tensor_layer[t] for t in n.inputs if t in forward_values and t not in graph_inputs]
-        fl = fl or [tensor_layer[t] for t in n.inputs if t in forward_values]
+        # only when it reads no activation.  A value the forward of several
+        # layers reads (a tied embedding, the activation entering a layer)
+        # places it in the layer of the backward values it reads, when that
+        # is one of them: the head's ``dlogits @ wte`` runs with the head's
+        # backward, not the embedding's (:func:`_read_layer`)
+        below = min((tensor_layer[t] for t in n.inputs
+                     if t in tensor_layer and t not in forward_values
+                     and math.prod(graph.tensors[t].shape) > 1), default=None)
+        fl = [_read_layer(read_in[t], below) for t in n.inputs
+              if t in forward_values and t not in graph_inputs]
+        fl = fl or [_read_layer(read_in[t], below) for t in n.inputs if t in forward_values]
         # (scalars such as a global gradient norm are read by every layer's
         # update and place nothing)
         bl = [tensor_layer[t] for t in n.inputs if t in tensor_layer]
@@ -289,11 +308,81 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
                  if graph.nodes[c].primitive not in IDENTITY_MARKERS}
         if len(users) == 1 and (u := users.pop()) < layer[nid]:
             layer[nid] = u
+    _keep_pipeline_order(graph, layer, fwd)
     flops_per_layer = [0.0] * L
     for l, members in enumerate(layer_members(graph, layer, L)):
         flops_per_layer[l] = sum(graph.nodes[nid].flops for nid in members)
     cut_bytes = tuple(int(cut[c]) for c in cuts)
     return Layering(L, tuple(layer), tuple(fwd), tuple(flops_per_layer), cut_bytes, marked)
+
+
+def _read_layer(layers: set[int], below: int | None) -> int:
+    """The layer a forward value places a backward op reading it in:
+    ``layers`` are the layer making the value and those whose forward reads
+    it; ``below``, the lowest layer making a backward value the op reads
+    (None: it reads none).  The value's own layer (the lowest), unless
+    several layers read it and the op reads backward values: then the
+    highest of them at most ``below``.  The backward op of the layer that
+    read it runs there, with the backward values it reads, instead of them
+    being sent down to the first layer (a ``[batch, seq, vocab]`` gradient to
+    a tied embedding's layer).  A parameter's gradient and its update read
+    the gradient made where the parameter is, and stay there."""
+    first = min(layers)
+    if below is None or len(layers) == 1:
+        return first
+    return max((l for l in layers if l <= below), default=first)
+
+
+def _per_micro_batch_backward(graph: Graph, fwd: Sequence[bool]) -> list[int]:
+    """The backward nodes a pipeline runs once per micro-batch, in graph order:
+    the ancestors of the gradients (the gradient marker's operands) and of
+    every other batch-dependent value that is not made from the gradients,
+    less the forward nodes, the markers and the values made from constants
+    alone (the runtime's ``B`` phase: ``runtime/pipeline_split._phases``)."""
+    const = graph.constant_nodes
+    batch = {i.tensor for i in graph.inputs if i.role == BATCH}
+    markers = {n.id for n in graph.nodes if n.primitive == GRAD_BOUNDARY}
+    bdep, after = set(batch), set()
+    for n in graph.nodes:
+        if n.id in markers:
+            after.update(n.outputs)
+            continue
+        if any(t in bdep for t in n.inputs):
+            bdep.update(n.outputs)
+        if any(t in after for t in n.inputs):
+            after.update(n.outputs)
+    need = {t for nid in markers for t in graph.nodes[nid].inputs}
+    for n in graph.nodes:
+        if (n.id not in const and n.id not in markers and any(t in bdep for t in n.outputs)
+                and not any(t in after for t in n.outputs)):
+            need.update(n.outputs)
+    out = []
+    for n in reversed(graph.nodes):
+        if n.id in markers or n.id in const or not any(t in need for t in n.outputs):
+            continue
+        need.update(n.inputs)
+        if not fwd[n.id]:
+            out.append(n.id)
+    return out[::-1]
+
+
+def _keep_pipeline_order(graph: Graph, layer: list[int], fwd: Sequence[bool]) -> None:
+    """Raise each per-micro-batch backward node to the highest layer among its
+    backward readers, as the pipeline runtime does
+    (``runtime/pipeline_split._keep_pipeline``): a layer's backward runs after
+    the backward of the layers above it, so what a higher layer's backward
+    reads is computed there.  (The operand rule already places the usual
+    such ops there, like the weight gradient ``h.T @ dy`` of a layer's first
+    matmul ``h @ w``, which reads the activation entering the layer; this
+    catches the rest.)  The layers then cost what each stage runs, and the
+    runtime moves nothing."""
+    bwd = _per_micro_batch_backward(graph, fwd)
+    is_bwd = set(bwd)
+    for nid in reversed(bwd):
+        users = [layer[c] for t in graph.nodes[nid].outputs
+                 for c in graph.consumers.get(t, ()) if c in is_bwd]
+        if users and max(users) > layer[nid]:
+            layer[nid] = max(users)
 
 
 def gradient_parameters(graph: Graph, marker) -> list[int | None]:
