@@ -65,14 +65,6 @@ class MeshModel:
     def num_devices(self) -> int:
         return self.mesh.size
 
-    def group_link(self, axes: tuple[int, ...]) -> tuple[int, float, float]:
-        """(devices, bandwidth, latency) of a collective over several axes at once:
-        the slowest axis sets the pace."""
-        n = math.prod(self.mesh.shape[a] for a in axes)
-        bw = min(self.links[a].bandwidth for a in axes)
-        lat = max(self.links[a].latency for a in axes)
-        return n, bw, lat
-
     def group(self, axes: tuple[int, ...]) -> Group:
         """The devices of a collective over ``axes`` and the links between them."""
         n = math.prod(self.mesh.shape[a] for a in axes)

@@ -15,6 +15,16 @@ def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: flo
     return 2 * cut_bytes * replication / (devices * p2p_bw)
 
 
+def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float) -> float:
+    """Seconds per micro-batch a stage spends adding its parameter gradients
+    (``grad_bytes`` on one device) into their running sums: every
+    micro-batch after the first reads the sum and the new gradient and
+    writes the sum back."""
+    if num_micro_batches <= 1:
+        return 0.0
+    return 3 * grad_bytes * (num_micro_batches - 1) / num_micro_batches / memory_bw
+
+
 def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:
     """Micro-batches whose activations a stage keeps at once: GPipe all of
     them; 1F1B (and interleaved) at most the stages from this one to the last."""

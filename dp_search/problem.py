@@ -36,6 +36,7 @@ class LayerProblems:
     budget: float
     p2p_bw: float                   # one device's share of the links between stages (bytes/s)
     dispatch_s: float               # launching one compiled program (ClusterSpec achieved)
+    memory_bw: float                # a device's achieved memory bandwidth (bytes/s)
     # parameters, optimizer and other state of each layer, unsharded: a stage
     # whose state cannot fit even when split over all its devices is skipped
     # before any ILP is solved
@@ -100,6 +101,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
                 if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
         dispatch_s=cluster.device.achieved.program_dispatch_s,
+        memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
+                   * cluster.device.achieved.memory_efficiency),
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs])

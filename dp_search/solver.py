@@ -37,6 +37,7 @@ class LayerCost:
     # the solved layer's tensor ids in canonical order: a structurally equal
     # layer reuses this result with its own ids in the same positions
     tensors: tuple[int, ...] = ()
+    grad_bytes: float = 0.0    # its parameters' gradients on one device (what is accumulated)
 
     @property
     def transient_bytes(self) -> float:
@@ -196,7 +197,7 @@ class LayerSolver:
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
                 saved: frozenset[int], crossing: frozenset[int]) -> LayerCost:
     specs = dict(r.constraints)
-    resident = boundary = 0.0
+    resident = boundary = grads = 0.0
 
     def local(t: int, spec) -> float:
         return sub.tensors[t].nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
@@ -205,6 +206,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
         specs[inp.tensor] = spec
         if inp.role in (PARAM, OPT_STATE, STATE):
             resident += local(inp.tensor, spec)
+        if inp.role == PARAM:
+            grads += local(inp.tensor, spec)
         elif inp.role == BOUNDARY:
             boundary += local(inp.tensor, spec)
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
@@ -216,7 +219,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
-                     canonical_tensors(sub))
+                     canonical_tensors(sub), grads)
 
 
 

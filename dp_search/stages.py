@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cluster import ClusterSpec
-from ..cost_model.pipeline import (in_flight, interleaved_iteration_s, shared_compute_iteration_s,
+from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iteration_s, shared_compute_iteration_s,
                                    stage_send_s)
 from ..errors import InfeasiblePlanError
 from .options import PipelineOptions
@@ -34,6 +34,7 @@ class GroupCost:
     remat_time_s: float      # time_s with each layer's forward run twice
     boundary_bytes: float    # the layers' inputs: what recomputation keeps
     activation_bytes: float  # the largest layer's live intermediates
+    grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
@@ -41,14 +42,14 @@ class GroupCost:
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
                          sum(p.time_s * (1 + p.forward_fraction) for p in parts),
                          sum(p.boundary_bytes for p in parts),
-                         max(p.activation_bytes for p in parts))
+                         max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts))
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
         return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
                          sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
                          sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
-                         max(r.activation_bytes for r in rows))
+                         max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows))
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,20 @@ class StageCosts:
                 continue
             send = self.send_s(j, m, k)
             c = GroupCost.of_groups(rows)
+            fixed = send + dispatch + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw)
             # each micro-batch in flight keeps what its backward reads; the one
             # being processed also needs its layer's temporaries.  With remat
             # a stage keeps only its inputs and recomputes a layer's forward
             # just before its backward.
             ways = []
-            if opts.remat is not True:
-                ways.append((c.time_s + send + dispatch, False,
+            # the whole model as one stage with one micro-batch runs as one
+            # program, which never recomputes: no remat to choose (or charge)
+            whole = gi == 0 and gj == len(lay.groups) - 1 and lay.B == 1
+            if opts.remat is not True or whole:
+                ways.append((c.time_s + fixed, False,
                              c.resident_bytes + keep * c.saved_bytes + c.transient_bytes))
-            if opts.remat is not False:
-                ways.append((c.remat_time_s + send + dispatch, True,
+            if opts.remat is not False and not whole:
+                ways.append((c.remat_time_s + fixed, True,
                              c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
             for lat, remat, mem in ways:
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
@@ -206,8 +211,12 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
             [st.latency - 2 * lay.dispatch_s for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
             cluster.num_devices, lay.dispatch_s)
-    # and each stage's update program, once per iteration
-    total += n_st * lay.dispatch_s
+    if n_st == 1 and lay.B == 1:
+        # one program, once per iteration
+        total -= lay.dispatch_s
+    else:
+        # and each stage's update program, once per iteration
+        total += n_st * lay.dispatch_s
     return PipelineChoice(total, schedule, res, dict(chosen))
 
 

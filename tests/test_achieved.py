@@ -188,3 +188,24 @@ def test_program_dispatch_is_charged_per_stage_and_micro_batch():
     extra = t1 - t0
     assert extra == pytest.approx(3 * 2 * (1.0 - 50e-6) + 2 * (1.0 - 50e-6), rel=1e-3)
     assert math.isfinite(t1)
+
+
+def test_gradients_accumulate_per_micro_batch_at_memory_bandwidth():
+    from meshplan.cost_model.pipeline import accumulation_s
+    # one micro-batch: nothing to add; B of them: B-1 adds, each reading the sum
+    # and the gradient and writing the sum
+    assert accumulation_s(1e9, 1, 1e9) == 0.0
+    assert accumulation_s(1e9, 4, 1e9) == pytest.approx(3 * 3 / 4)
+
+
+def test_one_stage_plans_never_recompute():
+    # the whole model as one stage runs as one program, which does not
+    # recompute: Manual(remat=True) with one stage is not charged for it
+    m = _gpt()
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    plain = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                          method=meshplan.Manual(dp=8, tp=1, pp=1, remat=False))
+    asked = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                          method=meshplan.Manual(dp=8, tp=1, pp=1, remat=True))
+    assert not asked.stages[0].remat
+    assert asked.predicted.iteration_s == pytest.approx(plain.predicted.iteration_s)
