@@ -15,14 +15,17 @@ def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: flo
     return 2 * cut_bytes * replication / (devices * p2p_bw)
 
 
-def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float) -> float:
+def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float,
+                   passes: int = 3) -> float:
     """Seconds per micro-batch a stage spends adding its parameter gradients
-    (``grad_bytes`` on one device) into their running sums: every
-    micro-batch after the first reads the sum and the new gradient and
-    writes the sum back."""
+    (``grad_bytes`` on one device) into their running sums, for every
+    micro-batch after the first.  ``passes`` over the gradient bytes: 3 where
+    the add is a kernel of its own (read the sum and the gradient, write the
+    sum: XLA's CPU back end), 1 where it fuses into the weight-gradient matmul
+    as its accumulator (a GEMM with beta = 1 reads the old sum; on GPUs)."""
     if num_micro_batches <= 1:
         return 0.0
-    return 3 * grad_bytes * (num_micro_batches - 1) / num_micro_batches / memory_bw
+    return passes * grad_bytes * (num_micro_batches - 1) / num_micro_batches / memory_bw
 
 
 def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..cluster import ClusterSpec
+from ..cost_model.mesh import is_cpu
 from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import candidate_meshes
@@ -37,6 +38,7 @@ class LayerProblems:
     p2p_bw: float                   # one device's share of the links between stages (bytes/s)
     dispatch_s: float               # launching one compiled program (ClusterSpec achieved)
     memory_bw: float                # a device's achieved memory bandwidth (bytes/s)
+    accumulate_passes: int          # passes over the gradients per accumulation (cost_model)
     # parameters, optimizer and other state of each layer, unsharded: a stage
     # whose state cannot fit even when split over all its devices is skipped
     # before any ILP is solved
@@ -103,6 +105,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         dispatch_s=cluster.device.achieved.program_dispatch_s,
         memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
                    * cluster.device.achieved.memory_efficiency),
+        accumulate_passes=3 if is_cpu(cluster.device) else 1,
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs])

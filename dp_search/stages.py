@@ -132,7 +132,8 @@ class StageCosts:
                 continue
             send = self.send_s(j, m, k)
             c = GroupCost.of_groups(rows)
-            fixed = send + dispatch + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw)
+            fixed = send + dispatch + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
+                                                     lay.accumulate_passes)
             # each micro-batch in flight keeps what its backward reads; the one
             # being processed also needs its layer's temporaries.  With remat
             # a stage keeps only its inputs and recomputes a layer's forward

@@ -196,6 +196,8 @@ def test_gradients_accumulate_per_micro_batch_at_memory_bandwidth():
     # and the gradient and writing the sum
     assert accumulation_s(1e9, 1, 1e9) == 0.0
     assert accumulation_s(1e9, 4, 1e9) == pytest.approx(3 * 3 / 4)
+    # fused into the weight-gradient GEMM as its accumulator: one read of the sum
+    assert accumulation_s(1e9, 4, 1e9, passes=1) == pytest.approx(3 / 4)
 
 
 def test_one_stage_plans_never_recompute():
