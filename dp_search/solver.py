@@ -97,7 +97,8 @@ class LayerSolver:
         if len(self.cache) > LAYER_CACHE_MAX:
             self.cache.clear()
         o = self.options
-        return (sub.fingerprint, mesh.shape, tuple((l.bandwidth, l.latency) for l in mm.links),
+        links = tuple((l.bandwidth, l.latency, l.local) for l in mm.links)
+        return (sub.fingerprint, mesh.shape, links, mm.intra, mm.inter,
                 grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
                 o.memory_fraction)
 

@@ -68,7 +68,7 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
         mesh = LogicalMesh(default_axis_names(len(shape)), shape)
         if cluster is not None:
             links = mesh_model(cluster, mesh, submesh=submesh).links
-            key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency) for l in links])))
+            key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency, l.local) for l in links])))
             if key in seen:
                 continue
             seen.add(key)
