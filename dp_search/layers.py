@@ -525,6 +525,19 @@ def crossing_values(graph: Graph, layering: Layering, subs: Sequence[Graph],
             for l, sub in enumerate(subs)]
 
 
+def entering_values(graph: Graph, layering: Layering, subs: Sequence[Graph],
+                    view: UnmarkedView | None = None) -> list[frozenset[int]]:
+    """Per layer: the forward values of other layers it reads (what a
+    recomputing stage keeps per micro-batch in flight).  Gradients arriving
+    from the layers above are not among them: they come at backward time and
+    are used at once."""
+    v = view or unmarked_view(graph, layering)
+    return [frozenset(i.tensor for i in sub.inputs
+                      if i.role == BOUNDARY and (p := v.graph.producer.get(i.tensor)) is not None
+                      and v.forward[p])
+            for sub in subs]
+
+
 def layer_members(graph: Graph, layer_of: Sequence[int], num_layers: int) -> list[list[int]]:
     """The nodes each layer computes, in graph order: the nodes of its own
     (``layer_of``), except the values made from constants alone (masks,

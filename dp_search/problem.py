@@ -12,8 +12,8 @@ from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import candidate_meshes
 from ..plan import LogicalMesh
-from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, group_layers,
-                     layer_subgraph, saved_for_backward, unmarked_view)
+from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
+                     group_layers, layer_subgraph, saved_for_backward, unmarked_view)
 from .options import PipelineOptions
 from .stage_dp import Submesh, submesh_shapes
 
@@ -30,6 +30,7 @@ class LayerProblems:
     grads: frozenset[int]           # parameter gradients (what meshplan.grad marks)
     saved: list[frozenset[int]]     # per layer: what its backward reads
     crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
+    entering: list[frozenset[int]]  # per layer: forward values of other layers it reads
     submeshes: list[Submesh]
     meshes_of: list[list[LogicalMesh]]
     max_stages: int | None
@@ -48,7 +49,8 @@ class LayerProblems:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
         s = self.submeshes[m]
         return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
-                self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l])
+                self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l],
+                self.entering[l])
 
     def requests(self) -> list[tuple]:
         """Every layer on every mesh its state fits: the stage DP asks for all of them."""
@@ -95,6 +97,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
         saved=saved_for_backward(g, layering, view),
         crossing=crossing_values(g, layering, subs, view),
+        entering=entering_values(g, layering, subs, view),
         submeshes=submeshes,
         meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
                    for s in submeshes],

@@ -118,11 +118,12 @@ class LayerSolver:
         them to pay for the workers; :meth:`collect` waits for them.  (Those
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
-        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing in requests:
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering \
+                in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
-                             fwd_flops, saved, crossing)
+                             fwd_flops, saved, crossing, entering)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
         import multiprocessing
@@ -148,11 +149,12 @@ class LayerSolver:
         t0 = time.perf_counter()
         results = pending.get()
         for key, (r, took) in zip(keys, results):
-            _, sub, mesh, fwd_flops, saved, crossing = todo[key]
+            _, sub, mesh, fwd_flops, saved, crossing, entering = todo[key]
             self.solves += 1
             self.ilp_work_s += took
             self.cache[key] = (None if r is None else
-                               layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing))
+                               layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
+                                                      entering))
         self.ilp_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
@@ -169,8 +171,8 @@ class LayerSolver:
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
                    grad_accum: int = 1, saved: frozenset[int] = frozenset(),
-                   crossing: frozenset[int] = frozenset()
-                   ) -> LayerCost | None:
+                   crossing: frozenset[int] = frozenset(),
+                   entering: frozenset[int] | None = None) -> LayerCost | None:
         self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
         key = self._key(sub, mesh, submesh, grad_accum)
         self.used.add(key)
@@ -183,7 +185,8 @@ class LayerSolver:
                             self.session.ilp_caches)
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
-                           layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing))
+                           layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
+                                                  entering))
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
@@ -196,7 +199,11 @@ class LayerSolver:
 
 
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
-                saved: frozenset[int], crossing: frozenset[int]) -> LayerCost:
+                saved: frozenset[int], crossing: frozenset[int],
+                entering: frozenset[int] | None = None) -> LayerCost:
+    """The layer's cost from its ILP.  ``entering``: the forward values of
+    other layers it reads, what recomputation keeps per micro-batch (None:
+    every boundary input)."""
     specs = dict(r.constraints)
     resident = boundary = grads = 0.0
 
@@ -209,7 +216,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
             resident += local(inp.tensor, spec)
         if inp.role == PARAM:
             grads += local(inp.tensor, spec)
-        elif inp.role == BOUNDARY:
+        elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
             boundary += local(inp.tensor, spec)
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
