@@ -30,15 +30,17 @@ NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_sl
                                        "select_and_gather_add"})
 
 
-def fused_bytes(graph: Graph) -> dict[int, float]:
+def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, float]:
     """node id -> bytes moved, for every fusible operator of ``graph``.
 
     Fusible operators joined by values they pass to each other form one
     fusion, which reads each value from memory once however many of its
-    operators use it: the read is charged to the first of them."""
+    operators use it: the read is charged to the first of them.  ``leaving``:
+    :func:`materialised_results`, when the caller has it already."""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     producer = graph.producer
-    leaving = materialised_results(graph)
+    if leaving is None:
+        leaving = materialised_results(graph)
     fusion = _fusions(graph, fusible)
     read: set[tuple[int, int]] = set()        # (fusion, tensor) already charged
     out: dict[int, float] = {}
@@ -81,12 +83,12 @@ def _fusions(graph: Graph, fusible: set[int]) -> dict[int, int]:
     return {i: find(i) for i in fusible}
 
 
-def kernels(graph: Graph) -> dict[int, int]:
+def kernels(graph: Graph, leaving: set[int] | None = None) -> dict[int, int]:
     """node id -> kernels it launches (1), for the nodes that launch one: every
     operator that is neither fusible nor a view, and every fusible operator
     whose result is materialised (the root of a fusion; the rest of the
-    chain is inside that kernel)."""
-    keep = materialised_results(graph)
+    chain is inside that kernel).  ``leaving`` as for :func:`fused_bytes`."""
+    keep = materialised_results(graph) if leaving is None else leaving
     out: dict[int, int] = {}
     for n in graph.nodes:
         if n.primitive in FUSIBLE:

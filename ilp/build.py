@@ -29,7 +29,7 @@ import numpy as np
 
 from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time, launch_time
-from ..cost_model.fusion import fused_bytes, kernels
+from ..cost_model.fusion import fused_bytes, kernels, materialised_results
 from ..cost_model.memory import liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
@@ -231,8 +231,9 @@ class _Builder:
     # ---- operators: new groups or followers ---------------------------------
     def add_operator_groups(self) -> None:
         graph = self.graph
-        traffic = fused_bytes(graph)
-        self.launches = kernels(graph)
+        leaving = materialised_results(graph)     # (what both of these need)
+        traffic = fused_bytes(graph, leaving)
+        self.launches = kernels(graph, leaving)
         strat_cache: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
             if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
