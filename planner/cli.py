@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -120,7 +121,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     target = load_target(args)
     with args.session.progress.step(f"tracing {target.name}"):
         graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
-                      name=target.name)
+                      name=target.name, warn=False)     # (printed below)
     s = graph.summary(top=args.top)
     if target.model_config is not None:
         s["model_config"] = target.model_config
@@ -406,6 +407,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(seen: set[str]) -> Callable[..., None]:
+    """``warnings.showwarning`` for the command line: meshplan's own warnings
+    as one line each, each text once however often the passes raise it."""
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        text = " ".join(str(message).split())
+        if text in seen:
+            return
+        seen.add(text)
+        if text.startswith("meshplan: "):
+            text = "meshplan: warning: " + text.removeprefix("meshplan: ")
+        else:
+            text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+        print(text, file=file or sys.stderr)
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -413,7 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .dp_search import Session
         args.session = Session.from_env(reporter)   # configuration read once, here
-        with reporter.interruptible():
+        with reporter.interruptible(), warnings.catch_warnings():
+            warnings.filterwarnings("always", message="meshplan: ")
+            warnings.showwarning = _show_warning(set())
             return int(args.func(args) or 0)
     except MeshplanError as e:
         print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)

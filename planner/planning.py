@@ -22,7 +22,7 @@ from .graph import BATCH, IDENTITY_MARKERS, Graph, strip_markers
 from .methods import Method
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
-from .trace import trace, trace_both
+from .trace import issue_warnings, trace, trace_both
 from .traced import TracedStep
 from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
@@ -60,6 +60,7 @@ def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[i
     layer (:mod:`meshplan.trace.unstack`)."""
     with session.progress.step(f"tracing {name}"):
         graph, run = trace_both(fn, *abstract, batch_argnums=batch_argnums, name=name)
+    issue_warnings(graph)       # (once: the retraces per micro-batch count stay silent)
     unstacked = unstack_scanned_layers(graph, fn, abstract)
     if unstacked is None:
         return TracedFunction(graph, fn, tuple(abstract), batch_argnums, name, run)
@@ -92,7 +93,7 @@ def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ..
         args = list(abstract)
         for a in batch_argnums:
             args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
-        return trace(fn, *args, batch_argnums=batch_argnums, name=name)
+        return trace(fn, *args, batch_argnums=batch_argnums, name=name, warn=False)
     return retrace
 
 

@@ -5,6 +5,6 @@ the runtime takes) from ``jax.make_jaxpr``; :mod:`.walk` flattens nested
 jaxprs into one equation stream; :mod:`.unstack` unrolls a ``lax.scan`` over
 stacked layers into a step with one input per layer.
 """
-from .tracer import graph_from_jaxpr, trace, trace_both, trace_for_run
+from .tracer import graph_from_jaxpr, issue_warnings, trace, trace_both, trace_for_run
 
-__all__ = ("trace", "trace_both", "trace_for_run", "graph_from_jaxpr")
+__all__ = ("trace", "trace_both", "trace_for_run", "graph_from_jaxpr", "issue_warnings")

@@ -13,6 +13,7 @@ import inspect
 import json
 import math
 import re
+import warnings as _warnings   # (``warnings`` names the trace's own set below)
 from typing import Any, Callable, Sequence
 
 import jax
@@ -177,16 +178,28 @@ def _body_digest(eqn: Any) -> str:
 
 
 def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
-          name: str | None = None) -> Graph:
-    """Trace ``fn(*args)`` into a :class:`Graph` without running it."""
-    return _traced(fn, args, batch_argnums, name)[3]
+          name: str | None = None, warn: bool = True) -> Graph:
+    """Trace ``fn(*args)`` into a :class:`Graph` without running it.  With
+    ``warn``, what the trace could not cost exactly (``Graph.warnings``) is
+    also issued as Python warnings; a caller that traces the same step again
+    (per micro-batch count) passes False and reports them once itself."""
+    graph = _traced(fn, args, batch_argnums, name)[3]
+    if warn:
+        issue_warnings(graph)
+    return graph
+
+
+def issue_warnings(graph: Graph) -> None:
+    """``graph.warnings`` as Python warnings, each once."""
+    for w in graph.warnings:
+        _warnings.warn(f"meshplan: {w}", stacklevel=3)
 
 
 def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
                name: str | None = None) -> tuple[Graph, TracedStep]:
     """``fn(*args)`` traced once: its :class:`Graph` for the planner and the
     :class:`~meshplan.traced.TracedStep` a one-stage runtime runs (its graph
-    is that Graph)."""
+    is that Graph).  Issues no warnings (:func:`issue_warnings`)."""
     closed, out_shape, flat, graph = _traced(fn, args, batch_argnums, name)
     return graph, _traced_step(closed, out_shape, flat, tuple(args), graph.batch_argnums,
                                graph=graph)
@@ -272,9 +285,6 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
     tensor_tuple = tuple(tensors[i] for i in range(next_id))
     g = Graph(name=name, tensors=tensor_tuple, nodes=tuple(nodes), inputs=tuple(inputs),
               outputs=outputs, batch_argnums=batch_argnums, warnings=tuple(sorted(warnings)))
-    for w in g.warnings:
-        import warnings as _w
-        _w.warn(f"meshplan: {w}", stacklevel=3)
     return _with_fingerprint(g)
 
 
@@ -356,12 +366,9 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
                   else a for i, a in enumerate(args))
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro)
     flat = flatten(closed)
-    import warnings as _w
-    with _w.catch_warnings():
-        _w.simplefilter("ignore")
-        graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
-                                 name=getattr(fn, "__name__", "fn"),
-                                 argnames=_argnames(fn, len(micro)), flat=flat)
+    graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
+                             name=getattr(fn, "__name__", "fn"),
+                             argnames=_argnames(fn, len(micro)), flat=flat)
     step_out = jax.eval_shape(fn, *args)
     return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
                         forward=tuple(forward_nodes(graph)), step_out=step_out,
