@@ -10,7 +10,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.mesh import is_cpu
 from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
-from ..ilp import candidate_meshes
+from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
 from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
                      group_layers, layer_subgraph, saved_for_backward, unmarked_view)
@@ -90,7 +90,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         # that equal stages can cover every host)
         submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
                      if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
-        max_stages = opts.num_stages
+        max_stages = opts.num_stages or opts.max_stages
     return LayerProblems(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
@@ -99,8 +99,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         crossing=crossing_values(g, layering, subs, view),
         entering=entering_values(g, layering, subs, view),
         submeshes=submeshes,
-        meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages)
-                   for s in submeshes],
+        meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
+                                opts.tp_within_host) for s in submeshes],
         max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
         budget=cluster.device.memory_bytes * opts.memory_fraction,
         p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
@@ -127,8 +127,8 @@ def fixed_submesh(cluster: ClusterSpec, n: int) -> Submesh:
     return Submesh(n // dph, dph)
 
 
-def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = False
-                  ) -> list[LogicalMesh]:
+def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = False,
+                 tp_within_host: bool = False) -> list[LogicalMesh]:
     n = sub.size
     if data_only:
         return [LogicalMesh(("data",), (n,))]
@@ -138,4 +138,7 @@ def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = Fa
     meshes = candidate_meshes(n, 2, cluster=cluster, submesh=(sub.hosts, sub.devices_per_host))
     if sub.hosts > 1:   # keep the fast axis inside a host (one axis may cross hosts)
         meshes = [m for m in meshes if len(m.shape) == 1 or m.shape[-1] <= sub.devices_per_host]
+    if tp_within_host:
+        meshes = within_host(meshes, sub.hosts, sub.devices_per_host)
     return meshes
+

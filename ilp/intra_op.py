@@ -7,6 +7,7 @@ compute + communication + resharding time under the per-device memory budget.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .. import progress
@@ -74,6 +75,19 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
             seen.add(key)
         out.append(mesh)
     return out
+
+
+def within_host(meshes: list[LogicalMesh], hosts: int, devices_per_host: int
+                ) -> list[LogicalMesh]:
+    """Of ``meshes`` laid row-major over ``hosts`` whole hosts, those whose
+    every axis but the first lies inside a host: only the first (data) axis
+    crosses hosts, so tensor parallelism stays on the fast links.  One host
+    keeps them all; hosts of one device keep the one-axis mesh."""
+    if hosts <= 1:
+        return meshes
+    inside = [m for m in meshes
+              if len(m.shape) > 1 and devices_per_host % math.prod(m.shape[1:]) == 0]
+    return inside or [m for m in meshes if len(m.shape) == 1]
 
 
 def memory_floor(graph: Graph, num_devices: int) -> float:

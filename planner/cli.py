@@ -169,6 +169,13 @@ def _cluster(arg: str):
     return ClusterSpec.local() if arg == "local" else load_cluster(arg)
 
 
+# which methods take each method flag (the others choose it themselves)
+APPLIES = {"dp": ("manual",), "tp": ("manual",), "pp": ("manual", "pipeshard"),
+           "micro_batches": ("auto", "pipeshard", "manual"),
+           "schedule": ("auto", "pipeshard", "manual"),
+           "max_stages": ("auto", "pipeshard"), "tp_within_host": ("auto", "pipeshard")}
+
+
 def _method(args: argparse.Namespace):
     from . import methods as M
     name = args.method
@@ -178,32 +185,64 @@ def _method(args: argparse.Namespace):
     if args.remat != "auto" and name != "manual":
         raise ModelConfigError(f"--remat applies to --method manual only (got --method {name}); "
                                "the other methods choose recomputation per stage")
-    applies = {"manual": ("dp", "tp", "pp", "micro_batches", "schedule"),
-               "pipeshard": ("pp", "micro_batches", "schedule")}.get(name, ())
-    given = [k for k in ("dp", "tp", "pp", "micro_batches", "schedule")
-             if getattr(args, k) not in (None, "auto") and k not in applies]
+    given = [k for k, users in APPLIES.items()
+             if getattr(args, k) not in (None, "auto", False) and name not in users]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        users = "--method manual" + (" or pipeshard" if set(given) <= {"pp", "micro_batches",
-                                                                       "schedule"} else "")
-        raise ModelConfigError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to {users} "
-                               f"only (got --method {name}); --method {name} chooses "
-                               f"{'it' if len(given) == 1 else 'them'} itself")
+        users = sorted({u for k in given for u in APPLIES[k]} - {name})
+        raise ModelConfigError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to "
+                               f"--method {_either(users)} only (got --method {name}); "
+                               f"--method {name} chooses {'it' if len(given) == 1 else 'them'} "
+                               "itself")
+    mb, sched = _counts(args.micro_batches), _names(args.schedule)
+    common = dict(time_limit=args.time_limit, memory_fraction=args.memory_fraction)
+    search = dict(num_micro_batches=mb, schedule=sched, max_stages=args.max_stages,
+                  tp_within_host=args.tp_within_host)
     if name == "shard":
         mesh = _parse_mesh(args.mesh) if args.mesh else None
-        return M.ShardParallel(mesh_shape=mesh, time_limit=args.time_limit)
+        return M.ShardParallel(mesh_shape=mesh, **common)
     if name == "data":
-        return M.DataParallel(time_limit=args.time_limit)
+        return M.DataParallel(**common)
     if name == "manual":
+        if not isinstance(mb, (int, type(None))) or not isinstance(sched, str):
+            raise ModelConfigError("--method manual takes one --micro-batches count and one "
+                                   "--schedule; lists are for --method auto and pipeshard")
         return M.Manual(dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
-                        num_micro_batches=args.micro_batches or 1,
-                        schedule=args.schedule if args.schedule != "auto" else "1f1b",
-                        time_limit=args.time_limit,
-                        remat={"auto": None, "always": True, "never": False}[args.remat])
+                        num_micro_batches=mb or 1,
+                        schedule=sched if sched != "auto" else "1f1b",
+                        remat={"auto": None, "always": True, "never": False}[args.remat],
+                        **common)
     if name == "pipeshard":
-        return M.PipeshardParallel(num_micro_batches=args.micro_batches, schedule=args.schedule,
-                                   stages=args.pp or "auto", time_limit=args.time_limit)
-    return M.Auto(time_limit=args.time_limit)
+        return M.PipeshardParallel(stages=args.pp or "auto", **search, **common)
+    return M.Auto(**search, **common)
+
+
+def _either(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _counts(text: str | None) -> int | tuple[int, ...] | None:
+    """``--micro-batches``: one count, or counts to search (``4,8,16``)."""
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(c < 1 for c in counts):
+        raise ModelConfigError(f"--micro-batches expects a positive integer or a comma-separated "
+                               f"list of them (e.g. 4,8,16), got {text!r}")
+    return counts[0] if len(counts) == 1 else counts
+
+
+def _names(text: str) -> str | tuple[str, ...]:
+    """``--schedule``: one schedule, or schedules to search (``gpipe,1f1b``)."""
+    from .methods import SCHEDULES
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(n in SCHEDULES for n in names) or (len(names) > 1 and "auto" in names):
+        raise ModelConfigError(f"--schedule expects auto, one of {', '.join(SCHEDULES[1:])}, or "
+                               f"a comma-separated list of them, got {text!r}")
+    return names[0] if len(names) == 1 else names
 
 
 def _parse_mesh(text: str) -> tuple[int, ...]:
@@ -331,6 +370,16 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["auto", "shard", "pipeshard", "data", "manual"],
                    default="auto")
@@ -338,8 +387,18 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=_positive(int))
     p.add_argument("--tp", type=_positive(int))
     p.add_argument("--pp", type=_positive(int))
-    p.add_argument("--micro-batches", type=_positive(int), dest="micro_batches")
-    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
+    p.add_argument("--micro-batches", dest="micro_batches", metavar="N[,N...]",
+                   help="micro-batches: one count, or (auto, pipeshard) the counts to search")
+    p.add_argument("--schedule", default="auto", metavar="NAME[,NAME...]",
+                   help="auto, gpipe, 1f1b or interleaved; auto and pipeshard take a list to "
+                        "search")
+    p.add_argument("--max-stages", type=_positive(int), dest="max_stages",
+                   help="auto, pipeshard: search at most this many pipeline stages")
+    p.add_argument("--memory-fraction", type=_fraction, default=0.9, dest="memory_fraction",
+                   help="share of each device's memory the plan may use (default 0.9)")
+    p.add_argument("--tp-within-host", action="store_true", dest="tp_within_host",
+                   help="auto, pipeshard: only the first (data) mesh axis may cross hosts, so "
+                        "tensor parallelism stays on a host's fast links")
     p.add_argument("--remat", choices=["auto", "always", "never"], default="auto",
                    help="--method manual: recompute activations in every stage, none, or "
                         "where needed to fit (default)")

@@ -34,12 +34,17 @@ SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved")
 @dataclass(frozen=True)
 class ShardParallel:
     """One stage; the ILP chooses every sharding.  ``mesh_shape`` fixes the
-    logical mesh (e.g. ``(2, 4)``); ``None`` tries every shape."""
+    logical mesh (e.g. ``(2, 4)``); ``None`` tries every shape.
+    ``memory_fraction``: of each device's memory the plan may use."""
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
     time_limit: float = 60.0
     backend: str = "highs"
+    memory_fraction: float = 0.9
     name = "shard"
+
+    def __post_init__(self) -> None:
+        _check_fraction(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         meshes = None
@@ -50,7 +55,8 @@ class ShardParallel:
                                     f"devices but the cluster has {num_devices}")
             meshes = shape
         return PlanRequest("shard", mesh_shape=meshes, axis_names=self.axis_names,
-                           time_limit=self.time_limit, backend=self.backend)
+                           time_limit=self.time_limit, backend=self.backend,
+                           memory_fraction=float(self.memory_fraction))
 
 
 @dataclass(frozen=True)
@@ -58,13 +64,17 @@ class DataParallel:
     """Replicated parameters and optimizer state, batch split over all devices."""
     time_limit: float = 60.0
     backend: str = "highs"
+    memory_fraction: float = 0.9
     name = "data"
+
+    def __post_init__(self) -> None:
+        _check_fraction(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         return PlanRequest("data", mesh_shape=(num_devices,), axis_names=("data",),
                            input_layouts="replicated", batch_split=num_devices,
                            batch_split_by="DataParallel", time_limit=self.time_limit,
-                           backend=self.backend)
+                           backend=self.backend, memory_fraction=float(self.memory_fraction))
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,7 @@ class Manual:
     time_limit: float = 60.0
     backend: str = "highs"
     remat: bool | None = None
+    memory_fraction: float = 0.9
     name = "manual"
 
     def __post_init__(self) -> None:
@@ -93,6 +104,7 @@ class Manual:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
         if self.remat not in (None, True, False):
             raise MeshplanError(f"Manual(remat={self.remat!r}): use None, True or False")
+        _check_fraction(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         used = self.dp * self.tp * self.pp
@@ -106,55 +118,125 @@ class Manual:
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
                 time_limit=self.time_limit, backend=self.backend, remat=self.remat,
-                input_filter="model"), time_limit=self.time_limit, backend=self.backend)
+                input_filter="model", memory_fraction=float(self.memory_fraction)),
+                time_limit=self.time_limit, backend=self.backend,
+                memory_fraction=float(self.memory_fraction))
         return PlanRequest("manual", mesh_shape=(self.dp, self.tp),
                            axis_names=("data", "model"),
                            input_layouts="model", batch_split=self.dp,
                            batch_split_by="Manual(dp=...)", time_limit=self.time_limit,
-                           backend=self.backend)
+                           backend=self.backend, memory_fraction=float(self.memory_fraction))
+
+
+def _check_fraction(method: Any) -> None:
+    f = method.memory_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise MeshplanError(f"{type(method).__name__}(memory_fraction={f!r}): use a fraction "
+                            "of each device's memory in (0, 1], e.g. 0.9")
+
+
+def _controls(method: Any) -> None:
+    """Check and normalise the search controls of ``method`` (a frozen data
+    class: normalised values are set in place, as ``__post_init__`` may)."""
+    name = type(method).__name__
+    mb = method.num_micro_batches
+    if mb is not None:
+        counts = (mb,) if isinstance(mb, int) and not isinstance(mb, bool) else tuple(mb) \
+            if isinstance(mb, (tuple, list)) else ()
+        if not counts or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                 for b in counts):
+            raise MeshplanError(f"{name}(num_micro_batches={mb!r}): use None (searched), a "
+                                "positive integer, or a sequence of them (the counts to search)")
+        object.__setattr__(method, "num_micro_batches", mb if isinstance(mb, int) else counts)
+    sched = method.schedule
+    names = (sched,) if isinstance(sched, str) else tuple(sched) \
+        if isinstance(sched, (tuple, list)) else ()
+    if not names or (names != ("auto",) and not all(n in SCHEDULES[1:] for n in names)):
+        raise MeshplanError(f"{name}(schedule={sched!r}): use 'auto', one of {SCHEDULES[1:]}, "
+                            "or a sequence of them (the schedules to search)")
+    object.__setattr__(method, "schedule", "auto" if names == ("auto",) else
+                       sched if isinstance(sched, str) else names)
+    ms = method.max_stages
+    if ms is not None and (not isinstance(ms, int) or isinstance(ms, bool) or ms < 1):
+        raise MeshplanError(f"{name}(max_stages={ms!r}): use None (any) or a positive integer")
+    _check_fraction(method)
+    if not isinstance(method.tp_within_host, bool):
+        raise MeshplanError(f"{name}(tp_within_host={method.tp_within_host!r}): use True or False")
+
+
+def _pipeline_options(method: Any, **more: Any) -> PipelineOptions:
+    """The search controls of ``method`` as the inter-operator search takes them."""
+    mb = method.num_micro_batches
+    sched = method.schedule
+    return PipelineOptions(
+        num_micro_batches=None if mb is None else (mb,) if isinstance(mb, int) else mb,
+        schedules=AUTO_SCHEDULES if sched == "auto" else (sched,) if isinstance(sched, str)
+        else sched,
+        max_stages=method.max_stages, memory_fraction=float(method.memory_fraction),
+        tp_within_host=method.tp_within_host, time_limit=method.time_limit,
+        backend=method.backend, **more)
 
 
 @dataclass(frozen=True)
 class PipeshardParallel:
     """Pipeline stages on submeshes, each sharded by the ILP.  ``None``/"auto"
-    means searched; ``stages=N`` is exact (N stages, or a clear error)."""
-    num_micro_batches: int | None = None
-    schedule: str = "auto"
+    means searched; ``stages=N`` is exact (N stages, or a clear error).
+
+    Search controls (also on :class:`Auto`): ``num_micro_batches`` an int or
+    a sequence of counts to search; ``schedule`` a name or a sequence of
+    names; ``max_stages`` at most that many stages; ``memory_fraction`` of each
+    device's memory the plan may use; ``tp_within_host`` keeps every mesh
+    axis but the first (data) inside a host."""
+    num_micro_batches: int | tuple[int, ...] | None = None
+    schedule: str | tuple[str, ...] = "auto"
     stages: int | str = "auto"
     time_limit: float = 60.0
     backend: str = "highs"
+    max_stages: int | None = None
+    memory_fraction: float = 0.9
+    tp_within_host: bool = False
     name = "pipeshard"
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise MeshplanError(f"PipeshardParallel(schedule={self.schedule!r}): use one of {SCHEDULES}")
+        _controls(self)
 
     def request(self, num_devices: int) -> PlanRequest:
-        mb = None if self.num_micro_batches is None else (int(self.num_micro_batches),)
-        sched = AUTO_SCHEDULES if self.schedule == "auto" else (self.schedule,)
         stages = None if self.stages == "auto" else int(self.stages)
         if stages is not None and not 1 <= stages <= num_devices:
             raise MeshplanError(f"PipeshardParallel(stages={stages}): a stage needs at least one "
                                 f"device and the cluster has {num_devices}; use 1 to "
                                 f"{num_devices} stages or stages='auto'")
-        return PlanRequest("pipeshard", pipeline=PipelineOptions(
-            num_micro_batches=mb, schedules=sched, num_stages=stages,
-            time_limit=self.time_limit, backend=self.backend),
-            time_limit=self.time_limit, backend=self.backend)
+        if stages is not None and self.max_stages is not None and stages > self.max_stages:
+            raise MeshplanError(f"PipeshardParallel(stages={stages}, max_stages="
+                                f"{self.max_stages}): ask for at most max_stages stages")
+        return PlanRequest("pipeshard", pipeline=_pipeline_options(self, num_stages=stages),
+                           time_limit=self.time_limit, backend=self.backend,
+                           memory_fraction=float(self.memory_fraction),
+                           tp_within_host=self.tp_within_host)
 
 
 @dataclass(frozen=True)
 class Auto:
     """Search everything: stages, submeshes, logical meshes, shardings,
-    micro-batches and schedule."""
+    micro-batches and schedule, within the search controls (see
+    :class:`PipeshardParallel`)."""
     time_limit: float = 60.0
     backend: str = "highs"
+    num_micro_batches: int | tuple[int, ...] | None = None
+    schedule: str | tuple[str, ...] = "auto"
+    max_stages: int | None = None
+    memory_fraction: float = 0.9
+    tp_within_host: bool = False
     name = "auto"
 
+    def __post_init__(self) -> None:
+        _controls(self)
+
     def request(self, num_devices: int) -> PlanRequest:
-        return PlanRequest("auto", pipeline=PipelineOptions(
-            schedules=AUTO_SCHEDULES, time_limit=self.time_limit, backend=self.backend),
-            one_stage_by_whole_graph=True, time_limit=self.time_limit, backend=self.backend)
+        return PlanRequest("auto", pipeline=_pipeline_options(self),
+                           one_stage_by_whole_graph=True, time_limit=self.time_limit,
+                           backend=self.backend, memory_fraction=float(self.memory_fraction),
+                           tp_within_host=self.tp_within_host)
 
 
 Method = ShardParallel | DataParallel | Manual | PipeshardParallel | Auto

@@ -166,22 +166,30 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
 
 def _one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                session: Session) -> Plan:
-    from .ilp import InputLayouts, best_intra_op, solve_intra_op
+    from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
     from .cost_model import default_axis_names
+    from .cost_model.mesh import default_submesh
     graph = strip_markers(graph)
     if request.batch_split > 1:
         _check_batch_divisible(graph, request.batch_split, request.batch_split_by)
     shape = request.mesh_shape
     mesh = None if shape is None else LogicalMesh(
         tuple(request.axis_names or default_axis_names(len(shape))), tuple(shape))
+    budget = int(cluster.device.memory_bytes * request.memory_fraction)
     if request.input_layouts is not None:
         # hand-made layouts (data parallel, Megatron): one mesh, one ILP
         r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
                            backend=request.backend, time_limit=request.time_limit,
-                           options=session.solver, caches=session.ilp_caches)
+                           memory_budget=budget, options=session.solver,
+                           caches=session.ilp_caches)
     else:
-        r, _ = best_intra_op(graph, cluster, meshes=None if mesh is None else [mesh],
-                             backend=request.backend, time_limit=request.time_limit,
+        meshes = None if mesh is None else [mesh]
+        if meshes is None and request.tp_within_host:
+            hosts, dph = default_submesh(cluster, cluster.num_devices)
+            meshes = within_host(candidate_meshes(cluster.num_devices, cluster=cluster,
+                                                  submesh=(hosts, dph)), hosts, dph)
+        r, _ = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
+                             time_limit=request.time_limit, memory_budget=budget,
                              reporter=session.progress, options=session.solver,
                              caches=session.ilp_caches)
     return plan_from_intra_op(graph, cluster, r, request.method)

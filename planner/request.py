@@ -15,6 +15,7 @@ class PipelineOptions:
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
     num_layers: int | None = None                       # None: from marks, else chosen
     num_stages: int | None = None                       # None: searched
+    max_stages: int | None = None                       # searched up to this many (None: any)
     fixed: tuple[int, int, int] | None = None           # Manual (dp, tp, pp)
     time_limit: float = 60.0
     backend: str = "highs"
@@ -28,6 +29,9 @@ class PipelineOptions:
     input_filter: Any = None
     data_parallel_stages: bool = False        # every stage one "data" axis (inter-op only)
     equal_layers: bool = False                # num_stages stages of equally many layer groups
+    # a stage spanning hosts gets only (data, model) meshes whose model axis
+    # lies inside a host (tensor parallelism never crosses the slow link)
+    tp_within_host: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,5 @@ class PlanRequest:
     one_stage_by_whole_graph: bool = False
     time_limit: float = 60.0
     backend: str = "highs"
+    memory_fraction: float = 0.9                  # of each device's memory the plan may use
+    tp_within_host: bool = False                  # as PipelineOptions.tp_within_host

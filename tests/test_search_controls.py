@@ -1,0 +1,120 @@
+"""The search controls on Auto and PipeshardParallel (and the CLI's flags):
+maximum stages, memory fraction, micro-batch counts, schedules, tensor
+parallelism inside hosts only."""
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+
+import meshplan
+from meshplan.cli import _method, build_parser
+from meshplan.cluster import load_cluster
+from meshplan.errors import InfeasiblePlanError, MeshplanError
+from meshplan.ilp import candidate_meshes, within_host
+from meshplan.models import build_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TWO_HOSTS = load_cluster(str(ROOT / "examples/clusters/dgx-a100-x2.json"))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    m = build_model("gpt", {})
+    return m.train_step, tuple(m.abstract_args)
+
+
+def _plan(gpt, method):
+    step, args = gpt
+    return meshplan.plan(step, *args, cluster=TWO_HOSTS, method=method)
+
+
+def test_within_host_keeps_only_the_first_axis_across_hosts():
+    meshes = candidate_meshes(16, cluster=TWO_HOSTS, submesh=(2, 8))
+    kept = within_host(meshes, 2, 8)
+    assert kept and len(kept) < len(meshes)
+    for m in meshes:
+        inside = len(m.shape) > 1 and 8 % math.prod(m.shape[1:]) == 0
+        assert (m in kept) == inside, m
+    assert within_host(meshes, 1, 16) == meshes          # one host: nothing crosses
+
+
+def test_tp_within_host_plans_no_axis_but_data_across_hosts():
+    m = build_model("mlp", {})
+    mlp = (m.train_step, tuple(m.abstract_args))
+    free = _plan(mlp, meshplan.Auto(num_micro_batches=1))
+    # (unconstrained, this MLP runs as one stage on a 16-device axis across both hosts)
+    assert any(s.submesh[0] > 1 and len(s.logical_mesh.shape) == 1 for s in free.stages)
+    p = _plan(mlp, meshplan.Auto(num_micro_batches=1, tp_within_host=True))
+    for s in p.stages:
+        hosts, dph = s.submesh
+        if hosts > 1:
+            assert len(s.logical_mesh.shape) > 1
+            assert dph % math.prod(s.logical_mesh.shape[1:]) == 0
+
+
+def test_micro_batch_counts_schedules_and_max_stages_bound_the_search(gpt):
+    p = _plan(gpt, meshplan.Auto(tp_within_host=True, num_micro_batches=(2,),
+                                 schedule=("gpipe",)))
+    assert p.num_micro_batches == 2 and p.schedule == "gpipe" and len(p.stages) > 1
+    one = _plan(gpt, meshplan.PipeshardParallel(num_micro_batches=2, max_stages=1,
+                                                tp_within_host=True))
+    assert len(one.stages) == 1
+
+
+def test_memory_fraction_is_the_budget(gpt):
+    with pytest.raises(InfeasiblePlanError):
+        _plan(gpt, meshplan.ShardParallel(memory_fraction=1e-9))
+    with pytest.raises(InfeasiblePlanError):
+        _plan(gpt, meshplan.PipeshardParallel(memory_fraction=1e-9))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(num_micro_batches=0), "num_micro_batches=0"),
+    (dict(num_micro_batches=[2, "x"]), "num_micro_batches"),
+    (dict(schedule="zigzag"), "schedule='zigzag'"),
+    (dict(schedule=("gpipe", "auto")), "schedule="),
+    (dict(max_stages=0), "max_stages=0"),
+    (dict(memory_fraction=0.0), "memory_fraction=0.0"),
+    (dict(memory_fraction=1.2), "(0, 1]"),
+    (dict(tp_within_host="yes"), "tp_within_host"),
+])
+@pytest.mark.parametrize("cls", [meshplan.Auto, meshplan.PipeshardParallel])
+def test_bad_controls_are_one_clear_error(cls, kwargs, needle):
+    with pytest.raises(MeshplanError, match=None) as e:
+        cls(**kwargs)
+    assert needle in str(e.value) and cls.__name__ in str(e.value)
+
+
+def test_exact_stages_above_max_stages_is_refused():
+    with pytest.raises(MeshplanError, match="max_stages"):
+        meshplan.PipeshardParallel(stages=4, max_stages=2).request(8)
+
+
+def _args(*argv):
+    return build_parser().parse_args(["plan", "--model", "gpt", "--cluster", "local", *argv])
+
+
+def test_cli_flags_reach_the_methods():
+    m = _method(_args("--max-stages", "3", "--memory-fraction", "0.5", "--tp-within-host",
+                      "--micro-batches", "4,8", "--schedule", "gpipe,1f1b"))
+    assert m == meshplan.Auto(max_stages=3, memory_fraction=0.5, tp_within_host=True,
+                              num_micro_batches=(4, 8), schedule=("gpipe", "1f1b"))
+    m = _method(_args("--method", "pipeshard", "--pp", "2", "--micro-batches", "4"))
+    assert m == meshplan.PipeshardParallel(stages=2, num_micro_batches=4)
+    m = _method(_args("--method", "manual", "--dp", "4", "--tp", "2", "--memory-fraction", "0.8"))
+    assert m.memory_fraction == 0.8 and (m.dp, m.tp) == (4, 2)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("--method", "data", "--max-stages", "2"), "--max-stages applies to --method auto or pipeshard"),
+    (("--method", "shard", "--tp-within-host"), "--tp-within-host applies"),
+    (("--method", "manual", "--micro-batches", "2,4"), "one --micro-batches count"),
+    (("--micro-batches", "0"), "--micro-batches expects"),
+    (("--schedule", "gpipe,zigzag"), "--schedule expects"),
+])
+def test_cli_flag_misuse_is_one_line(argv, needle):
+    with pytest.raises(MeshplanError, match=None) as e:
+        _method(_args(*argv))
+    assert needle in str(e.value)
