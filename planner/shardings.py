@@ -242,7 +242,8 @@ def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
     if len(args) < want:
         raise StalePlanError(
             f"the plan was made for a step of {want} argument(s), got {len(args)}; pass all "
-            "the step's arguments (arrays or jax.ShapeDtypeStruct) in the order the step takes them")
+            "the step's arguments (arrays or jax.ShapeDtypeStruct) in the order the step "
+            "takes them")
     prefixes = plan.key_prefixes(len(args))
     present = {prefixes.get(a, "") + jax.tree_util.keystr(path)
                for a, arg in enumerate(args)
