@@ -171,8 +171,7 @@ def plan_shardings(plan: Plan, args: Sequence[Any], step: Callable[..., Any] | N
     if len(plan.stages) == 1:
         st = plan.stages[0]
         mesh = build_mesh(st.logical_mesh, stage_devices(st, devices))
-        named = _namer(mesh)
-        in_shardings = jax.tree.map(named, arg_specs(plan, args),
+        in_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), arg_specs(plan, args),
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
         return StageShardings(mesh, in_shardings, _out_shardings(st, mesh, out_tree))
     return tuple(_pipeline_stage(plan, k, args, out_tree, devices)
@@ -257,10 +256,6 @@ def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
             f"the plan names {len(missing)} argument leaf/leaves these arguments lack (e.g. "
             f"{missing[0]}); pass the arguments the plan was made for, with the same pytree "
             "structure, or re-plan for these arguments")
-
-
-def _namer(mesh: Mesh) -> Callable[[PartitionSpec], NamedSharding]:
-    return lambda spec: NamedSharding(mesh, spec)
 
 
 # ---------------------------------------------------------------------------

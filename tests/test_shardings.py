@@ -1,5 +1,6 @@
 """Plan.shardings and ``meshplan plan --emit python``: the plan taken out of
 meshplan into a plain ``jax.jit`` gives parallelize's numbers."""
+import dataclasses
 import runpy
 
 import jax
@@ -206,3 +207,8 @@ def test_arguments_the_plan_was_not_made_for_are_refused(gpt, plan):
     odd = jax.tree.map(lambda x: jax.ShapeDtypeStruct((6,) + x.shape[1:], x.dtype), batch)
     with pytest.raises(StalePlanError, match="not divisible"):
         plan.shardings(state, odd)
+    # a plan for devices this machine lacks names them
+    elsewhere = dataclasses.replace(plan, stages=(dataclasses.replace(
+        plan.stages[0], devices=tuple(range(8, 16))),))
+    with pytest.raises(meshplan.MeshplanError, match="only 8 devices are available"):
+        elsewhere.shardings(state, batch)
