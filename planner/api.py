@@ -105,6 +105,18 @@ class Parallelized:
     def plan_for(self, *args: Any) -> Plan:
         return self._entry(args)[0]
 
+    def shardings(self, *args: Any) -> Any:
+        """:meth:`meshplan.Plan.shardings` of the plan for ``args`` (planned
+        on first use), with the output shardings of this step:
+        ``mesh, in_s, out_s = step.shardings(state, batch)``."""
+        p, executable = self._entry(args)
+        if isinstance(executable, _Unstacking):
+            raise MeshplanError(
+                "this step's lax.scan over stacked layers was unrolled for planning, so the plan "
+                "lays out per-layer arguments that the step as written never sees; run it with "
+                "meshplan.parallelize, or write the step without the scan for a plain jax.jit")
+        return p.shardings(*args, step=getattr(executable, "fn", self.fn))
+
     def split_layers(self, *args: Any) -> tuple[Any, ...]:
         """[lax.scan over stacked layers] ``args`` in the per-layer form the
         step runs on (see :mod:`meshplan.trace.unstack`); the step called with them

@@ -257,21 +257,39 @@ def _parse_mesh(text: str) -> tuple[int, ...]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import planning
+    if args.emit_out and not args.emit:
+        raise ModelConfigError("--emit-out names the file for --emit python; add --emit python")
     target = load_target(args)
     cluster = _cluster(args.cluster)
     method = _method(args)
     traced = planning.trace_function(target.train_step, target.args, target.batch_argnums,
                                      target.name, args.session)
     plan = planning.plan_function(traced, cluster, method, args.session).plan
-    print(plan)
+    snippet = None
+    if args.emit:
+        from .tools.snippet import python_snippet
+        snippet = python_snippet(plan, len(target.args))
+    # --emit python without --emit-out: the snippet is all that goes to stdout
+    say = print if snippet is None or args.emit_out else _to_stderr
+    if snippet is not None and not args.emit_out:
+        print(snippet, end="")
+    else:
+        print(plan)
     if args.json:
         _write_text(args.json, plan.to_json())
-        print(f"plan written to {args.json}")
+        say(f"plan written to {args.json}")
     if args.timeline:
         from .tools.timeline import draw
         draw(plan, args.timeline)
-        print(f"timeline written to {args.timeline}")
+        say(f"timeline written to {args.timeline}")
+    if snippet is not None and args.emit_out:
+        _write_text(args.emit_out, snippet)
+        say(f"python snippet written to {args.emit_out}")
     return 0
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -437,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_args(pp)
     pp.add_argument("--json", metavar="OUT.json", help="write the plan JSON")
     pp.add_argument("--timeline", metavar="OUT.png", help="draw the pipeline schedule")
+    pp.add_argument("--emit", choices=["python"],
+                    help="python: a standalone snippet (mesh, NamedShardings, jax.jit) of a "
+                         "one-stage plan, printed instead of the plan (or see --emit-out)")
+    pp.add_argument("--emit-out", metavar="OUT.py", dest="emit_out",
+                    help="write the --emit snippet to OUT.py and print the plan as usual")
     pp.set_defaults(func=cmd_plan)
 
     pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "

@@ -19,12 +19,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
+# (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
+from .specs import DimSpec, Spec, spec_axes, spec_from_json, spec_str, spec_to_json  # noqa: F401
 
 PLAN_FORMAT = "meshplan.plan/1"
-
-# One element per tensor dimension: None, an axis name, or a tuple of axis names.
-DimSpec = None | str | tuple[str, ...]
-Spec = tuple[DimSpec, ...]
 
 
 @dataclass(frozen=True)
@@ -52,34 +50,6 @@ class LogicalMesh:
 
     def __str__(self) -> str:
         return " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
-
-
-def spec_to_json(spec: Spec) -> list[Any]:
-    return [list(d) if isinstance(d, tuple) else d for d in spec]
-
-
-def spec_from_json(data: Sequence[Any]) -> Spec:
-    return tuple(tuple(d) if isinstance(d, list) else d for d in data)
-
-
-def spec_str(spec: Spec) -> str:
-    def one(d: DimSpec) -> str:
-        if d is None:
-            return "None"
-        if isinstance(d, tuple):
-            return "(" + ", ".join(repr(x) for x in d) + ")"
-        return repr(d)
-    return "P(" + ", ".join(one(d) for d in spec) + ")"
-
-
-def spec_axes(spec: Spec) -> tuple[str, ...]:
-    out: list[str] = []
-    for d in spec:
-        if isinstance(d, tuple):
-            out.extend(d)
-        elif d is not None:
-            out.append(d)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -193,6 +163,36 @@ class Plan:
         for a call with ``num_args`` arguments (the recorded ones win)."""
         return (dict(section_prefixes(range(num_args), self.batch_argnums))
                 | dict(self.arg_prefixes))
+
+    def shardings(self, *args: Any, step: Any = None, devices: Any = None) -> Any:
+        """``(mesh, in_shardings, out_shardings)`` for a plain
+        ``jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings)``.
+
+        ``args`` are the step's arguments as it takes them (arrays or
+        ``jax.ShapeDtypeStruct``s); ``in_shardings`` is a tuple with one
+        pytree of ``NamedSharding`` per argument, shaped like it (leaves the
+        plan does not name are replicated).  The plan does not know the
+        output's pytree structure: pass ``step`` (it is only
+        ``jax.eval_shape``-d) to get ``out_shardings`` shaped like the step's
+        output, ``None`` at leaves the plan leaves to jit; without ``step``
+        ``out_shardings`` is ``None`` (jit chooses every output's layout).
+        ``devices``: the pool the plan's device ids index (default
+        ``jax.devices()`` sorted by id).
+
+        A pipeline plan gives a tuple with one such triple per stage, each on
+        its stage's devices: the stage's parameters and state on its mesh,
+        ``None`` for leaves other stages hold, batch leaves laid out as one
+        micro-batch is on that stage (the plan's batch spec when it divides
+        the micro-batch there, else replicated), outputs left to jit.  These
+        describe where the pipeline keeps its values; a pipeline cannot run
+        as one plain ``jax.jit`` (use :func:`meshplan.parallelize` for that).
+
+        Arguments the plan was not made for (too few, leaves it names
+        missing, shapes its specs do not divide) raise
+        :class:`meshplan.errors.StalePlanError`.
+        """
+        from .shardings import plan_shardings     # (jax binding, see that module)
+        return plan_shardings(self, args, step=step, devices=devices)
 
     @property
     def logical_mesh(self) -> LogicalMesh:

@@ -27,137 +27,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError
-from meshplan.plan import LogicalMesh, Plan, Spec, Stage, spec_axes, spec_str
+from meshplan.plan import Plan
+# (meshes and specs: shared with Plan.shardings, re-exported for the runtime's modules)
+from meshplan.shardings import (arg_specs, build_mesh, check_spec, shape_of as _shape_of,
+                                stage_devices, to_partition_spec)
 from meshplan.traced import FlatJaxpr, Lit, TracedStep, signature
 
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
                         global_view, is_multiprocess, place_global)
 
 __all__ = ("build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "FastPathMiss",)
-
-
-# ---------------------------------------------------------------------------
-# Meshes and specs
-# ---------------------------------------------------------------------------
-
-def build_mesh(logical_mesh: LogicalMesh,
-               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``jax.sharding.Mesh`` of ``logical_mesh``'s shape and axis names.
-
-    ``devices`` (default: the first ``logical_mesh.size`` of ``jax.devices()``
-    sorted by id) fill the mesh in row-major order.  All axes are
-    ``AxisType.Auto`` so that jit propagates shardings between the planned
-    ones.
-    """
-    if devices is None:
-        devices = _sorted_devices()[:logical_mesh.size]
-    devices = list(devices)
-    if len(devices) < logical_mesh.size:
-        raise RuntimeStageError(
-            f"the plan's mesh {logical_mesh} needs {logical_mesh.size} devices, but only "
-            f"{len(devices)} are available ({_platforms(devices)}); re-plan for this machine "
-            "(cluster=meshplan.Cluster.local()) or run where enough devices exist")
-    if len(devices) > logical_mesh.size:
-        raise RuntimeStageError(
-            f"the plan's mesh {logical_mesh} has {logical_mesh.size} devices, but "
-            f"{len(devices)} were given to build it; pass exactly {logical_mesh.size}")
-    grid = np.empty(len(devices), dtype=object)
-    grid[:] = devices
-    return Mesh(grid.reshape(logical_mesh.shape), logical_mesh.axes,
-                axis_types=(AxisType.Auto,) * len(logical_mesh.axes))
-
-
-def stage_devices(stage: Stage, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
-    """The devices of ``stage``: its plan device ids taken as positions in
-    ``devices`` (default ``jax.devices()`` sorted by id)."""
-    pool = _sorted_devices() if devices is None else list(devices)
-    missing = [d for d in stage.devices if not 0 <= d < len(pool)]
-    if missing:
-        raise RuntimeStageError(
-            f"the plan places its stage on device ids {_short(stage.devices)}, but only "
-            f"{len(pool)} devices are available ({_platforms(pool)}); re-plan for this machine "
-            "(cluster=meshplan.Cluster.local()) or run where enough devices exist")
-    return [pool[d] for d in stage.devices]
-
-
-def to_partition_spec(spec: Spec) -> PartitionSpec:
-    """The ``PartitionSpec`` of a plan spec (tuples of axis names stay tuples)."""
-    return PartitionSpec(*spec)
-
-
-def check_spec(spec: Spec, shape: Sequence[int], mesh: LogicalMesh, what: str) -> None:
-    """Refuse a spec that cannot split a tensor of ``shape`` over ``mesh``.
-
-    Raises :class:`StalePlanError` when the rank differs, an axis is unknown
-    or used twice, or a dimension does not divide by the product of the mesh
-    axes that split it.
-    """
-    shape = tuple(int(s) for s in shape)
-    if len(spec) != len(shape):
-        raise StalePlanError(
-            f"{what}: the plan gives {spec_str(spec)} ({len(spec)} dimension(s)) for a tensor of "
-            f"shape {shape} ({len(shape)} dimension(s)); the plan was made for other arguments: "
-            "re-plan with these arguments")
-    axes = spec_axes(spec)
-    unknown = [a for a in axes if a not in mesh.axes]
-    if unknown:
-        raise StalePlanError(f"{what}: the plan's spec {spec_str(spec)} names mesh axis "
-                             f"{unknown[0]!r}, which the mesh ({mesh}) does not have; re-plan")
-    if len(set(axes)) != len(axes):
-        raise StalePlanError(f"{what}: the plan's spec {spec_str(spec)} uses a mesh axis twice; re-plan")
-    for dim, (size, d) in enumerate(zip(shape, spec)):
-        names = (d,) if isinstance(d, str) else (d or ())
-        ways = int(np.prod([mesh.axis_size(a) for a in names], dtype=np.int64))
-        if size % ways:
-            raise StalePlanError(
-                f"{what}: dimension {dim} has size {size}, which the plan splits {ways} ways over "
-                f"mesh axis {'x'.join(names)} ({mesh}); {size} is not divisible by {ways}. Use a "
-                f"size that is a multiple of {ways} (e.g. the batch size) or re-plan for these shapes")
-
-
-def _section_keys(plan: Plan, nargs: int) -> dict[int, tuple[Mapping[str, Spec], str]]:
-    """argnum -> (the spec table its leaves are keyed in, the key prefix).
-
-    Non-batch arguments live in ``stages[0].params``, batch arguments in
-    ``plan.batch``; each section numbers its own arguments
-    (:meth:`meshplan.plan.Plan.key_prefixes`).
-    """
-    prefixes = plan.key_prefixes(nargs)
-    params = dict(plan.stages[0].params)
-    batch_table = dict(plan.batch)
-    return {a: (batch_table if a in plan.batch_argnums else params, prefixes[a])
-            for a in range(nargs)}
-
-
-def arg_specs(plan: Plan, args: Sequence[Any]) -> tuple[Any, ...]:
-    """PartitionSpecs for ``args``: a tuple of pytrees shaped like ``args``.
-
-    A leaf's key is its argument's prefix followed by ``keystr`` of its path
-    inside the argument.  Leaves the plan does not name are replicated
-    (``P()``); a spec that does not fit the leaf raises :class:`StalePlanError`.
-    """
-    if not plan.stages:
-        raise StalePlanError("the plan has no stages; re-plan")
-    mesh = plan.stages[0].logical_mesh
-    sections = _section_keys(plan, len(args))
-    out = []
-    for argnum, arg in enumerate(args):
-        table, prefix = sections[argnum]
-
-        def one(path: Any, leaf: Any, table: Mapping[str, Spec] = table, prefix: str = prefix,
-                argnum: int = argnum) -> PartitionSpec:
-            key = prefix + jax.tree_util.keystr(path)
-            spec = table.get(key)
-            if spec is None:
-                return PartitionSpec()
-            check_spec(spec, _shape_of(leaf), mesh, f"argument {argnum} leaf {key or '<root>'}")
-            return to_partition_spec(spec)
-
-        out.append(jax.tree_util.tree_map_with_path(one, arg))
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------
@@ -511,25 +393,6 @@ class ShardExecutable:
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-def _sorted_devices() -> list[jax.Device]:
-    return sorted(jax.devices(), key=lambda d: d.id)
-
-
-def _platforms(devices: Sequence[jax.Device]) -> str:
-    kinds = sorted({getattr(d, "platform", "?") for d in devices}) or ["none"]
-    return "/".join(kinds)
-
-
-def _short(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    return str(ids) if len(ids) <= 8 else f"[{ids[0]}, {ids[1]}, ..., {ids[-1]}]"
-
-
-def _shape_of(leaf: Any) -> tuple[int, ...]:
-    shape = getattr(leaf, "shape", None)
-    return tuple(shape) if shape is not None else np.shape(leaf)
-
 
 def _signature(args: tuple[Any, ...]) -> Any:
     return signature(args, weak_types=True)

@@ -21,6 +21,10 @@ LAYER_OF = {
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
     "schedule": "types", "datasheets": "types", "primitives": "types",
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
+    "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
+    # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the
+    # runtime build meshes and specs the same way
+    "shardings": "types",
     # the front end: jaxpr -> Graph (the meshplan.trace package), and the
     # public gradient and pipeline markers
     "trace": "trace", "markers": "trace",
@@ -192,7 +196,9 @@ def test_no_generic_top_level_packages_installed():
 # planner hands it a meshplan.traced.TracedStep) and knows no planning pass.
 # what runtime/ may import from meshplan besides its own modules
 RUNTIME_ALLOWED = {"meshplan.plan", "meshplan.graph", "meshplan.traced", "meshplan.schedule",
-           "meshplan.errors", "meshplan.cluster"}
+           "meshplan.errors", "meshplan.cluster",
+           # meshes and specs of a plan: the runtime and Plan.shardings share them
+           "meshplan.shardings", "meshplan.specs"}
 
 
 def _meshplan_imports(path: pathlib.Path):
