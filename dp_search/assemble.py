@@ -7,8 +7,10 @@ from typing import Any, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
-from ..graph import BATCH, Graph
-from ..plan import Plan, PlanPredicted, Predicted, Stage, section_prefixes
+from ..cost_model.sharding import spec_from_names
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
+from ..ilp import peak_parts
+from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
 from .stage_dp import StageChoice, Submesh
@@ -33,7 +35,8 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
     n = result.mesh.size
     stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
                   logical_mesh=result.mesh, remat=False, params=tuple(params),
-                  predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes)),
+                  predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes),
+                                      one_stage_memory(graph, result)),
                   outputs=outputs, constraints=result.constraints, strategies=result.strategies,
                   read_constraints=tuple(getattr(result, "read_constraints", ())))
     # one program per iteration
@@ -47,6 +50,21 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                 stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
                 predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
                 arg_prefixes=graph_prefixes(graph), notes=notes)
+
+
+def one_stage_memory(graph: Graph, result: Any) -> MemoryBreakdown:
+    """What the whole-graph ILP's peak memory holds per device: the inputs
+    by role in their chosen layouts, and the intermediates live at the peak
+    (:func:`meshplan.ilp.peak_parts`); the rest counts as temporaries."""
+    axes = result.mesh.axes
+    names = {i.tensor: s for i, s in zip(graph.inputs, result.input_specs)} | dict(result.constraints)
+    _, parts = peak_parts(graph, result.mesh.shape,
+                          {t: spec_from_names(s, axes) for t, s in names.items()})
+    inp = {k.removeprefix("input:"): v for k, v in parts.items() if k.startswith("input:")}
+    return MemoryBreakdown.of(result.peak_memory_bytes,
+                              params=inp.get(PARAM, 0.0) + inp.get(STATE, 0.0),
+                              optimizer=inp.get(OPT_STATE, 0.0), grads=parts["grads"],
+                              activations=inp.get(BATCH, 0.0) + parts["forward"])
 
 
 def place_stages(submeshes: Sequence[Submesh], stages: Sequence[StageChoice], cluster: ClusterSpec
@@ -121,7 +139,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         stages.append(Stage(layers=(st.first, st.last), devices=devices,
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, params=tuple(sorted(params.items())),
-                            predicted=Predicted(compute, comm, int(mem)),
+                            predicted=Predicted(compute, comm, int(mem), opt.memory),
                             constraints=tuple(sorted(constraints.items())),
                             read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
         peak_mem = max(peak_mem, int(mem))

@@ -18,12 +18,13 @@ from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
 from ..graph import BATCH, GRAD_BOUNDARY, PARAM, Graph, batch_shaped_draws
 from ..plan import Plan
+from ..units import human_bytes
 from .assemble import pipeline_plan
 from .options import PipelineOptions
 from .problem import LayerProblems, layer_problems
 from .session import SearchStats, Session
 from .solver import LayerSolver
-from .stages import best_pipeline
+from .stages import StageMemoryError, best_pipeline
 
 
 def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
@@ -87,6 +88,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     search = LayerSolver(cluster, opts, session)
     best: tuple[float, Plan] | None = None
     errors: dict[int, str] = {}          # micro-batch count -> why it has no plan
+    unfit: dict[int, StageMemoryError] = {}   # ... when a stage was over the memory budget
     ahead: dict[int, LayerProblems | TraceError] = {}
 
     def layered(B: int) -> LayerProblems | TraceError:
@@ -122,6 +124,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors[B] = str(e)
+                if isinstance(e, StageMemoryError) and e.stage is not None:
+                    unfit[B] = e
                 more = [b for b in searched if b > B and b not in untraceable]
                 if opts.prune_micro_batches and (best is not None or not more):
                     todo.clear()     # fewer micro-batches fit no better
@@ -143,7 +147,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         raise
     search.close()
     if best is None:
-        raise _no_plan(errors, untraceable, cluster, opts)
+        raise _no_plan(errors, untraceable, cluster, opts, unfit)
     plan = best[1]
     scan_note = _scanned_layers(graph)
     if scan_note:
@@ -170,31 +174,59 @@ def _no_gradient_marker(graph: Graph) -> str | None:
 
 
 def _no_plan(errors: dict[int, str], untraceable: set[int], cluster: ClusterSpec,
-             opts: PipelineOptions) -> InfeasiblePlanError:
+             opts: PipelineOptions, unfit: dict[int, StageMemoryError] | None = None
+             ) -> InfeasiblePlanError:
     """Why no micro-batch count has a plan: why the most micro-batches that
     traced (the least memory) fit nothing, then why the fewest micro-batches
     that did not trace failed."""
+    unfit = unfit or {}
     traced = [b for b in errors if b not in untraceable]
     why = [errors[max(traced)]] if traced else []
     why += [errors[min(untraceable)]] if untraceable else []
     if not traced and untraceable:
         return InfeasiblePlanError(f"no number of micro-batches can be planned ({'; '.join(why)})")
     budget = int(cluster.device.memory_bytes * opts.memory_fraction)
+    # the stage closest to fitting, over every micro-batch count tried
+    closest = min(unfit.values(), key=lambda e: e.stage.memory.total, default=None)
+    need = None if closest is None else closest.stage.memory.total
     if opts.fixed is not None:         # one configuration was tried, not a search
         dp, tp, pp = opts.fixed
         mb = ", ".join(str(b) for b in sorted(errors))
         remat = {None: "where needed", True: "in every stage", False: "nowhere"}[opts.remat]
-        hint = ("recomputation is off (--remat never / remat=False): allow it, or use "
-                if opts.remat is False else "use ")
+        last = unfit.get(max(traced)) if traced else None
+        cause = last.detail if last is not None else f"({'; '.join(why)})"
         return InfeasiblePlanError(
             f"Manual(dp={dp}, tp={tp}, pp={pp}) with {mb} micro-batch(es) and recomputation "
-            f"{remat} does not fit the devices' memory ({'; '.join(why)}); {hint}more "
-            "micro-batches, more tensor or pipeline parallelism, or devices with more memory",
-            budget_bytes=budget)
+            f"{remat} does not fit the devices' memory: {cause}; {_what_to_change(opts, last)}",
+            budget_bytes=budget, needed_bytes=need)
+    over = ("" if closest is None else
+            f"; the closest stage is {human_bytes(need - budget)} over the "
+            f"{human_bytes(budget)} budget")
     return InfeasiblePlanError(
         "no pipeline plan fits the devices' memory with any number of stages, micro-batches "
-        f"or remat ({'; '.join(why) or 'no candidates'}); use more devices or a "
-        "cluster with more memory per device", budget_bytes=budget)
+        f"or remat ({'; '.join(why) or 'no candidates'}){over}; use more devices or a "
+        "cluster with more memory per device", budget_bytes=budget, needed_bytes=need)
+
+
+def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
+    """What may make a Manual configuration fit, the likeliest first, from
+    what its stage closest to fitting holds (``err``; None: unknown)."""
+    hints = []
+    if opts.remat is False:
+        hints.append("recomputation is off (--remat never / remat=False): allow it")
+    if err is None:
+        hints.append("use more micro-batches, more tensor or pipeline parallelism, or devices "
+                     "with more memory")
+        return "; ".join(hints)
+    m, over = err.stage.memory, err.stage.memory.total - (err.budget_bytes or 0)
+    state = m.params + m.grads + m.optimizer
+    if m.activations + m.temporaries >= over:
+        hints.append("use more micro-batches (smaller ones keep less in flight)")
+    hints.append(f"split the parameters, gradients and optimizer state ({human_bytes(state)}) "
+                 "further: more tensor or pipeline parallelism (--tp/--pp), or ZeRO-style "
+                 "sharding (--method shard / auto)")
+    hints.append("or use devices with more memory")
+    return "; ".join(hints)
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

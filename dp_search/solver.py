@@ -38,6 +38,7 @@ class LayerCost:
     # layer reuses this result with its own ids in the same positions
     tensors: tuple[int, ...] = ()
     grad_bytes: float = 0.0    # its parameters' gradients on one device (what is accumulated)
+    optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
 
     @property
     def transient_bytes(self) -> float:
@@ -205,7 +206,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     other layers it reads, what recomputation keeps per micro-batch (None:
     every boundary input)."""
     specs = dict(r.constraints)
-    resident = boundary = grads = 0.0
+    resident = boundary = grads = optimizer = 0.0
 
     def local(t: int, spec) -> float:
         return sub.tensors[t].nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
@@ -216,6 +217,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
             resident += local(inp.tensor, spec)
         if inp.role == PARAM:
             grads += local(inp.tensor, spec)
+        elif inp.role == OPT_STATE:
+            optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
             boundary += local(inp.tensor, spec)
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
@@ -227,7 +230,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
-                     canonical_tensors(sub), grads)
+                     canonical_tensors(sub), grads, optimizer)
 
 
 

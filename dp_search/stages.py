@@ -18,6 +18,8 @@ from ..cluster import ClusterSpec
 from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iteration_s, shared_compute_iteration_s,
                                    stage_send_s)
 from ..errors import InfeasiblePlanError
+from ..plan import MemoryBreakdown
+from ..units import human_bytes
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import LayerCost, LayerSolver
@@ -35,6 +37,7 @@ class GroupCost:
     boundary_bytes: float    # the layers' inputs: what recomputation keeps
     activation_bytes: float  # the largest layer's live intermediates
     grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
+    optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
@@ -42,14 +45,29 @@ class GroupCost:
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
                          sum(p.time_s * (1 + p.forward_fraction) for p in parts),
                          sum(p.boundary_bytes for p in parts),
-                         max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts))
+                         max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts),
+                         sum(p.optimizer_bytes for p in parts))
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
         return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
                          sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
                          sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
-                         max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows))
+                         max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows),
+                         sum(r.optimizer_bytes for r in rows))
+
+    def memory(self, keep: int, remat: bool) -> MemoryBreakdown:
+        """The stage's memory per device with ``keep`` micro-batches in flight:
+        resident state, plus what each micro-batch in flight keeps (its
+        saved values, or with remat its inputs), plus one layer's working
+        set (its temporaries, or with remat its whole forward again).  The
+        gradients are counted in that working set (at most all of it)."""
+        kept = self.boundary_bytes if remat else self.saved_bytes
+        working = self.activation_bytes if remat else self.transient_bytes
+        total = self.resident_bytes + keep * kept + working
+        return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
+                                  optimizer=self.optimizer_bytes,
+                                  grads=min(self.grad_bytes, working), activations=keep * kept)
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,18 @@ class StageOption:
     memory_bytes: float
     mesh: int               # index into the submesh's logical meshes
     send_s: float           # per micro-batch, to the next stage and back
+    memory: MemoryBreakdown | None = None    # memory_bytes by what it holds
+
+
+@dataclass(frozen=True)
+class UnfitStage:
+    """A stage that fits no way: the least memory it needs, and what that holds."""
+    memory: MemoryBreakdown
+    in_flight: int           # micro-batches whose activations it keeps
+    remat: bool
+    layers: tuple[int, int]
+    devices: int
+    stages_after: int        # stages from it to the last (it included)
 
 
 @dataclass(frozen=True)
@@ -80,6 +110,7 @@ class StageCosts:
         self._groups: dict[tuple[int, int], list[GroupCost | None]] = {}
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
+        self.least_unfit_stage: UnfitStage | None = None
         self.state_prefix = [0.0]
         for b in lay.state_bytes:
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -113,6 +144,16 @@ class StageCosts:
             self._groups[m, k] = rows
         return self._groups[m, k]
 
+    def _placeable(self, gi: int, gj: int, s: int) -> bool:
+        """Can groups ``gi..gj`` be a stage with ``s`` stages from it to the
+        last in a plan of a fixed number of stages?  (The DP also asks about
+        stages no such plan has: they are not what the error reports.)"""
+        if self.opts.fixed is None:
+            return True
+        pp, last = self.opts.fixed[2], len(self.lay.groups) - 1
+        return ((gi == 0) == (s == pp) and (gj == last) == (s == 1)
+                and gi >= pp - s and last - gj >= s - 1)
+
     def best(self, gi: int, gj: int, m: int, s: int, schedule: str) -> StageOption | None:
         """The fastest fitting way to run groups ``gi..gj`` as a stage on submesh
         ``m`` with ``s`` stages from it to the last, or None."""
@@ -124,6 +165,7 @@ class StageCosts:
         if (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size > lay.budget:
             return None
         best, least = None, None
+        least_way = None
         # a stage launches a forward and a backward program per micro-batch
         dispatch = 2 * lay.dispatch_s
         for k in range(len(lay.meshes_of[m])):
@@ -150,9 +192,14 @@ class StageCosts:
                              c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
             for lat, remat, mem in ways:
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, remat, mem, k, send)
-                least = mem if least is None else min(least, mem)
-        if best is None and least is not None:
+                    best = StageOption(lat, remat, mem, k, send, c.memory(keep, remat))
+                if least is None or mem < least:
+                    least, least_way = mem, (c, remat)
+        if best is None and least is not None and self._placeable(gi, gj, s):
+            if self.least_unfit is None or least < self.least_unfit:
+                c, remat = least_way
+                self.least_unfit_stage = UnfitStage(c.memory(keep, remat), keep, remat, (i, j),
+                                                    lay.submeshes[m].size, s)
             self.least_unfit = least if self.least_unfit is None else min(self.least_unfit, least)
         return best
 
@@ -168,12 +215,13 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
             found.append(c)
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
-        need = costs.least_unfit
-        over = (f": a stage needs at least {_size(need)} per device of the "
-                f"{_size(lay.budget)} available" if need else "")
-        raise InfeasiblePlanError(f"no stage assignment{exactly} fits with {lay.B} "
-                                  f"micro-batch(es){over}", budget_bytes=int(lay.budget),
-                                  needed_bytes=None if need is None else int(need))
+        need, unfit = costs.least_unfit, costs.least_unfit_stage
+        detail = (unfit_text(unfit, lay.budget, opts, cluster.device.memory_bytes)
+                  if unfit is not None else "")
+        raise StageMemoryError(f"no stage assignment{exactly} fits with {lay.B} "
+                               f"micro-batch(es){': ' + detail if detail else ''}", detail, unfit,
+                               budget_bytes=int(lay.budget),
+                               needed_bytes=None if need is None else int(need))
     return min(found, key=lambda c: c.total_s), costs
 
 
@@ -221,8 +269,26 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     return PipelineChoice(total, schedule, res, dict(chosen))
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+class StageMemoryError(InfeasiblePlanError):
+    """No stage assignment fits; ``stage``: the stage closest to fitting
+    (None: no stage had a plan at all), ``detail``: it in words."""
+
+    def __init__(self, message: str, detail: str, stage: UnfitStage | None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.detail, self.stage = detail, stage
+
+
+def unfit_text(u: UnfitStage, budget: float, opts: PipelineOptions, device_bytes: float) -> str:
+    """``u`` in words: what it needs per device, part by part, against the budget."""
+    m = u.memory
+    which = (f"stage {opts.fixed[2] - u.stages_after} (layers {u.layers[0]}..{u.layers[1]})"
+             if opts.fixed is not None else
+             f"a stage of layers {u.layers[0]}..{u.layers[1]} on {u.devices} device(s)")
+    remat = ", recomputing" if u.remat else ""
+    return (f"{which} needs at least {human_bytes(m.total)} per device (parameters "
+            f"{human_bytes(m.params)}, gradients {human_bytes(m.grads)}, optimizer state "
+            f"{human_bytes(m.optimizer)}, activations {human_bytes(m.activations)} for "
+            f"{u.in_flight} micro-batch(es) in flight{remat}, temporaries "
+            f"{human_bytes(m.temporaries)}) against a budget of {human_bytes(budget)} "
+            f"({opts.memory_fraction:g} x {human_bytes(device_bytes)}): "
+            f"{human_bytes(m.total - budget)} over")

@@ -7,6 +7,7 @@ the operands it reshards, :func:`decode` turns a :class:`Solution` into an
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..cost_model.memory import liveness, live_bytes
 from ..cost_model.collectives import all_reduce
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
-from ..graph import Graph
+from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
 from .build import Built, follow_input, map_through
 from .strategies import node_space
@@ -234,18 +235,61 @@ def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> i
     Values computed from constants alone (a causal mask broadcast to the
     scores' shape) and values passed only between fused element-wise
     operators are not counted: XLA keeps them out of memory."""
-    shape = mm.shape
-    const = graph.constant_tensors
-    kept = materialised(graph)
+    total, _, act, _ = _peak(graph, mm.shape, tensor_spec)
+    return int(total + act)
 
+
+def peak_parts(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpec]
+               ) -> tuple[int, dict[str, float]]:
+    """:func:`peak_memory` and what it holds per device: the inputs by role,
+    and the intermediates live at the peak made by the forward pass
+    (``"forward"``), those of the backward and update shaped like a parameter
+    (``"grads"``: a parameter's gradient) and the others (``"other"``)."""
+    total, resident, act, live = _peak(graph, shape, tensor_spec)
+    local = _local(graph, shape, tensor_spec)
+    fwd, made_by = forward_nodes(graph), graph.producer
+    # each parameter's shape and dtype once per parameter (so one gradient each)
+    unclaimed = Counter((graph.tensors[i.tensor].shape, graph.tensors[i.tensor].dtype)
+                        for i in graph.inputs if i.role == PARAM)
+    parts = {f"input:{role}": b for role, b in resident.items()}
+    parts.update(forward=0.0, grads=0.0, other=0.0)
+    for t in live:
+        key = (graph.tensors[t].shape, graph.tensors[t].dtype)
+        if fwd[made_by[t]]:
+            parts["forward"] += local(t)
+        elif unclaimed[key] > 0:
+            unclaimed[key] -= 1
+            parts["grads"] += local(t)
+        else:
+            parts["other"] += local(t)
+    return int(total + act), parts
+
+
+def _local(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpec]):
     def local(t: int) -> float:
         spec = tensor_spec.get(t)
         nb = graph.tensors[t].nbytes
         return nb / num_shards(spec, shape) if spec is not None else nb
+    return local
 
-    resident = sum(local(i.tensor) for i in graph.inputs)
+
+def _peak(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpec]
+          ) -> tuple[float, dict[str, float], float, list[int]]:
+    """Resident input bytes per device (summed in input order) and by role,
+    the peak of live intermediates, and the intermediates live at that peak."""
+    const = graph.constant_tensors
+    kept = materialised(graph)
+    local = _local(graph, shape, tensor_spec)
+    total = sum(local(i.tensor) for i in graph.inputs)
+    resident: dict[str, float] = {}
+    for i in graph.inputs:
+        resident[i.role] = resident.get(i.role, 0.0) + local(i.tensor)
     intervals = {t: iv for t, iv in liveness(graph).intervals.items()
                  if t not in const and t in kept}
     n = len(graph.nodes)
-    act = float(np.max(live_bytes(intervals, n, local))) if n else 0.0
-    return int(resident + act)
+    if not n:
+        return total, resident, 0.0, []
+    profile = live_bytes(intervals, n, local)
+    step = int(np.argmax(profile))
+    live = [t for t, (a, b) in intervals.items() if a <= step <= b]
+    return total, resident, float(profile[step]), live

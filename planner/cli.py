@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from . import progress
 from .errors import MeshplanError, ModelConfigError
 from .methods import normalize_argnums
+from .units import human_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,14 +109,6 @@ def _add_target_args(p: argparse.ArgumentParser, fn: bool = True) -> None:
                    help="override a size of the built-in model (repeatable)")
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n}"
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .trace import trace
     target = load_target(args)
@@ -129,11 +122,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"({s['matmul_flops']:.4g} in matmuls/convolutions)")
     if target.model_config:
         print("  config: " + ", ".join(f"{k}={v}" for k, v in target.model_config.items()))
-    print(f"  parameters:      {s['num_params']:,} ({_human_bytes(s['param_bytes'])})")
-    print(f"  optimizer state: {_human_bytes(s['opt_state_bytes'])}")
-    print(f"  other state:     {_human_bytes(s['state_bytes'])}")
-    print(f"  batch:           {_human_bytes(s['batch_bytes'])}")
-    print(f"  intermediates:   {_human_bytes(s['activation_bytes'])} (sum of all, before liveness)")
+    print(f"  parameters:      {s['num_params']:,} ({human_bytes(s['param_bytes'])})")
+    print(f"  optimizer state: {human_bytes(s['opt_state_bytes'])}")
+    print(f"  other state:     {human_bytes(s['state_bytes'])}")
+    print(f"  batch:           {human_bytes(s['batch_bytes'])}")
+    print(f"  intermediates:   {human_bytes(s['activation_bytes'])} (sum of all, before liveness)")
     print(f"  fingerprint:     {s['fingerprint']}")
     print("  ops by primitive: " + ", ".join(
         f"{k} {v}" for k, v in list(s["ops_by_primitive"].items())[:12]))

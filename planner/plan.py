@@ -21,6 +21,7 @@ from .cluster import ClusterSpec
 from .errors import PlanFormatError
 # (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
 from .specs import DimSpec, Spec, spec_axes, spec_from_json, spec_str, spec_to_json  # noqa: F401
+from .units import human_bytes, human_rate, human_time
 
 PLAN_FORMAT = "meshplan.plan/1"
 
@@ -53,14 +54,64 @@ class LogicalMesh:
 
 
 @dataclass(frozen=True)
+class MemoryBreakdown:
+    """What a stage's memory per device holds; the parts add up to its
+    ``memory_bytes``.  ``params`` counts other carried state (batch-norm
+    statistics) too; ``activations``: the forward values kept for the
+    backward of every micro-batch in flight (and the batch); ``temporaries``:
+    the rest of the working set at the peak."""
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporaries: int = 0
+
+    @classmethod
+    def of(cls, total: float, *, params: float, grads: float, optimizer: float,
+           activations: float) -> "MemoryBreakdown":
+        """The breakdown of ``total`` bytes with these parts, the rest as
+        temporaries.  (Each part rounded down, so the rest is at least the
+        exact rest rounded down.)"""
+        p, g, o, a = int(params), int(grads), int(optimizer), int(activations)
+        return cls(p, g, o, a, int(total) - p - g - o - a)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        return (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                ("activations", self.activations), ("temporaries", self.temporaries))
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.parts()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MemoryBreakdown":
+        return cls(**{k: int(d.get(k, 0)) for k, _ in cls().parts()})
+
+    def __str__(self) -> str:
+        return (f"{human_bytes(self.total)} = "
+                + " + ".join(f"{k} {human_bytes(v)}" for k, v in self.parts()))
+
+
+@dataclass(frozen=True)
 class Predicted:
     compute_s: float = 0.0
     comm_s: float = 0.0
     memory_bytes: int = 0
+    memory: MemoryBreakdown | None = None    # (absent from older plan files)
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s,
-                "memory_bytes": int(self.memory_bytes)}
+                "memory_bytes": int(self.memory_bytes),
+                **({"memory": self.memory.to_dict()} if self.memory is not None else {})}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Predicted":
+        mem = d.get("memory")
+        return cls(**{k: v for k, v in d.items() if k != "memory"},
+                   memory=None if mem is None else MemoryBreakdown.from_dict(mem))
 
 
 @dataclass(frozen=True)
@@ -129,7 +180,7 @@ class Stage:
             logical_mesh=LogicalMesh.from_dict(d["logical_mesh"]),
             remat=bool(d.get("remat", False)),
             params=tuple((p, spec_from_json(s)) for p, s in d["params"].items()),
-            predicted=Predicted(**d["predicted"]),
+            predicted=Predicted.from_dict(d["predicted"]),
             outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
             constraints=tuple((int(t), spec_from_json(s)) for t, s in d.get("constraints", [])),
             strategies=tuple((int(n), str(s)) for n, s in d.get("strategies", [])),
@@ -264,10 +315,11 @@ class Plan:
         lines = [
             f"Plan for {self.function or 'train step'} on {self.cluster.name} "
             f"({self.cluster.num_devices} devices), method {self.method}",
-            f"  predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.tflops_per_device:.2f} TFLOP/s "
-            f"per device (model FLOPs; {p.hardware_tflops_per_device:.2f} with recomputation), "
-            f"peak memory {p.peak_memory_bytes / 2**30:.2f} GiB/device, "
-            f"communication {p.comm_bytes_per_device / 2**20:.1f} MiB/device",
+            f"  predicted: {human_time(p.iteration_s)}/iteration, "
+            f"{human_rate(p.tflops_per_device * 1e12)} per device (model FLOPs; "
+            f"{human_rate(p.hardware_tflops_per_device * 1e12)} with recomputation), "
+            f"peak memory {human_bytes(p.peak_memory_bytes)}/device, "
+            f"communication {human_bytes(p.comm_bytes_per_device)}/device",
             f"  micro-batches {self.num_micro_batches}, schedule {self.schedule}",
         ]
         for k, s in enumerate(self.stages):
@@ -275,8 +327,9 @@ class Plan:
             lines.append(
                 f"  stage {k}: layers {s.layers[0]}..{s.layers[1]}, devices {_ranges(s.devices)} "
                 f"(submesh {s.submesh[0]}x{s.submesh[1]}), mesh {s.logical_mesh}"
-                f"{', remat' if s.remat else ''}; compute {pr.compute_s * 1e3:.3f} ms, "
-                f"comm {pr.comm_s * 1e3:.3f} ms, memory {pr.memory_bytes / 2**30:.3f} GiB")
+                f"{', remat' if s.remat else ''}; compute {human_time(pr.compute_s)}, "
+                f"comm {human_time(pr.comm_s)}, memory "
+                f"{pr.memory or human_bytes(pr.memory_bytes)}")
             for path, spec in s.params:
                 lines.append(f"    {path:<48} {spec_str(spec)}")
         if self.batch:

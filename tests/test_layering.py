@@ -19,7 +19,7 @@ LAYER_OF = {
     # data types: what every layer may read
     "errors": "types", "cluster": "types", "graph": "types", "plan": "types",
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
-    "schedule": "types", "datasheets": "types", "primitives": "types",
+    "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
     # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the

@@ -1,0 +1,162 @@
+"""Each stage's memory by what it holds, figures in readable units, and
+refusals that say which part of a stage is over the budget and by how much."""
+import json
+import re
+
+import pytest
+
+import meshplan
+from meshplan.cost_model.sharding import spec_from_names
+from meshplan.graph import OPT_STATE, PARAM
+from meshplan.ilp import peak_parts
+from meshplan.models import build_model
+from meshplan.plan import MemoryBreakdown, Plan, Predicted
+from meshplan.trace import trace
+from meshplan.units import human_bytes, human_rate, human_time
+
+DGX = "examples/clusters/dgx-a100-x1.json"
+GPT = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64, "batch": 8}
+
+
+def _plan(method, model="gpt", config=GPT, cluster=DGX):
+    m = build_model(model, config)
+    return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.load_cluster(cluster),
+                         method=method)
+
+
+def _tiny_cluster(tmp_path, memory_bytes):
+    data = json.loads(open(DGX).read())
+    data["device"]["memory_bytes"] = memory_bytes
+    (tmp_path / "tiny.json").write_text(json.dumps(data))
+    return str(tmp_path / "tiny.json")
+
+
+def test_units_adapt_to_the_size():
+    assert human_bytes(0) == "0 B" and human_bytes(1000) == "1000 B"
+    assert human_bytes(1536) == "1.50 KiB" and human_bytes(5 * 2**20) == "5.00 MiB"
+    assert human_bytes(97.3 * 2**30) == "97.3 GiB" and human_bytes(-2048) == "-2.00 KiB"
+    assert human_time(2.5) == "2.50 s" and human_time(0.0123) == "12.3 ms"
+    assert human_time(4.5e-6) == "4.50 µs" and human_time(0) == "0 s"
+    assert human_rate(2.54e9) == "2.54 GFLOP/s" and human_rate(156e12) == "156 TFLOP/s"
+    assert human_rate(3.2e6) == "3.20 MFLOP/s"
+
+
+def test_breakdown_round_trips_and_old_plans_load_without_it():
+    mem = MemoryBreakdown(params=10, grads=20, optimizer=40, activations=7, temporaries=3)
+    pr = Predicted(1e-3, 2e-4, 80, mem)
+    assert Predicted.from_dict(json.loads(json.dumps(pr.to_dict()))) == pr
+    assert pr.to_dict()["memory"] == {"params": 10, "grads": 20, "optimizer": 40,
+                                      "activations": 7, "temporaries": 3}
+    # a figure without a breakdown (an older plan) writes no key and reads back as None
+    old = Predicted(1e-3, 2e-4, 80)
+    assert "memory" not in old.to_dict()
+    assert Predicted.from_dict(old.to_dict()).memory is None
+    assert str(mem) == "80 B = params 10 B + grads 20 B + optimizer 40 B + activations 7 B + " \
+                       "temporaries 3 B"
+
+
+def test_a_saved_plan_without_breakdowns_loads_and_writes_back_unchanged():
+    plan = _plan(meshplan.ShardParallel())
+    d = json.loads(plan.to_json())
+    for st in d["stages"]:
+        del st["predicted"]["memory"]
+    text = json.dumps(d, indent=2)
+    old = Plan.from_json(text)
+    assert all(s.predicted.memory is None for s in old.stages)
+    assert old.to_json() == text
+
+
+def test_one_stage_breakdown_adds_up_to_the_stage_memory():
+    plan = _plan(meshplan.DataParallel())
+    st = plan.stages[0]
+    mem = st.predicted.memory
+    assert mem.total == st.predicted.memory_bytes == plan.predicted.peak_memory_bytes
+    assert min(mem.params, mem.optimizer, mem.activations, mem.temporaries) >= 0
+    # data parallel replicates the state: every device holds all of it
+    m = build_model("gpt", GPT)
+    g = trace(m.train_step, *m.abstract_args)
+    assert mem.params == g.role_bytes(PARAM) and mem.optimizer == g.role_bytes(OPT_STATE)
+    assert mem.activations > 0
+    assert Plan.from_json(plan.to_json()).stages[0].predicted.memory == mem
+
+
+def test_one_stage_breakdown_follows_the_chosen_layouts():
+    plan = _plan(meshplan.ShardParallel())
+    mem = plan.stages[0].predicted.memory
+    assert mem.total == plan.stages[0].predicted.memory_bytes
+    m = build_model("gpt", GPT)
+    g = trace(m.train_step, *m.abstract_args)
+    # the parameters as the plan lays them out, one shard per device
+    mesh = plan.logical_mesh
+    specs = dict(plan.stages[0].params)
+    local = 0
+    for inp in g.inputs:
+        if inp.role == PARAM:
+            spec = specs[inp.path]
+            ways = 1
+            for d in spec_from_names(spec, mesh.axes):
+                for a in d:
+                    ways *= mesh.shape[a]
+            local += g.tensors[inp.tensor].nbytes / ways
+    assert mem.params == int(local)
+
+
+def test_peak_parts_adds_up_to_the_peak():
+    m = build_model("gpt", GPT)
+    g = trace(m.train_step, *m.abstract_args)
+    # everything replicated on one device: the parts are the tensors' full sizes
+    total, parts = peak_parts(g, (1,), {})
+    assert parts["input:param"] == g.role_bytes(PARAM)
+    assert parts["forward"] + parts["grads"] + parts["other"] > 0
+    assert abs(total - sum(parts.values())) < 1
+
+
+def test_pipeline_breakdown_adds_up_to_each_stage_memory():
+    plan = _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    assert len(plan.stages) == 2
+    for st in plan.stages:
+        mem = st.predicted.memory
+        assert mem.total == st.predicted.memory_bytes
+        assert mem.params > 0 and mem.optimizer > 0 and mem.activations > 0
+        assert mem.grads >= 0 and mem.temporaries >= 0
+    assert Plan.from_json(plan.to_json()).stages == plan.stages
+
+
+def test_a_small_plan_prints_no_zero_figures():
+    text = str(_plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)))
+    assert "0.00" not in text and "0.000" not in text, text
+    line = next(l for l in text.splitlines() if l.startswith("  stage 0"))
+    assert re.search(r"memory [\d.]+ KiB = params [\d.]+ KiB \+ grads .* \+ optimizer .* \+ "
+                     r"activations .* \+ temporaries ", line), line
+    assert re.search(r"compute [\d.]+ (µs|ms)", line), line
+    assert re.search(r"[\d.]+ (MFLOP/s|GFLOP/s) per device", text), text
+
+
+def test_a_manual_plan_without_recomputation_names_the_cause_and_the_excess(tmp_path):
+    cluster = _tiny_cluster(tmp_path, 50_000)
+    with pytest.raises(meshplan.InfeasiblePlanError) as info:
+        _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, remat=False),
+              model="mlp", config={"layers": 4}, cluster=cluster)
+    text = str(info.value)
+    assert "\n" not in text
+    assert "recomputation is off" in text and "any number of stages" not in text
+    over = re.search(r"needs at least ([\d.]+) KiB per device \(parameters [\d.]+ K?i?B, "
+                     r"gradients [\d.]+ K?i?B, optimizer state [\d.]+ K?i?B, activations [\d.]+ "
+                     r"K?i?B for \d micro-batch\(es\) in flight, temporaries [\d.]+ K?i?B\) "
+                     r"against a budget of 43\.9 KiB \(0\.9 x 48\.8 KiB\): ([\d.]+) (KiB|B) over",
+                     text)
+    assert over, text
+    e = info.value
+    assert e.needed_bytes > e.budget_bytes == int(0.9 * 50_000)
+    assert over.group(3) == "B" or abs(float(over.group(2)) * 1024
+                                       - (e.needed_bytes - e.budget_bytes)) < 10
+
+
+def test_a_failed_search_gives_the_smallest_excess(tmp_path):
+    cluster = _tiny_cluster(tmp_path, 30_000)
+    with pytest.raises(meshplan.InfeasiblePlanError) as info:
+        _plan(meshplan.Auto(), model="mlp", config={"layers": 4}, cluster=cluster)
+    text = str(info.value)
+    assert "\n" not in text and "any number of stages" in text
+    assert re.search(r"the closest stage is [\d.]+ (KiB|B) over the [\d.]+ KiB budget", text), text
+    assert info.value.needed_bytes > info.value.budget_bytes
