@@ -44,6 +44,7 @@ class LayerProblems:
     # whose state cannot fit even when split over all its devices is skipped
     # before any ILP is solved
     state_bytes: list[float]
+    optimizer_bytes: list[float]      # the optimizer-state part of state_bytes
 
     def request(self, l: int, m: int, k: int) -> tuple:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
@@ -111,7 +112,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         accumulate_passes=3 if is_cpu(cluster.device) else 1,
         state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
                                             if i.role in (PARAM, OPT_STATE, STATE)))
-                     for sub in subs])
+                     for sub in subs],
+        optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
+                             if i.role == OPT_STATE) for sub in subs])
 
 
 def default_layers(g: Graph, cluster: ClusterSpec) -> int:

@@ -111,9 +111,10 @@ class StageCosts:
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
         self.least_unfit_stage: UnfitStage | None = None
-        self.state_prefix = [0.0]
-        for b in lay.state_bytes:
+        self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
+        for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
+            self.optimizer_prefix.append(self.optimizer_prefix[-1] + o)
 
     def layer(self, l: int, m: int, k: int) -> LayerCost | None:
         if (l, m, k) not in self._layer:
@@ -162,7 +163,14 @@ class StageCosts:
         if opts.equal_layers and gj - gi + 1 != len(lay.groups) // opts.num_stages:
             return None
         keep = in_flight(schedule, lay.B, s)
-        if (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size > lay.budget:
+        n = lay.submeshes[m].size
+        state = (self.state_prefix[j + 1] - self.state_prefix[i]) / n
+        if state > lay.budget:
+            # its state alone, split evenly over the devices, cannot fit
+            opt = (self.optimizer_prefix[j + 1] - self.optimizer_prefix[i]) / n
+            self._unfit(state, MemoryBreakdown.of(state, params=state - opt, optimizer=opt,
+                                                  grads=0, activations=0),
+                        keep, False, (i, j), n, gi, gj, s)
             return None
         best, least = None, None
         least_way = None
@@ -195,13 +203,19 @@ class StageCosts:
                     best = StageOption(lat, remat, mem, k, send, c.memory(keep, remat))
                 if least is None or mem < least:
                     least, least_way = mem, (c, remat)
-        if best is None and least is not None and self._placeable(gi, gj, s):
-            if self.least_unfit is None or least < self.least_unfit:
-                c, remat = least_way
-                self.least_unfit_stage = UnfitStage(c.memory(keep, remat), keep, remat, (i, j),
-                                                    lay.submeshes[m].size, s)
-            self.least_unfit = least if self.least_unfit is None else min(self.least_unfit, least)
+        if best is None and least is not None:
+            c, remat = least_way
+            self._unfit(least, c.memory(keep, remat), keep, remat, (i, j), n, gi, gj, s)
         return best
+
+    def _unfit(self, need: float, memory: MemoryBreakdown, keep: int, remat: bool,
+               layers: tuple[int, int], devices: int, gi: int, gj: int, s: int) -> None:
+        """Record a stage that fits no way, if it is the closest to fitting yet."""
+        if not self._placeable(gi, gj, s):
+            return
+        if self.least_unfit is None or need < self.least_unfit:
+            self.least_unfit = need
+            self.least_unfit_stage = UnfitStage(memory, keep, remat, layers, devices, s)
 
 
 def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

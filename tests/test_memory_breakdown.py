@@ -160,3 +160,18 @@ def test_a_failed_search_gives_the_smallest_excess(tmp_path):
     assert "\n" not in text and "any number of stages" in text
     assert re.search(r"the closest stage is [\d.]+ (KiB|B) over the [\d.]+ KiB budget", text), text
     assert info.value.needed_bytes > info.value.budget_bytes
+
+
+def test_a_stage_whose_state_alone_is_over_the_budget_says_so():
+    # (the budget is below the stage's parameters and optimizer state even
+    # split evenly over its devices: no layer ILP is asked, the state is the cause)
+    with pytest.raises(meshplan.InfeasiblePlanError) as info:
+        _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, memory_fraction=1e-8),
+              cluster="examples/clusters/dgx-a100-x1.json")
+    text = str(info.value)
+    assert "\n" not in text and "Manual(dp=2, tp=2, pp=2)" in text
+    parts = re.search(r"needs at least ([\d.]+) (KiB|B) per device \(parameters ([\d.]+) (KiB|B), "
+                      r"gradients 0 B, optimizer state ([\d.]+) (KiB|B), activations 0 B", text)
+    assert parts, text
+    assert float(parts.group(3)) > 0 and float(parts.group(5)) > 0
+    assert "0.9 x" not in text and "1e-08 x" in text
