@@ -231,6 +231,10 @@ class ShardExecutable:
                     "to an earlier call and has been deleted; pass the state that call returned")
         if self.multiprocess:
             args = self._assemble_batches(entry, args)
+        else:
+            # a host batch placed first: passed as it is, jit would key its
+            # cache on the unplaced type and compile the step a second time
+            args = self._place_batches(entry, args)
         try:
             return entry.jitted(*args)
         except _SignatureChanged as e:
@@ -274,6 +278,15 @@ class ShardExecutable:
                 else:
                     placed.append(place_global(x, s, entry.flat_avals[i].dtype))
         return tuple(jax.tree_util.tree_unflatten(treedef, placed))
+
+    def _place_batches(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Fast path: the batch leaves on their planned shardings."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if treedef != entry.treedef:
+            raise FastPathMiss("another argument structure")
+        for i in entry.batch_leaves:
+            leaves[i] = place(leaves[i], entry.flat_in_shardings[i])
+        return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
 
     def _assemble_batches(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Multi-process fast path: the process-local batch leaves become

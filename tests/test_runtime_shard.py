@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from meshplan.models import build_model
 from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.trace.walk import flatten
 from meshplan.plan import LogicalMesh, Plan, Stage
@@ -387,3 +388,16 @@ def test_constraint_of_wrong_rank_is_stale():
     stage = dataclasses.replace(plan.stages[0], constraints=((tid, ("data",)),))
     with pytest.raises(StalePlanError, match="constraint on tensor"):
         executable(step, dataclasses.replace(plan, stages=(stage,)), (state, batch))
+
+
+def test_a_host_batch_on_later_calls_compiles_the_step_once():
+    # the first call places everything; later calls go by the fast path,
+    # which must place the batch too or jit keys a second program on it
+    m = build_model("gpt", {"layers": 1, "hidden": 32, "heads": 2, "seq_len": 8, "vocab": 32,
+                            "batch": 8})
+    state, batch = m.init(0)
+    step = meshplan.parallelize(m.train_step, method=meshplan.ShardParallel(mesh_shape=(4, 2)))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    (executable,) = [e for _, e in step._cache.values()]
+    assert executable._last.jitted._cache_size() == 1
