@@ -222,8 +222,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     method = _method(args)
     traced = planning.trace_function(target.train_step, target.args, target.batch_argnums,
                                      target.name, args.session)
-    plan = planning.plan_function(traced, cluster, method, args.session).plan
+    plan = planning.plan_function(traced, cluster, method, args.session,
+                                  explain=args.explain).plan
     print(plan)
+    if args.explain:
+        print(plan.explain())
     if args.json:
         _write_text(args.json, plan.to_json())
         print(f"plan written to {args.json}")
@@ -377,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_args(pp)
     pp.add_argument("--json", metavar="OUT.json", help="write the plan JSON")
     pp.add_argument("--timeline", metavar="OUT.png", help="draw the pipeline schedule")
+    pp.add_argument("--explain", action="store_true",
+                    help="also plan and list the alternatives (data parallel, ZeRO-3, intra-op "
+                         "only, other stage counts, a Megatron-style grid) and what bound the choice")
     pp.set_defaults(func=cmd_plan)
 
     pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "
