@@ -85,7 +85,7 @@ class _Context:
         try:
             p, _ = search_pipeline(self.graph, self.cluster, opts, method_name=method,
                                    session=self.session, retrace=self.retrace)
-        except InfeasiblePlanError as e:
+        except MeshplanError as e:
             return rows + [self.unfit(method, f"{what}, gradient accumulation", e)]
         return rows + [self.row(method, f"{what}, gradient accumulation over "
                                         f"{p.num_micro_batches} micro-batch(es)", p)]
@@ -118,7 +118,7 @@ class _Context:
                 _, stats = search_pipeline(self.graph, self.cluster, opts, method_name="auto",
                                            session=self.session, retrace=self.retrace,
                                            by_stage_count=True)
-            except InfeasiblePlanError as e:
+            except MeshplanError as e:      # (also: no batch to split into micro-batches)
                 return [self.unfit("pipeline", "the best pipeline (any number of stages)", e)]
         rows = []
         for best in stats.stage_counts:       # type: ignore[union-attr]
@@ -136,7 +136,7 @@ class _Context:
     def grid(self) -> Alternative:
         """The fastest Megatron-style hand plan over :func:`grid_points`."""
         best: Plan | None = None
-        err: InfeasiblePlanError | None = None
+        err: MeshplanError | None = None
         points = grid_points(self.n, self.cluster.devices_per_host)
         for dp, tp, pp in points:
             opts = PipelineOptions(num_stages=pp, fixed=(dp, tp, pp), input_filter="model",
@@ -146,11 +146,8 @@ class _Context:
             try:
                 p, _ = search_pipeline(self.graph, self.cluster, opts, method_name="manual",
                                        session=self.session, retrace=self.retrace)
-            except InfeasiblePlanError as e:
+            except MeshplanError as e:        # (also: fewer layers than stages, no batch)
                 err = e
-                continue
-            except MeshplanError as e:        # e.g. fewer layers than stages
-                err = InfeasiblePlanError(str(e))
                 continue
             if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
                 best = replace(p, notes=(f"dp={dp} tp={tp} pp={pp}",))
@@ -195,12 +192,15 @@ class _Context:
             why = f"{t / chosen - 1:.1%} slower" + _reason(p, self.plan)
         return Alternative(method, description, t, p.predicted.peak_memory_bytes, True, why)
 
-    def unfit(self, method: str, description: str, e: InfeasiblePlanError,
+    def unfit(self, method: str, description: str, e: MeshplanError,
               relaxed: Callable[[], Plan] | None = None) -> Alternative:
         """A plan that does not fit: with ``relaxed`` (and a memory error), what
         it would take and need with no memory limit; else the error's gist."""
         gist = str(e).split("; ")[0]
-        if relaxed is not None and e.budget_bytes:
+        if not isinstance(e, InfeasiblePlanError):
+            gist = f"not available: {gist}"
+        budget = getattr(e, "budget_bytes", None)
+        if relaxed is not None and budget:
             try:
                 p = relaxed()
             except MeshplanError:
@@ -209,8 +209,9 @@ class _Context:
                 need = p.predicted.peak_memory_bytes
                 return Alternative(method, description, p.predicted.iteration_s, need, False,
                                    f"needs {_gib(need)} per device > budget "
-                                   f"{_gib(e.budget_bytes)}")
-        return Alternative(method, description, None, e.needed_bytes, False, gist)
+                                   f"{_gib(budget)}")
+        return Alternative(method, description, None, getattr(e, "needed_bytes", None), False,
+                           gist)
 
 
 def grid_points(num_devices: int, devices_per_host: int) -> list[tuple[int, int, int]]:
