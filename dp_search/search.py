@@ -22,7 +22,7 @@ from ..units import human_bytes
 from .assemble import pipeline_plan
 from .options import PipelineOptions
 from .problem import LayerProblems, layer_problems
-from .session import SearchStats, Session
+from .session import SearchStats, Session, StageCountBest
 from .solver import LayerSolver
 from .stages import StageMemoryError, best_pipeline
 
@@ -64,10 +64,14 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
 
 def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *,
                     method_name: str, session: Session,
-                    retrace: Callable[[int], Graph] | None = None) -> tuple[Plan, SearchStats]:
+                    retrace: Callable[[int], Graph] | None = None,
+                    by_stage_count: bool = False) -> tuple[Plan, SearchStats]:
     """The fastest pipeline plan (possibly one stage) for ``graph``, and the
     search's figures.  ``retrace(B)`` returns the step traced with the batch
-    split into ``B`` micro-batches; without it only ``B = 1`` is considered."""
+    split into ``B`` micro-batches; without it only ``B = 1`` is considered.
+    ``by_stage_count`` (explain; a searched number of stages only): the
+    figures also hold the best plan with 1, 2, 4, ... stages
+    (``SearchStats.stage_counts``); the plan chosen is the same."""
     batch = _batch_size(graph)
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
@@ -90,6 +94,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     errors: dict[int, str] = {}          # micro-batch count -> why it has no plan
     unfit: dict[int, StageMemoryError] = {}   # ... when a stage was over the memory budget
     ahead: dict[int, LayerProblems | TraceError] = {}
+    counts = _StageCounts() if by_stage_count and opts.num_stages is None and not opts.fixed \
+        else None
 
     def layered(B: int) -> LayerProblems | TraceError:
         t0 = time.perf_counter()
@@ -120,6 +126,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         ahead[todo[0]] = layered(todo[0])
                     search.collect(pending)
                     p = _plan_for(graph, lay, cluster, opts, search, method_name)
+                    if counts is not None:
+                        counts.add(graph, lay, cluster, opts, search, method_name)
                 if best is None or p.predicted.iteration_s < best[0]:
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
@@ -160,7 +168,40 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
             f"layer ILPs")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
-    return replace(plan, notes=plan.notes + (note,)), search.stats(len(searched))
+    stats = search.stats(len(searched))
+    if counts is not None:
+        stats = replace(stats, stage_counts=counts.bests())
+    return replace(plan, notes=plan.notes + (note,)), stats
+
+
+class _StageCounts:
+    """[explain] The best plan per number of stages over the micro-batch
+    counts searched: the stage DP re-run with the number of stages fixed, on
+    the layer costs the search already has (no new layer ILP)."""
+
+    def __init__(self) -> None:
+        self.best: dict[int, Plan] = {}
+        self.why: dict[int, str] = {}
+
+    def add(self, graph: Graph, lay: LayerProblems, cluster: ClusterSpec,
+            opts: PipelineOptions, solver: LayerSolver, method: str) -> None:
+        k = 1
+        while k <= min(len(lay.groups), cluster.num_devices):
+            try:
+                choice, costs = best_pipeline(replace(lay, min_stages=k, max_stages=k), cluster,
+                                              opts, solver)
+            except InfeasiblePlanError as e:
+                # (the most micro-batches, searched first, need the least memory)
+                self.why.setdefault(k, str(e))
+            else:
+                old = self.best.get(k)
+                if old is None or choice.total_s < old.predicted.iteration_s:
+                    self.best[k] = pipeline_plan(graph, lay, choice, costs, cluster, method)
+            k *= 2
+
+    def bests(self) -> tuple[StageCountBest, ...]:
+        return tuple(StageCountBest(k, self.best.get(k), "" if k in self.best else self.why[k])
+                     for k in sorted(self.best.keys() | self.why.keys()))
 
 
 def _no_gradient_marker(graph: Graph) -> str | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..errors import MeshplanError
 from ..ilp import IlpCaches, SolverOptions
+from ..plan import Plan
 from ..progress import Progress
 
 LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
@@ -61,6 +62,16 @@ class Session:
 
 
 @dataclass(frozen=True)
+class StageCountBest:
+    """[explain] The fastest plan the search found with exactly ``num_stages``
+    stages over the micro-batch counts it searched (``plan`` None: none fits,
+    ``why`` says why)."""
+    num_stages: int
+    plan: Plan | None = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class SearchStats:
     """Figures of one inter-operator search (benchmarks report them)."""
     micro_batch_counts: int = 0    # micro-batch counts searched
@@ -72,3 +83,5 @@ class SearchStats:
     ilp_work_s: float = 0.0        # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0              # wall time in the stage DP, its ILPs excluded
     workers: int = 1
+    # [explain] the best plan per number of stages (asked for with by_stage_count)
+    stage_counts: tuple[StageCountBest, ...] = ()

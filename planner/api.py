@@ -29,16 +29,19 @@ from .trace.unstack import Unstacked
 
 def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
          method: Method | None = None, batch_argnums: int | Sequence[int] = (1,),
-         session: Session | None = None) -> Plan:
+         session: Session | None = None, explain: bool = False) -> Plan:
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
     ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees.
     ``session``: a :class:`meshplan.dp_search.Session` to plan in (its
-    progress reporter and layer-cost cache; default a new one)."""
+    progress reporter and layer-cost cache; default a new one).
+    ``explain``: also plan the alternatives (data parallel, ZeRO-3,
+    intra-operator only, other numbers of stages, a Megatron-style grid) and
+    keep them in the plan: ``plan.explain()`` prints them."""
     session = session or Session.from_env()
     traced = trace_function(fn, _abstract(args), _argnums(batch_argnums),
                             getattr(fn, "__name__", "fn"), session)
     return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
-                         session).plan
+                         session, explain=explain).plan
 
 
 def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,

@@ -257,7 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     method = _method(args)
     traced = planning.trace_function(target.train_step, target.args, target.batch_argnums,
                                      target.name, args.session)
-    plan = planning.plan_function(traced, cluster, method, args.session).plan
+    plan = planning.plan_function(traced, cluster, method, args.session,
+                                  explain=args.explain).plan
     snippet = None
     if args.emit:
         from .tools.snippet import python_snippet
@@ -268,6 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(snippet, end="")
     else:
         print(plan)
+        if args.explain:
+            print(plan.explain())
     if args.json:
         _write_text(args.json, plan.to_json())
         say(f"plan written to {args.json}")
@@ -453,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "one-stage plan, printed instead of the plan (or see --emit-out)")
     pp.add_argument("--emit-out", metavar="OUT.py", dest="emit_out",
                     help="write the --emit snippet to OUT.py and print the plan as usual")
+    pp.add_argument("--explain", action="store_true",
+                    help="also plan and list the alternatives (data parallel, ZeRO-3, intra-op "
+                         "only, other stage counts, a Megatron-style grid) and what bound the choice")
     pp.set_defaults(func=cmd_plan)
 
     pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from .alternatives import Alternative, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
 # (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
@@ -208,6 +209,8 @@ class Plan:
     # micro-batch size (the runtime's operation -> stage map; ``Stage.layers``
     # gives each layer's stage).  Empty for one-stage plans and old files.
     layer_of_node: tuple[int, ...] = ()
+    # [explain] the plans this one was chosen over (empty unless asked for)
+    alternatives: tuple[Alternative, ...] = ()
 
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
@@ -266,6 +269,8 @@ class Plan:
             "predicted": self.predicted.to_dict(),
             "notes": list(self.notes),
             **({"layer_of_node": _rle(self.layer_of_node)} if self.layer_of_node else {}),
+            **({"alternatives": [a.to_dict() for a in self.alternatives]}
+               if self.alternatives else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -295,6 +300,7 @@ class Plan:
                 predicted=PlanPredicted(**d["predicted"]),
                 notes=tuple(d.get("notes", ())),
                 layer_of_node=_unrle(d.get("layer_of_node", [])),
+                alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):
@@ -310,6 +316,15 @@ class Plan:
         return cls.from_dict(data)
 
     # ---- printing -----------------------------------------------------------
+    def explain(self) -> str:
+        """The alternatives this plan was chosen over, fastest first, and the
+        constraint that bound the choice (or how to get them, when the plan
+        was made without ``explain=True``)."""
+        work = sum(s.predicted.compute_s + s.predicted.comm_s for s in self.stages)
+        share = sum(s.predicted.comm_s for s in self.stages) / work if work else 0.0
+        return explain_text(describe_plan(self), self.predicted.iteration_s,
+                            self.predicted.peak_memory_bytes, share, self.alternatives)
+
     def __str__(self) -> str:
         p = self.predicted
         lines = [

@@ -8,6 +8,7 @@ inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -18,6 +19,7 @@ from .cluster import ClusterSpec
 from .dp_search import SearchStats, Session, search_pipeline
 from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError, MeshplanError
+from .explain import ONE_STAGE_NOTE, alternatives
 from .graph import BATCH, IDENTITY_MARKERS, Graph, strip_markers
 from .methods import Method
 from .plan import LogicalMesh, Plan
@@ -72,9 +74,11 @@ def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[i
 
 
 def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
-                  session: Session) -> Planned:
-    """Plan a traced step; the plan notes a scan rewrite."""
-    planned = plan_step(traced.graph, cluster, method, retrace=traced.retrace, session=session)
+                  session: Session, *, explain: bool = False) -> Planned:
+    """Plan a traced step; the plan notes a scan rewrite.  ``explain``: see
+    :func:`plan_step`."""
+    planned = plan_step(traced.graph, cluster, method, retrace=traced.retrace, session=session,
+                        explain=explain)
     u = traced.unstacked
     if u is None or u.note in planned.plan.notes:
         return planned
@@ -99,16 +103,25 @@ def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ..
 
 def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
               retrace: Callable[[int], Graph] | None = None,
-              session: Session | None = None) -> Planned:
+              session: Session | None = None, explain: bool = False) -> Planned:
     """Plan a traced step: the method's request run by the passes.
-    ``retrace(B)`` lets the pipeline search re-trace the step for B micro-batches."""
+    ``retrace(B)`` lets the pipeline search re-trace the step for B micro-batches.
+    ``explain``: the plan also records the alternatives it was chosen over
+    (``Plan.alternatives``, :mod:`meshplan.explain`); the plan is the same."""
     lower = getattr(method, "request", None)
     if lower is None:
         raise MeshplanError(f"unknown method {method!r}: use meshplan.Auto(), ShardParallel(), "
                             "PipeshardParallel(), DataParallel() or Manual(dp=, tp=, pp=)")
     request: PlanRequest = lower(cluster.num_devices)
     session = session or Session.from_env()
-    planned = _plan_request(graph, cluster, request, retrace, session)
+    if explain and retrace is not None:
+        # (the alternatives re-trace the same micro-batch sizes)
+        retrace = functools.lru_cache(maxsize=None)(retrace)
+    planned = _plan_request(graph, cluster, request, retrace, session, explain)
+    if explain:
+        alts = alternatives(graph, cluster, planned.plan, planned.search, request,
+                            retrace=retrace, session=session)
+        planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     why = replicated_work(graph)
     if why is None:
         return planned
@@ -146,12 +159,14 @@ def replicated_work(graph: Graph) -> str | None:
 
 
 def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
-                  retrace: Callable[[int], Graph] | None, session: Session) -> Planned:
-    """The passes the request asks for."""
+                  retrace: Callable[[int], Graph] | None, session: Session,
+                  explain: bool = False) -> Planned:
+    """The passes the request asks for (``explain``: the search also keeps its
+    best plan per number of stages)."""
     if request.pipeline is None:
         return Planned(_one_stage(graph, cluster, request, session))
     p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
-                               retrace=retrace, session=session)
+                               retrace=retrace, session=session, by_stage_count=explain)
     if request.one_stage_by_whole_graph and len(p.stages) == 1:
         # one stage: the whole-graph ILP is more exact than the sum of layer costs
         try:
@@ -160,7 +175,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
             return Planned(replace(s, notes=s.notes + p.notes + (
-                "one stage is fastest: planned by the whole-graph ILP",)), stats)
+                ONE_STAGE_NOTE,)), stats)
     return Planned(p, stats)
 
 

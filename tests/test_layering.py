@@ -20,6 +20,7 @@ LAYER_OF = {
     "errors": "types", "cluster": "types", "graph": "types", "plan": "types",
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
     "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
+    "alternatives": "types",    # what --explain records in a plan
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
     # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the
@@ -33,6 +34,7 @@ LAYER_OF = {
     # on top of everything
     "": "top", "api": "top", "cli": "top", "planning": "top", "checkpoint": "top",
     "tools": "top",             # calibrate, verify, timeline drawing
+    "explain": "top",           # plans the alternatives --explain lists
 }
 FOLDER_LAYER = {"cost_model": "cost_model", "ilp": "ilp", "dp_search": "dp_search",
                 "runtime": "runtime", "models": "models"}
