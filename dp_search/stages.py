@@ -231,7 +231,12 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
         detail = (unfit_text(unfit, lay.budget, opts, cluster.device.memory_bytes)
-                  if unfit is not None else "")
+                  if unfit is not None else
+                  # (no stage got as far as a memory figure: a layer's ILP found
+                  # no sharding within the budget, on every mesh tried)
+                  f"some layer of every candidate stage has no sharding within the budget of "
+                  f"{human_bytes(lay.budget)} per device ({opts.memory_fraction:g} x "
+                  f"{human_bytes(cluster.device.memory_bytes)}) even on its own")
         raise StageMemoryError(f"no stage assignment{exactly} fits with {lay.B} "
                                f"micro-batch(es){': ' + detail if detail else ''}", detail, unfit,
                                budget_bytes=int(lay.budget),

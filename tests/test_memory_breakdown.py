@@ -175,3 +175,16 @@ def test_a_stage_whose_state_alone_is_over_the_budget_says_so():
     assert parts, text
     assert float(parts.group(3)) > 0 and float(parts.group(5)) > 0
     assert "0.9 x" not in text and "1e-08 x" in text
+
+
+def test_a_layer_that_fits_no_sharding_is_named_as_the_cause():
+    # (the state fits split over a stage, but no layer ILP finds a sharding
+    # within the budget: the refusal says so instead of giving no reason)
+    with pytest.raises(meshplan.InfeasiblePlanError) as info:
+        _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, remat=False,
+                              memory_fraction=1e-6))
+    text = str(info.value)
+    assert "\n" not in text
+    assert ("some layer of every candidate stage has no sharding within the budget of "
+            "83.9 KiB per device (1e-06 x 80.0 GiB) even on its own" in text), text
+    assert "recomputation is off" in text
