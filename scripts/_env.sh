@@ -11,7 +11,9 @@ fi
 STAMP="$VENV/.meshplan-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   python -m pip install -q --upgrade pip 2>/dev/null || true
-  python -m pip install -q -e "$ROOT[test]"
+  # (setuptools reports every editable install of a package mapped from
+  # other folders as "Editable installation."; informational only)
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e "$ROOT[test]"
   touch "$STAMP"
 fi
 cd "$ROOT"
