@@ -57,6 +57,12 @@ def describe_plan(p: Any) -> str:
     return text + (", remat" if any(s.remat for s in p.stages) else "")
 
 
+def comm_share(p: Any) -> float:
+    """The share of a :class:`meshplan.Plan`'s stage time spent communicating."""
+    work = sum(s.predicted.compute_s + s.predicted.comm_s for s in p.stages)
+    return sum(s.predicted.comm_s for s in p.stages) / work if work else 0.0
+
+
 def explain_text(chosen_label: str, chosen_s: float, chosen_bytes: int, comm_share: float,
                  alternatives: Sequence[Alternative]) -> str:
     """The table of ``alternatives`` and the chosen plan, fastest first, and
@@ -71,7 +77,7 @@ def explain_text(chosen_label: str, chosen_s: float, chosen_bytes: int, comm_sha
     rows.sort(key=lambda r: (r[0], r[1] != "*"))
     w_m = max(len(r[2]) for r in rows)
     w_d = min(max(len(r[3]) for r in rows), 60)
-    lines = [f"Alternatives considered (predicted; * = chosen), fastest first:",
+    lines = ["Alternatives considered (predicted; * = chosen), fastest first:",
              f"    {'method':<{w_m}}  {'plan':<{w_d}}  {'time/iter':>10}  {'peak mem':>10}  fits  why"]
     for _, mark, method, desc, t, b, fits, why in rows:
         lines.append(f"  {mark} {method:<{w_m}}  {desc:<{w_d}}  {_time(t):>10}  "

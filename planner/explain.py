@@ -24,12 +24,13 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from .alternatives import Alternative, describe_plan
+from .alternatives import Alternative, comm_share, describe_plan
 from .cluster import ClusterSpec
 from .dp_search import AUTO_SCHEDULES, PipelineOptions, SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
-from .graph import BATCH, Graph, strip_markers
-from .plan import LogicalMesh, Plan
+from .graph import Graph
+from .one_stage import plan_one_stage
+from .plan import Plan
 from .request import PlanRequest
 
 UNLIMITED = 2.0 ** 62        # a memory budget no plan reaches ("if memory were no limit")
@@ -92,20 +93,16 @@ class _Context:
 
     def intra(self) -> Alternative:
         """ShardParallel: one stage, the whole batch, every logical mesh."""
-        from .dp_search.assemble import plan_from_intra_op
-        from .ilp import best_intra_op
         what = "intra-operator only (ShardParallel), one stage, whole batch"
         if ONE_STAGE_NOTE in self.plan.notes:
             return self.row("intra", what, self.plan, same="the chosen plan is this one")
-        g = strip_markers(self.graph)
         try:
-            r, _ = best_intra_op(g, self.cluster, backend=self.request.backend,
-                                 time_limit=self.request.time_limit,
-                                 reporter=self.session.progress, options=self.session.solver,
-                                 caches=self.session.ilp_caches)
+            p = plan_one_stage(self.graph, self.cluster, PlanRequest(
+                "shard", time_limit=self.request.time_limit, backend=self.request.backend),
+                self.session)
         except InfeasiblePlanError as e:
             return self.unfit("intra", what, e)
-        return self.row("intra", what, plan_from_intra_op(g, self.cluster, r, "shard"))
+        return self.row("intra", what, p)
 
     def stage_counts(self, stats: SearchStats | None) -> list[Alternative]:
         """The best pipeline per number of stages: the chosen plan's own search
@@ -165,19 +162,10 @@ class _Context:
         """One stage on a 1-D ``data`` mesh with parameters laid out as ``mode``
         says (``ilp.InputLayouts``), the batch split over it; ``budget``: the
         memory limit (None: the devices')."""
-        from .dp_search.assemble import plan_from_intra_op
-        from .ilp import InputLayouts, solve_intra_op
-        g = strip_markers(self.graph)
-        for inp in g.inputs:
-            shape = g.tensors[inp.tensor].shape
-            if inp.role == BATCH and shape and shape[0] % self.n:
-                raise InfeasiblePlanError(f"the batch ({shape[0]}) does not split over "
-                                          f"{self.n} devices")
-        r = solve_intra_op(g, self.cluster, LogicalMesh(("data",), (self.n,)),
-                           input_filter=InputLayouts(mode), memory_budget=budget,
-                           backend=self.request.backend, time_limit=self.request.time_limit,
-                           options=self.session.solver, caches=self.session.ilp_caches)
-        return plan_from_intra_op(g, self.cluster, r, method)
+        return plan_one_stage(self.graph, self.cluster, PlanRequest(
+            method, mesh_shape=(self.n,), axis_names=("data",), input_layouts=mode,
+            batch_split=self.n, batch_split_by=method, time_limit=self.request.time_limit,
+            backend=self.request.backend), self.session, memory_budget=budget)
 
     def row(self, method: str, description: str, p: Plan, *, same: str = "",
             hand: bool = False) -> Alternative:
@@ -235,10 +223,7 @@ def _layouts(mode: str):
 
 def _reason(p: Plan, chosen: Plan) -> str:
     """Why ``p`` is slower than ``chosen``, in a few words (or nothing)."""
-    def share(q: Plan) -> float:
-        work = sum(s.predicted.compute_s + s.predicted.comm_s for s in q.stages)
-        return sum(s.predicted.comm_s for s in q.stages) / work if work else 0.0
-    a, c = share(p), share(chosen)
+    a, c = comm_share(p), comm_share(chosen)
     if a > c + 0.05:
         return f": more communication ({a:.0%} of its stage time, chosen {c:.0%})"
     if len(p.stages) > len(chosen.stages):

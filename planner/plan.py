@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .alternatives import Alternative, describe_plan, explain_text
+from .alternatives import Alternative, comm_share, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
 # (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
@@ -320,10 +320,9 @@ class Plan:
         """The alternatives this plan was chosen over, fastest first, and the
         constraint that bound the choice (or how to get them, when the plan
         was made without ``explain=True``)."""
-        work = sum(s.predicted.compute_s + s.predicted.comm_s for s in self.stages)
-        share = sum(s.predicted.comm_s for s in self.stages) / work if work else 0.0
         return explain_text(describe_plan(self), self.predicted.iteration_s,
-                            self.predicted.peak_memory_bytes, share, self.alternatives)
+                            self.predicted.peak_memory_bytes, comm_share(self),
+                            self.alternatives)
 
     def __str__(self) -> str:
         p = self.predicted

@@ -17,12 +17,12 @@ import jax
 
 from .cluster import ClusterSpec
 from .dp_search import SearchStats, Session, search_pipeline
-from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
-from .graph import BATCH, IDENTITY_MARKERS, Graph, strip_markers
+from .one_stage import plan_one_stage
+from .graph import IDENTITY_MARKERS, Graph
 from .methods import Method
-from .plan import LogicalMesh, Plan
+from .plan import Plan
 from .request import PlanRequest
 from .trace import issue_warnings, trace, trace_both
 from .traced import TracedStep
@@ -164,58 +164,16 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     """The passes the request asks for (``explain``: the search also keeps its
     best plan per number of stages)."""
     if request.pipeline is None:
-        return Planned(_one_stage(graph, cluster, request, session))
+        return Planned(plan_one_stage(graph, cluster, request, session))
     p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
                                retrace=retrace, session=session, by_stage_count=explain)
     if request.one_stage_by_whole_graph and len(p.stages) == 1:
         # one stage: the whole-graph ILP is more exact than the sum of layer costs
         try:
-            s = _one_stage(graph, cluster, replace(request, pipeline=None), session)
+            s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
             return Planned(replace(s, notes=s.notes + p.notes + (
                 ONE_STAGE_NOTE,)), stats)
     return Planned(p, stats)
-
-
-def _one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
-               session: Session) -> Plan:
-    from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
-    from .cost_model import default_axis_names
-    from .cost_model.mesh import default_submesh
-    graph = strip_markers(graph)
-    if request.batch_split > 1:
-        _check_batch_divisible(graph, request.batch_split, request.batch_split_by)
-    shape = request.mesh_shape
-    mesh = None if shape is None else LogicalMesh(
-        tuple(request.axis_names or default_axis_names(len(shape))), tuple(shape))
-    budget = int(cluster.device.memory_bytes * request.memory_fraction)
-    if request.input_layouts is not None:
-        # hand-made layouts (data parallel, Megatron): one mesh, one ILP
-        r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
-                           backend=request.backend, time_limit=request.time_limit,
-                           memory_budget=budget, options=session.solver,
-                           caches=session.ilp_caches)
-    else:
-        meshes = None if mesh is None else [mesh]
-        if meshes is None and request.tp_within_host:
-            hosts, dph = default_submesh(cluster, cluster.num_devices)
-            meshes = within_host(candidate_meshes(cluster.num_devices, cluster=cluster,
-                                                  submesh=(hosts, dph)), hosts, dph)
-        r, _ = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
-                             time_limit=request.time_limit, memory_budget=budget,
-                             reporter=session.progress, options=session.solver,
-                             caches=session.ilp_caches)
-    return plan_from_intra_op(graph, cluster, r, request.method)
-
-
-def _check_batch_divisible(graph: Graph, n: int, what: str) -> None:
-    for inp in graph.inputs:
-        if inp.role == BATCH:
-            shape = graph.tensors[inp.tensor].shape
-            if shape and shape[0] % n:
-                raise InfeasiblePlanError(
-                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
-                    f"which does not split over {n} devices; use a batch size divisible by {n} "
-                    "or ShardParallel()")

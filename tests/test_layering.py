@@ -35,6 +35,7 @@ LAYER_OF = {
     "": "top", "api": "top", "cli": "top", "planning": "top", "checkpoint": "top",
     "tools": "top",             # calibrate, verify, timeline drawing
     "explain": "top",           # plans the alternatives --explain lists
+    "one_stage": "top",         # the whole-graph ILP plan (planning and explain)
 }
 FOLDER_LAYER = {"cost_model": "cost_model", "ilp": "ilp", "dp_search": "dp_search",
                 "runtime": "runtime", "models": "models"}

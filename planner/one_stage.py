@@ -1,0 +1,59 @@
+"""One stage, planned by the whole-graph ILP: what a request without a
+pipeline asks (:func:`meshplan.planning.plan_step`), and what ``--explain``
+plans its one-stage alternatives with (:mod:`meshplan.explain`)."""
+from __future__ import annotations
+
+from .cluster import ClusterSpec
+from .cost_model import default_axis_names
+from .cost_model.mesh import default_submesh
+from .dp_search import Session
+from .dp_search.assemble import plan_from_intra_op
+from .errors import InfeasiblePlanError
+from .graph import BATCH, Graph, strip_markers
+from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
+from .plan import LogicalMesh, Plan
+from .request import PlanRequest
+
+
+def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Session,
+                   memory_budget: float | None = None) -> Plan:
+    """The one-stage plan ``request`` asks for (its ``pipeline`` is ignored).
+    ``memory_budget``: bytes per device (default: the request's memory
+    fraction of the devices')."""
+    graph = strip_markers(graph)
+    if request.batch_split > 1:
+        check_batch_divisible(graph, request.batch_split, request.batch_split_by)
+    shape = request.mesh_shape
+    mesh = None if shape is None else LogicalMesh(
+        tuple(request.axis_names or default_axis_names(len(shape))), tuple(shape))
+    budget = (int(cluster.device.memory_bytes * request.memory_fraction)
+              if memory_budget is None else memory_budget)
+    if request.input_layouts is not None:
+        # hand-made layouts (data parallel, Megatron): one mesh, one ILP
+        r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
+                           backend=request.backend, time_limit=request.time_limit,
+                           memory_budget=budget, options=session.solver,
+                           caches=session.ilp_caches)
+    else:
+        meshes = None if mesh is None else [mesh]
+        if meshes is None and request.tp_within_host:
+            hosts, dph = default_submesh(cluster, cluster.num_devices)
+            meshes = within_host(candidate_meshes(cluster.num_devices, cluster=cluster,
+                                                  submesh=(hosts, dph)), hosts, dph)
+        r, _ = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
+                             time_limit=request.time_limit, memory_budget=budget,
+                             reporter=session.progress, options=session.solver,
+                             caches=session.ilp_caches)
+    return plan_from_intra_op(graph, cluster, r, request.method)
+
+
+def check_batch_divisible(graph: Graph, n: int, what: str) -> None:
+    """Refuse a batch whose dimension 0 does not split ``n`` ways (``what`` asks for it)."""
+    for inp in graph.inputs:
+        if inp.role == BATCH:
+            shape = graph.tensors[inp.tensor].shape
+            if shape and shape[0] % n:
+                raise InfeasiblePlanError(
+                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
+                    f"which does not split over {n} devices; use a batch size divisible by {n} "
+                    "or ShardParallel()")
