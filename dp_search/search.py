@@ -254,7 +254,7 @@ def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
     what its stage closest to fitting holds (``err``; None: unknown)."""
     hints = []
     if opts.remat is False:
-        hints.append("recomputation is off (--remat never / remat=False): allow it")
+        hints.append("recomputation is off (--remat none / remat='none'): allow it")
     if err is None:
         hints.append("use more micro-batches, more tensor or pipeline parallelism, or devices "
                      "with more memory")

@@ -203,7 +203,8 @@ def _method(args: argparse.Namespace):
         return M.Manual(dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
                         num_micro_batches=mb or 1,
                         schedule=sched if sched != "auto" else "1f1b",
-                        remat={"auto": None, "always": True, "never": False}[args.remat],
+                        remat={"auto": None, "always": "full", "never": "none"}.get(
+                            args.remat, args.remat),
                         **common)
     if name == "pipeshard":
         return M.PipeshardParallel(stages=args.pp or "auto", **search, **common)
@@ -413,9 +414,11 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-within-host", action="store_true", dest="tp_within_host",
                    help="auto, pipeshard: only the first (data) mesh axis may cross hosts, so "
                         "tensor parallelism stays on a host's fast links")
-    p.add_argument("--remat", choices=["auto", "always", "never"], default="auto",
-                   help="--method manual: recompute activations in every stage, none, or "
-                        "where needed to fit (default)")
+    p.add_argument("--remat", choices=["auto", "none", "selective", "full", "always", "never"],
+                   default="auto",
+                   help="--method manual: recompute activations in every stage (full; alias "
+                        "always), in none (none; alias never), or where needed to fit (auto, "
+                        "the default); selective is not implemented yet")
     p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 
