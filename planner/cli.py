@@ -276,9 +276,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _write_text(args.json, plan.to_json())
         say(f"plan written to {args.json}")
     if args.timeline:
-        from .tools.timeline import draw
-        draw(plan, args.timeline)
-        say(f"timeline written to {args.timeline}")
+        from .tools.timeline import breakdown, draw
+        blocks = draw(plan, args.timeline)
+        say(f"timeline written to {args.timeline}: {breakdown(plan, blocks)}")
     if snippet is not None and args.emit_out:
         _write_text(args.emit_out, snippet)
         say(f"python snippet written to {args.emit_out}")

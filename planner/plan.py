@@ -102,11 +102,16 @@ class Predicted:
     comm_s: float = 0.0
     memory_bytes: int = 0
     memory: MemoryBreakdown | None = None    # (absent from older plan files)
+    # pipeline stages: one micro-batch's forward and backward as the stage
+    # search costed it (compute and comm, recomputation, sends, program
+    # dispatch, gradient accumulation); what the timeline draws
+    latency_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s,
                 "memory_bytes": int(self.memory_bytes),
-                **({"memory": self.memory.to_dict()} if self.memory is not None else {})}
+                **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
+                **({"latency_s": self.latency_s} if self.latency_s is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Predicted":

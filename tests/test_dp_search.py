@@ -194,7 +194,8 @@ def test_auto_plans_and_parallelize_runs():
 
 
 def test_timeline_simulation_follows_the_schedule(tmp_path):
-    from meshplan.tools.timeline import draw, simulate
+    from meshplan.plan import Plan
+    from meshplan.tools.timeline import breakdown, draw, simulate
     m, g = _gpt(4)
     cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
     for schedule in ("gpipe", "1f1b"):
@@ -217,6 +218,14 @@ def test_timeline_simulation_follows_the_schedule(tmp_path):
         png = tmp_path / f"{schedule}.png"
         draw(p, str(png))
         assert png.stat().st_size > 1000
+        # the blocks are the stage latencies the search costed: with the update
+        # programs they add up to the predicted iteration (A100s, not a shared host)
+        update = 2 * cluster.device.achieved.program_dispatch_s
+        assert max(b.end for b in blocks) + update == pytest.approx(p.predicted.iteration_s,
+                                                                    rel=1e-9)
+        assert "differs" not in breakdown(p, blocks)
+        assert Plan.from_json(p.to_json()).stages[0].predicted.latency_s == \
+            p.stages[0].predicted.latency_s > 0
 
 
 def test_constant_masks_are_recomputed_not_sent_between_layers():

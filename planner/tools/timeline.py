@@ -9,18 +9,28 @@ picture (stages x time).
 """
 from __future__ import annotations
 
+import textwrap
+
 from ..plan import Plan
+from ..units import human_time
 from ..schedule import Block, schedule_order
 
-__all__ = ["Block", "schedule_order", "simulate", "draw", "FORWARD_SHARE"]
+__all__ = ["Block", "schedule_order", "simulate", "draw", "breakdown", "FORWARD_SHARE"]
 
 FORWARD_SHARE = 1 / 3   # forward ~ 1/3 of forward+backward time (2 matmuls of 6)
 
 
+def stage_latency(stage) -> float:
+    """One micro-batch's forward and backward on ``stage`` as the search
+    costed it (plans from before it was recorded: compute and comm only)."""
+    pr = stage.predicted
+    return pr.latency_s if pr.latency_s is not None else pr.compute_s + pr.comm_s
+
+
 def simulate(plan: Plan) -> list[Block]:
     p, m = len(plan.stages), plan.num_micro_batches
-    t_f = [(s.predicted.compute_s + s.predicted.comm_s) * FORWARD_SHARE for s in plan.stages]
-    t_b = [(s.predicted.compute_s + s.predicted.comm_s) * (1 - FORWARD_SHARE) for s in plan.stages]
+    t_f = [stage_latency(s) * FORWARD_SHARE for s in plan.stages]
+    t_b = [stage_latency(s) * (1 - FORWARD_SHARE) for s in plan.stages]
     orders = [schedule_order(plan.schedule, k, p, m) for k in range(p)]
     pos = [0] * p
     free = [0.0] * p
@@ -51,6 +61,24 @@ def simulate(plan: Plan) -> list[Block]:
     return blocks
 
 
+def breakdown(plan: Plan, blocks: list[Block]) -> str:
+    """How the predicted iteration time splits into the blocks drawn and
+    the terms not drawn, in one line."""
+    drawn = max((b.end for b in blocks), default=0.0)
+    a = plan.cluster.device.achieved
+    update = len(plan.stages) * a.program_dispatch_s if len(plan.stages) > 1 else 0.0
+    rest = plan.predicted.iteration_s - drawn - update
+    text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
+            f"{human_time(drawn)} + update programs {human_time(update)}")
+    if abs(rest) > 1e-4 * plan.predicted.iteration_s:
+        model = ("the shared-compute formula (the devices share one host)"
+                 if a.shared_host_compute else "the interleaved formula"
+                 if plan.schedule == "interleaved" else "the stage search's formula")
+        text += (f" {'+' if rest > 0 else '-'} {human_time(abs(rest))} by which {model} "
+                 "differs from this simulated schedule")
+    return text
+
+
 def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Block]:
     """Save a picture of the schedule to ``path`` (PNG); returns the blocks.
     ``executed`` (e.g. ``step.last_timeline`` of a pipeline run) is drawn
@@ -59,6 +87,7 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError as e:  # pragma: no cover - matplotlib is a test/plot extra
         from ..errors import MeshplanError
         raise MeshplanError("--timeline needs matplotlib: pip install 'meshplan[plot]'") from e
@@ -71,6 +100,7 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
                              squeeze=False)
     scale = 1e3
     colors = {"F": "#4c72b0", "B": "#dd8452", "A": "#55a868"}
+    names = {"F": "forward", "B": "backward (recomputation included)", "A": "update"}
     for ax, (bl, label) in zip(axes[:, 0], panels):
         right = max((x.end for x in bl), default=0.0) * scale
         for b in bl:
@@ -85,8 +115,14 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
                            fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(label)
-    axes[0, 0].set_title(f"{plan.function}: {plan.schedule}, {plan.num_micro_batches} micro-batches, "
-                         f"{plan.predicted.iteration_s * 1e3:.2f} ms/iteration predicted", fontsize=9)
+        kinds = sorted({b.kind for b in bl}, key="FBA".index)
+        ax.legend(handles=[Patch(color=colors.get(k, "#8c8c8c"), label=names.get(k, k))
+                           for k in kinds], fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    schedule = {"none": "one stage, no pipeline",
+                "interleaved": "interleaved 1F1B (drawn as 1F1B)"}.get(plan.schedule, plan.schedule)
+    axes[0, 0].set_title(f"{plan.function}: {schedule}, {plan.num_micro_batches} micro-batches\n"
+                         f"{textwrap.fill(breakdown(plan, blocks), 110)}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
