@@ -148,7 +148,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     tflops = full.total_flops * per_s
     return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,
                 stages=tuple(stages), num_micro_batches=B,
-                schedule=schedule if n_stages > 1 else "none",
+                schedule=schedule if n_stages > 1 or B > 1 else "none",
                 batch=tuple(sorted(batch_specs.items())),
                 predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes),
                                         (full.total_flops + recomputed) * per_s),
@@ -156,4 +156,4 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 arg_prefixes=tuple(sorted(pre.items())),
                 notes=(f"{layering.num_layers} layers "
                        f"({'user marks' if layering.marked else 'clustered'})",),
-                layer_of_node=layering.layer_of_node if n_stages > 1 else ())
+                layer_of_node=layering.layer_of_node if n_stages > 1 or B > 1 else ())

@@ -107,9 +107,9 @@ class PipelineExecutable:
                  layer_of_node: Sequence[int] | None = None,
                  devices: Sequence[jax.Device] | None = None,
                  timeline: bool = True) -> None:
-        if len(plan.stages) < 2:
-            raise RuntimeStageError("PipelineExecutable runs plans of two or more stages; "
-                                    "use ShardExecutable for one stage")
+        if len(plan.stages) < 2 and plan.num_micro_batches < 2:
+            raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
+                                    "micro-batches; use ShardExecutable for one program")
         if plan.schedule not in SCHEDULES:
             raise RuntimeStageError(
                 f"the plan's schedule {plan.schedule!r} cannot be executed by this version "

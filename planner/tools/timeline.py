@@ -66,7 +66,9 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     the terms not drawn, in one line."""
     drawn = max((b.end for b in blocks), default=0.0)
     a = plan.cluster.device.achieved
-    update = len(plan.stages) * a.program_dispatch_s if len(plan.stages) > 1 else 0.0
+    # (each stage's update program, unless the whole step is one program)
+    one_program = len(plan.stages) == 1 and plan.num_micro_batches == 1
+    update = 0.0 if one_program else len(plan.stages) * a.program_dispatch_s
     rest = plan.predicted.iteration_s - drawn - update
     text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
             f"{human_time(drawn)} + update programs {human_time(update)}")
