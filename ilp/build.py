@@ -241,9 +241,14 @@ class _Builder:
                 if node is None:
                     continue
             space = node_space(graph, node)
+            moved = traffic.get(node.id, node.bytes_accessed)
+            if space is not None and space.independent:
+                node = self._components(node, space, moved)
+                if node is None:
+                    continue
+                space = None
             k = follow_input(space, node, graph)
             main = node.inputs[k] if k is not None else None
-            moved = traffic.get(node.id, node.bytes_accessed)
             gt = self.group_of_tensor
             if main is not None and main in gt and self.groups[gt[main]].size > 1:
                 self._add_follower(self.groups[gt[main]], node, space, k, moved)
@@ -266,6 +271,42 @@ class _Builder:
         if not loose:
             return None
         return dataclasses.replace(node, inputs=(), outputs=tuple(loose))
+
+    def _components(self, node, space, moved: float):
+        """A per-element cond: each result takes the layout of an operand of
+        its component that has a group (joining that group, with its share
+        of the work); the component's other operands are read in that layout.
+        The node of the results left (no laid-out operand), or None."""
+        graph, mm, gt = self.graph, self.mm, self.group_of_tensor
+        sizes = [math.prod(graph.tensors[t].shape) for t in node.outputs]
+        total = sum(sizes) or 1
+        dtype = node_dtype(graph, node)
+        operands: dict[tuple[int, ...], list[int]] = {}
+        for p, labs in enumerate(space.in_labels):
+            if labs:
+                operands.setdefault(labs, []).append(p)
+        loose, left = [], 0.0
+        for t_out, labs, n in zip(node.outputs, space.out_labels, sizes):
+            ops = [p for p in operands.get(labs, []) if node.inputs[p] in gt] if labs else []
+            if not ops:
+                loose.append(t_out)
+                left += n / total
+                continue
+            lead = max(ops, key=lambda p: self.groups[gt[node.inputs[p]]].size > 1)
+            g = self.groups[gt[node.inputs[lead]]]
+            for i in range(g.size):
+                spec = g.specs[i][node.inputs[lead]]
+                g.specs[i][t_out] = spec
+                shards = num_shards(spec, mm.shape)
+                t = compute_time(mm.device, node.flops * n / total / shards,
+                                 moved * n / total / shards, dtype)
+                g.cost[i] += t
+                g.compute[i] += t
+                g.reads[i].extend((node.inputs[p], spec) for p in ops if p != lead)
+            gt[t_out] = g.gid
+        if not loose:
+            return None
+        return dataclasses.replace(node, inputs=(), outputs=tuple(loose), flops=node.flops * left)
 
     def _add_follower(self, g: Group, node, space, k: int, nbytes: float) -> None:
         """``node`` joins ``g``, laid out as its operand ``k`` is (XLA fuses

@@ -33,6 +33,10 @@ class OpSpace:
     reduce: frozenset[int] = frozenset()
     elementwise: bool = False            # results follow the first same-shaped operand
     reduce_scatter: bool = False         # partial sums may be reduce-scattered instead
+    # the results fall into independent components (a per-element cond): a
+    # result and the operands with its labels share a layout, and each
+    # component may be laid out apart (the ILP builder does so)
+    independent: bool = False
 
 
 class _Labels:
@@ -50,9 +54,10 @@ class _Labels:
     def fresh(self, shape: Shape, blocked_dims: Sequence[int] = ()) -> tuple[int, ...]:
         return tuple(self.new(s, d in blocked_dims) for d, s in enumerate(shape))
 
-    def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False) -> OpSpace:
+    def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False,
+              independent=False) -> OpSpace:
         return OpSpace(tuple(ins), tuple(outs), dict(self.sizes), frozenset(self.blocked),
-                       frozenset(reduce), elementwise, reduce_scatter)
+                       frozenset(reduce), elementwise, reduce_scatter, independent)
 
 
 Rule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], OpSpace | None]
@@ -161,6 +166,48 @@ def along_axis_rule(param: str) -> Rule:
     return rule
 
 
+def _window_free(params, rank: int) -> list[int]:
+    """Dimensions a window op leaves alone: window 1, stride 1, no padding or
+    dilation; split there, each device pools its own slice."""
+    ones = (1,) * rank
+    win = tuple(params["window_dimensions"])
+    stride = tuple(params.get("window_strides") or ones)
+    pad = tuple(tuple(p) for p in (params.get("padding") or ((0, 0),) * rank))
+    base = tuple(params.get("base_dilation") or ones)
+    return [d for d in range(rank)
+            if win[d] == 1 and stride[d] == 1 and pad[d] == (0, 0) and base[d] == 1]
+
+
+def reduce_window_rule(ins, outs, params) -> OpSpace:
+    """reduce_window (pooling), select_and_gather_add: the operands (init
+    values are scalars) and results share the dimensions the window leaves alone."""
+    rank = len(outs[0])
+    free = _window_free(params, rank)
+    L = _Labels()
+    shared = {d: L.new(outs[0][d]) for d in free}
+    def labels(shape):
+        return tuple(shared[d] if d in shared else L.new(shape[d], True) for d in range(rank))
+    return L.space([labels(s) if len(s) == rank else None for s in ins],
+                   [labels(o) for o in outs])
+
+
+def select_and_scatter_add_rule(ins, outs, params) -> OpSpace:
+    """The transpose of max pooling: the pooled source and the operand (and
+    the result, operand-shaped) share the dimensions the window leaves alone."""
+    return reduce_window_rule(ins, outs, params)
+
+
+def top_k_rule(ins, outs, params) -> OpSpace:
+    """top_k along ``axis`` (the last by default): every other dimension may be split."""
+    rank = len(ins[0])
+    axis = params.get("axis", -1)
+    axis = (rank - 1 if axis is None else axis) % rank
+    L = _Labels()
+    inl = L.fresh(ins[0], blocked_dims=[axis])
+    outl = [tuple(inl[d] if d != axis else L.new(o[d], True) for d in range(rank)) for o in outs]
+    return L.space([inl], outl)
+
+
 def transpose_rule(ins, outs, params) -> OpSpace:
     perm = params["permutation"]
     L = _Labels()
@@ -267,6 +314,31 @@ def rev_rule(ins, outs, params) -> OpSpace:
     L = _Labels()
     inl = L.fresh(ins[0], blocked_dims=dims)
     return L.space([inl], [inl])
+
+
+def cond_rule(ins, outs, params) -> OpSpace | None:
+    """A cond whose branches work element by element (the tracer records its
+    ``components``, :mod:`meshplan.trace.cond`): the operands and results of
+    one component share labels, so any common layout of them is consistent
+    in every branch; the branch index is replicated."""
+    comps = params.get("components")
+    if comps is None or len(comps) != len(ins) - 1 + len(outs):
+        return None
+    L = _Labels()
+    labels: dict[int, tuple[int, ...]] = {}
+
+    def of(c: int, shape: Shape) -> tuple[int, ...] | None:
+        if not shape:
+            return None
+        if c < 0:
+            return L.fresh(shape)
+        if c not in labels:
+            labels[c] = L.fresh(shape)
+        return labels[c]
+    n = len(ins) - 1
+    in_l = [None] + [of(c, s) for c, s in zip(comps[:n], ins[1:])]
+    out_l = [of(c, o) or () for c, o in zip(comps[n:], outs)]
+    return L.space(in_l, out_l, independent=True)
 
 
 def iota_rule(ins, outs, params) -> OpSpace:
@@ -399,6 +471,13 @@ def _rules() -> Mapping[str, Rule]:
         "cummin": along_axis_rule("axis"),
         "cumlogsumexp": along_axis_rule("axis"),
         "sort": along_axis_rule("dimension"),
+        "top_k": top_k_rule,
+        "reduce_window_sum": reduce_window_rule,
+        "reduce_window_max": reduce_window_rule,
+        "reduce_window_min": reduce_window_rule,
+        "reduce_window": reduce_window_rule,
+        "select_and_gather_add": reduce_window_rule,
+        "select_and_scatter_add": select_and_scatter_add_rule,
         "transpose": transpose_rule,
         "broadcast_in_dim": broadcast_rule,
         "reshape": reshape_rule,
@@ -408,6 +487,7 @@ def _rules() -> Mapping[str, Rule]:
         "dynamic_update_slice": dynamic_update_slice_rule,
         "concatenate": concatenate_rule,
         "split": split_rule,
+        "cond": cond_rule,
         "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,

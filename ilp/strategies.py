@@ -153,7 +153,9 @@ def node_strategies(graph: Graph, node: Node, mm: MeshModel,
     deterministic).  The ILP is exact over the strategies it is given.
     """
     space = node_space(graph, node)
-    if space is None:
+    if space is None or space.independent:
+        # (independent components are laid out one by one by the ILP builder;
+        # one strategy over all of them would be a product of their layouts)
         return [replicated_strategy(graph, node, mm, bytes_accessed)]
     strategies = enumerate_strategies(graph, node, space, mm, bytes_accessed)
     if len(strategies) > max_strategies:

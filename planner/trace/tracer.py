@@ -23,6 +23,7 @@ from .. import flops as flop_rules
 from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
+from .cond import cond_components
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
@@ -261,6 +262,10 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
         if prim in COMPOSITES:
             repeat = _composite_cost(eqn, set())[2]
             params = params + (("body", _body_digest(eqn)),)
+        if prim == "cond":
+            comps = cond_components(eqn)
+            if comps is not None:   # (branches that work element by element)
+                params = params + (("components", comps),)
         if prim == "random_bits":
             # whether a split draw equals the whole one (the ILP may split it then)
             params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),)

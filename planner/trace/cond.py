@@ -1,0 +1,111 @@
+"""Which values of a ``lax.cond`` go together element by element.
+
+``optax.MultiSteps`` wraps its update in a ``cond`` whose branches map each
+state leaf to a same-shaped leaf, element by element (accumulate, or apply
+Adam and reset).  Such a cond may run split any way, as long as the operands
+and results that meet in one element-wise computation share one layout: a
+*component*.  Different components are independent, so each may follow its
+own parameter's layout.
+
+:func:`cond_components` walks every branch (inlining nested calls) and
+returns, per operand after the branch index and per result, a component id,
+or -1 for a value that needs no layout (a scalar, or a result made from
+scalars and constants only); None when some branch does more than element-wise
+work on arrays (a reduction, a matmul, a reshape ...): then no rule applies.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend import core as jcore
+
+from ..flops import ELEMENTWISE
+from .walk import INLINE_CALLS, _closed_parts
+
+
+class _Union:
+    """Union-find over hashable keys."""
+
+    def __init__(self) -> None:
+        self.parent: dict[Any, Any] = {}
+
+    def find(self, x: Any) -> Any:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: Any, b: Any) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+class _NotPerElement(Exception):
+    pass
+
+
+def _rank(v: Any) -> int:
+    return len(getattr(v.aval, "shape", ()))
+
+
+def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
+    """Join, in ``u``, the keys of the array values that meet element-wise in
+    ``jaxpr``; ``key`` maps its variables to keys (filled in as it goes)."""
+    for n, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        arrays_in = [v for v in eqn.invars
+                     if not isinstance(v, jcore.Literal) and _rank(v) and v in key]
+        if name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
+            inner, _ = _closed_parts(eqn.params[INLINE_CALLS[name]])
+            for iv, v in zip(inner.invars, eqn.invars):
+                if not isinstance(v, jcore.Literal) and v in key:
+                    key[iv] = key[v]
+            _walk(inner, key, u, f"{scope}/{n}")
+            for ov, iv in zip(eqn.outvars, inner.outvars):
+                key[ov] = key.get(iv, ("free", scope, n, id(ov))) \
+                    if not isinstance(iv, jcore.Literal) else ("free", scope, n, id(ov))
+            continue
+        for k, ov in enumerate(eqn.outvars):
+            key[ov] = (scope, n, k)
+        if all(_rank(v) == 0 for v in list(eqn.invars) + list(eqn.outvars)):
+            continue        # scalar work: replicated, whatever the arrays' layouts
+        if name == "broadcast_in_dim" and _rank(eqn.invars[0]) == 0:
+            continue        # a scalar filled out: made in any layout for free
+        if name in ELEMENTWISE and len(eqn.outvars) == 1:
+            shape = tuple(eqn.outvars[0].aval.shape)
+            if any(tuple(v.aval.shape) != shape for v in arrays_in):
+                raise _NotPerElement(name)
+            for v in arrays_in:
+                u.join(key[v], key[eqn.outvars[0]])
+            continue
+        raise _NotPerElement(name)
+
+
+def cond_components(eqn: Any) -> tuple[int, ...] | None:
+    """Per operand (after the branch index) and per result of the cond
+    ``eqn``, its component id (-1: needs no layout); None when a branch is
+    not element-wise."""
+    operands, results = eqn.invars[1:], eqn.outvars
+    u = _Union()
+    try:
+        for b, branch in enumerate(eqn.params["branches"]):
+            inner, _ = _closed_parts(branch)
+            key: dict[Any, Any] = {iv: ("in", j) for j, iv in enumerate(inner.invars)}
+            _walk(inner, key, u, f"b{b}")
+            for k, ov in enumerate(inner.outvars):
+                if _rank(results[k]) and not isinstance(ov, jcore.Literal) and ov in key:
+                    u.join(key[ov], ("out", k))
+    except _NotPerElement:
+        return None
+    roots: dict[Any, int] = {}
+
+    def comp(k: Any, v: Any) -> int:
+        if not _rank(v):
+            return -1
+        return roots.setdefault(u.find(k), len(roots))
+
+    ins = [comp(("in", j), v) for j, v in enumerate(operands)]
+    outs = [comp(("out", k), v) for k, v in enumerate(results)]
+    # a component with no operand is made from scalars and constants: free
+    has_in = {c for c in ins if c >= 0}
+    return tuple(ins) + tuple(c if c in has_in else -1 for c in outs)

@@ -1,0 +1,275 @@
+"""Sharding rules for pooling, top_k, scans along an axis, sorts and
+per-element conds (issue 17, items 3 and 4), and the primitive-coverage
+check: every primitive of the built-in models and of small flax, nnx and
+equinox steps has a rule."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshplan
+from meshplan.graph import IDENTITY_MARKERS
+from meshplan.ilp.strategies import node_space
+from meshplan.planning import replicated_work
+from meshplan.trace import trace
+
+# (data parallel: a primitive with no rule would run replicated on gathered
+# activations; with one it runs on each device's rows)
+MESH8 = meshplan.DataParallel()
+
+
+def _pool(x):
+    import flax.linen as nn
+    return (nn.max_pool(x, (2, 2), strides=(2, 2)).mean()
+            + nn.avg_pool(x, (3, 3), strides=(1, 1), padding="SAME").mean())
+
+
+_nograd = jax.lax.stop_gradient
+
+
+def _last(f):
+    return lambda h: f(h.reshape(h.shape[0], -1))
+
+
+# primitive(s) -> loss of the (batch, ...) activations; the batch splits them
+CASES = {
+    "pool": (("reduce_window_max", "reduce_window_sum", "select_and_scatter_add"), _pool),
+    "top_k": (("top_k",), _last(lambda h: jax.lax.top_k(h, 3)[0].mean())),
+    "cumsum": (("cumsum",), _last(lambda h: (jnp.cumsum(h, axis=1) ** 2).mean())),
+    # (under grad these two become an associative scan; on values without a
+    # gradient they stay one primitive)
+    "cummax": (("cummax",), _last(lambda h: (h * jax.lax.cummax(_nograd(h), axis=1)).mean())),
+    "cumlogsumexp": (("cumlogsumexp",),
+                     _last(lambda h: (h * jax.lax.cumlogsumexp(_nograd(h), axis=1)).mean())),
+    "sort": (("sort",), _last(lambda h: jnp.sort(h, axis=1)[:, :4].mean())),
+    "argsort": (("sort",), _last(lambda h: (h * jnp.argsort(h, axis=1)).mean())),
+}
+
+
+def _step(loss_of):
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: loss_of(jnp.tanh(x * w)))(w)
+        return w - 0.1 * g, loss
+    return step
+
+
+W = jnp.float32(0.9)
+X = jnp.linspace(-2, 2, 1024 * 8 * 8 * 16).reshape(1024, 8, 8, 16) ** 3
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_window_topk_scan_and_sort_ops_are_split_along_the_batch(case):
+    prims, loss_of = CASES[case]
+    step = _step(loss_of)
+    graph = trace(step, W, X, batch_argnums=(1,), warn=False)
+    nodes = [n for n in graph.nodes if n.primitive in prims]
+    assert {n.primitive for n in nodes} == set(prims)
+    assert all(node_space(graph, n) is not None for n in nodes)
+    assert replicated_work(graph) is None
+    par = meshplan.parallelize(step, method=MESH8, batch_argnums=(1,), donate_argnums=())
+    got = par(W, X)
+    # the plan splits each of these ops along the batch (dimension 0) only
+    planned = dict(par.plan.stages[0].constraints)
+    for n in nodes:
+        for t in n.outputs:
+            spec = planned[t]
+            assert spec[0] == "data" and set(spec[1:]) == {None}, (n.primitive, spec)
+    ref = jax.jit(step)(W, X)
+    # (means over a million elements, summed per device first)
+    assert float(got[1]) == pytest.approx(float(ref[1]), rel=1e-4)
+    assert np.allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# cond: optax.MultiSteps
+# ---------------------------------------------------------------------------
+
+MULTI = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+
+
+def _multi_step(state, batch):
+    p, o = state
+    loss, g = jax.value_and_grad(
+        lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
+    u, o = MULTI.update(g, o, p)
+    return (optax.apply_updates(p, u), o), loss
+
+
+def test_multisteps_state_follows_the_parameters_and_runs_like_jit():
+    p = {"w1": jnp.linspace(-1, 1, 64 * 128).reshape(64, 128),
+         "w2": jnp.linspace(1, -1, 128 * 64).reshape(128, 64)}
+    state = (p, MULTI.init(p))
+    batch = {"x": jnp.linspace(-1, 1, 16 * 64).reshape(16, 64), "y": jnp.ones((16, 64))}
+    graph = trace(_multi_step, state, batch, warn=False)
+    conds = [n for n in graph.nodes if n.primitive == "cond"]
+    assert conds and all(node_space(graph, n) is not None for n in conds)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = meshplan.parallelize(_multi_step, method=meshplan.ShardParallel(mesh_shape=(8,)),
+                                    donate_argnums=())
+        out_p, out_o = step(state, batch)[0]
+    assert not [c for c in caught if "run replicated" in str(c.message)]
+    # every state leaf shaped like a parameter is laid out like that parameter
+    specs = dict(step.plan.stages[0].params)
+    split = 0
+    for name in ("w1", "w2"):
+        want = specs[f"[0]['{name}']"]
+        for path, spec in specs.items():
+            if path.startswith("[1]") and path.endswith(f"['{name}']"):
+                assert spec == want, (path, spec, want)
+        split += any(d is not None for d in want)
+    assert split, specs          # (and the parameters are split at all)
+    ref, par = state, state
+    jitted = jax.jit(_multi_step)
+    for _ in range(3):
+        ref, rl = jitted(ref, batch)
+        par, pl = step(par, batch)
+        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+
+
+def test_a_cond_that_reduces_in_a_branch_has_no_rule():
+    def step(w, x):
+        h = x @ w
+        return jax.lax.cond(h.sum() > 0, lambda h: h / h.sum(), lambda h: h * 2.0, h)
+    graph = trace(step, jnp.ones((8, 8)), jnp.ones((16, 8)), warn=False)
+    (cond,) = [n for n in graph.nodes if n.primitive == "cond"]
+    assert node_space(graph, cond) is None
+
+
+# ---------------------------------------------------------------------------
+# coverage: no primitive of these steps runs replicated for want of a rule
+# ---------------------------------------------------------------------------
+
+def _traced(step, *args):
+    """The step's Graph as planning sees it (a scan over layers unrolled)."""
+    from meshplan.dp_search import Session
+    from meshplan.planning import trace_function
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_function(step, args, (1,), "step", Session.from_env()).graph
+
+
+def _unruled(graph) -> set[str]:
+    return {n.primitive for n in graph.nodes
+            if n.primitive not in IDENTITY_MARKERS
+            and any(graph.tensors[t].shape for t in n.outputs)
+            and node_space(graph, n) is None}
+
+
+# Primitives that stay replicated on purpose, each with why.
+ALLOWED = {
+    # random keys: every device holds the same key (random_bits drawn from
+    # them are split, see test_real_steps)
+    "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_seed",
+    "threefry2x32",
+}
+
+TINY = {
+    "mlp": {"layers": 2, "hidden": 16, "in_dim": 8, "out_dim": 8, "batch": 8},
+    "gpt": {"layers": 1, "hidden": 16, "heads": 2, "seq_len": 8, "vocab": 32, "batch": 8},
+    "moe": {"layers": 2, "hidden": 16, "heads": 2, "seq_len": 8, "vocab": 32, "batch": 8},
+    "wresnet": {"layers": 8, "base_width": 8, "image_size": 8, "batch": 8},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_built_in_models_use_only_primitives_with_rules(name):
+    from meshplan.models import build_model
+    model = build_model(name, TINY[name])
+    graph = _traced(model.train_step, *model.abstract_args)
+    assert _unruled(graph) - ALLOWED == set()
+
+
+def _sgd_step(loss_fn):
+    opt = optax.sgd(0.1)
+
+    def step(state, batch):
+        params, key = state
+        key, sub = jax.random.split(key)
+        loss, g = jax.value_and_grad(loss_fn)(params, batch, sub)
+        u, _ = opt.update(g, opt.init(params), params)
+        return (optax.apply_updates(params, u), key), loss
+    return step
+
+
+def _linen_step():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            y = nn.Dense(16)(nn.LayerNorm()(h))
+            y = nn.Dropout(0.1, deterministic=False)(nn.gelu(y))
+            return h + nn.Dense(16)(y), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                            split_rngs={"params": True, "dropout": True}, length=2)
+            h, _ = stack()(nn.Dense(16)(x), None)
+            return nn.Dense(4)(h)
+
+    model = Model()
+    x = jnp.ones((8, 8))
+    params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    loss = lambda p, b, k: jnp.mean((model.apply(p, b["x"], rngs={"dropout": k}) - b["y"]) ** 2)  # noqa: E731
+    return _sgd_step(loss), ((params, jax.random.key(2)), {"x": x, "y": jnp.ones((8, 4))})
+
+
+def _nnx_step():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.b = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.drop(nnx.relu(self.a(x))))
+
+    graphdef, params, rest = nnx.split(Model(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(p, b, k):
+        model = nnx.merge(graphdef, p, rest)
+        model.drop.rngs = nnx.Rngs(dropout=k)
+        return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+    x = jnp.ones((8, 8))
+    return _sgd_step(loss), ((params, jax.random.key(2)), {"x": x, "y": jnp.ones((8, 4))})
+
+
+def _equinox_step():
+    import equinox as eqx
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = (eqx.nn.Linear(8, 16, key=k1), eqx.nn.Dropout(0.1), eqx.nn.Linear(16, 4, key=k2))
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(p, b, k):
+        a, drop, c = eqx.combine(p, static)
+        f = lambda x, kk: c(drop(jax.nn.relu(a(x)), key=kk))   # noqa: E731
+        pred = jax.vmap(f)(b["x"], jax.random.split(k, b["x"].shape[0]))
+        return jnp.mean((pred - b["y"]) ** 2)
+    x = jnp.ones((8, 8))
+    return _sgd_step(loss), ((params, jax.random.key(2)), {"x": x, "y": jnp.ones((8, 4))})
+
+
+def _multisteps_step():
+    p = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 8))}
+    return _multi_step, ((p, MULTI.init(p)), {"x": jnp.ones((8, 8)), "y": jnp.ones((8, 8))})
+
+
+@pytest.mark.parametrize("make", [_linen_step, _nnx_step, _equinox_step, _multisteps_step],
+                         ids=["linen-scan-remat-dropout", "nnx-dropout", "equinox-dropout",
+                              "optax-multisteps"])
+def test_library_steps_use_only_primitives_with_rules(make):
+    step, args = make()
+    graph = _traced(step, *args)
+    assert _unruled(graph) - ALLOWED == set()
