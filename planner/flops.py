@@ -33,6 +33,7 @@ bessel_i0e bessel_i1e zeta
 # (every device draws the same bits; the ILP has no rule for them).
 RANDOM = frozenset("""
 random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32
+random_clone
 """.split())
 # An identity over any number of operands that XLA may not move code across.
 BARRIERS = frozenset({"optimization_barrier"})
@@ -107,6 +108,9 @@ FLOP_RULES: dict[str, FlopRule] = {
     "reduce_window": reduction_flops,
     "select_and_scatter_add": reduction_flops,
     "logsumexp": reduction_flops,
+    # a reinterpretation of bits (random draws become floats this way); it
+    # may change the shape when the widths differ, so it is not ELEMENTWISE
+    "bitcast_convert_type": no_flops,
 }
 
 

@@ -273,3 +273,18 @@ def test_library_steps_use_only_primitives_with_rules(make):
     step, args = make()
     graph = _traced(step, *args)
     assert _unruled(graph) - ALLOWED == set()
+
+
+def test_random_draws_trace_with_no_unknown_primitive():
+    # jax.random.uniform turns bits into floats with bitcast_convert_type, and
+    # flax clones keys with random_clone: both used to be reported as unknown
+    # primitives "planned replicated" although the first has a rule
+    def step(key, x):
+        key = jax.random.clone(key)
+        keep = jax.random.uniform(key, x.shape) > 0.5
+        return jnp.sum(jnp.where(keep, x, 0.0))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph = trace(step, jax.random.key(0), jnp.ones((8, 4)), batch_argnums=(1,))
+    assert graph.warnings == ()
