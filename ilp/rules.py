@@ -179,8 +179,10 @@ def _window_free(params, rank: int) -> list[int]:
 
 
 def reduce_window_rule(ins, outs, params) -> OpSpace:
-    """reduce_window (pooling), select_and_gather_add: the operands (init
-    values are scalars) and results share the dimensions the window leaves alone."""
+    """reduce_window (pooling), select_and_gather_add, and select_and_scatter_add
+    (max pooling's transpose: pooled source, operand and operand-shaped
+    result): the operands (init values are scalars) and results share the
+    dimensions the window leaves alone."""
     rank = len(outs[0])
     free = _window_free(params, rank)
     L = _Labels()
@@ -189,12 +191,6 @@ def reduce_window_rule(ins, outs, params) -> OpSpace:
         return tuple(shared[d] if d in shared else L.new(shape[d], True) for d in range(rank))
     return L.space([labels(s) if len(s) == rank else None for s in ins],
                    [labels(o) for o in outs])
-
-
-def select_and_scatter_add_rule(ins, outs, params) -> OpSpace:
-    """The transpose of max pooling: the pooled source and the operand (and
-    the result, operand-shaped) share the dimensions the window leaves alone."""
-    return reduce_window_rule(ins, outs, params)
 
 
 def top_k_rule(ins, outs, params) -> OpSpace:
@@ -477,7 +473,7 @@ def _rules() -> Mapping[str, Rule]:
         "reduce_window_min": reduce_window_rule,
         "reduce_window": reduce_window_rule,
         "select_and_gather_add": reduce_window_rule,
-        "select_and_scatter_add": select_and_scatter_add_rule,
+        "select_and_scatter_add": reduce_window_rule,
         "transpose": transpose_rule,
         "broadcast_in_dim": broadcast_rule,
         "reshape": reshape_rule,
