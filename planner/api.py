@@ -189,7 +189,8 @@ class Parallelized:
                 raise MeshplanError(f"this pipeline plan runs {p.num_micro_batches} "
                                     f"micro-batches, but {why}")
             return PipelineExecutable(step, p, abstract, traced=run,
-                                      layer_of_node=_layer_of_node(p, run))
+                                      layer_of_node=_layer_of_node(p, run),
+                                      donate_argnums=self._donate(graph))
         # (one stage: the planner's own trace, which the plan's tensor ids name)
         return ShardExecutable(step, p, abstract, traced=traced.run,
                                retrace=functools.partial(trace_for_run, step,

@@ -39,8 +39,18 @@ step (the replay recomputes the same equations).
 
 Values cross stages only through an explicit ``jax.device_put`` onto a
 ``NamedSharding`` of the receiving stage's mesh (jax 0.10.2 crashed on the
-cached second call of a program given an array of another submesh).  Nothing
-is donated (jax 0.10.2 crashes on a call with an already-donated array).
+cached second call of a program given an array of another submesh).
+
+Donation (``donate_argnums`` as in ``jax.jit``): the running sums of the
+gradients are always taken over by the program that adds to them (and by
+the mean); a leaf of a donated argument is taken over by the last update
+program of the one stage that reads it, where an output of its shape can
+reuse its buffer (:func:`~meshplan.runtime.pipeline_programs.donations`;
+fixed per program, so the bookkeeping is static).  The caller's arrays of
+donated arguments are deleted once the step is dispatched, except those
+the step returns as they are; a deleted array passed in is refused before
+anything runs (jax 0.10.2 crashes on a call with an already-donated array).
+Across processes only the running sums are donated.
 
 Across processes (``jax.distributed``; see
 :mod:`meshplan.runtime.pipeline_transport`): every process runs this driver
@@ -78,7 +88,8 @@ from meshplan.traced import TracedStep
 
 from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
-from .pipeline_programs import Program, RunningSums, StageLayouts, build_programs, const_outputs
+from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, const_outputs,
+                                donations, returned_leaves)
 from .pipeline_split import MEAN, StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
 from .shard import FastPathMiss, _signature, build_mesh, stage_devices
@@ -106,7 +117,7 @@ class PipelineExecutable:
     def __init__(self, fn: Any, plan: Plan, args: Sequence[Any], *, traced: TracedStep,
                  layer_of_node: Sequence[int] | None = None,
                  devices: Sequence[jax.Device] | None = None,
-                 timeline: bool = True) -> None:
+                 timeline: bool = True, donate_argnums: Sequence[int] = ()) -> None:
         if len(plan.stages) < 2 and plan.num_micro_batches < 2:
             raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
                                     "micro-batches; use ShardExecutable for one program")
@@ -130,6 +141,11 @@ class PipelineExecutable:
         self.schedule = plan.schedule
         self.p = len(plan.stages)
         self.record_timeline = timeline
+        self.donate_argnums = tuple(int(a) for a in donate_argnums)
+        self.arg_path = dict(zip(traced.flat.invars, traced.arg_paths))
+        self.donated = frozenset(i for (a, _), i, b in zip(traced.arg_paths, traced.flat.invars,
+                                                             traced.batch_leaves)
+                                 if a in self.donate_argnums and not b)
         self.meshes = [build_mesh(s.logical_mesh, stage_devices(s, devices)) for s in plan.stages]
         seen: set[int] = set()
         for k, s in enumerate(plan.stages):
@@ -171,10 +187,16 @@ class PipelineExecutable:
                     "averaged over micro-batches and normalisation uses micro-batch statistics, "
                     "which differs from the undecorated step", stacklevel=3)
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
-        self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts)
-        self.const_out = const_outputs(split, flat)
-        self.sums = RunningSums(split, flat, self.layouts, m)
         self.wiring = wire(split, flat, self.schedule, m)
+        # [multi-host] the caller's state stays whole: only running sums are donated
+        if xp is not None:
+            self.donated = frozenset()
+        self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
+        self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
+                                                             self.donations)
+        self.const_out = const_outputs(split, flat)
+        self.returned = returned_leaves(split, flat)
+        self.sums = RunningSums(split, flat, self.layouts, m)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,
                                    self.wiring.leaf_readers)
 

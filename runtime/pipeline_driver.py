@@ -134,6 +134,7 @@ class StepRun:
         self.kept: dict[tuple[int, int, int], Any] = {}
 
     def run(self) -> list[Any]:
+        self._check_donated()
         self._start_sums()
         for kind, s, i in self.w.order:
             self._run_task(kind, s, i)
@@ -143,7 +144,42 @@ class StepRun:
                                     "activation(s) left after the step")
         done = self._reduce()
         self._update(done)
-        return self._outputs(done)
+        outs = self._outputs(done)
+        self._release()
+        return outs
+
+    # ---- donation (see meshplan.runtime.pipeline) ---------------------------
+    def _check_donated(self) -> None:
+        """Refuse, before anything runs, an array deleted by an earlier call
+        (jax 0.10.2 crashes the process on one) and an array passed as a
+        donated leaf and as another leaf (it would be taken over twice)."""
+        for x, v in self.given.items():
+            if isinstance(v, jax.Array) and v.is_deleted():
+                raise RuntimeStageError(f"{self._where(x)} was donated to an earlier call and has "
+                                        "been deleted; pass the state that call returned")
+        if self.ex.donated:
+            seen: dict[int, int] = {}
+            for x, v in self.given.items():
+                if isinstance(v, jax.Array):
+                    y = seen.setdefault(id(v), x)
+                    if y != x and (x in self.ex.donated or y in self.ex.donated):
+                        raise RuntimeStageError(
+                            f"{self._where(y)} and {self._where(x)} are the same array, and a "
+                            "donated argument holds it; pass distinct arrays or do not donate")
+
+    def _where(self, x: int) -> str:
+        a, path = self.ex.arg_path[x]
+        return f"argument {a}{path}"
+
+    def _release(self) -> None:
+        """The caller's arrays of donated arguments are given up, as jax.jit
+        does (those the step returns unchanged excepted): deleted once every
+        program reading them is dispatched (the runtime keeps them alive
+        until those programs are done)."""
+        for x in self.ex.donated - self.ex.returned:
+            v = self.given[x]
+            if isinstance(v, jax.Array) and not v.is_deleted():
+                v.delete()
 
     def stats(self) -> dict[str, Any]:
         out = {"max_in_flight": self.max_in_flight, "dispatch_s": time.perf_counter() - self.t_step,

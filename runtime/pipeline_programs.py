@@ -26,7 +26,8 @@ from meshplan.traced import FlatJaxpr, TracedStep
 from .pipeline_split import StepSplit, Task
 from .shard import check_spec, make_evaluator, to_partition_spec
 
-__all__ = ("Program", "StageLayouts", "RunningSums", "build_programs", "const_outputs",)
+__all__ = ("Program", "StageLayouts", "RunningSums", "build_programs", "donations",
+           "returned_leaves", "const_outputs",)
 
 
 @dataclasses.dataclass
@@ -36,6 +37,7 @@ class Program:
     task: Task
     fn: Callable[..., Any]                       # jitted
     constraints: Mapping[int, NamedSharding]
+    donate: tuple[int, ...] = ()                 # positions of the arguments it takes over
 
 
 # ---------------------------------------------------------------------------
@@ -175,9 +177,72 @@ def _norm(d: Any) -> Any:
 # Programs
 # ---------------------------------------------------------------------------
 
-def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts) -> dict[tuple, Program]:
-    """One jitted program per task of ``split``."""
-    return {key: _program(task, split, flat, layouts) for key, task in split.tasks.items()}
+def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
+                   donate: Mapping[tuple, tuple[int, ...]] | None = None) -> dict[tuple, Program]:
+    """One jitted program per task of ``split``; ``donate``: per task key, the
+    positions of its inputs it takes over (see :func:`donations`)."""
+    donate = donate or {}
+    return {key: _program(task, split, flat, layouts, donate.get(key, ()))
+            for key, task in split.tasks.items()}
+
+
+def donations(split: StepSplit, flat: FlatJaxpr, donated: frozenset[int],
+              leaf_readers: Mapping[int, tuple[int, ...]], m: int) -> dict[tuple, tuple[int, ...]]:
+    """Per task key, the input positions its program donates: every running
+    sum (ours alone), and each leaf of ``donated`` (the caller's state) in the
+    last update program of the one stage reading it, where an output of the
+    same shape and dtype can take its buffer.  A leaf read by several stages
+    (tied weights) or returned as it is is not donated: another program or
+    the caller still reads it (jax 0.10.2 crashes on an already-donated array)."""
+    leaf_ids = set(flat.invars)
+    returned = returned_leaves(split, flat)
+    last: dict[tuple[int, int], tuple[tuple, int]] = {}     # (leaf, stage) -> (task key, position)
+    updates = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
+    for key in updates:
+        t = split.tasks[key]
+        for pos, x in enumerate(t.inputs):
+            src = x if x in leaf_ids or x in split.producer else split.alias.get(x, x)
+            if src in donated and src not in returned and leaf_readers.get(src) == (key[1],):
+                last[(src, key[1])] = (key, pos)
+    out: dict[tuple, list[int]] = {}
+    for (src, _), (key, pos) in last.items():
+        out.setdefault(key, []).append(pos)
+    for key, t in split.tasks.items():
+        if key[0] != "A" and m > 1 and t.accumulate:
+            out.setdefault(key, []).extend(range(len(t.inputs), len(t.inputs) + len(t.accumulate)))
+    result = {}
+    for key, positions in out.items():
+        t = split.tasks[key]
+        free = [_aval_key(flat.avals.get(x)) for x in list(t.outputs) + list(t.accumulate)]
+        keep = []
+        for pos in sorted(positions):
+            if pos >= len(t.inputs):             # a running sum: its new value takes it
+                keep.append(pos)
+                continue
+            want = _aval_key(flat.avals.get(t.inputs[pos]))
+            if want is not None and want in free and list(t.inputs).count(t.inputs[pos]) == 1:
+                free.remove(want)
+                keep.append(pos)
+        if keep:
+            result[key] = tuple(keep)
+    return result
+
+
+def returned_leaves(split: StepSplit, flat: FlatJaxpr) -> frozenset[int]:
+    """The argument leaves the step returns as they are."""
+    leaf_ids = set(flat.invars)
+    out = set()
+    for x in flat.outvars:
+        if isinstance(x, int):
+            src = x if x in leaf_ids or x in split.producer else split.alias.get(x, x)
+            if src in leaf_ids:
+                out.add(src)
+    return frozenset(out)
+
+
+def _aval_key(aval: Any) -> tuple | None:
+    shape = getattr(aval, "shape", None)
+    return None if shape is None else (tuple(shape), str(aval.dtype))
 
 
 def _closure_eqns(task: Task, split: StepSplit, flat: FlatJaxpr) -> list[int]:
@@ -206,7 +271,8 @@ def _sub(flat: FlatJaxpr, eqn_ids: list[int], inputs: Sequence[int],
                      tuple(flat.eqns[k] for k in eqn_ids), tuple(outputs), flat.avals)
 
 
-def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts) -> Program:
+def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
+             donate: tuple[int, ...] = ()) -> Program:
     s = task.stage
     eqn_ids = _closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
                             split, flat)
@@ -232,7 +298,7 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
 
     program.__name__ = f"stage{s}_{task.kind}{task.level if task.kind == 'A' else ''}"
     program.__qualname__ = program.__name__
-    return Program(task, jax.jit(program), cons)
+    return Program(task, jax.jit(program, donate_argnums=donate), cons, donate)
 
 
 def const_outputs(split: StepSplit, flat: FlatJaxpr) -> dict[int, Any]:
@@ -282,5 +348,6 @@ class RunningSums:
 
             def mean(*xs: Any) -> list[Any]:
                 return [(x / m).astype(x.dtype) for x in xs]
-            f = self._means[(s, n)] = jax.jit(mean)
+            # (the sums are ours and read by nothing after: taken over)
+            f = self._means[(s, n)] = jax.jit(mean, donate_argnums=tuple(range(n)))
         return f
