@@ -6,7 +6,12 @@ the plan's comm_bytes_per_device and peak memory with the compiled HLO and
 ``memory_analysis()`` (see meshplan.tools.verify).  Prints a markdown table and
 writes benchmarks/results/verify.md and verify.csv.
 
-    python benchmarks/verify.py [--models mlp,gpt] [--meshes 8 2x4]
+Pipeline rows (one per stage): gpt and mlp under Manual with 2 stages of
+2x2 devices and 4 stages of 2, every stage program compiled as the pipeline
+runs it, against the stage's predicted communication and memory (see
+meshplan.tools.verify.verify_pipeline); written to verify_pipeline.md.
+
+    python benchmarks/verify.py [--models mlp,gpt] [--meshes 8 2x4] [--no-pipelines]
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ import _fake_devices  # noqa: E402,F401  (before jax: 8 fake CPU devices)
 
 MODELS = ("mlp", "gpt", "moe", "wresnet")
 MESHES = ((8,), (2, 4), (4, 2), (2, 2, 2))
+# (model, dp, tp, pp, micro-batches, schedule)
+PIPELINES = (("gpt", 2, 2, 2, 4, "1f1b"), ("gpt", 2, 1, 4, 2, "gpipe"),
+             ("mlp", 2, 2, 2, 4, "1f1b"), ("mlp", 2, 1, 4, 2, "gpipe"))
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -27,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meshes", nargs="*", default=["x".join(map(str, m)) for m in MESHES])
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-pipelines", action="store_true", help="skip the pipeline rows")
+    ap.add_argument("--only-pipelines", action="store_true", help="only the pipeline rows")
     a = ap.parse_args(argv)
+    if not a.no_pipelines:
+        pipelines(a)
+    if a.only_pipelines:
+        return 0
 
     from meshplan.tools.verify import csv_text, markdown_table, verify
 
@@ -59,6 +73,30 @@ def main(argv: list[str] | None = None) -> int:
         (out / "verify.md").write_text("\n".join(md))
         (out / "verify.csv").write_text(csv_text(rows))
     return 0
+
+
+def pipelines(a: argparse.Namespace) -> None:
+    from meshplan.tools.verify import pipeline_table, verify_pipeline
+
+    rows = []
+    for model, dp, tp, pp, mb, schedule in PIPELINES:
+        rows += verify_pipeline(model, dp, tp, pp, mb, schedule)
+    table = pipeline_table(rows)
+    print(table, flush=True)
+    ok = sum(r.comm_ok for r in rows)
+    print(f"\n{ok}/{len(rows)} stages within 10% on communication")
+    if not a.no_write:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        md = ["# Pipeline stages: predicted vs compiled communication and memory (per device)", "",
+              "8 fake CPU devices (XLA CPU), built-in models at their default sizes, Manual plans. "
+              "Communication: the stage's predicted `comm_bytes` vs the collectives of its "
+              "compiled programs, each times the runs of one call (forward and backward per "
+              "micro-batch, update once).  Memory: the stage's predicted `memory_bytes` vs its "
+              "state + running sums + activations of the micro-batches in flight + the largest "
+              "`temp` of its programs (`memory_analysis()`).", "", table, "",
+              f"{ok}/{len(rows)} stages within 10% on communication.", ""]
+        (out / "verify_pipeline.md").write_text("\n".join(md))
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         stages.append(Stage(layers=(st.first, st.last), devices=devices,
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, params=tuple(sorted(params.items())),
-                            predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s),
+                            predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
+                                                int(round(cbytes * B))),
                             constraints=tuple(sorted(constraints.items())),
                             read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
         peak_mem = max(peak_mem, int(mem))

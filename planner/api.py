@@ -233,8 +233,10 @@ class Parallelized:
         ex = self._fast[1] if self._fast is not None else None
         return list(getattr(ex, "last_timeline", None) or [])
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
-        """The ``jax.stages.Lowered`` of the step exactly as it runs."""
+    def lower(self, *args: Any) -> Any:
+        """The ``jax.stages.Lowered`` of the step exactly as it runs; for a
+        pipeline plan a ``meshplan.runtime.pipeline_lower.PipelineLowered``
+        holding every stage program's (``.compile()``: their ``Compiled``)."""
         _, executable = self._entry(args)
         return executable.lower(*args)
 

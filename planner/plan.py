@@ -106,12 +106,16 @@ class Predicted:
     # search costed it (compute and comm, recomputation, sends, program
     # dispatch, gradient accumulation); what the timeline draws
     latency_s: float | None = None
+    # pipeline stages: the collectives' result bytes per device of one
+    # iteration of the stage (all micro-batches), as comm_bytes_per_device counts them
+    comm_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s,
                 "memory_bytes": int(self.memory_bytes),
                 **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
-                **({"latency_s": self.latency_s} if self.latency_s is not None else {})}
+                **({"latency_s": self.latency_s} if self.latency_s is not None else {}),
+                **({"comm_bytes": int(self.comm_bytes)} if self.comm_bytes is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Predicted":

@@ -90,6 +90,7 @@ from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
 from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, const_outputs,
                                 donations, returned_leaves)
+from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import MEAN, StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
 from .shard import FastPathMiss, _signature, build_mesh, stage_devices
@@ -220,9 +221,15 @@ class PipelineExecutable:
         global shapes (what the pipeline was built for)."""
         return args if self.transfers.xp is None else global_view(args, self.plan.batch_argnums)
 
-    def lower(self, *args: Any) -> Any:
-        raise MeshplanError("lower() returns the one program of a one-stage plan; a pipeline plan "
-                            "runs one program per stage and phase (see .programs)")
+    def lower(self, *args: Any) -> PipelineLowered:
+        """Every stage program as a ``jax.stages.Lowered``, lowered as the
+        driver calls it (``args`` may be ``jax.ShapeDtypeStruct`` pytrees);
+        ``.compile()`` gives the ``Compiled`` ones (see
+        :mod:`meshplan.runtime.pipeline_lower`)."""
+        if _signature(self._view(tuple(args))) != self._sig:
+            raise StalePlanError("the arguments do not match the shapes this pipeline was built "
+                                 "for; lower the parallelized step (it re-plans per signature)")
+        return lower_pipeline(self, tuple(args))
 
     def _call(self, prog: Program, ins: list[Any], accs: list[Any], mb: int) -> Any:
         """Run one program (``mb``: its micro-batch, -1 for the update)."""

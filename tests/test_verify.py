@@ -31,3 +31,37 @@ def test_reports():
     text = csv_text([r])
     assert text.splitlines()[0].startswith("model,mesh,predicted_comm_bytes")
     assert len(text.splitlines()) == 2
+
+
+def test_pipeline_lowers_to_one_program_per_stage_and_phase():
+    import jax
+    import meshplan
+    from meshplan.models import build_model
+    from meshplan.runtime.pipeline_lower import PipelineLowered
+
+    model = build_model("mlp", {})
+    step = meshplan.parallelize(model.train_step,
+                                method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    lowered = step.lower(*model.abstract_args)
+    assert isinstance(lowered, PipelineLowered)
+    assert {k[:2] for k, _ in lowered.items()} == {(k, s) for k in "FBA" for s in (0, 1)}
+    assert all(isinstance(lo, jax.stages.Lowered) for _, lo in lowered.items())
+    compiled = lowered.compile()
+    assert all(isinstance(c, jax.stages.Compiled) for _, c in compiled.items())
+    assert compiled.runs(("F", 0)) == 2 and compiled.runs(("A", 0, 0)) == 1
+    assert "stage 1 B" in lowered.as_text()
+
+
+def test_pipeline_rows_compare_each_stage():
+    from meshplan.tools.verify import pipeline_table, verify_pipeline
+
+    rows = verify_pipeline("mlp", 2, 1, 4, 2, "gpipe")
+    assert [r.stage for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        parts = dict(r.memory_parts)
+        assert r.actual_memory_bytes == sum(v for k, v in parts.items() if k != "in_flight")
+        assert 0.5 < r.predicted_memory_bytes / r.actual_memory_bytes < 2.0
+    # the middle stages hold no collective, by the plan and by XLA
+    assert rows[1].predicted_comm_bytes == rows[1].actual_comm_bytes == 0
+    assert rows[0].actual_comm_bytes > 0
+    assert "| mlp | 4x(2x1) mb2 gpipe | 3 |" in pipeline_table(rows)

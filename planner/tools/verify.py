@@ -25,6 +25,17 @@ step exactly as the runtime runs it, and compares
 
 Everything is per device.  A relative error is ``(predicted - actual) /
 actual`` (0 when both are 0).
+
+Pipeline plans (:func:`verify_pipeline`, one row per stage): the stage's
+programs lowered and compiled as the driver runs them (``step.lower(...)``,
+:mod:`meshplan.runtime.pipeline_lower`); communication is the collectives'
+bytes of each program times the times one call runs it (forward and
+backward once per micro-batch, the update once) against the stage's
+predicted ``comm_bytes``; memory is what the stage keeps alive (state,
+running sums, activations of the micro-batches in flight) plus the largest
+arena of intermediates of its programs, against the stage's predicted
+``memory_bytes``.  Transfers between stages are ``device_put`` s, not
+collectives: neither side counts them.
 """
 from __future__ import annotations
 
@@ -34,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 __all__ = ["VerifyRow", "verify", "compiled_memory", "markdown_table", "csv_text",
-           "predicted_breakdown"]
+           "predicted_breakdown", "PipelineVerifyRow", "verify_pipeline", "pipeline_table"]
 
 
 @dataclass(frozen=True)
@@ -191,3 +202,89 @@ def csv_text(rows: Sequence[VerifyRow]) -> str:
             parts.get("argument", 0), parts.get("output", 0), parts.get("alias", 0),
             parts.get("temp", 0), f"{r.plan_s:.2f}", f"{r.compile_s:.2f}"]))
     return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# pipeline plans: one row per stage
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineVerifyRow:
+    model: str
+    config: str                                         # e.g. "2x(2x2) mb4 1f1b"
+    stage: int
+    predicted_comm_bytes: int
+    actual_comm_bytes: int
+    actual_by_kind: tuple[tuple[str, int, int], ...]    # kind -> (count, bytes), times run
+    predicted_memory_bytes: int
+    actual_memory_bytes: int
+    memory_parts: tuple[tuple[str, int], ...]           # state/running_sums/activations/programs
+
+    @property
+    def comm_rel_error(self) -> float:
+        return _rel(self.predicted_comm_bytes, self.actual_comm_bytes)
+
+    @property
+    def memory_rel_error(self) -> float:
+        return _rel(self.predicted_memory_bytes, self.actual_memory_bytes)
+
+    @property
+    def comm_ok(self) -> bool:
+        return abs(self.comm_rel_error) <= 0.10
+
+
+def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: int,
+                    schedule: str = "1f1b", *, overrides: Mapping[str, Any] | None = None
+                    ) -> list[PipelineVerifyRow]:
+    """Plan ``model_name`` with ``Manual(dp, tp, pp)`` on the local devices,
+    lower and compile every stage program as the pipeline runs it and
+    compare each stage's communication and memory with the plan's."""
+    from ..api import parallelize
+    from ..methods import Manual
+    from ..models import build_model
+    from ..runtime import hlo
+    from ..runtime.pipeline_lower import stage_memory
+
+    _local_cluster(dp * tp * pp)
+    model = build_model(model_name, dict(overrides or {}))
+    args = model.abstract_args
+    method = Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=micro_batches, schedule=schedule)
+    step = parallelize(model.train_step, method=method, donate_argnums=(0,))
+    compiled = step.lower(*args).compile()
+    plan = step.plan
+    ex = step._entry(args)[1]
+    config = f"{pp}x({dp}x{tp}) mb{micro_batches} {schedule}"
+    rows = []
+    for mem, st in zip(stage_memory(ex, compiled), plan.stages):
+        kinds: dict[str, list[int]] = {}
+        actual = 0
+        for key, co in compiled.stage(mem.stage).items():
+            runs = compiled.runs(key)
+            text = co.as_text()
+            actual += runs * hlo.collective_bytes(text)
+            for k, (c, b) in hlo.summary(text).items():
+                got = kinds.setdefault(k, [0, 0])
+                got[0] += runs * c
+                got[1] += runs * b
+        rows.append(PipelineVerifyRow(
+            model=model_name, config=config, stage=mem.stage,
+            predicted_comm_bytes=int(st.predicted.comm_bytes or 0), actual_comm_bytes=int(actual),
+            actual_by_kind=tuple(sorted((k, c, b) for k, (c, b) in kinds.items())),
+            predicted_memory_bytes=int(st.predicted.memory_bytes),
+            actual_memory_bytes=int(mem.total),
+            memory_parts=tuple((k, v) for k, v in mem.to_dict().items()
+                               if k not in ("stage", "total"))))
+    return rows
+
+
+def pipeline_table(rows: Sequence[PipelineVerifyRow]) -> str:
+    head = ("| model | stages x (mesh), micro-batches, schedule | stage | pred comm | HLO comm | "
+            "err | HLO by kind | pred mem | measured mem | mem err |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.config} | {r.stage} | {r.predicted_comm_bytes:,} | "
+            f"{r.actual_comm_bytes:,} | {r.comm_rel_error:+.1%} | {_kinds(r.actual_by_kind)} | "
+            f"{r.predicted_memory_bytes:,} | {r.actual_memory_bytes:,} | "
+            f"{r.memory_rel_error:+.1%} |")
+    return "\n".join(lines)

@@ -1,0 +1,231 @@
+"""A pipeline plan's programs as ``jax.stages`` objects, and its memory per stage.
+
+:func:`lower_pipeline` lowers every stage program of a
+:class:`~meshplan.runtime.pipeline.PipelineExecutable` exactly as the driver
+calls it: each input with the sharding it has when the program runs (an
+argument on its planned layout, a running sum on its layout, a value of
+another stage where the transfer puts it).  Where a value lands depends on
+the layout its producer's compiled program gave it, so the programs are
+lowered *and compiled* in dispatch order (one micro-batch's forwards and
+backwards, then the updates); nothing runs and the arguments may be
+``jax.ShapeDtypeStruct`` s.
+
+:func:`stage_memory` reads, per stage, what one call keeps alive on a
+device -- the stage's state, its running sums, the activations in flight
+(what its backward reads from the forward, times the micro-batches the
+schedule keeps) -- plus the largest arena of intermediates of its programs
+(``memory_analysis().temp_size_in_bytes``; their outputs are the
+activations and sums already counted, or values sent on).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import jax
+from jax.sharding import NamedSharding
+
+from meshplan.errors import MeshplanError
+
+from .pipeline_split import CONCAT
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineExecutable
+
+__all__ = ("PipelineLowered", "PipelineCompiled", "lower_pipeline", "StageMemory",
+           "stage_memory", "program_memory",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCompiled:
+    """The compiled stage programs: ``compiled[key]`` is the
+    ``jax.stages.Compiled`` of task ``key`` (``("F", s)``, ``("B", s)``,
+    ``("A", s, level)``)."""
+    compiled: Mapping[tuple, Any]
+    num_stages: int
+    num_micro_batches: int
+    # per program, its inputs as lowered (ShapeDtypeStructs with shardings)
+    inputs: Mapping[tuple, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+
+    def __getitem__(self, key: tuple) -> Any:
+        return self.compiled[key]
+
+    def items(self) -> Iterator[tuple[tuple, Any]]:
+        return iter(self.compiled.items())
+
+    def stage(self, s: int) -> dict[tuple, Any]:
+        """The programs of stage ``s``."""
+        return {k: c for k, c in self.compiled.items() if k[1] == s}
+
+    def runs(self, key: tuple) -> int:
+        """How often one call runs program ``key`` (forwards and backwards
+        once per micro-batch, updates once)."""
+        return 1 if key[0] == "A" else self.num_micro_batches
+
+    def as_text(self) -> str:
+        return "\n\n".join(f"// {_name(k)}\n{c.as_text()}" for k, c in self.compiled.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLowered:
+    """What ``step.lower(*args)`` gives for a pipeline plan: the
+    ``jax.stages.Lowered`` of every stage program (``lowered[key]``);
+    :meth:`compile` gives their ``Compiled`` s."""
+    lowered: Mapping[tuple, Any]
+    _compiled: PipelineCompiled
+
+    def __getitem__(self, key: tuple) -> Any:
+        return self.lowered[key]
+
+    def items(self) -> Iterator[tuple[tuple, Any]]:
+        return iter(self.lowered.items())
+
+    def stage(self, s: int) -> dict[tuple, Any]:
+        return {k: v for k, v in self.lowered.items() if k[1] == s}
+
+    def compile(self) -> PipelineCompiled:
+        # (compiled while lowering: a program's input layouts follow the
+        # compiled outputs of the programs before it)
+        return self._compiled
+
+    def as_text(self) -> str:
+        return "\n\n".join(f"// {_name(k)}\n{v.as_text()}" for k, v in self.lowered.items())
+
+
+def _name(key: tuple) -> str:
+    return f"stage {key[1]} {key[0]}" + (f"{key[2]}" if key[0] == "A" else "")
+
+
+def lower_pipeline(ex: "PipelineExecutable", args: tuple[Any, ...]) -> PipelineLowered:
+    """Every program of ``ex`` lowered and compiled for ``args`` (arrays or
+    ``jax.ShapeDtypeStruct`` s of the full batch)."""
+    if ex.transfers.xp is not None:
+        raise MeshplanError("lower() of a pipeline runs in one process; lower the stages of a "
+                            "multi-process run from a one-process run of the same plan")
+    split, flat, lay, m = ex.split, ex.flat, ex.layouts, ex.m
+    leaf_ids = set(flat.invars)
+    where: dict[int, NamedSharding] = {}         # value id -> sharding on its producer
+    stage_of: dict[int, int] = {}
+    lowered: dict[tuple, Any] = {}
+    compiled: dict[tuple, Any] = {}
+    inputs: dict[tuple, tuple[Any, ...]] = {}
+
+    def spec(x: int, s: int, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+        aval = flat.avals[x]
+        shape = tuple(aval.shape) if shape is None else shape
+        if x in leaf_ids:
+            return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=lay.arg(x, s))
+        sh = where.get(x)
+        if sh is None:
+            raise MeshplanError(f"internal: value t{x} of stage {s} has no producer to lower")
+        if stage_of[x] != s:
+            v = jax.ShapeDtypeStruct(shape, aval.dtype, sharding=sh)
+            sh = lay.send(v, x, s)
+        return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=sh)
+
+    def one(key: tuple, ins: list[Any]) -> None:
+        prog = ex.programs[key]
+        task = prog.task
+        accs = [jax.ShapeDtypeStruct(tuple(flat.avals[x].shape), flat.avals[x].dtype,
+                                     sharding=lay.acc(x, task.stage))
+                for x in task.accumulate] if m > 1 else []
+        lo = prog.fn.lower(*ins, *accs)
+        co = lo.compile()
+        lowered[key], compiled[key], inputs[key] = lo, co, tuple(ins)
+        plain, new = co.output_shardings
+        for x, sh in zip(task.outputs, plain):
+            where[x], stage_of[x] = sh, task.stage
+        for x, sh in zip(task.accumulate, new):
+            where[x], stage_of[x] = sh, task.stage
+
+    for kind, s, i in ex.wiring.order:
+        if i == 0:
+            one((kind, s), [spec(x, s) for x in ex.programs[(kind, s)].task.inputs])
+    for key in ex.wiring.update_order:
+        s = key[1]
+        ins = []
+        for x in ex.programs[key].task.inputs:
+            src = x if x in leaf_ids or x in split.producer else split.alias.get(x, x)
+            shape = None
+            if split.crossing.get(src) == CONCAT and src not in leaf_ids:
+                shape = (flat.avals[src].shape[0] * m,) + tuple(flat.avals[src].shape[1:])
+            ins.append(spec(src, s, shape))
+        one(key, ins)
+    return PipelineLowered(lowered, PipelineCompiled(compiled, ex.p, m, inputs))
+
+
+# ---------------------------------------------------------------------------
+# memory per stage
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes per device of one stage during a call (see the module doc)."""
+    stage: int
+    state: int              # the stage's parameters, optimizer and other state
+    running_sums: int       # the gradients summed over micro-batches
+    activations: int        # kept from forward to backward, times the micro-batches in flight
+    in_flight: int          # micro-batches whose activations are kept at once
+    programs: int           # the largest temp (XLA's arena of intermediates) of its programs
+
+    @property
+    def total(self) -> int:
+        return self.state + self.running_sums + self.activations + self.programs
+
+    def to_dict(self) -> dict[str, int]:
+        return {**{f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)},
+                "total": self.total}
+
+
+def program_memory(compiled: Any) -> dict[str, int]:
+    """``memory_analysis()`` of one compiled program, per device."""
+    ma = compiled.memory_analysis()
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias", "temp")}
+
+
+def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
+    return math.prod(shard) * jax.numpy.dtype(dtype).itemsize
+
+
+def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
+                 in_flight: list[int] | None = None) -> list[StageMemory]:
+    """What each stage of ``ex`` keeps on one device during a call.
+    ``in_flight``: micro-batches in flight per stage (default the schedule's
+    bound: GPipe all of them, 1F1B ``p - s``; or ``last_stats['max_in_flight']``
+    of a call)."""
+    flat, lay, split, m, p = ex.flat, ex.layouts, ex.split, ex.m, ex.p
+    leaf_ids = set(flat.invars)
+    if in_flight is None:
+        in_flight = [m if ex.schedule == "gpipe" else min(m, p - s) for s in range(p)]
+    out = []
+    for s in range(p):
+        keys = [k for k in compiled.compiled if k[1] == s]
+        state = sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, lay.arg(x, s))
+                    for x in leaf_ids if x not in lay.is_batch
+                    and s in ex.wiring.leaf_readers.get(x, ()) and hasattr(flat.avals[x], "shape"))
+        sums = sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, lay.acc(x, s))
+                   for k in keys if k[0] != "A" for x in split.tasks[k].accumulate) if m > 1 else 0
+        kept = 0
+        f, b = split.tasks.get(("F", s)), split.tasks.get(("B", s))
+        if f is not None and b is not None:
+            for x, v in zip(b.inputs, compiled.inputs[("B", s)]):
+                # what the backward reads from this stage's forward (or, remat,
+                # what the forward received and keeps for it)
+                made = split.producer.get(x)
+                if x not in leaf_ids and made is not None and made[0] == "F" and (
+                        made[1] == s or x in ex.wiring.keep[s]):
+                    kept += _device_bytes(v.shape, v.dtype, v.sharding)
+        work = 0
+        for k in keys:
+            mem = program_memory(compiled[k])
+            # (outputs are the activations and sums counted above, or
+            # values sent on: the arena of intermediates is what adds)
+            work = max(work, mem["temp"])
+        out.append(StageMemory(s, int(state), int(sums), int(kept * in_flight[s]),
+                               int(in_flight[s]), int(work)))
+    return out
