@@ -45,6 +45,9 @@ class LayerProblems:
     # before any ILP is solved
     state_bytes: list[float]
     optimizer_bytes: list[float]      # the optimizer-state part of state_bytes
+    # the user fixed the number of stages (stages=N, Manual's pp): near ties of
+    # the stage DP go to the more balanced stages (stage_dp's balance)
+    exact_stages: bool = False
 
     def request(self, l: int, m: int, k: int) -> tuple:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
@@ -114,7 +117,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                                             if i.role in (PARAM, OPT_STATE, STATE)))
                      for sub in subs],
         optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
-                             if i.role == OPT_STATE) for sub in subs])
+                             if i.role == OPT_STATE) for sub in subs],
+        exact_stages=opts.num_stages is not None or opts.fixed is not None)
 
 
 def default_layers(g: Graph, cluster: ClusterSpec) -> int:

@@ -6,6 +6,13 @@ the pipeline latency is ``sum_k t_k + (B - 1) * max_k t_k``.  For a fixed
 ``t_max`` the DP minimises ``sum_k t_k`` over stages with ``t_k <= t_max``;
 enumerating ``t_max`` over the distinct stage latencies finds the optimum.
 
+With ``balance`` (per layer its FLOPs; given when the user fixed the
+number of stages) totals within ``BALANCE_TOLERANCE`` of each other tie, and
+the tie goes to the smaller largest stage FLOPs: with one micro-batch the
+latency is the plain sum of the stages' whatever the cut, small differences
+(a send, a program launch) decided alone, and a fixed count of stages left
+one stage almost without work.  (2% is well inside the cost model's error.)
+
 The core is pure: ``cost(first, last, submesh_index, stages_left)`` gives a
 stage's latency per micro-batch, or ``None`` when it does not fit (memory may
 depend on ``stages_left``: under 1F1B a stage keeps that many micro-batches of
@@ -21,6 +28,7 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 StageCost = Callable[[int, int, int, int], "float | None"]
+BALANCE_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,8 @@ def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> floa
 
 def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
              num_micro_batches: int, cost: StageCost, *,
-             max_stages: int | None = None, min_stages: int = 1) -> DPResult | None:
+             max_stages: int | None = None, min_stages: int = 1,
+             balance: Sequence[float] | None = None) -> DPResult | None:
     """The optimal stages (between ``min_stages`` and ``max_stages`` of them),
     or ``None`` when no assignment fits."""
     L, B = num_layers, num_micro_batches
@@ -90,7 +99,7 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     for t_max in (latencies if B > 1 else latencies[-1:]):
         if best is not None and (B - 1) * t_max >= best.total_s:
             break
-        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages)
+        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages, balance)
         if res is None:
             continue
         total, stages = res
@@ -101,9 +110,27 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
 
 
 def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
-            c: Callable, min_stages: int = 1) -> tuple[float, tuple[StageChoice, ...]] | None:
+            c: Callable, min_stages: int = 1, balance: Sequence[float] | None = None
+            ) -> tuple[float, tuple[StageChoice, ...]] | None:
     INF = math.inf
     min_size = min(sizes)
+    if balance is None:
+        def better(a: tuple, b: tuple) -> bool:
+            return a[0] < b[0]
+    else:
+        prefix = list(itertools.accumulate(balance, initial=0.0))
+
+        def heaviest(stages: tuple[StageChoice, ...]) -> float:
+            return max(prefix[st.last + 1] - prefix[st.first] for st in stages)
+
+        def better(a: tuple, b: tuple) -> bool:
+            """A smaller total, or (within the tolerance) lighter heaviest stage."""
+            if a[0] == INF or b[0] == INF:
+                return a[0] < b[0]
+            if abs(a[0] - b[0]) > BALANCE_TOLERANCE * max(a[0], b[0]):
+                return a[0] < b[0]
+            ha, hb = heaviest(a[1]), heaviest(b[1])
+            return ha < hb or (ha == hb and a[0] < b[0])
 
     @lru_cache(maxsize=None)
     def F(s: int, k: int, d: int) -> tuple[float, tuple[StageChoice, ...]]:
@@ -120,15 +147,19 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
                 if t is None or t > t_max:
                     continue
                 rest, stages = F(s - 1, j + 1, d - size)
-                if t + rest < best[0]:
-                    best = (t + rest, (StageChoice(k, j, m, t),) + stages)
+                cand = (t + rest, (StageChoice(k, j, m, t),) + stages)
+                if better(cand, best):
+                    best = cand
         return best
 
-    results = [F(s, 0, D) for s in range(min_stages, max_stages + 1)]
-    total, stages = min(results, key=lambda r: r[0])
-    if total == INF:
+    best: tuple[float, tuple[StageChoice, ...]] = (INF, ())
+    for s in range(min_stages, max_stages + 1):
+        r = F(s, 0, D)
+        if better(r, best):
+            best = r
+    if best[0] == INF:
         return None
-    return total, stages
+    return best
 
 
 def brute_force(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,

@@ -258,7 +258,9 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
 
     t0, ilp0 = time.perf_counter(), solver.ilp_s
     res = stage_dp(len(lay.groups), lay.submeshes, cluster.num_devices, lay.B, stage_cost,
-                   max_stages=lay.max_stages, min_stages=lay.min_stages)
+                   max_stages=lay.max_stages, min_stages=lay.min_stages,
+                   balance=[sum(lay.layering.flops[g[0]:g[1] + 1]) for g in lay.groups]
+                   if lay.exact_stages else None)
     solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
     if res is None:
         return None

@@ -1,0 +1,60 @@
+"""A fixed number of stages cuts where the FLOPs balance (issue 19 item 1):
+with one micro-batch the predicted latency is the plain sum of the stages,
+and the cut used to be decided by small differences alone, leaving a stage
+almost without work."""
+from collections import Counter
+
+import jax
+import pytest
+
+import meshplan
+from meshplan.api import trace_step
+from meshplan.dp_search.stage_dp import BALANCE_TOLERANCE, Submesh, stage_dp
+from meshplan.models import build_model
+from test_libraries import LIBRARIES, _tokens
+
+
+def _stage_flops(plan, step, args):
+    graph = trace_step(step, meshplan.api._abstract(args), tuple(plan.batch_argnums), "step")[0]
+    per_layer = Counter()
+    for nid, node in enumerate(graph.nodes):
+        per_layer[plan.layer_of_node[nid]] += node.flops
+    return [sum(per_layer[l] for l in range(s.layers[0], s.layers[1] + 1)) for s in plan.stages]
+
+
+def test_near_ties_go_to_the_lighter_heaviest_stage():
+    # four layers, two stages of 4 devices; the cut after layer 0 is a hair
+    # cheaper (a smaller send) but leaves stage 0 with 1% of the FLOPs
+    flops = [1.0, 40.0, 40.0, 19.0]
+    subs = [Submesh(1, 4)]
+
+    def cost(i, j, m, s):
+        return sum(flops[i:j + 1]) + (0.0 if i == 1 else 0.5)
+    plain = stage_dp(4, subs, 8, 1, cost, max_stages=2, min_stages=2)
+    assert [(s.first, s.last) for s in plain.stages] == [(0, 0), (1, 3)]
+    fair = stage_dp(4, subs, 8, 1, cost, max_stages=2, min_stages=2, balance=flops)
+    assert [(s.first, s.last) for s in fair.stages] == [(0, 1), (2, 3)]
+    assert fair.total_s <= plain.total_s * (1 + BALANCE_TOLERANCE)
+
+    def far(i, j, m, s):        # a real difference beyond the tolerance is kept
+        return sum(flops[i:j + 1]) + (0.0 if i == 1 else 10.0)
+    r = stage_dp(4, subs, 8, 1, far, max_stages=2, min_stages=2, balance=flops)
+    assert [(s.first, s.last) for s in r.stages] == [(0, 0), (1, 3)]
+
+
+@pytest.mark.parametrize("lib", ["flax_nnx", "flax_linen"])
+def test_two_stages_of_a_two_layer_flax_model_balance_flops(lib):
+    step, state = LIBRARIES[lib]()
+    args = (state, _tokens())
+    plan = meshplan.plan(step, *args, method=meshplan.PipeshardParallel(stages=2))
+    assert len(plan.stages) == 2
+    flops = _stage_flops(plan, step, args)
+    assert min(flops) >= 0.4 * max(flops), flops
+
+
+def test_manual_pipeline_of_a_small_mlp_leaves_no_stage_idle():
+    m = build_model("mlp", {"layers": "3"})
+    state, batch = jax.device_get(m.init(0))
+    plan = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(dp=2, tp=2, pp=2))
+    flops = _stage_flops(plan, m.train_step, (state, batch))
+    assert len(flops) == 2 and min(flops) >= 0.4 * max(flops), flops
