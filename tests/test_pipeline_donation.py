@@ -86,3 +86,27 @@ def test_a_deleted_argument_is_refused_before_anything_runs():
     with pytest.raises(meshplan.MeshplanError, match="donated to an earlier call"):
         step(state, batch)
     step(new, batch)      # the returned state still runs
+
+
+def test_a_weight_two_stages_read_is_deleted_after_the_step_not_taken_over():
+    # a tied embedding: the first stage updates it, the last reads it again
+    m = build_model("gpt", {"layers": "2", "hidden": "32", "heads": "2", "seq_len": "16",
+                            "vocab": "256", "batch": "8", "optimizer": "sgd"})
+    state, batch = jax.device_get(m.init(0))
+    plan = meshplan.plan(m.train_step, state, batch,
+                         method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    step = meshplan.parallelize(m.train_step, plan=plan, donate_argnums=(0,))
+    ref_state, _ = jax.jit(m.train_step)(state, batch)
+    ref_state, ref_metrics = jax.jit(m.train_step)(ref_state, batch)
+    state = _on_devices(state)
+    for _ in range(2):
+        old = state
+        state, metrics = step(state, batch)
+        assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    ex = step._fast[1]
+    wte = next(i for i, (a, path) in ex.arg_path.items() if path.endswith("['wte']"))
+    assert len(ex.wiring.leaf_readers[wte]) == 2
+    taken = {ex.split.tasks[k].inputs[p] for k, ps in ex.donations.items() for p in ps
+             if p < len(ex.split.tasks[k].inputs)}
+    assert wte not in taken and taken      # the other leaves are taken over
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
