@@ -11,7 +11,7 @@ in every cluster file)::
       "slice": {
         "chip": {"kind": "TPU v5 lite", "memory_bytes": ..., "memory_bandwidth_bytes_per_s": ...,
                  "peak_flops": {"bfloat16": 1.97e14}},          # as a GPU file's "device"
-        "topology": [16, 16],               # chips along each torus dimension
+        "topology": [16, 16],               # chips along each torus dimension (or "16x16")
         "wraparound": [true, true],         # optional; default: a ring wherever a dimension has > 2 chips
         "hosts": 32,                        # hosts (VMs with a network card) per slice
         "ici": {"bandwidth_bytes_per_s": 5e10, "latency_s": 1e-06}   # per link, per direction
@@ -130,9 +130,12 @@ def parse_tpu(top: dict[str, Any], r: Any, header: Callable[[dict[str, Any]], tu
     sl = r.obj(top["slice"], "$.slice", SLICE_KEYS, SLICE_OPTIONAL)
     chip = device(sl["chip"], "$.slice.chip")
     topo_raw = sl["topology"]
-    if isinstance(topo_raw, str):
-        raise r.fail("$.slice.topology", f"must be a list of integers, e.g. [4, 4, 8] for "
-                     f"\"4x4x8\", got {_show(topo_raw)}")
+    if isinstance(topo_raw, str):       # "4x4x8", as Google writes it
+        parts = topo_raw.strip().lower().split("x")
+        if not all(p.isdigit() for p in parts):
+            raise r.fail("$.slice.topology", f"must be a list of integers such as [4, 4, 8] "
+                         f"or a string such as \"4x4x8\", got {_show(topo_raw)}")
+        topo_raw = [int(p) for p in parts]
     if not isinstance(topo_raw, list) or not 1 <= len(topo_raw) <= 4:
         raise r.fail("$.slice.topology", f"must be a list of 1 to 4 positive integers "
                      f"(chips per torus dimension), got {_show(topo_raw)}")
