@@ -284,3 +284,14 @@ def test_a_two_slice_plan_puts_only_data_parallelism_across_slices():
     # two halves where the optimizer state is sharded (weight-update sharding)
     weights = [(k, spec) for k, spec in stage.params if k.startswith("['params']")]
     assert weights and not any(across & axes_of(spec) for _, spec in weights)
+
+
+def test_pipeline_stages_may_be_whole_slices():
+    from meshplan.models import build_model
+    m = build_model("gpt", {"layers": "4", "hidden": "64", "heads": "2", "seq_len": "32",
+                            "vocab": "128", "batch": "16"})
+    cluster = load_cluster(TPU / "tpu-v5e-4-x2.json")
+    plan = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                         method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    assert [s.submesh for s in plan.stages] == [(1, 4), (1, 4)]
+    assert sorted(s.devices for s in plan.stages) == [(0, 1, 2, 3), (4, 5, 6, 7)]
