@@ -104,7 +104,7 @@ def axis_phases(cluster: ClusterSpec, mesh: LogicalMesh, submesh: tuple[int, int
             # slowest link still to come, a pessimistic guess)
             slow = min((s[1] for s in stream[pos:]), default=ici_bw)
             phases.append((need, slow, max(s[2] for s in stream)))
-            spans *= slices if stream[-1][3] and pos < len(stream) else 1
+            spans *= slices if pos < len(stream) and stream[-1][3] else 1
         out.append((tuple(phases), spans))
     return out[::-1]
 

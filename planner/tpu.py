@@ -59,6 +59,14 @@ HINTS = {
 }
 
 
+def chip_index(coords: Sequence[int], topology: Sequence[int]) -> int:
+    """The number of the chip at ``coords`` in a slice (first dimension fastest)."""
+    i = 0
+    for c, size in zip(reversed(tuple(coords)), reversed(tuple(topology))):
+        i = i * size + int(c)
+    return i
+
+
 def is_tpu_file(data: Any) -> bool:
     """A decoded cluster file in the TPU format (it names slices, not hosts)."""
     return isinstance(data, dict) and ("num_slices" in data or "slice" in data) \
@@ -98,10 +106,7 @@ class TpuSlice:
         return tuple(out)
 
     def index(self, coords: Sequence[int]) -> int:
-        i = 0
-        for c, size in zip(reversed(tuple(coords)), reversed(self.topology)):
-            i = i * size + int(c)
-        return i
+        return chip_index(coords, self.topology)
 
     def sub_shape(self, chips: int) -> tuple[int, ...] | None:
         """The block the first ``chips`` chips of a slice fill, or None when
@@ -269,7 +274,6 @@ def topology_of(devices: Sequence[Any]) -> tuple[int, tuple[int, ...], list[tupl
         raise ClusterSpecError("$", f"{len(coords)} devices on {len(slices)} slice(s) of "
                                f"{chips} chips: meshplan models one device per chip; describe "
                                "this TPU job in a cluster file")
-    probe = TpuSlice(topology, (False,) * len(topology), 1, None, None)  # type: ignore[arg-type]
-    order = [(slices.index(s), probe.index([x - l for x, l in zip(c, lo)][:len(topology)]))
-             for s, c in coords]
+    order = [(slices.index(s), chip_index([x - l for x, l in zip(c, lo)][:len(topology)],
+                                          topology)) for s, c in coords]
     return len(slices), topology, order

@@ -295,3 +295,38 @@ def test_pipeline_stages_may_be_whole_slices():
                          method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
     assert [s.submesh for s in plan.stages] == [(1, 4), (1, 4)]
     assert sorted(s.devices for s in plan.stages) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+# -- fuzzing the TPU format ---------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PATHS = [("num_slices",), ("slice",), ("dcn",), ("num_devices",), ("slice", "chip"),
+          ("slice", "topology"), ("slice", "wraparound"), ("slice", "hosts"), ("slice", "ici"),
+          ("slice", "topology", 0), ("slice", "wraparound", 1), ("slice", "ici", "latency_s"),
+          ("dcn", "bandwidth_bytes_per_s"), ("slice", "chip", "peak_flops")]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.lists(st.integers(-2, 20), max_size=5),
+                    st.sampled_from([{}, [], "4x4x8", "x", 10**400, -1, 0, [0, 4]]))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(_PATHS), _VALUES), min_size=1, max_size=3))
+def test_any_bad_tpu_value_is_a_cluster_spec_error(changes):
+    d = tpu_dict()
+    for path, value in changes:
+        node = d
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            continue
+    try:
+        spec = parse_cluster(d)
+    except ClusterSpecError as e:
+        assert "\n" not in str(e) and e.path.startswith("$")
+    else:
+        assert parse_cluster(spec.to_dict()) == spec
