@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..cluster import ClusterSpec, DeviceSpec
 from ..plan import LogicalMesh
+from .torus import axis_phases
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,6 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
 
 def _torus_model(cluster: ClusterSpec, mesh: LogicalMesh, submesh: tuple[int, int],
                  memory_fraction: float) -> MeshModel:
-    from .torus import axis_phases
     links = []
     for size, (phases, slices) in zip(mesh.shape, axis_phases(cluster, mesh, submesh)):
         links.append(AxisLink(min((p[1] for p in phases), default=0.0),

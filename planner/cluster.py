@@ -312,12 +312,12 @@ class ClusterSpec:
     def from_tpu_devices(cls, devices: Any, *, process_count: int = 1) -> ClusterSpec:
         """A TPU job from jax's device objects: the torus from their ``coords``,
         the slices from their ``slice_index``; chip and link figures from the
-        datasheet table.  Warns when jax's device ids do not follow meshplan's
-        chip numbering (slice-major, first torus dimension fastest), which
-        the runtime assumes when it binds a plan's device ids."""
+        datasheet table.  Plan device ids follow meshplan's chip numbering
+        (slice-major, first torus dimension fastest); the runtime binds them
+        to jax's devices in that order (``meshplan.shardings.sorted_devices``)."""
         from meshplan import datasheets
 
-        slices, topology, order = _tpu.topology_of(devices)
+        slices, topology, _ = _tpu.topology_of(devices)
         kind = str(devices[0].device_kind).strip() or "tpu"
         known = datasheets.known_device("tpu", kind) or datasheets.generic_device("tpu")
         chips = math.prod(topology)
@@ -325,12 +325,6 @@ class ClusterSpec:
         hosts = hosts if chips % hosts == 0 else 1
         tpu = _tpu.TpuSlice(topology, tuple(t > 2 for t in topology), hosts,
                             LinkSpec(*known.intra_host), LinkSpec(*known.inter_host))
-        ids = sorted(range(len(devices)), key=lambda i: getattr(devices[i], "id", i))
-        if [s * chips + c for s, c in (order[i] for i in ids)] != list(range(len(devices))):
-            warnings.warn("meshplan: jax's TPU device ids do not follow meshplan's chip "
-                          "numbering (slice-major, first torus dimension fastest); plans bind "
-                          "device ids, so their axes may not land on the rings they were "
-                          "costed for", stacklevel=2)
         return cls(name=f"local-tpu-{tpu.name}-x{slices}",
                    num_hosts=slices, devices_per_host=chips,
                    device=DeviceSpec(kind=kind, memory_bytes=known.memory_bytes,

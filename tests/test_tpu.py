@@ -233,11 +233,17 @@ def test_local_reads_the_torus_and_slices_from_device_coords():
     assert parse_cluster(spec.to_dict()) == spec
 
 
-def test_local_warns_when_device_ids_do_not_follow_the_chip_numbering():
-    devs = fake_devices(slices=1)
-    devs[0].id, devs[1].id = 1, 0
-    with pytest.warns(UserWarning, match="numbering"):
-        ClusterSpec.from_tpu_devices(devs)
+def test_plan_ids_bind_to_tpu_devices_in_torus_order():
+    from meshplan.shardings import tpu_order
+    devs = fake_devices(topology=(4, 2), slices=2)
+    shuffled = sorted(devs, key=lambda d: (-d.slice_index, d.coords[0], d.coords[1]))
+    for i, d in enumerate(shuffled):
+        d.id = i            # jax's ids need not follow the torus
+    ordered = tpu_order(sorted(shuffled, key=lambda d: d.id))
+    assert [(d.slice_index, d.coords) for d in ordered] == \
+        [(s, (x, y, 0)) for s in range(2) for y in range(2) for x in range(4)]
+    cpu = [type("Cpu", (), {"platform": "cpu", "id": i})() for i in range(3)]
+    assert tpu_order(cpu) == cpu
 
 
 def test_local_on_a_tpu_goes_through_jax_devices(monkeypatch):
