@@ -5,7 +5,9 @@ Inside a host a collective is a ring: latency-bound for small messages
 devices span hosts runs hierarchically, as NCCL runs it: a reduce-scatter
 inside each host, an all-reduce of the host's shard across hosts (each device
 with its share of the host's network cards), an all-gather inside the host.
-Every collective is a kernel and pays the device's launch cost.
+Every collective is a kernel and pays the device's launch cost.  On a TPU
+torus a collective runs as successive ring phases, one per dimension (or the
+slices) its axes span, fastest link first on the largest data (:mod:`.torus`).
 
 Each function returns ``(seconds, result_bytes)``: the time of the collective
 and the bytes of its result on one device, which is what XLA's per-device HLO
@@ -36,9 +38,21 @@ def _launch(mm: MeshModel, t: float) -> float:
     return t + mm.device.achieved.kernel_launch_s
 
 
+def _phased(g: Group, nbytes: float) -> float:
+    """A reduce-scatter (or an all-gather) of ``nbytes`` over the torus:
+    each ring phase moves (n-1)/n of what the phases before it left."""
+    t = 0.0
+    for n, bw, lat in g.phases:
+        t += _ring(n, n - 1, nbytes, bw, lat)
+        nbytes /= n
+    return t
+
+
 def _gather_time(g: Group, nbytes: float) -> float:
     """An all-gather (or a reduce-scatter) of a ``nbytes`` buffer: across
     hosts on the host's share, then inside each host."""
+    if g.phases:
+        return _phased(g, nbytes)
     return (_ring(g.hosts, g.hosts - 1, nbytes / g.local, g.inter_bw, g.inter_lat)
             + _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat))
 
@@ -48,6 +62,8 @@ def all_reduce(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     host; reduce-scatter, cross-host all-reduce of S/local, all-gather."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
+    if g.phases:
+        return _launch(mm, 2 * _phased(g, nbytes)), nbytes
     t = (2 * _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat)
          + _ring(g.hosts, 2 * (g.hosts - 1), nbytes / g.local, g.inter_bw, g.inter_lat))
     return _launch(mm, t), nbytes
@@ -78,6 +94,9 @@ def all_to_all(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     other hosts goes over the device's share of the network."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
+    if g.phases:    # dimension-ordered: each phase carries its (n-1)/n of the buffer
+        return _launch(mm, sum(_ring(n, n - 1, nbytes, bw, lat) for n, bw, lat in g.phases)), \
+            nbytes
     t = _ring(g.size, g.size - 1, nbytes, g.intra_bw, g.intra_lat) \
         if g.hosts == 1 else \
         ((g.size - 1) * g.inter_lat + (g.hosts - 1) / g.hosts * nbytes / g.inter_bw
@@ -90,7 +109,8 @@ def collective_permute(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> C
     (over the network when the axes cross hosts)."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    bw, lat = (g.intra_bw, g.intra_lat) if g.hosts == 1 else (g.inter_bw, g.inter_lat)
+    bw, lat = (g.intra_bw, g.intra_lat) if g.hosts == 1 or g.phases else \
+        (g.inter_bw, g.inter_lat)
     return _launch(mm, lat + nbytes / bw), nbytes
 
 

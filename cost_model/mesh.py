@@ -8,6 +8,8 @@ run hierarchically, as NCCL runs them (:mod:`.collectives`): inside each host
 over the host's links, across hosts over the network, where every device of
 the host that sends at once gets its share of the host's network cards.
 Bandwidths are what the links achieve (``LinkSpec.efficiency``), not peak.
+A TPU cluster's axes are laid over the slices' ICI tori instead
+(:mod:`.torus`): each axis carries the ring phases of the dimensions it spans.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from ..cluster import ClusterSpec, DeviceSpec
 from ..plan import LogicalMesh
+from .torus import axis_phases
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,8 @@ class AxisLink:
     latency: float     # seconds per message step
     crosses_hosts: bool
     local: int = 0     # devices of one group of the axis on one host (0: the whole axis)
+    # TPU: (devices, bytes/s, seconds per step) of each ring the axis's collectives run
+    phases: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Group:
     intra_lat: float
     inter_bw: float     # one device's share of its host's network
     inter_lat: float
+    # TPU: the rings of the torus dimensions (and slices) spanned, fastest first
+    phases: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def hosts(self) -> int:
@@ -56,6 +63,7 @@ class MeshModel:
     # the links inside a host, and one device's share of the host's network
     intra: tuple[float, float] = (0.0, 0.0)    # (bytes/s, seconds per step)
     inter: tuple[float, float] = (0.0, 0.0)
+    torus: bool = False          # links carry ring phases (a TPU cluster)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -70,6 +78,12 @@ class MeshModel:
         n = math.prod(self.mesh.shape[a] for a in axes)
         local = math.prod(self.links[a].local or self.mesh.shape[a] for a in axes)
         local = max(1, min(n, local))
+        if self.torus:
+            phases = tuple(sorted((p for a in axes for p in self.links[a].phases),
+                                  key=lambda p: -p[1]))
+            bw = min((p[1] for p in phases), default=self.intra[0])
+            lat = max((p[2] for p in phases), default=self.intra[1])
+            return Group(n, local, bw, lat, bw, lat, phases)
         if local == n or not self.intra[0]:
             bw, lat = min(self.links[a].bandwidth for a in axes), \
                 max(self.links[a].latency for a in axes)
@@ -91,6 +105,8 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
     if mesh.size != hosts * dph:
         raise ValueError(f"logical mesh {mesh} has {mesh.size} devices, submesh {hosts}x{dph} "
                          f"has {hosts * dph}")
+    if cluster.tpu is not None:
+        return _torus_model(cluster, mesh, submesh, memory_fraction)
     intra = (cluster.intra_host.achieved_bandwidth, cluster.intra_host.latency_s)
     # every device of a host sends across hosts at once (each group's members
     # on the host each carry their share): they split the host's network
@@ -108,6 +124,21 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
     return MeshModel(mesh, tuple(links), cluster.device, budget,
                      native_reduce_scatter=not is_cpu(cluster.device),
                      intra=intra, inter=inter if hosts > 1 else intra)
+
+
+def _torus_model(cluster: ClusterSpec, mesh: LogicalMesh, submesh: tuple[int, int],
+                 memory_fraction: float) -> MeshModel:
+    links = []
+    for size, (phases, slices) in zip(mesh.shape, axis_phases(cluster, mesh, submesh)):
+        links.append(AxisLink(min((p[1] for p in phases), default=0.0),
+                              max((p[2] for p in phases), default=0.0), slices > 1,
+                              max(1, size // slices), phases))
+    ici = (cluster.intra_host.achieved_bandwidth, cluster.intra_host.latency_s)
+    dcn = (min(cluster.inter_host.achieved_bandwidth / submesh[1], ici[0]),
+           cluster.inter_host.latency_s)
+    return MeshModel(mesh, tuple(links), cluster.device,
+                     int(cluster.device.memory_bytes * memory_fraction),
+                     native_reduce_scatter=True, intra=ici, inter=dcn, torus=True)
 
 
 def is_cpu(device: DeviceSpec) -> bool:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
+from ..cost_model.torus import device_order
 from ..cost_model.sharding import spec_from_names
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
 from ..ilp import peak_parts
@@ -33,7 +34,8 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
         (batch if inp.argnum in graph.batch_argnums else params).append((key, spec))
     outputs = tuple((o.path, s) for o, s in zip(graph.outputs, result.output_specs) if s is not None)
     n = result.mesh.size
-    stage = Stage(layers=(0, 0), devices=tuple(range(n)), submesh=default_submesh(cluster, n),
+    stage = Stage(layers=(0, 0), devices=device_order(cluster, tuple(range(n)), result.mesh),
+                  submesh=default_submesh(cluster, n),
                   logical_mesh=result.mesh, remat=False, params=tuple(params),
                   predicted=Predicted(result.compute_s, result.comm_s, int(result.peak_memory_bytes),
                                       one_stage_memory(graph, result)),
@@ -136,7 +138,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 else:
                     params.setdefault(key, spec)
         sub = submeshes[st.submesh]
-        stages.append(Stage(layers=(st.first, st.last), devices=devices,
+        stages.append(Stage(layers=(st.first, st.last),
+                            devices=device_order(cluster, devices, mesh),
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, params=tuple(sorted(params.items())),
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,

@@ -98,7 +98,7 @@ class LayerSolver:
         if len(self.cache) > LAYER_CACHE_MAX:
             self.cache.clear()
         o = self.options
-        links = tuple((l.bandwidth, l.latency, l.local) for l in mm.links)
+        links = tuple((l.bandwidth, l.latency, l.local, l.phases) for l in mm.links)
         return (sub.fingerprint, mesh.shape, links, mm.intra, mm.inter,
                 grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
                 o.memory_fraction)

@@ -15,6 +15,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.memory import liveness
 from ..cost_model.mesh import default_axis_names, mesh_model, mesh_shapes
 from ..cost_model.sharding import ISpec
+from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
 from ..plan import LogicalMesh
@@ -59,21 +60,26 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
     """Logical meshes worth trying for ``num_devices``.
 
     Every ordered factorisation into at most ``max_rank`` axes (default: 2 below
-    16 devices, 3 from 16 on).  Given the cluster, a permutation of a shape
-    whose axes have identical link figures is dropped: it plans the same.
+    16 devices, 3 from 16 on); on a TPU cluster, each laid over the torus
+    dimensions in every order worth trying (``LogicalMesh.torus``).  Given
+    the cluster, a permutation of a shape whose axes have identical link
+    figures is dropped: it plans the same.
     """
     if max_rank is None:
         max_rank = 2 if num_devices < 16 else 3
+    orders = torus_orders(cluster, submesh) if cluster is not None else [()]
     out, seen = [], set()
     for shape in mesh_shapes(num_devices, max_rank):
-        mesh = LogicalMesh(default_axis_names(len(shape)), shape)
-        if cluster is not None:
-            links = mesh_model(cluster, mesh, submesh=submesh).links
-            key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency, l.local) for l in links])))
-            if key in seen:
-                continue
-            seen.add(key)
-        out.append(mesh)
+        for order in orders:
+            mesh = LogicalMesh(default_axis_names(len(shape)), shape, order)
+            if cluster is not None:
+                links = mesh_model(cluster, mesh, submesh=submesh).links
+                key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency, l.local, l.phases)
+                                               for l in links])))
+                if key in seen:
+                    continue
+                seen.add(key)
+            out.append(mesh)
     return out
 
 

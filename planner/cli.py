@@ -150,7 +150,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from .cluster import load_cluster
     spec = load_cluster(args.path)
     if args.cluster_cmd == "validate":
-        print(f"{args.path}: ok ({spec.name}: {spec.num_hosts} host(s) x "
+        unit = "TPU slice(s)" if spec.tpu is not None else "host(s)"
+        print(f"{args.path}: ok ({spec.name}: {spec.num_hosts} {unit} x "
               f"{spec.devices_per_host} {spec.device.kind})")
     else:
         print(spec.describe())

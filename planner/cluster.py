@@ -63,6 +63,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import tpu as _tpu
 from .errors import ClusterSpecError
 
 CLUSTER_FORMAT = "meshplan.cluster/1"
@@ -184,6 +185,8 @@ class ClusterSpec:
     inter_host: LinkSpec
     description: str = ""
     sources: tuple[str, ...] = ()
+    # TPU slices (meshplan.tpu): a "host" is then a slice, its devices the chips
+    tpu: _tpu.TpuSlice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -204,6 +207,8 @@ class ClusterSpec:
 
     # -- JSON --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        if self.tpu is not None:
+            return _tpu.to_dict(self, CLUSTER_FORMAT)
         return {
             "format": CLUSTER_FORMAT,
             "name": self.name,
@@ -264,6 +269,8 @@ class ClusterSpec:
         devices = jax.devices()
         hosts, per_host = jax.process_count(), jax.local_device_count()
         platform = devices[0].platform.lower()
+        if platform == "tpu":
+            return cls.from_tpu_devices(devices, process_count=hosts)
         kind = str(devices[0].device_kind).strip() or platform
         notes = []
         if hosts * per_host != len(devices):
@@ -301,10 +308,41 @@ class ClusterSpec:
             intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
             description=description, sources=(known.source,))
 
+    @classmethod
+    def from_tpu_devices(cls, devices: Any, *, process_count: int = 1) -> ClusterSpec:
+        """A TPU job from jax's device objects: the torus from their ``coords``,
+        the slices from their ``slice_index``; chip and link figures from the
+        datasheet table.  Plan device ids follow meshplan's chip numbering
+        (slice-major, first torus dimension fastest); the runtime binds them
+        to jax's devices in that order (``meshplan.shardings.sorted_devices``)."""
+        from meshplan import datasheets
+
+        slices, topology, _ = _tpu.topology_of(devices)
+        kind = str(devices[0].device_kind).strip() or "tpu"
+        known = datasheets.known_device("tpu", kind) or datasheets.generic_device("tpu")
+        chips = math.prod(topology)
+        hosts = max(1, process_count // slices)
+        hosts = hosts if chips % hosts == 0 else 1
+        tpu = _tpu.TpuSlice(topology, tuple(t > 2 for t in topology), hosts,
+                            LinkSpec(*known.intra_host), LinkSpec(*known.inter_host))
+        return cls(name=f"local-tpu-{tpu.name}-x{slices}",
+                   num_hosts=slices, devices_per_host=chips,
+                   device=DeviceSpec(kind=kind, memory_bytes=known.memory_bytes,
+                                     memory_bandwidth_bytes_per_s=known.memory_bandwidth,
+                                     peak_flops=known.flops),
+                   intra_host=tpu.ici, inter_host=_tpu.slice_network(tpu, LinkSpec),
+                   description=(f"Described from jax.devices(): {slices} slice(s) of "
+                                f"{tpu.name} x {kind!r}, torus from the chips' coords. "
+                                f"{known.note} Link figures are platform defaults, not "
+                                "measurements."),
+                   sources=(known.source,), tpu=tpu)
+
     # -- printing ------------------------------------------------------------
     def describe(self) -> str:
         d = self.device
         flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in d.peak_flops)
+        if self.tpu is not None:
+            return _tpu.describe(self, flops, _achieved_text(d.achieved))
         lines = [
             f"cluster {self.name}: {self.num_hosts} host(s) x {self.devices_per_host} "
             f"device(s) = {self.num_devices} devices",
@@ -385,6 +423,7 @@ _HINTS = {
                   '"latency_s": ...}',
     "bandwidth_bytes_per_s": "add the bandwidth in bytes per second, per direction",
     "latency_s": "add the latency in seconds, e.g. 5e-06",
+    **_tpu.HINTS,
 }
 
 
@@ -507,16 +546,11 @@ def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
     ``source`` (a file name) is appended to error messages.
     """
     r = _Reader(source)
+    if _tpu.is_tpu_file(data):
+        return ClusterSpec(**_tpu.parse_tpu(data, r, lambda top: _header(r, top),
+                                            lambda v, path: _device(r, v, path), LinkSpec))
     top = r.obj(data, "$", _TOP_REQUIRED, _TOP_OPTIONAL)
-    fmt = top["format"]
-    if fmt != CLUSTER_FORMAT:
-        raise r.fail("$.format", f'must be "{CLUSTER_FORMAT}", got {_show(fmt)}')
-    name = r.string(top["name"], "$.name")
-    description = r.string(top.get("description", ""), "$.description", empty_ok=True)
-    raw_sources = top.get("sources", [])
-    if not isinstance(raw_sources, list):
-        raise r.fail("$.sources", f"must be a list of strings, got {_show(raw_sources)}")
-    sources = tuple(r.string(s, f"$.sources[{i}]") for i, s in enumerate(raw_sources))
+    name, description, sources = _header(r, top)
     hosts = r.count(top["num_hosts"], "$.num_hosts")
     per_host = r.count(top["devices_per_host"], "$.devices_per_host")
     if "num_devices" in top:
@@ -526,22 +560,39 @@ def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
                          f"{hosts} x {per_host} = {hosts * per_host}; fix one of them "
                          f"or drop num_devices")
 
-    dev = r.obj(top["device"], "$.device", _DEVICE_KEYS, _DEVICE_OPTIONAL)
-    memory = r.count(dev["memory_bytes"], "$.device.memory_bytes")
-    device = DeviceSpec(
-        kind=r.string(dev["kind"], "$.device.kind"),
-        memory_bytes=memory,
-        memory_bandwidth_bytes_per_s=r.number(dev["memory_bandwidth_bytes_per_s"],
-                                              "$.device.memory_bandwidth_bytes_per_s"),
-        peak_flops=r.peak_flops(dev["peak_flops"], "$.device.peak_flops"),
-        achieved=r.achieved(dev.get("achieved", {}), "$.device.achieved"))
-
+    device = _device(r, top["device"], "$.device")
     links = r.obj(top["links"], "$.links", _LINKS_KEYS)
     return ClusterSpec(
         name=name, num_hosts=hosts, devices_per_host=per_host, device=device,
         intra_host=r.link(links["intra_host"], "$.links.intra_host"),
         inter_host=r.link(links["inter_host"], "$.links.inter_host"),
         description=description, sources=sources)
+
+
+def _header(r: _Reader, top: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+    """``(name, description, sources)``, checking the format, of any cluster file."""
+    fmt = top["format"]
+    if fmt != CLUSTER_FORMAT:
+        raise r.fail("$.format", f'must be "{CLUSTER_FORMAT}", got {_show(fmt)}')
+    name = r.string(top["name"], "$.name")
+    description = r.string(top.get("description", ""), "$.description", empty_ok=True)
+    raw_sources = top.get("sources", [])
+    if not isinstance(raw_sources, list):
+        raise r.fail("$.sources", f"must be a list of strings, got {_show(raw_sources)}")
+    return name, description, tuple(r.string(s, f"$.sources[{i}]")
+                                    for i, s in enumerate(raw_sources))
+
+
+def _device(r: _Reader, value: Any, path: str) -> DeviceSpec:
+    dev = r.obj(value, path, _DEVICE_KEYS, _DEVICE_OPTIONAL)
+    memory = r.count(dev["memory_bytes"], f"{path}.memory_bytes")
+    return DeviceSpec(
+        kind=r.string(dev["kind"], f"{path}.kind"),
+        memory_bytes=memory,
+        memory_bandwidth_bytes_per_s=r.number(dev["memory_bandwidth_bytes_per_s"],
+                                              f"{path}.memory_bandwidth_bytes_per_s"),
+        peak_flops=r.peak_flops(dev["peak_flops"], f"{path}.peak_flops"),
+        achieved=r.achieved(dev.get("achieved", {}), f"{path}.achieved"))
 
 
 def _decode_json(text: str, source: str) -> Any:

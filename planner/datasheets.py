@@ -79,6 +79,8 @@ _KNOWN_TPUS = (
            "Google Cloud TPU v5e documentation"),
     Datasheet(("v6", "lite"), _f(bfloat16=918, int8=1836), 32 * _GIB, 1640e9, _TPU_ICI, _TPU_DCN,
            "Google Cloud TPU v6e (Trillium) documentation"),
+    Datasheet(("v5",), _f(bfloat16=459, int8=918), 95 * _GIB, 2765e9, _TPU_ICI, _TPU_DCN,
+           "Google Cloud TPU v5p documentation"),
 )
 # CPU (also the fake devices of --xla_force_host_platform_device_count): a
 # modest 5e10 FLOP/s float32 per device -- a few vector cores' worth; virtual

@@ -31,6 +31,9 @@ PLAN_FORMAT = "meshplan.plan/1"
 class LogicalMesh:
     axes: tuple[str, ...]
     shape: tuple[int, ...]
+    # TPU: the torus dimensions in the order the devices run over them, fastest
+    # first (meshplan.cost_model.torus); () is the chips' numbering order
+    torus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -44,14 +47,20 @@ class LogicalMesh:
         return self.shape[self.axes.index(name)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"axes": list(self.axes), "shape": list(self.shape)}
+        d: dict[str, Any] = {"axes": list(self.axes), "shape": list(self.shape)}
+        if self.torus:
+            d["torus"] = list(self.torus)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LogicalMesh":
-        return cls(tuple(d["axes"]), tuple(int(s) for s in d["shape"]))
+        return cls(tuple(d["axes"]), tuple(int(s) for s in d["shape"]),
+                   tuple(int(t) for t in d.get("torus", ())))
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+        text = " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+        return text + (f" (torus dims {'/'.join('xyzw'[t] for t in self.torus)})"
+                       if self.torus else "")
 
 
 @dataclass(frozen=True)

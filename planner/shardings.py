@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .errors import RuntimeStageError, StalePlanError
+from . import tpu
+from .errors import ClusterSpecError, RuntimeStageError, StalePlanError
 from .specs import Spec, spec_axes, spec_str
 
 if TYPE_CHECKING:      # (annotations only: plan.py imports this module)
@@ -58,7 +59,7 @@ def build_mesh(logical_mesh: LogicalMesh,
 
 def stage_devices(stage: Stage, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """The devices of ``stage``: its plan device ids taken as positions in
-    ``devices`` (default ``jax.devices()`` sorted by id)."""
+    ``devices`` (default ``jax.devices()`` in plan id order, :func:`sorted_devices`)."""
     pool = sorted_devices() if devices is None else list(devices)
     missing = [d for d in stage.devices if not 0 <= d < len(pool)]
     if missing:
@@ -263,7 +264,24 @@ def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
 # ---------------------------------------------------------------------------
 
 def sorted_devices() -> list[jax.Device]:
-    return sorted(jax.devices(), key=lambda d: d.id)
+    """jax's devices in plan id order: by id; on a TPU by slice, then torus
+    position (meshplan's chip numbering, :mod:`meshplan.tpu`), so that a
+    plan's axes land on the rings the planner costed them on."""
+    return tpu_order(sorted(jax.devices(), key=lambda d: d.id))
+
+
+def tpu_order(devices: list[Any]) -> list[Any]:
+    """TPU ``devices`` (with ``coords``) by slice and chip number; any other
+    devices, or TPU devices whose coordinates fill no torus, as given."""
+    if not devices or getattr(devices[0], "platform", "") != "tpu":
+        return devices
+    try:
+        _, topology, order = tpu.topology_of(devices)
+    except ClusterSpecError:
+        return devices
+    chips = int(np.prod(topology))
+    rank = {id(d): s * chips + c for d, (s, c) in zip(devices, order)}
+    return sorted(devices, key=lambda d: rank[id(d)])
 
 
 def _platforms(devices: Sequence[jax.Device]) -> str:

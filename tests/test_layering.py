@@ -23,6 +23,7 @@ LAYER_OF = {
     "alternatives": "types",    # what --explain records in a plan
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
+    "tpu": "types",             # TPU slices of a cluster file (cluster.py reads them)
     # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the
     # runtime build meshes and specs the same way
     "shardings": "types",
