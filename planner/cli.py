@@ -526,6 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`meshplan ... | head`): stop quietly; point
+        # stdout at /dev/null so that the interpreter's final flush is quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
