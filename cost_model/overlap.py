@@ -28,37 +28,47 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
+class Backward:
+    """A stretch of backward compute and the gradient reductions it starts,
+    summed up so that stretches chain in O(1) (a stage of many layers is
+    costed many times by the stage search).
+
+    ``exposed_s``: how long its reductions, serial on the network, run past
+    the end of its compute when it runs alone (never less than the last
+    reduction: nothing computes after it)."""
+    compute_s: float = 0.0
+    reduce_s: float = 0.0      # per iteration
+    exposed_s: float = 0.0
+
+    @staticmethod
+    def of_steps(steps: Sequence[tuple[float, float]]) -> "Backward":
+        """``steps``: ``(compute_s, reduce_s)`` in the order they run:
+        ``compute_s`` of backward compute, then a gradient reduction of
+        ``reduce_s`` is ready (0: none).  The exposed time is the largest
+        suffix of reductions less the compute after its first one is ready."""
+        out = Backward()
+        for compute, reduce in steps:
+            out = out.then(Backward(compute, reduce, reduce))
+        return out
+
+    def then(self, later: "Backward") -> "Backward":
+        """This stretch followed by ``later``: ``later``'s compute hides this
+        one's reductions, which queue before ``later``'s on the network."""
+        return Backward(self.compute_s + later.compute_s, self.reduce_s + later.reduce_s,
+                        max(later.exposed_s, self.exposed_s + later.reduce_s - later.compute_s))
+
+
+@dataclass(frozen=True)
 class StageWork:
     """One stage's work per micro-batch, as the stage search costs it.
-
-    ``grad_steps``: the backward in execution order, as ``(compute_s,
-    reduce_s)`` pairs: ``compute_s`` of backward compute runs, then a
-    gradient reduction of ``reduce_s`` (amortised per micro-batch, as the
-    stage's ``comm_s`` counts it) is ready to start.  A trailing pair with
-    ``reduce_s == 0`` is the compute after the last gradient."""
+    ``backward``: one micro-batch's backward with the gradient reductions
+    it starts (their full time, once per iteration); ``comm_s`` counts them
+    amortised over the ``num_micro_batches``."""
     compute_s: float                 # all compute, recomputation included
     comm_s: float                    # all collectives, gradient reductions included
     send_s: float = 0.0              # sending activations on and their gradients back
-    grad_steps: tuple[tuple[float, float], ...] = ()
+    backward: Backward = Backward()
     num_micro_batches: int = 1
-
-    @property
-    def grad_comm_s(self) -> float:
-        return sum(r for _, r in self.grad_steps)
-
-
-def exposed_reduction_s(steps: Sequence[tuple[float, float]]) -> float:
-    """Seconds the reductions of ``steps`` (``(compute_s, reduce_s)`` in
-    execution order, see :class:`StageWork`) run past the end of the
-    compute, the reductions serial on the network: the largest suffix of
-    reductions less the compute after its first one is ready."""
-    exposed, reduce_after, compute_after = 0.0, 0.0, 0.0
-    for compute, reduce in reversed(steps):
-        reduce_after += reduce
-        if reduce > 0:
-            exposed = max(exposed, reduce_after - compute_after)
-        compute_after += compute
-    return exposed
 
 
 def hidden_s(work: StageWork, overlaps: bool) -> float:
@@ -70,9 +80,8 @@ def hidden_s(work: StageWork, overlaps: bool) -> float:
         return 0.0
     B = max(1, work.num_micro_batches)
     # reductions run once per iteration, under the last micro-batch's backward
-    per_iteration = [(c, r * B) for c, r in work.grad_steps]
-    grad_comm = min(work.grad_comm_s, work.comm_s)
-    grads = min(max(0.0, grad_comm - exposed_reduction_s(per_iteration) / B), work.compute_s)
+    bw = work.backward
+    grads = min(max(0.0, min(bw.reduce_s / B, work.comm_s) - bw.exposed_s / B), work.compute_s)
     # a send hides under the next micro-batch's compute (what the reductions
     # left of it): all sends but the last
     sends = min(work.compute_s - grads, work.send_s) * (1 - 1 / B)

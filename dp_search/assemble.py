@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
 from ..cost_model.sharding import spec_from_names
-from ..cost_model.overlap import StageWork, hidden_s
+from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts
 from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
@@ -63,7 +63,7 @@ def one_stage_work(graph: Graph, result: Any) -> StageWork:
         fwd = forward_nodes(graph)
         share = sum(n.flops for n in graph.nodes if fwd[n.id]) / (graph.total_flops or 1.0)
         steps[0] = (max(steps[0][0] - result.compute_s * min(share, 1.0), 0.0), steps[0][1])
-    return StageWork(result.compute_s, result.comm_s, grad_steps=tuple(steps))
+    return StageWork(result.compute_s, result.comm_s, backward=Backward.of_steps(steps))
 
 
 def one_stage_memory(graph: Graph, result: Any) -> MemoryBreakdown:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import mesh_model
+from ..cost_model.overlap import Backward
 from ..cost_model.sharding import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
@@ -39,9 +40,9 @@ class LayerCost:
     tensors: tuple[int, ...] = ()
     grad_bytes: float = 0.0    # its parameters' gradients on one device (what is accumulated)
     optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
-    # one micro-batch's backward as cost_model.overlap.StageWork takes it:
-    # (compute_s, reduce_s) in program order, the forward left out
-    grad_steps: tuple[tuple[float, float], ...] = ()
+    # one micro-batch's backward and the gradient reductions it starts
+    # (cost_model.overlap), the forward left out
+    backward: Backward = Backward()
 
     @property
     def forward_s(self) -> float:
@@ -242,7 +243,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      fwd, r, max(held / sent, 1.0) if sent else 1.0,
-                     canonical_tensors(sub), grads, optimizer, tuple(steps))
+                     canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps))
 
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cluster import ClusterSpec
-from ..cost_model.overlap import StageWork, hidden_s
+from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iteration_s, shared_compute_iteration_s,
                                    stage_send_s)
 from ..errors import InfeasiblePlanError
@@ -40,15 +40,18 @@ class GroupCost:
     grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
     optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
     # what cost_model.overlap needs: the compute among time_s (and
-    # remat_time_s), and the backward's gradient reductions in the order
-    # they run, last layer first (each layer's forward run again first with remat)
+    # remat_time_s), and one micro-batch's backward with its gradient
+    # reductions (with remat, each layer's forward runs again first)
     compute_s: float = 0.0
     remat_compute_s: float = 0.0
-    grad_steps: tuple[tuple[float, float], ...] = ()
-    remat_grad_steps: tuple[tuple[float, float], ...] = ()
+    backward: Backward = Backward()
+    remat_backward: Backward = Backward()
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
+        bw = rbw = Backward()
+        for p in reversed(parts):      # the backward runs from the last layer down
+            bw, rbw = bw.then(p.backward), rbw.then(Backward(p.forward_s)).then(p.backward)
         return GroupCost(sum(p.time_s for p in parts), sum(p.resident_bytes for p in parts),
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
                          sum(p.time_s * (1 + p.forward_fraction) for p in parts),
@@ -56,27 +59,26 @@ class GroupCost:
                          max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts),
                          sum(p.optimizer_bytes for p in parts),
                          sum(p.compute_s for p in parts),
-                         sum(p.compute_s + p.forward_s for p in parts),
-                         tuple(st for p in reversed(parts) for st in p.grad_steps),
-                         tuple(st for p in reversed(parts) for st in _recomputing(p)))
+                         sum(p.compute_s + p.forward_s for p in parts), bw, rbw)
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
+        bw = rbw = Backward()
+        for r in reversed(rows):
+            bw, rbw = bw.then(r.backward), rbw.then(r.remat_backward)
         return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
                          sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
                          sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
                          max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows),
                          sum(r.optimizer_bytes for r in rows), sum(r.compute_s for r in rows),
-                         sum(r.remat_compute_s for r in rows),
-                         tuple(st for r in reversed(rows) for st in r.grad_steps),
-                         tuple(st for r in reversed(rows) for st in r.remat_grad_steps))
+                         sum(r.remat_compute_s for r in rows), bw, rbw)
 
     def work(self, remat: bool, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
         time_s, compute = ((self.remat_time_s, self.remat_compute_s) if remat
                            else (self.time_s, self.compute_s))
         return StageWork(compute, time_s - compute, send_s,
-                         self.remat_grad_steps if remat else self.grad_steps, num_micro_batches)
+                         self.remat_backward if remat else self.backward, num_micro_batches)
 
     def memory(self, keep: int, remat: bool) -> MemoryBreakdown:
         """The stage's memory per device with ``keep`` micro-batches in flight:
@@ -90,14 +92,6 @@ class GroupCost:
         return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
                                   optimizer=self.optimizer_bytes,
                                   grads=min(self.grad_bytes, working), activations=keep * kept)
-
-
-def _recomputing(p: LayerCost) -> tuple[tuple[float, float], ...]:
-    """``p.grad_steps`` with the layer's forward run again before its backward."""
-    if not p.grad_steps:
-        return ()
-    (c, r), rest = p.grad_steps[0], p.grad_steps[1:]
-    return ((c + p.forward_s, r),) + rest
 
 
 @dataclass(frozen=True)

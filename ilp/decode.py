@@ -239,13 +239,15 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
     first operator) as :class:`meshplan.cost_model.overlap.StageWork` takes
     them: ``(compute_s, reduce_s)``, the compute since the previous gradient
     (the first one's includes the forward), then the reduction of a group
-    making a parameter gradient (its own collectives); a last pair holds the
-    compute after the last gradient.  The update's compute is left out: it
-    waits for the reductions.  Empty when nothing reduces a gradient."""
+    making a parameter gradient (its own collectives, once per iteration: not
+    divided over the micro-batches); a last pair holds the compute after the
+    last gradient.  The update's compute is left out: it waits for the
+    reductions.  Empty when nothing reduces a gradient."""
     reduce: dict[int, float] = {}
     for pc in planned:
         if pc.group in built.grad_groups and pc.internal:
-            reduce[pc.group] = reduce.get(pc.group, 0.0) + pc.seconds
+            once = built.grad_accum if pc.group in built.accumulated else 1
+            reduce[pc.group] = reduce.get(pc.group, 0.0) + pc.seconds * once
     if not any(reduce.values()):
         return ()
     order = sorted((min([g.root_node] if g.root_node is not None else g.members), g.gid)

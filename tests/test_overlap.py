@@ -10,7 +10,7 @@ import pytest
 
 import meshplan
 from meshplan.cluster import ClusterSpec, load_cluster
-from meshplan.cost_model.overlap import StageWork, exposed_reduction_s, hidden_s
+from meshplan.cost_model.overlap import Backward, StageWork, hidden_s
 from meshplan.errors import ClusterSpecError
 from meshplan.models import build_model
 
@@ -24,25 +24,42 @@ def latency(w: StageWork, overlaps: bool = True) -> float:
 
 # -- the rule, on synthetic figures ------------------------------------------
 
+def exposed(steps):
+    return Backward.of_steps(steps).exposed_s
+
+
 def test_the_last_reduction_is_always_exposed():
     # one gradient at the very end of the backward: nothing after it to hide under
-    assert exposed_reduction_s([(5.0, 2.0)]) == 2.0
+    assert exposed([(5.0, 2.0)]) == 2.0
     # two: the first hides under the 3 s computed after it, the last does not
-    assert exposed_reduction_s([(5.0, 2.0), (3.0, 1.0)]) == 1.0
+    assert exposed([(5.0, 2.0), (3.0, 1.0)]) == 1.0
     # reductions serial on the network: 4 + 1 s of them after 3 s of compute
-    assert exposed_reduction_s([(5.0, 4.0), (3.0, 1.0)]) == pytest.approx(2.0)
+    assert exposed([(5.0, 4.0), (3.0, 1.0)]) == pytest.approx(2.0)
     # compute after the last gradient hides it too
-    assert exposed_reduction_s([(5.0, 2.0), (3.0, 0.0)]) == 0.0
-    assert exposed_reduction_s([]) == 0.0
+    assert exposed([(5.0, 2.0), (3.0, 0.0)]) == 0.0
+    assert exposed([]) == 0.0
+
+
+def test_stretches_chain_as_their_steps_do():
+    rnd = random.Random(3)
+    for _ in range(500):
+        a = [(rnd.uniform(0, 2), rnd.choice([0.0, rnd.uniform(0, 2)]))
+             for _ in range(rnd.randint(0, 5))]
+        b = [(rnd.uniform(0, 2), rnd.choice([0.0, rnd.uniform(0, 2)]))
+             for _ in range(rnd.randint(0, 5))]
+        whole, chained = Backward.of_steps(a + b), Backward.of_steps(a).then(Backward.of_steps(b))
+        assert chained.compute_s == pytest.approx(whole.compute_s)
+        assert chained.reduce_s == pytest.approx(whole.reduce_s)
+        assert chained.exposed_s == pytest.approx(whole.exposed_s)
 
 
 def test_hidden_is_bounded_by_the_backward_compute_available():
     # 1 s of gradient reduction, 0.25 s of backward compute after it is ready
-    w = StageWork(compute_s=10.0, comm_s=1.5, grad_steps=((9.75, 1.0), (0.25, 0.0)))
-    assert hidden_s(w, True) == pytest.approx(0.25)
-    # the reductions of B micro-batches run once, under the last one's backward
-    w4 = dataclasses.replace(w, num_micro_batches=4, comm_s=0.5 + 0.25,
-                             grad_steps=((9.75, 0.25), (0.25, 0.0)))
+    bw = Backward.of_steps([(9.75, 1.0), (0.25, 0.0)])
+    assert hidden_s(StageWork(10.0, 1.5, backward=bw), True) == pytest.approx(0.25)
+    # with B micro-batches the reductions run once (comm_s counts 1/B of
+    # them), under the last micro-batch's backward only
+    w4 = StageWork(10.0, 0.5 + 1.0 / 4, backward=bw, num_micro_batches=4)
     assert hidden_s(w4, True) == pytest.approx(0.25 / 4)
 
 
@@ -50,12 +67,12 @@ def test_sends_hide_under_the_next_micro_batch_but_the_last():
     w = StageWork(compute_s=4.0, comm_s=1.0, send_s=2.0, num_micro_batches=4)
     assert hidden_s(w, True) == pytest.approx(2.0 * 3 / 4)
     assert hidden_s(dataclasses.replace(w, num_micro_batches=1), True) == 0.0
-    # tensor-parallel collectives (comm_s without gradient steps) never hide
+    # tensor-parallel collectives (comm_s without gradient reductions) never hide
     assert hidden_s(StageWork(compute_s=4.0, comm_s=3.0), True) == 0.0
 
 
 def test_without_overlap_nothing_hides():
-    w = StageWork(4.0, 2.0, 1.0, ((3.0, 1.0), (1.0, 0.0)), 8)
+    w = StageWork(4.0, 2.0, 1.0, Backward.of_steps([(3.0, 8.0), (1.0, 0.0)]), 8)
     assert hidden_s(w, False) == 0.0
     assert latency(w, False) == 4.0 + 2.0 + 1.0
 
@@ -63,12 +80,14 @@ def test_without_overlap_nothing_hides():
 def test_overlap_never_makes_a_stage_cheaper_than_its_compute_or_its_communication():
     rnd = random.Random(16)
     for _ in range(2000):
-        steps = tuple((rnd.uniform(0, 2), rnd.choice([0.0, rnd.uniform(0, 2)]))
-                      for _ in range(rnd.randint(0, 6)))
-        compute = sum(c for c, _ in steps) + rnd.uniform(0, 3)
-        grad = sum(r for _, r in steps)
+        B = rnd.randint(1, 16)
+        steps = [(rnd.uniform(0, 2), rnd.choice([0.0, rnd.uniform(0, 2)]))
+                 for _ in range(rnd.randint(0, 6))]
+        bw = Backward.of_steps(steps)
+        compute = bw.compute_s + rnd.uniform(0, 3)
+        grad = bw.reduce_s / B          # amortised over the micro-batches, as comm_s counts it
         w = StageWork(compute, grad + rnd.uniform(0, 3), rnd.choice([0.0, rnd.uniform(0, 5)]),
-                      steps, rnd.randint(1, 16))
+                      bw, B)
         t, plain = latency(w), latency(w, False)
         assert t >= max(w.compute_s, w.comm_s + w.send_s) - 1e-12
         assert t <= plain
@@ -138,7 +157,7 @@ def _gradient_reduction_s(cluster, plan) -> float:
     r = solve_intra_op(strip_markers(g), cluster, plan.stages[0].logical_mesh,
                        input_filter=InputLayouts("replicated"), accumulate=grads)
     assert r.comm_s == pytest.approx(plan.stages[0].predicted.comm_s)
-    return sum(red for _, red in r.grad_steps)
+    return sum(red for _, red in r.grad_steps)   # (one micro-batch: per iteration = per step)
 
 
 def test_a_pipeline_stage_hides_only_gradient_reductions_and_sends():
