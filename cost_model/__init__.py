@@ -2,6 +2,7 @@
 
 Compute time by roofline, collective time by the alpha-beta ring model per
 mesh axis, resharding cost between any two shardings, and memory by liveness.
+Which communication runs under compute is stated once, in :mod:`.overlap`.
 """
 from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from .compute import compute_time

@@ -9,7 +9,8 @@ from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
 from ..cost_model.torus import device_order
 from ..cost_model.sharding import spec_from_names
-from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph
+from ..cost_model.overlap import Backward, StageWork, hidden_s
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts
 from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
 from .layers import BOUNDARY, canonical_tensors
@@ -41,8 +42,9 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                                       one_stage_memory(graph, result)),
                   outputs=outputs, constraints=result.constraints, strategies=result.strategies,
                   read_constraints=tuple(getattr(result, "read_constraints", ())))
-    # one program per iteration
-    it = result.compute_s + result.comm_s + cluster.device.achieved.program_dispatch_s
+    # one program per iteration, less what runs under compute
+    it = result.compute_s + result.comm_s + cluster.device.achieved.program_dispatch_s \
+        - hidden_s(one_stage_work(graph, result), cluster.device.achieved.overlap_communication)
     tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
     predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
                               peak_memory_bytes=int(result.peak_memory_bytes),
@@ -52,6 +54,18 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                 stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
                 predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
                 arg_prefixes=graph_prefixes(graph), notes=notes)
+
+
+def one_stage_work(graph: Graph, result: Any) -> StageWork:
+    """The whole-graph ILP's answer as cost_model.overlap takes it: its
+    gradient reductions, the forward (by its share of the FLOPs) left out of
+    the compute that can hide them."""
+    steps = list(result.grad_steps)
+    if steps:
+        fwd = forward_nodes(graph)
+        share = sum(n.flops for n in graph.nodes if fwd[n.id]) / (graph.total_flops or 1.0)
+        steps[0] = (max(steps[0][0] - result.compute_s * min(share, 1.0), 0.0), steps[0][1])
+    return StageWork(result.compute_s, result.comm_s, backward=Backward.of_steps(steps))
 
 
 def one_stage_memory(graph: Graph, result: Any) -> MemoryBreakdown:

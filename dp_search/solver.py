@@ -9,6 +9,7 @@ from typing import Any
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import mesh_model
+from ..cost_model.overlap import Backward
 from ..cost_model.sharding import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
@@ -39,6 +40,14 @@ class LayerCost:
     tensors: tuple[int, ...] = ()
     grad_bytes: float = 0.0    # its parameters' gradients on one device (what is accumulated)
     optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
+    # one micro-batch's backward and the gradient reductions it starts
+    # (cost_model.overlap), the forward left out
+    backward: Backward = Backward()
+
+    @property
+    def forward_s(self) -> float:
+        """The forward's compute (by its share of the layer's FLOPs)."""
+        return self.compute_s * self.forward_fraction
 
     @property
     def transient_bytes(self) -> float:
@@ -227,10 +236,14 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     sent = sum(sub.tensors[t].nbytes for t in crossing)
     held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
+    fwd = min(fwd_flops / total_flops, 1.0)
+    steps = list(r.grad_steps)
+    if steps:   # the forward runs before the backward: it hides no reduction
+        steps[0] = (max(steps[0][0] - r.compute_s * fwd, 0.0), steps[0][1])
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
-                     min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
-                     canonical_tensors(sub), grads, optimizer)
+                     fwd, r, max(held / sent, 1.0) if sent else 1.0,
+                     canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps))
 
 
 

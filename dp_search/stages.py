@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cluster import ClusterSpec
+from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iteration_s, shared_compute_iteration_s,
                                    stage_send_s)
 from ..errors import InfeasiblePlanError
@@ -38,23 +39,46 @@ class GroupCost:
     activation_bytes: float  # the largest layer's live intermediates
     grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
     optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
+    # what cost_model.overlap needs: the compute among time_s (and
+    # remat_time_s), and one micro-batch's backward with its gradient
+    # reductions (with remat, each layer's forward runs again first)
+    compute_s: float = 0.0
+    remat_compute_s: float = 0.0
+    backward: Backward = Backward()
+    remat_backward: Backward = Backward()
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
+        bw = rbw = Backward()
+        for p in reversed(parts):      # the backward runs from the last layer down
+            bw, rbw = bw.then(p.backward), rbw.then(Backward(p.forward_s)).then(p.backward)
         return GroupCost(sum(p.time_s for p in parts), sum(p.resident_bytes for p in parts),
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
                          sum(p.time_s * (1 + p.forward_fraction) for p in parts),
                          sum(p.boundary_bytes for p in parts),
                          max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts),
-                         sum(p.optimizer_bytes for p in parts))
+                         sum(p.optimizer_bytes for p in parts),
+                         sum(p.compute_s for p in parts),
+                         sum(p.compute_s + p.forward_s for p in parts), bw, rbw)
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
+        bw = rbw = Backward()
+        for r in reversed(rows):
+            bw, rbw = bw.then(r.backward), rbw.then(r.remat_backward)
         return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
                          sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
                          sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
                          max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows),
-                         sum(r.optimizer_bytes for r in rows))
+                         sum(r.optimizer_bytes for r in rows), sum(r.compute_s for r in rows),
+                         sum(r.remat_compute_s for r in rows), bw, rbw)
+
+    def work(self, remat: bool, send_s: float, num_micro_batches: int) -> StageWork:
+        """The stage's work per micro-batch for cost_model.overlap."""
+        time_s, compute = ((self.remat_time_s, self.remat_compute_s) if remat
+                           else (self.time_s, self.compute_s))
+        return StageWork(compute, time_s - compute, send_s,
+                         self.remat_backward if remat else self.backward, num_micro_batches)
 
     def memory(self, keep: int, remat: bool) -> MemoryBreakdown:
         """The stage's memory per device with ``keep`` micro-batches in flight:
@@ -192,11 +216,12 @@ class StageCosts:
             # the whole model as one stage with one micro-batch runs as one
             # program, which never recomputes: no remat to choose (or charge)
             whole = gi == 0 and gj == len(lay.groups) - 1 and lay.B == 1
+            # (less what runs under compute: cost_model.overlap)
             if opts.remat is not True or whole:
-                ways.append((c.time_s + fixed, False,
+                ways.append((c.time_s + fixed - self._hidden(c, False, send), False,
                              c.resident_bytes + keep * c.saved_bytes + c.transient_bytes))
             if opts.remat is not False and not whole:
-                ways.append((c.remat_time_s + fixed, True,
+                ways.append((c.remat_time_s + fixed - self._hidden(c, True, send), True,
                              c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
             for lat, remat, mem in ways:
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
@@ -207,6 +232,10 @@ class StageCosts:
             c, remat = least_way
             self._unfit(least, c.memory(keep, remat), keep, remat, (i, j), n, gi, gj, s)
         return best
+
+    def _hidden(self, c: GroupCost, remat: bool, send: float) -> float:
+        return hidden_s(c.work(remat, send, self.lay.B),
+                        self.solver.cluster.device.achieved.overlap_communication)
 
     def _unfit(self, need: float, memory: MemoryBreakdown, keep: int, remat: bool,
                layers: tuple[int, int], devices: int, gi: int, gj: int, s: int) -> None:

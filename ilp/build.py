@@ -79,6 +79,11 @@ class Built:
     # groups of the optimizer update: everything they cost is paid once per
     # ``grad_accum`` micro-batches
     per_iteration: frozenset[int] = frozenset()
+    # whatever ``grad_accum``: the groups that make parameter gradients (their
+    # own collectives are the gradient reductions) and the groups of the
+    # update (what reads a gradient); cost_model.overlap needs both
+    grad_groups: frozenset[int] = frozenset()
+    update_groups: frozenset[int] = frozenset()
 
 
 def follow_input(space, node, graph) -> int | None:
@@ -436,16 +441,12 @@ class _Builder:
         reads a gradient, directly or not) run once per iteration, with the
         reshardings into and out of them.  ``(accumulated, per_iteration)``."""
         gt, groups = self.group_of_tensor, self.groups
-        accumulated = frozenset(gt[t] for t in accumulate if t in gt)
+        accumulated, updates = self.gradient_groups(accumulate)
         per_iteration: frozenset[int] = frozenset()
         if grad_accum <= 1:
             return accumulated, per_iteration
         f = 1.0 / grad_accum
-        later = set(accumulate)
-        for n in self.graph.nodes:
-            if any(t in later for t in n.inputs):
-                later.update(n.outputs)
-        per_iteration = frozenset(gt[t] for t in later - set(accumulate) if t in gt) - accumulated
+        per_iteration = updates
         for gid in accumulated:
             g = groups[gid]
             for i in range(g.size):
@@ -462,6 +463,17 @@ class _Builder:
                 sec *= f
                 byt *= f
         return accumulated, per_iteration
+
+    def gradient_groups(self, accumulate: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """The groups making the parameter gradients ``accumulate``, and those
+        of the update (reading a gradient, directly or not)."""
+        gt = self.group_of_tensor
+        made = frozenset(gt[t] for t in accumulate if t in gt)
+        later = set(accumulate)
+        for n in self.graph.nodes:
+            if any(t in later for t in n.inputs):
+                later.update(n.outputs)
+        return made, frozenset(gt[t] for t in later - set(accumulate) if t in gt) - made
 
     # ---- memory rows ------------------------------------------------------------
     def resident_bytes(self) -> dict[int, np.ndarray]:
@@ -528,5 +540,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]
     problem = IlpProblem([g.name for g in groups], costs, edges, rows)
+    grad_groups, update_groups = b.gradient_groups(accumulate)
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
-                 accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration)
+                 accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
+                 grad_groups, update_groups)

@@ -177,6 +177,9 @@ class IntraOpResult:
     # (tensor id of the reader's first result, operand position, layout): the
     # operands the plan reshards before an operator reads them
     read_constraints: tuple[tuple[int, int, Spec], ...] = ()
+    # the backward's gradient reductions in program order, for
+    # cost_model.overlap: (compute_s, reduce_s) pairs, see grad_steps()
+    grad_steps: tuple[tuple[float, float], ...] = ()
 
     def describe(self) -> str:
         s = self.solution
@@ -227,7 +230,38 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
         by_kind[pc.kind] = by_kind.get(pc.kind, 0.0) + pc.nbytes
     return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
                          output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
-                         tuple(sorted(by_kind.items())), planned, read_constraints)
+                         tuple(sorted(by_kind.items())), planned, read_constraints,
+                         grad_steps(built, choice, planned))
+
+
+def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:
+    """The gradient reductions of ``choice`` in program order (groups by their
+    first operator) as :class:`meshplan.cost_model.overlap.StageWork` takes
+    them: ``(compute_s, reduce_s)``, the compute since the previous gradient
+    (the first one's includes the forward), then the reduction of a group
+    making a parameter gradient (its own collectives, once per iteration: not
+    divided over the micro-batches); a last pair holds the compute after the
+    last gradient.  The update's compute is left out: it waits for the
+    reductions.  Empty when nothing reduces a gradient."""
+    reduce: dict[int, float] = {}
+    for pc in planned:
+        if pc.group in built.grad_groups and pc.internal:
+            once = built.grad_accum if pc.group in built.accumulated else 1
+            reduce[pc.group] = reduce.get(pc.group, 0.0) + pc.seconds * once
+    if not any(reduce.values()):
+        return ()
+    order = sorted((min([g.root_node] if g.root_node is not None else g.members), g.gid)
+                   for g in built.groups
+                   if g.gid not in built.update_groups and (g.root_node is not None or g.members))
+    steps, compute = [], 0.0
+    for _, gid in order:
+        compute += built.groups[gid].compute[choice[gid]]
+        if reduce.get(gid, 0.0) > 0:
+            steps.append((compute, reduce[gid]))
+            compute = 0.0
+    if compute > 0:
+        steps.append((compute, 0.0))
+    return tuple(steps)
 
 
 def peak_memory(graph: Graph, mm: MeshModel, tensor_spec: dict[int, ISpec]) -> int:

@@ -141,11 +141,13 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                   time_limit: float | None = 60.0, memory_budget: float | None = None,
                   input_filter: InputFilter | None = None,
                   reporter: progress.Progress | None = None,
-                  options: SolverOptions = SolverOptions(), caches: IlpCaches | None = None
+                  options: SolverOptions = SolverOptions(), caches: IlpCaches | None = None,
+                  accumulate: frozenset[int] = frozenset()
                   ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
     """The fastest plan over ``meshes`` (default: every mesh shape of the device
-    count); ``reporter`` shows each mesh's ILP as a progress step.  ``options``
-    and ``caches`` as for :func:`solve_intra_op`."""
+    count); ``reporter`` shows each mesh's ILP as a progress step.  ``options``,
+    ``caches`` and ``accumulate`` (the parameter gradients) as for
+    :func:`solve_intra_op`."""
     reporter = reporter or progress.Progress(progress.QUIET)
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
     meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
@@ -162,7 +164,8 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                                               backend=backend, time_limit=time_limit,
                                               memory_budget=memory_budget,
                                               input_filter=input_filter,
-                                              options=options, caches=caches))
+                                              options=options, caches=caches,
+                                              accumulate=accumulate))
         except InfeasiblePlanError as e:
             results.append(e)
     ok = [r for r in results if isinstance(r, IntraOpResult)]

@@ -36,8 +36,11 @@ ideal peak figures, no overheads)::
         "program_dispatch_s": 2e-5,     # fixed cost of launching one compiled program
         "compute_units": 108,           # SMs / cores a matmul's tiles are spread over (0: none)
         "tile_elements": 16384,         # output elements of one matmul tile (128 x 128)
-        "shared_host_compute": false    # the devices of a host share one pool of compute
-      }},
+        "shared_host_compute": false,   # the devices of a host share one pool of compute
+        "overlap_communication": true   # collectives run beside compute (GPU streams):
+      }},                               # gradient reductions and pipeline sends can hide
+                                        # under it (cost_model/overlap.py); false: every
+                                        # collective on the critical path (XLA's CPU back end)
       "links": {"intra_host": {..., "efficiency": 0.7}}   # fraction of bandwidth a large
                                                           # collective reaches (bus bandwidth)
 
@@ -120,6 +123,11 @@ class Achieved:
     # the devices of a host share one pool of compute (XLA's fake CPU
     # devices): a device idle in a pipeline bubble lends its share to others
     shared_host_compute: bool = False
+    # collectives run beside compute (GPU streams), so gradient reductions and
+    # pipeline sends can hide under it (cost_model/overlap.py).  False, the
+    # default, puts every collective on the critical path, as XLA's CPU back
+    # end runs them and as files from before this field were planned
+    overlap_communication: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -376,6 +384,7 @@ def _achieved_text(a: Achieved) -> str:
     waves = (f", tiles of {a.tile_elements} over {a.compute_units} units"
              if a.compute_units else "")
     shared = ", devices share the host's compute" if a.shared_host_compute else ""
+    shared += ", collectives overlap compute" if a.overlap_communication else ""
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
             f"{a.kernel_launch_s * 1e6:.3g} us per kernel, {a.program_dispatch_s * 1e6:.3g} us "
             f"per program{waves}{shared}")
@@ -515,11 +524,12 @@ class _Reader:
                 self.count(units, f"{path}.compute_units")
         if "tile_elements" in d:
             out["tile_elements"] = self.count(d["tile_elements"], f"{path}.tile_elements")
-        if "shared_host_compute" in d:
-            if not isinstance(d["shared_host_compute"], bool):
-                raise self.fail(f"{path}.shared_host_compute", "must be true or false, got "
-                                f"{_show(d['shared_host_compute'])}")
-            out["shared_host_compute"] = d["shared_host_compute"]
+        for key in ("shared_host_compute", "overlap_communication"):
+            if key in d:
+                if not isinstance(d[key], bool):
+                    raise self.fail(f"{path}.{key}", f"must be true or false, got "
+                                    f"{_show(d[key])}")
+                out[key] = d[key]
         return Achieved(**out)
 
     def peak_flops(self, value: Any, path: str) -> tuple[tuple[str, float], ...]:

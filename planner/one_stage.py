@@ -9,7 +9,7 @@ from .cost_model.mesh import default_submesh
 from .dp_search import Session
 from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError
-from .graph import BATCH, Graph, strip_markers
+from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
@@ -20,6 +20,9 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
     """The one-stage plan ``request`` asks for (its ``pipeline`` is ignored).
     ``memory_budget``: bytes per device (default: the request's memory
     fraction of the devices')."""
+    # the parameter gradients (meshplan.value_and_grad marks them): their
+    # reductions may run under the backward (cost_model.overlap)
+    grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
     graph = strip_markers(graph)
     if request.batch_split > 1:
         check_batch_divisible(graph, request.batch_split, request.batch_split_by)
@@ -33,7 +36,7 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
         r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
                            backend=request.backend, time_limit=request.time_limit,
                            memory_budget=budget, options=session.solver,
-                           caches=session.ilp_caches)
+                           caches=session.ilp_caches, accumulate=grads)
     else:
         meshes = None if mesh is None else [mesh]
         if meshes is None and request.tp_within_host:
@@ -43,7 +46,7 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
         r, _ = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
                              time_limit=request.time_limit, memory_budget=budget,
                              reporter=session.progress, options=session.solver,
-                             caches=session.ilp_caches)
+                             caches=session.ilp_caches, accumulate=grads)
     return plan_from_intra_op(graph, cluster, r, request.method)
 
 

@@ -51,6 +51,16 @@ FIXED_COSTS_SOURCE = (
     "on the stream without CUDA graphs), program_dispatch_s 50 us (one jitted XLA program "
     "launched from Python); tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for "
     "large 16-bit GEMMs)")
+# GPU back ends run collectives on streams of their own, so data-parallel
+# gradient reductions and pipeline sends can run under compute
+# (meshplan.cost_model.overlap states which).
+OVERLAP_SOURCE = (
+    "achieved.overlap_communication true: GPU back ends run collectives on a stream of their "
+    "own, so a data-parallel gradient reduction runs under the backward pass that follows it, "
+    "all but the last bucket (Li et al., PyTorch Distributed: Experiences on Accelerating Data "
+    "Parallel Training, VLDB 2020, gradient bucketing; Megatron-LM's --overlap-grad-reduce; "
+    "XLA's xla_gpu_enable_latency_hiding_scheduler); which communication hides is stated in "
+    "meshplan's cost_model/overlap.py")
 MEMORY_NOTE = ("memory_bytes is the nominal capacity; the usable amount is smaller "
                "(CUDA context, XLA allocator fraction).")
 
@@ -65,7 +75,8 @@ P3_DEVICE = DeviceSpec(
                 "float64": 7.8 * T},
     achieved=Achieved(matmul_efficiency=round(83 / 125, 3), memory_efficiency=round(750 / 900, 3),
                       kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=80),
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
+                      compute_units=80),
 )
 P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6, efficiency=0.8)
 P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6, efficiency=0.8)
@@ -96,6 +107,7 @@ P3_SOURCES = (
     "memory bandwidth of the 900 GB/s peak; compute_units 80 SMs (V100 whitepaper)",
     "links efficiency 0.8 (NVLink 2 and 25 Gbit/s TCP): estimates, not measurements",
     FIXED_COSTS_SOURCE,
+    OVERLAP_SOURCE,
 )
 
 # -- DGX A100 (80 GB): Megatron-LM's testbed (Selene) ----------------------------
@@ -108,7 +120,8 @@ A100_DEVICE = DeviceSpec(
                 "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
     achieved=Achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
                       kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=108),
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
+                      compute_units=108),
 )
 A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6, efficiency=0.7)
 A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6, efficiency=0.96)
@@ -141,6 +154,7 @@ A100_SOURCES = (
     "A100 with 4 x HDR each reached 96 GB/s bus bandwidth of 100 GB/s "
     "(github.com/NVIDIA/nccl-tests issue 119)",
     FIXED_COSTS_SOURCE,
+    OVERLAP_SOURCE,
 )
 
 # -- DGX H100 -----------------------------------------------------------------------
@@ -153,7 +167,8 @@ H100_DEVICE = DeviceSpec(
                 "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
     achieved=Achieved(matmul_efficiency=round(792.1 / 989.4, 3), memory_efficiency=0.9,
                       kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, compute_units=132),
+                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
+                      compute_units=132),
 )
 H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6, efficiency=0.8)
 H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6, efficiency=0.9)
@@ -177,6 +192,7 @@ H100_SOURCES = (
     "132 SMs (H100 whitepaper); memory_efficiency 0.9: estimate",
     "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
     FIXED_COSTS_SOURCE,
+    OVERLAP_SOURCE,
 )
 
 FAMILIES = (
