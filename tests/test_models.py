@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -122,10 +121,7 @@ def test_presets_match_their_names(preset, billions):
 
 def test_big_preset_builds_abstractly_without_allocation():
     live_before = len(jax.live_arrays())
-    start = time.perf_counter()
     model = build_model("gpt-39b")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0
     assert len(jax.live_arrays()) == live_before
     leaves = jax.tree_util.tree_leaves(model.abstract_args)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
