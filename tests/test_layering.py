@@ -21,6 +21,7 @@ LAYER_OF = {
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
     "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
     "alternatives": "types",    # what --explain records in a plan
+    "recompute": "types",       # the recomputation choices and the selective region
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
     # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the
