@@ -12,7 +12,7 @@ from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
-from ..recompute import recomputed_tensors, selective_nodes
+from ..recompute import recomputed_tensors, replay_reads, selective_nodes
 from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
                      group_layers, layer_subgraph, saved_for_backward, unmarked_view)
 from .options import PipelineOptions
@@ -33,8 +33,9 @@ class LayerProblems:
     crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
     entering: list[frozenset[int]]  # per layer: forward values of other layers it reads
     # per layer: the values selective recomputation makes again in the
-    # backward (:mod:`meshplan.recompute`), and the forward FLOPs that takes
-    selective: list[frozenset[int]]
+    # backward (:mod:`meshplan.recompute`) and what it keeps then (the saved
+    # values but those, plus what their replay reads); the FLOPs replayed
+    selective: list[tuple[frozenset[int], frozenset[int]]]
     selective_flops: list[float]
     submeshes: list[Submesh]
     meshes_of: list[list[LogicalMesh]]
@@ -89,8 +90,12 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                  for members in view.members]
     region = selective_nodes(view.graph, view.forward)
     again = recomputed_tensors(view.graph, view.forward, region)
-    selective = [frozenset(t for nid in members for t in view.graph.nodes[nid].outputs if t in again)
-                 for members in view.members]
+    saved = saved_for_backward(g, layering, view)
+    selective = []
+    for members, kept in zip(view.members, saved):
+        mine = frozenset(t for nid in members for t in view.graph.nodes[nid].outputs if t in again)
+        reads = replay_reads(view.graph, view.forward, mine, members)
+        selective.append((mine, (kept - mine) | reads) if mine else (mine, kept))
     selective_flops = [sum(view.graph.nodes[nid].flops for nid in members
                            if all(t in again for t in view.graph.nodes[nid].outputs))
                        for members in view.members]
@@ -108,7 +113,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
         grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
-        saved=saved_for_backward(g, layering, view),
+        saved=saved,
         crossing=crossing_values(g, layering, subs, view),
         entering=entering_values(g, layering, subs, view),
         selective=selective, selective_flops=selective_flops,

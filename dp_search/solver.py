@@ -136,11 +136,11 @@ class LayerSolver:
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
-                again in requests:
+                selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
-                             fwd_flops, saved, crossing, entering, again)
+                             fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
         import multiprocessing
@@ -166,12 +166,12 @@ class LayerSolver:
         t0 = time.perf_counter()
         results = pending.get()
         for key, (r, took) in zip(keys, results):
-            _, sub, mesh, fwd_flops, saved, crossing, entering, again = todo[key]
+            _, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took
             self.cache[key] = (None if r is None else
                                layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                      entering, again, self.cluster))
+                                                      entering, selective, self.cluster))
         self.ilp_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
@@ -190,7 +190,8 @@ class LayerSolver:
                    grad_accum: int = 1, saved: frozenset[int] = frozenset(),
                    crossing: frozenset[int] = frozenset(),
                    entering: frozenset[int] | None = None,
-                   again: frozenset[int] = frozenset()) -> LayerCost | None:
+                   selective: tuple[frozenset[int], frozenset[int]] | None = None
+                   ) -> LayerCost | None:
         self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
         key = self._key(sub, mesh, submesh, grad_accum)
         self.used.add(key)
@@ -204,7 +205,7 @@ class LayerSolver:
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                  entering, again, self.cluster))
+                                                  entering, selective, self.cluster))
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
@@ -218,12 +219,14 @@ class LayerSolver:
 
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
                 saved: frozenset[int], crossing: frozenset[int],
-                entering: frozenset[int] | None = None, again: frozenset[int] = frozenset(),
+                entering: frozenset[int] | None = None,
+                selective: tuple[frozenset[int], frozenset[int]] | None = None,
                 cluster: ClusterSpec | None = None) -> LayerCost:
     """The layer's cost from its ILP.  ``entering``: the forward values of
     other layers it reads, what recomputation keeps per micro-batch (None:
-    every boundary input).  ``again``: the values selective recomputation
-    makes again (their makers' time is priced on ``cluster``'s device)."""
+    every boundary input).  ``selective``: the values selective recomputation
+    makes again (their makers' time is priced on ``cluster``'s device) and
+    what it keeps per micro-batch instead of ``saved``."""
     specs = dict(r.constraints)
     resident = boundary = grads = optimizer = 0.0
 
@@ -246,8 +249,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     sent = sum(sub.tensors[t].nbytes for t in crossing)
     held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
-    sel_kept = kept - sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes
-                          for t in saved & again)
+    again, sel_saved = selective if selective else (frozenset(), saved)
+    sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      min(fwd_flops / total_flops, 1.0), r, max(held / sent, 1.0) if sent else 1.0,
@@ -269,7 +272,8 @@ def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,
     for n in region:
         t = n.outputs[0]
         shards = num_shards(spec_from_names(specs[t], mesh.axes), mesh.shape) if t in specs else 1
-        total += compute_time(cluster.device, n.flops / shards, traffic.get(n.id, n.bytes_accessed) / shards,
+        moved = traffic.get(n.id, n.bytes_accessed)
+        total += compute_time(cluster.device, n.flops / shards, moved / shards,
                               sub.tensors[t].dtype)
     return total
 

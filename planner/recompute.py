@@ -106,3 +106,24 @@ def recomputed_tensors(graph: Graph, forward: Sequence[bool],
             if not any(forward[c] and c not in region for c in graph.consumers.get(t, ())):
                 out.add(t)
     return frozenset(out)
+
+
+def replay_reads(graph: Graph, forward: Sequence[bool], again: frozenset[int],
+                 nodes: Sequence[int] | None = None) -> frozenset[int]:
+    """What replaying the makers of ``again`` reads that it does not make:
+    forward values and batch pieces, which a selective stage keeps from its
+    forward in their place (the Q, K and V matmul's result); parameters
+    and values made of constants alone are not counted.  ``nodes``: look only
+    at these (a layer's); default all."""
+    batch = {i.tensor for i in graph.inputs if i.role == BATCH}
+    const = graph.constant_tensors
+    out = set()
+    for nid in (range(len(graph.nodes)) if nodes is None else nodes):
+        n = graph.nodes[nid]
+        if not n.outputs or not all(t in again for t in n.outputs):
+            continue
+        for t in n.inputs:
+            p = graph.producer.get(t)
+            if t not in again and t not in const and (t in batch or (p is not None and forward[p])):
+                out.add(t)
+    return frozenset(out)
