@@ -53,7 +53,8 @@ class LayerCost:
 
     @property
     def selective_kept_bytes(self) -> float:
-        return self.saved_bytes if self.selective_saved_bytes is None else self.selective_saved_bytes
+        sel = self.selective_saved_bytes
+        return self.saved_bytes if sel is None else sel
 
     @property
     def selective_transient_bytes(self) -> float:

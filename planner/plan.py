@@ -211,6 +211,12 @@ class Stage:
         )
 
 
+def _remat_note(s: Stage) -> str:
+    if not s.remat:
+        return ""
+    return ", remat (selective)" if s.recompute == SELECTIVE else ", remat"
+
+
 @dataclass(frozen=True)
 class Plan:
     graph_fingerprint: str
@@ -362,7 +368,7 @@ class Plan:
             lines.append(
                 f"  stage {k}: layers {s.layers[0]}..{s.layers[1]}, devices {_ranges(s.devices)} "
                 f"(submesh {s.submesh[0]}x{s.submesh[1]}), mesh {s.logical_mesh}"
-                f"{(', remat (selective)' if s.recompute == SELECTIVE else ', remat') if s.remat else ''}; compute {human_time(pr.compute_s)}, "
+                f"{_remat_note(s)}; compute {human_time(pr.compute_s)}, "
                 f"comm {human_time(pr.comm_s)}, memory "
                 f"{pr.memory or human_bytes(pr.memory_bytes)}")
             for path, spec in s.params:
