@@ -17,12 +17,19 @@ whose every forward reader is in the region (the dropout mask's draw, the
 reshapes of Q, K and V).  Its values are recomputed in the backward, except
 those a forward op outside the region reads (the context ``P V`` that the
 output projection reads): the checkpoint's outputs, kept as before.
+
+The region also holds the forward ops (matmuls aside) whose values derive
+from parameters alone: a bfloat16 copy of a float32 weight, a broadcast bias.
+Megatron-LM keeps its weights in 16 bits and so keeps no copy per micro-batch;
+a step that casts them would otherwise keep one per micro-batch in flight
+(12 h^2 / t bytes a layer), which a selective stage makes again from the
+resident parameters instead.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from .graph import BATCH, Graph
+from .graph import BATCH, PARAM, Graph
 
 NONE, SELECTIVE, FULL = "none", "selective", "full"
 RECOMPUTE = (NONE, SELECTIVE, FULL)
@@ -62,8 +69,9 @@ def selective_nodes(graph: Graph, forward: Sequence[bool]) -> frozenset[int]:
     nodes, producer, consumers = graph.nodes, graph.producer, graph.consumers
     dots = {n.id for n in nodes if forward[n.id] and n.primitive == "dot_general"
             and _batch_dims(n) and all(t in dep for t in n.inputs[:2])}
+    weights = _parameter_only(graph, forward)
     if not dots:
-        return frozenset()
+        return frozenset(weights)
     # forward from the dots' results, stopping at any matmul
     down: set[int] = set()
     stack = [c for d in dots for t in nodes[d].outputs for c in consumers.get(t, ())]
@@ -92,18 +100,38 @@ def selective_nodes(graph: Graph, forward: Sequence[bool]) -> frozenset[int]:
         readers = {c for t in n.outputs for c in consumers.get(t, ()) if forward[c]}
         if readers and readers <= region:
             region.add(n.id)
-    return frozenset(region)
+    return frozenset(region | weights)
+
+
+def _parameter_only(graph: Graph, forward: Sequence[bool]) -> set[int]:
+    """The forward nodes (matmuls aside) whose operands are parameters,
+    constants or such nodes' values, reading at least one parameter."""
+    params = {i.tensor for i in graph.inputs if i.role == PARAM}
+    made = {i.tensor for i in graph.inputs} | {t for n in graph.nodes for t in n.outputs}
+    derived: set[int] = set()
+    out: set[int] = set()
+    for n in graph.nodes:
+        if not forward[n.id] or n.primitive in _MATMULS or not n.outputs:
+            continue
+        ins = [t for t in n.inputs if t in made and t not in graph.constant_tensors]
+        if ins and all(t in params or t in derived for t in ins):
+            out.add(n.id)
+            derived.update(n.outputs)
+    return out
+
 
 
 def recomputed_tensors(graph: Graph, forward: Sequence[bool],
                        region: frozenset[int]) -> frozenset[int]:
     """The values of ``region`` the backward gets by recomputing them: all its
     results except those a forward op outside it reads (kept, as a
-    checkpoint's outputs are)."""
+    checkpoint's outputs are), and all values derived from parameters alone."""
+    weights = _parameter_only(graph, forward)
     out = set()
     for nid in region:
         for t in graph.nodes[nid].outputs:
-            if not any(forward[c] and c not in region for c in graph.consumers.get(t, ())):
+            if nid in weights or not any(forward[c] and c not in region
+                                         for c in graph.consumers.get(t, ())):
                 out.add(t)
     return frozenset(out)
 

@@ -54,10 +54,27 @@ def test_selective_region_is_the_attention_scores_not_the_mlp():
     assert len(pv) == layers and not any(d.outputs[0] in again for d in pv)
 
 
-def test_mlp_has_no_selective_region():
+def test_without_attention_only_parameter_copies_are_recomputed():
+    # an MLP has no attention dot: the region is what derives from parameters
+    # alone (bias broadcasts), never a value of the batch
     m = build_model("mlp", {"layers": "2"})
     g = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums)
-    assert selective_nodes(g, forward_nodes(g)) == frozenset()
+    region = selective_nodes(g, forward_nodes(g))
+    batch = {i.tensor for i in g.inputs if i.role == "batch"}
+    assert not any(g.nodes[n].primitive == "dot_general" for n in region)
+    assert not any(t in batch for n in region for t in g.nodes[n].inputs)
+
+
+def test_bfloat16_copies_of_float32_weights_are_recomputed_not_kept():
+    g = _gpt_graph(batch=2, seq_len=32, hidden=64, heads=4, layers=2, vocab=128,
+                   dtype="float32", compute_dtype="bfloat16")
+    fwd = forward_nodes(g)
+    region = selective_nodes(g, fwd)
+    again = recomputed_tensors(g, fwd, region)
+    params = {i.tensor for i in g.inputs if i.role == "param"}
+    casts = [n for n in g.nodes if fwd[n.id] and n.primitive == "convert_element_type"
+             and n.inputs[0] in params and len(g.tensors[n.inputs[0]].shape) == 2]
+    assert casts and all(n.id in region and n.outputs[0] in again for n in casts)
 
 
 def _kept_per_layer(s, b=2, h=256, a=8):
