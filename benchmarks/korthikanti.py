@@ -58,6 +58,7 @@ def run_row(name: str, auto: bool) -> dict:
     # micro-batches of one sequence (the paper's 175B..1T rows; for 22B see the notes)
     row = {"model": name, "gpus": gpus, "(tp,pp,mb)": f"({tp},{pp},{batch})"}
     for remat, pub in (("full", pub_full), ("selective", pub_sel)):
+        row[f"{remat} published s"] = pub
         p = None
         for fraction in (0.9, 1.0):
             # (0.9: the default budget; where that does not fit, the whole
@@ -73,7 +74,6 @@ def run_row(name: str, auto: bool) -> dict:
         if p is None:
             continue
         t = p.predicted.iteration_s
-        row[f"{remat} published s"] = pub
         row[f"{remat} predicted s"] = round(t, 2)
         row[f"{remat} error"] = round(t / pub - 1, 3)
         row[f"{remat} peak GiB"] = round(p.predicted.peak_memory_bytes / 2**30, 1)
