@@ -13,6 +13,7 @@ from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts
 from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
+from ..recompute import SELECTIVE
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
 from .stage_dp import StageChoice, Submesh
@@ -120,7 +121,9 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     for k, (st, devices) in enumerate(zip(res.stages, placements)):
         opt = choice.options[st.first, st.last, st.submesh, n_stages - k]
         remat, mem, mesh_k = opt.remat, opt.memory_bytes, opt.mesh
-        if remat:
+        if opt.recompute == SELECTIVE:
+            recomputed += B * sum(lay.selective_flops[st.first:st.last + 1])
+        elif remat:
             recomputed += B * sum(lay.fwd_flops[st.first:st.last + 1])
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
@@ -155,7 +158,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         stages.append(Stage(layers=(st.first, st.last),
                             devices=device_order(cluster, devices, mesh),
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
-                            remat=remat, params=tuple(sorted(params.items())),
+                            remat=remat, recompute=opt.recompute,
+                            params=tuple(sorted(params.items())),
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
                                                 int(round(cbytes * B))),
                             constraints=tuple(sorted(constraints.items())),

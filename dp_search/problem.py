@@ -12,6 +12,7 @@ from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
+from ..recompute import recomputed_tensors, replay_reads, selective_nodes
 from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
                      group_layers, layer_subgraph, saved_for_backward, unmarked_view)
 from .options import PipelineOptions
@@ -31,6 +32,11 @@ class LayerProblems:
     saved: list[frozenset[int]]     # per layer: what its backward reads
     crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
     entering: list[frozenset[int]]  # per layer: forward values of other layers it reads
+    # per layer: the values selective recomputation makes again in the
+    # backward (:mod:`meshplan.recompute`) and what it keeps then (the saved
+    # values but those, plus what their replay reads); the FLOPs replayed
+    selective: list[tuple[frozenset[int], frozenset[int]]]
+    selective_flops: list[float]
     submeshes: list[Submesh]
     meshes_of: list[list[LogicalMesh]]
     max_stages: int | None
@@ -54,7 +60,7 @@ class LayerProblems:
         s = self.submeshes[m]
         return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
                 self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l],
-                self.entering[l])
+                self.entering[l], self.selective[l])
 
     def requests(self) -> list[tuple]:
         """Every layer on every mesh its state fits: the stage DP asks for all of them."""
@@ -85,6 +91,17 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     subs = [layer_subgraph(g, layering, l, l, view) for l in range(L)]
     fwd_flops = [sum(view.graph.nodes[nid].flops for nid in members if view.forward[nid])
                  for members in view.members]
+    region = selective_nodes(view.graph, view.forward)
+    again = recomputed_tensors(view.graph, view.forward, region)
+    saved = saved_for_backward(g, layering, view)
+    selective = []
+    for members, kept in zip(view.members, saved):
+        mine = frozenset(t for nid in members for t in view.graph.nodes[nid].outputs if t in again)
+        reads = replay_reads(view.graph, view.forward, mine, members)
+        selective.append((mine, (kept - mine) | reads) if mine else (mine, kept))
+    selective_flops = [sum(view.graph.nodes[nid].flops for nid in members
+                           if all(t in again for t in view.graph.nodes[nid].outputs))
+                       for members in view.members]
     if opts.fixed is not None:
         dp, tp, pp = opts.fixed
         submeshes = [fixed_submesh(cluster, dp * tp)]
@@ -99,9 +116,10 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
         grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
-        saved=saved_for_backward(g, layering, view),
+        saved=saved,
         crossing=crossing_values(g, layering, subs, view),
         entering=entering_values(g, layering, subs, view),
+        selective=selective, selective_flops=selective_flops,
         submeshes=submeshes,
         meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
                                 opts.tp_within_host) for s in submeshes],

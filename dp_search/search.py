@@ -233,7 +233,8 @@ def _no_plan(errors: dict[int, str], untraceable: set[int], cluster: ClusterSpec
     if opts.fixed is not None:         # one configuration was tried, not a search
         dp, tp, pp = opts.fixed
         mb = ", ".join(str(b) for b in sorted(errors))
-        remat = {None: "where needed", True: "in every stage", False: "nowhere"}[opts.remat]
+        remat = {None: "where needed", True: "in every stage", False: "nowhere",
+                 "selective": "selective in every stage"}[opts.remat]
         last = unfit.get(max(traced)) if traced else None
         cause = last.detail if last is not None else f"({'; '.join(why)})"
         return InfeasiblePlanError(
@@ -255,6 +256,8 @@ def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
     hints = []
     if opts.remat is False:
         hints.append("recomputation is off (--remat none / remat='none'): allow it")
+    elif opts.remat == "selective":
+        hints.append("recomputation is selective (--remat selective): allow full recomputation")
     if err is None:
         hints.append("use more micro-batches, more tensor or pipeline parallelism, or devices "
                      "with more memory")

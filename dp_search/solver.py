@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cluster import ClusterSpec
+from ..cost_model.compute import compute_time
+from ..cost_model.fusion import fused_bytes
 from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..cost_model.sharding import num_shards, spec_from_names
@@ -43,6 +45,10 @@ class LayerCost:
     # one micro-batch's backward and the gradient reductions it starts
     # (cost_model.overlap), the forward left out
     backward: Backward = Backward()
+    # selective recomputation (meshplan.recompute): the seconds its forward
+    # region takes again, and what the backward then reads from the forward
+    selective_s: float = 0.0
+    selective_saved_bytes: float | None = None    # None: as saved_bytes
 
     @property
     def forward_s(self) -> float:
@@ -53,6 +59,17 @@ class LayerCost:
     def transient_bytes(self) -> float:
         """What one micro-batch's passes need beyond the saved activations."""
         return max(self.activation_bytes - self.saved_bytes, 0.0)
+
+    @property
+    def selective_kept_bytes(self) -> float:
+        sel = self.selective_saved_bytes
+        return self.saved_bytes if sel is None else sel
+
+    @property
+    def selective_transient_bytes(self) -> float:
+        """With selective recomputation: the layer's working set beyond what
+        it keeps (the recomputed region is live again during its backward)."""
+        return max(self.activation_bytes - self.selective_kept_bytes, 0.0)
 
 
 def solve_job(job: tuple, caches: IlpCaches | None = None) -> tuple[IntraOpResult | None, float]:
@@ -128,12 +145,12 @@ class LayerSolver:
         them to pay for the workers; :meth:`collect` waits for them.  (Those
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
-        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering \
-                in requests:
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
+                selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
-                             fwd_flops, saved, crossing, entering)
+                             fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
         import multiprocessing
@@ -159,12 +176,12 @@ class LayerSolver:
         t0 = time.perf_counter()
         results = pending.get()
         for key, (r, took) in zip(keys, results):
-            _, sub, mesh, fwd_flops, saved, crossing, entering = todo[key]
+            _, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took
             self.cache[key] = (None if r is None else
                                layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                      entering))
+                                                      entering, selective, self.cluster))
         self.ilp_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
@@ -182,7 +199,9 @@ class LayerSolver:
                    fwd_flops: float, grads: frozenset[int] = frozenset(),
                    grad_accum: int = 1, saved: frozenset[int] = frozenset(),
                    crossing: frozenset[int] = frozenset(),
-                   entering: frozenset[int] | None = None) -> LayerCost | None:
+                   entering: frozenset[int] | None = None,
+                   selective: tuple[frozenset[int], frozenset[int]] | None = None
+                   ) -> LayerCost | None:
         self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
         key = self._key(sub, mesh, submesh, grad_accum)
         self.used.add(key)
@@ -196,7 +215,7 @@ class LayerSolver:
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                  entering))
+                                                  entering, selective, self.cluster))
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
@@ -210,10 +229,14 @@ class LayerSolver:
 
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
                 saved: frozenset[int], crossing: frozenset[int],
-                entering: frozenset[int] | None = None) -> LayerCost:
+                entering: frozenset[int] | None = None,
+                selective: tuple[frozenset[int], frozenset[int]] | None = None,
+                cluster: ClusterSpec | None = None) -> LayerCost:
     """The layer's cost from its ILP.  ``entering``: the forward values of
     other layers it reads, what recomputation keeps per micro-batch (None:
-    every boundary input)."""
+    every boundary input).  ``selective``: the values selective recomputation
+    makes again (their makers' time is priced on ``cluster``'s device) and
+    what it keeps per micro-batch instead of ``saved``."""
     specs = dict(r.constraints)
     resident = boundary = grads = optimizer = 0.0
 
@@ -240,10 +263,33 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     steps = list(r.grad_steps)
     if steps:   # the forward runs before the backward: it hides no reduction
         steps[0] = (max(steps[0][0] - r.compute_s * fwd, 0.0), steps[0][1])
+    again, sel_saved = selective if selective else (frozenset(), saved)
+    sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      fwd, r, max(held / sent, 1.0) if sent else 1.0,
-                     canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps))
+                     canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
+                     _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
+                     sel_kept if again else None)
+
+
+def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,
+              cluster: ClusterSpec | None) -> float:
+    """Seconds to run again the nodes making only values of ``again`` (the
+    selective region), each at its planned split: arithmetic or fused
+    memory traffic, whichever is slower (softmax is memory-bound)."""
+    region = [n for n in sub.nodes if n.outputs and all(t in again for t in n.outputs)]
+    if not region or cluster is None:
+        return 0.0
+    traffic = fused_bytes(sub)
+    total = 0.0
+    for n in region:
+        t = n.outputs[0]
+        shards = num_shards(spec_from_names(specs[t], mesh.axes), mesh.shape) if t in specs else 1
+        moved = traffic.get(n.id, n.bytes_accessed)
+        total += compute_time(cluster.device, n.flops / shards, moved / shards,
+                              sub.tensors[t].dtype)
+    return total
 
 
 

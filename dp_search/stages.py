@@ -20,6 +20,7 @@ from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iterat
                                    stage_send_s)
 from ..errors import InfeasiblePlanError
 from ..plan import MemoryBreakdown
+from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
 from .options import PipelineOptions
 from .problem import LayerProblems
@@ -39,55 +40,86 @@ class GroupCost:
     activation_bytes: float  # the largest layer's live intermediates
     grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
     optimizer_bytes: float = 0.0   # the optimizer state among resident_bytes
-    # what cost_model.overlap needs: the compute among time_s (and
-    # remat_time_s), and one micro-batch's backward with its gradient
-    # reductions (with remat, each layer's forward runs again first)
+    # selective recomputation (meshplan.recompute): time with the attention
+    # region run twice, what is kept then, and the largest working set
+    selective_time_s: float = 0.0
+    selective_saved_bytes: float = 0.0
+    selective_transient_bytes: float = 0.0
+    # what cost_model.overlap needs: the compute among time_s (remat_time_s,
+    # selective_time_s), and one micro-batch's backward with its gradient
+    # reductions (with recomputation, what is recomputed runs first)
     compute_s: float = 0.0
     remat_compute_s: float = 0.0
+    selective_compute_s: float = 0.0
     backward: Backward = Backward()
     remat_backward: Backward = Backward()
+    selective_backward: Backward = Backward()
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
-        bw = rbw = Backward()
+        bw = rbw = sbw = Backward()
         for p in reversed(parts):      # the backward runs from the last layer down
-            bw, rbw = bw.then(p.backward), rbw.then(Backward(p.forward_s)).then(p.backward)
+            bw = bw.then(p.backward)
+            rbw = rbw.then(Backward(p.forward_s)).then(p.backward)
+            sbw = sbw.then(Backward(p.selective_s)).then(p.backward)
         return GroupCost(sum(p.time_s for p in parts), sum(p.resident_bytes for p in parts),
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
                          sum(p.time_s * (1 + p.forward_fraction) for p in parts),
                          sum(p.boundary_bytes for p in parts),
                          max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts),
                          sum(p.optimizer_bytes for p in parts),
-                         sum(p.compute_s for p in parts),
-                         sum(p.compute_s + p.forward_s for p in parts), bw, rbw)
+                         sum(p.time_s + p.selective_s for p in parts),
+                         sum(p.selective_kept_bytes for p in parts),
+                         max(p.selective_transient_bytes for p in parts),
+                         compute_s=sum(p.compute_s for p in parts),
+                         remat_compute_s=sum(p.compute_s + p.forward_s for p in parts),
+                         selective_compute_s=sum(p.compute_s + p.selective_s for p in parts),
+                         backward=bw, remat_backward=rbw, selective_backward=sbw)
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
-        bw = rbw = Backward()
+        bw = rbw = sbw = Backward()
         for r in reversed(rows):
             bw, rbw = bw.then(r.backward), rbw.then(r.remat_backward)
+            sbw = sbw.then(r.selective_backward)
         return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
                          sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
                          sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
                          max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows),
-                         sum(r.optimizer_bytes for r in rows), sum(r.compute_s for r in rows),
-                         sum(r.remat_compute_s for r in rows), bw, rbw)
+                         sum(r.optimizer_bytes for r in rows),
+                         sum(r.selective_time_s for r in rows),
+                         sum(r.selective_saved_bytes for r in rows),
+                         max(r.selective_transient_bytes for r in rows),
+                         compute_s=sum(r.compute_s for r in rows),
+                         remat_compute_s=sum(r.remat_compute_s for r in rows),
+                         selective_compute_s=sum(r.selective_compute_s for r in rows),
+                         backward=bw, remat_backward=rbw, selective_backward=sbw)
 
-    def work(self, remat: bool, send_s: float, num_micro_batches: int) -> StageWork:
+    def work(self, recompute: str, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
-        time_s, compute = ((self.remat_time_s, self.remat_compute_s) if remat
-                           else (self.time_s, self.compute_s))
-        return StageWork(compute, time_s - compute, send_s,
-                         self.remat_backward if remat else self.backward, num_micro_batches)
+        time_s, compute, backward = {
+            FULL: (self.remat_time_s, self.remat_compute_s, self.remat_backward),
+            SELECTIVE: (self.selective_time_s, self.selective_compute_s, self.selective_backward),
+        }.get(recompute, (self.time_s, self.compute_s, self.backward))
+        return StageWork(compute, time_s - compute, send_s, backward, num_micro_batches)
 
-    def memory(self, keep: int, remat: bool) -> MemoryBreakdown:
+    def way(self, recompute: str) -> tuple[float, float, float]:
+        """(time, kept per micro-batch in flight, working set) of one choice."""
+        if recompute == FULL:
+            return self.remat_time_s, self.boundary_bytes, self.activation_bytes
+        if recompute == SELECTIVE:
+            return self.selective_time_s, self.selective_saved_bytes, self.selective_transient_bytes
+        return self.time_s, self.saved_bytes, self.transient_bytes
+
+    def memory(self, keep: int, remat: bool | str) -> MemoryBreakdown:
         """The stage's memory per device with ``keep`` micro-batches in flight:
         resident state, plus what each micro-batch in flight keeps (its
-        saved values, or with remat its inputs), plus one layer's working
+        saved values; with full remat its inputs; with selective remat its
+        saved values but the attention region's), plus one layer's working
         set (its temporaries, or with remat its whole forward again).  The
-        gradients are counted in that working set (at most all of it)."""
-        kept = self.boundary_bytes if remat else self.saved_bytes
-        working = self.activation_bytes if remat else self.transient_bytes
+        gradients are counted in that working set (at most all of it).
+        ``remat``: a bool (True: full) or a :data:`meshplan.recompute.RECOMPUTE` name."""
+        _, kept, working = self.way(recompute_name(remat))
         total = self.resident_bytes + keep * kept + working
         return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
                                   optimizer=self.optimizer_bytes,
@@ -103,6 +135,11 @@ class StageOption:
     mesh: int               # index into the submesh's logical meshes
     send_s: float           # per micro-batch, to the next stage and back
     memory: MemoryBreakdown | None = None    # memory_bytes by what it holds
+    recompute: str = ""     # none, selective or full ("": as remat says)
+
+    def __post_init__(self) -> None:
+        if not self.recompute:
+            object.__setattr__(self, "recompute", recompute_name(self.remat))
 
 
 @dataclass(frozen=True)
@@ -212,29 +249,25 @@ class StageCosts:
             # being processed also needs its layer's temporaries.  With remat
             # a stage keeps only its inputs and recomputes a layer's forward
             # just before its backward.
-            ways = []
             # the whole model as one stage with one micro-batch runs as one
             # program, which never recomputes: no remat to choose (or charge)
             whole = gi == 0 and gj == len(lay.groups) - 1 and lay.B == 1
-            # (less what runs under compute: cost_model.overlap)
-            if opts.remat is not True or whole:
-                ways.append((c.time_s + fixed - self._hidden(c, False, send), False,
-                             c.resident_bytes + keep * c.saved_bytes + c.transient_bytes))
-            if opts.remat is not False and not whole:
-                ways.append((c.remat_time_s + fixed - self._hidden(c, True, send), True,
-                             c.resident_bytes + keep * c.boundary_bytes + c.activation_bytes))
-            for lat, remat, mem in ways:
+            for way in _ways(opts.remat, whole):
+                t, kept, working = c.way(way)
+                # (less what runs under compute: cost_model.overlap)
+                lat = t + fixed - self._hidden(c, way, send)
+                mem = c.resident_bytes + keep * kept + working
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, remat, mem, k, send, c.memory(keep, remat))
+                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(keep, way), way)
                 if least is None or mem < least:
-                    least, least_way = mem, (c, remat)
+                    least, least_way = mem, (c, way)
         if best is None and least is not None:
-            c, remat = least_way
-            self._unfit(least, c.memory(keep, remat), keep, remat, (i, j), n, gi, gj, s)
+            c, way = least_way
+            self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
-    def _hidden(self, c: GroupCost, remat: bool, send: float) -> float:
-        return hidden_s(c.work(remat, send, self.lay.B),
+    def _hidden(self, c: GroupCost, recompute: str, send: float) -> float:
+        return hidden_s(c.work(recompute, send, self.lay.B),
                         self.solver.cluster.device.achieved.overlap_communication)
 
     def _unfit(self, need: float, memory: MemoryBreakdown, keep: int, remat: bool,
@@ -245,6 +278,16 @@ class StageCosts:
         if self.least_unfit is None or need < self.least_unfit:
             self.least_unfit = need
             self.least_unfit_stage = UnfitStage(memory, keep, remat, layers, devices, s)
+
+
+def _ways(remat: bool | str | None, whole: bool) -> tuple[str, ...]:
+    """The recomputation choices a stage may take: ``remat`` None tries all
+    three (the fastest that fits wins); a whole one-program plan has none."""
+    if whole:
+        return (NONE,)
+    if remat is None:
+        return (NONE, SELECTIVE, FULL)
+    return (recompute_name(remat),)
 
 
 def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

@@ -418,8 +418,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remat", choices=["auto", "none", "selective", "full", "always", "never"],
                    default="auto",
                    help="--method manual: recompute activations in every stage (full; alias "
-                        "always), in none (none; alias never), or where needed to fit (auto, "
-                        "the default); selective is not implemented yet")
+                        "always), only the attention-score region in every stage (selective), "
+                        "in none (none; alias never), or where needed to fit (auto, the default)")
     p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 

@@ -30,9 +30,9 @@ AUTO_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved")
 
-# Manual's remat names (DESIGN.md) and what each means; "selective" is refused
-# until it is planned and run
-REMAT_NAMES = {"none": False, "full": True}
+# Manual's remat names (DESIGN.md) and what each means (selective:
+# meshplan.recompute); "auto" is None
+REMAT_NAMES = {"none": False, "full": True, "selective": "selective"}
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,10 @@ class Manual:
     """A hand-given Megatron-style plan: ``dp`` x ``tp`` devices per stage
     (batch split over ``data``, parameters over ``model``), ``pp`` stages.
     ``remat``: ``None`` each stage recomputes its activations only if it must
-    to fit; ``"full"``/``True`` every stage does (as Megatron-LM's runs do);
-    ``"none"``/``False`` none does."""
+    to fit (selectively, or fully where that is not enough);
+    ``"full"``/``True`` every stage recomputes its forward (as Megatron-LM's
+    older runs do); ``"selective"`` every stage recomputes its attention-score
+    region only (Korthikanti et al. 2022); ``"none"``/``False`` none does."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -106,14 +108,11 @@ class Manual:
                 raise MeshplanError(f"Manual({k}={v!r}): must be a positive integer")
         if self.schedule not in SCHEDULES[1:]:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
-        if self.remat == "selective":
-            raise MeshplanError("Manual(remat='selective'): selective recomputation is not "
-                                "implemented yet; use remat='full' (True), 'none' (False) or None")
         if isinstance(self.remat, str) and self.remat in REMAT_NAMES:
             object.__setattr__(self, "remat", REMAT_NAMES[self.remat])
-        if self.remat not in (None, True, False):
-            raise MeshplanError(f"Manual(remat={self.remat!r}): use None, 'none', 'full', True "
-                                "or False")
+        if self.remat not in (None, True, False, "selective"):
+            raise MeshplanError(f"Manual(remat={self.remat!r}): use None, 'none', 'selective', "
+                                "'full', True or False")
         _check_fraction(self)
 
     def request(self, num_devices: int) -> PlanRequest:

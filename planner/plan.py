@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .alternatives import Alternative, comm_share, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
+from .recompute import RECOMPUTE, SELECTIVE, recompute_name
 # (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
 from .specs import DimSpec, Spec, spec_axes, spec_from_json, spec_str, spec_to_json  # noqa: F401
 from .units import human_bytes, human_rate, human_time
@@ -171,6 +172,19 @@ class Stage:
     # Operands the plan reshards before their reader takes them:
     # (first result tensor id of the reader, operand position, layout read).
     read_constraints: tuple[tuple[int, int, Spec], ...] = ()
+    # none, selective or full (meshplan.recompute).  remat stays True for
+    # selective and full, so that old readers keep working; where the two
+    # disagree (a file or a replace() that set remat alone) remat wins
+    recompute: str = ""
+
+    def __post_init__(self) -> None:
+        r = self.recompute
+        if r and r not in RECOMPUTE:
+            raise PlanFormatError(f"stage recompute {r!r}: use one of {', '.join(RECOMPUTE)}")
+        if not r or (r != "none") != bool(self.remat):
+            r = recompute_name(bool(self.remat))
+        object.__setattr__(self, "recompute", r)
+        object.__setattr__(self, "remat", bool(self.remat))
 
     def param_spec(self, path: str) -> Spec | None:
         return dict(self.params).get(path)
@@ -182,6 +196,7 @@ class Stage:
             "submesh": list(self.submesh),
             "logical_mesh": self.logical_mesh.to_dict(),
             "remat": self.remat,
+            "recompute": self.recompute,
             "params": {p: spec_to_json(s) for p, s in self.params},
             "predicted": self.predicted.to_dict(),
             "outputs": {p: spec_to_json(s) for p, s in self.outputs},
@@ -198,6 +213,7 @@ class Stage:
             submesh=(int(d["submesh"][0]), int(d["submesh"][1])),
             logical_mesh=LogicalMesh.from_dict(d["logical_mesh"]),
             remat=bool(d.get("remat", False)),
+            recompute=str(d.get("recompute", "")),
             params=tuple((p, spec_from_json(s)) for p, s in d["params"].items()),
             predicted=Predicted.from_dict(d["predicted"]),
             outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
@@ -206,6 +222,12 @@ class Stage:
             read_constraints=tuple((int(t), int(p), spec_from_json(s))
                                    for t, p, s in d.get("read_constraints", [])),
         )
+
+
+def _remat_note(s: Stage) -> str:
+    if not s.remat:
+        return ""
+    return ", remat (selective)" if s.recompute == SELECTIVE else ", remat"
 
 
 @dataclass(frozen=True)
@@ -359,7 +381,7 @@ class Plan:
             lines.append(
                 f"  stage {k}: layers {s.layers[0]}..{s.layers[1]}, devices {_ranges(s.devices)} "
                 f"(submesh {s.submesh[0]}x{s.submesh[1]}), mesh {s.logical_mesh}"
-                f"{', remat' if s.remat else ''}; compute {human_time(pr.compute_s)}, "
+                f"{_remat_note(s)}; compute {human_time(pr.compute_s)}, "
                 f"comm {human_time(pr.comm_s)}, memory "
                 f"{pr.memory or human_bytes(pr.memory_bytes)}")
             for path, spec in s.params:

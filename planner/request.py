@@ -20,7 +20,9 @@ class PipelineOptions:
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9
-    remat: bool | None = None          # None: chosen per stage; True: every stage; False: none
+    # None: chosen per stage; True: every stage fully; "selective": every
+    # stage selectively (meshplan.recompute); False: none
+    remat: bool | str | None = None
     # stop at the first micro-batch count (searched from the most) that fits
     # nothing after one that fitted: fewer, larger micro-batches need more memory
     prune_micro_batches: bool = True

@@ -83,6 +83,7 @@ import jax
 
 from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.plan import Plan
+from meshplan.recompute import SELECTIVE, selective_nodes
 from meshplan.schedule import Block, schedule_order
 from meshplan.traced import TracedStep
 
@@ -99,6 +100,14 @@ __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "s
            "SCHEDULES",)
 
 SCHEDULES = ("gpipe", "1f1b")
+
+
+def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
+    """The equations a selective stage replays (the step's graph numbers its
+    nodes as the flat equations), or none when no stage is selective."""
+    if not any(s.recompute == SELECTIVE for s in plan.stages) or traced.graph is None:
+        return frozenset()
+    return selective_nodes(traced.graph, traced.forward)
 
 
 class PipelineExecutable:
@@ -176,7 +185,8 @@ class PipelineExecutable:
         self.split = split = split_step(flat, traced.forward, layer_of_node,
                                         [s.layers for s in plan.stages], batch_ids, m,
                                         traced.concat_outputs,
-                                        remat=[bool(s.remat) for s in plan.stages])
+                                        remat=[s.recompute for s in plan.stages],
+                                        selective=_selective(traced, plan))
         if m > 1:
             graph = traced.graph
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)

@@ -37,7 +37,11 @@ stages (and any other value of another program the forward read); the
 parameters, state and batch pieces are arguments the backward program reads
 anyway.  The forward task then outputs only what other programs need (the
 next stage's activations, metrics).  Values of other programs that the
-backward itself reads stay inputs of the backward as before.
+backward itself reads stay inputs of the backward as before.  A *selective*
+stage (``Stage.recompute``, :mod:`meshplan.recompute`) replays only the
+equations of the selective region (the ``selective`` argument); the values
+its replay reads from the rest of its forward are outputs of the forward,
+kept like any other value the backward reads.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from typing import Sequence
 import jax
 
 from meshplan.errors import MeshplanError, StalePlanError
+from meshplan.recompute import FULL, NONE, recompute_name
 from meshplan.schedule import schedule_order
 from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit
 
@@ -105,11 +110,14 @@ class StepSplit:
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
                stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
                num_micro_batches: int, concat_outputs: Sequence[int] = (),
-               remat: Sequence[bool] = ()) -> StepSplit:
+               remat: Sequence[bool | str] = (), selective: frozenset[int] = frozenset()
+               ) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
-    recomputes its forward (see the module doc); default none."""
+    recomputes its forward (a bool, or none/selective/full; see the module
+    doc); default none.  ``selective``: the equations a selective stage may
+    replay."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     phase = _phases(flat.eqns, flow, forward)
@@ -117,7 +125,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
-    _replay_forwards(tasks, flat.eqns, remat, needed_by)
+    _replay_forwards(tasks, flat.eqns, remat, needed_by, selective)
     deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
@@ -356,12 +364,15 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
     return crossing
 
 
-def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: Sequence[bool],
-                     needed_by: dict[int, set[tuple]]) -> None:
-    """[remat] a backward replays its stage's forward from the forward's inputs."""
+def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: Sequence[bool | str],
+                     needed_by: dict[int, set[tuple]], selective: frozenset[int] = frozenset()
+                     ) -> None:
+    """[remat] a backward replays its stage's forward (full), or the selective
+    region's part of it, from the values that forward read or made."""
     for s, r in enumerate(remat):
+        r = recompute_name(r)
         f, b = tasks.get(("F", s)), tasks.get(("B", s))
-        if not r or f is None or b is None:
+        if r == NONE or f is None or b is None:
             continue
         made = {o for k in f.eqns for o in eqns[k].outvars}
         want = {x for x in b.inputs if x in made}
@@ -369,13 +380,21 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
             continue
         replay: set[int] = set()
         for k in reversed(f.eqns):
-            if any(o in want for o in eqns[k].outvars):
+            if (r == FULL or k in selective) and any(o in want for o in eqns[k].outvars):
                 replay.add(k)
                 want.update(x for x in eqns[k].invars if isinstance(x, int))
+        if not replay:
+            continue
         b.replay = sorted(replay)
-        read = {x for k in replay for x in eqns[k].invars if isinstance(x, int)}
-        ins = [x for x in b.inputs if x not in made]
-        ins += [x for x in f.inputs if x in read and x not in ins]
+        again = {o for k in replay for o in eqns[k].outvars}
+        ins = [x for x in b.inputs if x not in again]
+        # what the replay reads: the forward's inputs, and (selective) values
+        # the rest of the forward made
+        for k in b.replay:
+            for x in eqns[k].invars:
+                if isinstance(x, int) and x not in again and x not in ins \
+                        and (x in made or x in f.inputs):
+                    ins.append(x)
         for x in b.inputs:
             needed_by[x].discard(b.key)
         b.inputs = tuple(ins)

@@ -21,6 +21,7 @@ LAYER_OF = {
     "request": "types", "methods": "types", "progress": "types", "traced": "types",
     "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
     "alternatives": "types",    # what --explain records in a plan
+    "recompute": "types",       # the recomputation choices and the selective region
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
     "tpu": "types",             # TPU slices of a cluster file (cluster.py reads them)
@@ -202,7 +203,9 @@ def test_no_generic_top_level_packages_installed():
 RUNTIME_ALLOWED = {"meshplan.plan", "meshplan.graph", "meshplan.traced", "meshplan.schedule",
            "meshplan.errors", "meshplan.cluster",
            # meshes and specs of a plan: the runtime and Plan.shardings share them
-           "meshplan.shardings", "meshplan.specs"}
+           "meshplan.shardings", "meshplan.specs",
+           # what a selective stage replays: defined once for planner and runtime
+           "meshplan.recompute"}
 
 
 def _meshplan_imports(path: pathlib.Path):

@@ -124,11 +124,10 @@ def test_cli_flag_misuse_is_one_line(argv, needle):
 def test_manual_remat_names_follow_design():
     assert meshplan.Manual(dp=8, remat="full").remat is True
     assert meshplan.Manual(dp=8, remat="none").remat is False
-    with pytest.raises(MeshplanError, match="selective recomputation is not implemented"):
-        meshplan.Manual(dp=8, remat="selective")
+    assert meshplan.Manual(dp=8, remat="selective").remat == "selective"
     with pytest.raises(MeshplanError, match="remat='sometimes'"):
         meshplan.Manual(dp=8, remat="sometimes")
     for flag, value in (("full", True), ("always", True), ("none", False), ("never", False),
-                        ("auto", None)):
+                        ("auto", None), ("selective", "selective")):
         m = _method(_args("--method", "manual", "--dp", "8", "--remat", flag))
-        assert m.remat is value, flag
+        assert m.remat is value or m.remat == value == "selective", flag

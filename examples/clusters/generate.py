@@ -198,7 +198,8 @@ H100_SOURCES = (
 FAMILIES = (
     # (name prefix, host counts, device, intra link, inter link, description, sources)
     ("aws-p3.16xlarge", (1, 2, 4, 8), P3_DEVICE, P3_INTRA, P3_INTER, P3_TEXT, P3_SOURCES),
-    ("dgx-a100", (1, 2, 4, 8, 16, 32, 64, 128, 192, 240, 256, 315, 384), A100_DEVICE, A100_INTRA,
+    ("dgx-a100", (1, 2, 4, 8, 16, 32, 35, 64, 128, 192, 240, 256, 315, 384), A100_DEVICE,
+     A100_INTRA,
      A100_INTER, A100_TEXT, A100_SOURCES),
     ("dgx-h100", (1, 8, 64), H100_DEVICE, H100_INTRA, H100_INTER, H100_TEXT, H100_SOURCES),
 )
