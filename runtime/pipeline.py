@@ -159,7 +159,8 @@ class PipelineExecutable:
         self.split = split = split_step(flat, traced.forward, layer_of_node,
                                         [s.layers for s in plan.stages], batch_ids, m,
                                         traced.concat_outputs,
-                                        remat=[bool(s.remat) for s in plan.stages])
+                                        remat=[bool(s.remat) for s in plan.stages],
+                                        draws=traced.batch_draws)
         if m > 1:
             graph = traced.graph
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)

@@ -206,8 +206,22 @@ def _sub(flat: FlatJaxpr, eqn_ids: list[int], inputs: Sequence[int],
                      tuple(flat.eqns[k] for k in eqn_ids), tuple(outputs), flat.avals)
 
 
+def _full_draws(flat: FlatJaxpr, draws: Mapping[int, tuple[int, tuple[int, ...]]]) -> FlatJaxpr:
+    """``flat`` with its draws over the batch made at the full batch's shape
+    (an R task's program: drawn once per step, cut into micro-batches by
+    the driver)."""
+    eqns = list(flat.eqns)
+    for k, (_, full) in draws.items():
+        fe = eqns[k]
+        eqns[k] = dataclasses.replace(fe, eqn=fe.eqn.replace(params={**fe.eqn.params,
+                                                                      "shape": tuple(full)}))
+    return dataclasses.replace(flat, eqns=tuple(eqns))
+
+
 def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts) -> Program:
     s = task.stage
+    if task.kind == "R":
+        flat = _full_draws(flat, {k: v for k, v in split.draws.items() if k in task.eqns})
     eqn_ids = _closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
                             split, flat)
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
