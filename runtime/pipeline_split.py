@@ -19,7 +19,8 @@ Every equation then gets a *phase*:
 * ``F`` (forward): ancestors of the step's metric outputs (the loss), as the
   planner's :func:`forward_nodes` defines them (``TracedStep.forward``);
 * ``B`` (backward): every other equation that must run once per micro-batch:
-  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker)
+  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker,
+  the user's or the one :mod:`meshplan.trace.micro` put on a step without)
   and everything else that reads the batch;
 * ``A`` (apply): what runs once per step after the micro-batches: the
   equations downstream of the gradients (the optimizer update) and those that

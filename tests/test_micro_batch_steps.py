@@ -187,3 +187,29 @@ def test_nnx_dropout_model_pipelines_with_micro_batches():
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref["params"])):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-4)
+
+
+def test_a_metric_computed_from_the_gradients_keeps_them_gradients():
+    # the gradient norm as a metric: the gradients are ancestors of a metric
+    # too, and still found (the new state is computed from them)
+    def step_fn(state, batch):
+        p, o, key = state
+        key, sub = jax.random.split(key)
+        loss, g = jax.value_and_grad(_loss)(p, batch["x"], batch["y"], sub)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss, "norm": optax.tree.norm(g)}
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+    step = _compare(step_fn, _state(), method)
+    assert step.plan.num_micro_batches == 2
+    # (the norm of the mean gradient, computed once per step)
+    ref = float(jax.jit(step_fn)(_state(), BATCH)[1]["norm"])
+    assert float(step(_state(), BATCH)[1]["norm"]) == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_step_without_gradients_is_never_planned_with_micro_batches():
+    # nothing to accumulate: refused by the planner, as the runtime would
+    def step_fn(state, batch):
+        return state, {"loss": jnp.mean((batch["x"] @ state["w"] - batch["y"]) ** 2)}
+    with pytest.raises(meshplan.InfeasiblePlanError, match="where the gradients end"):
+        meshplan.plan(step_fn, {"w": jnp.ones((16, 4))}, BATCH, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))

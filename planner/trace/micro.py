@@ -13,13 +13,14 @@ runs what the other would refuse:
 
   - a value is *per-example* when its shape differs between the two traces
     (it carries the batch dimension);
-  - the *forward* is the ancestors of the outputs that update no input
-    (:func:`~meshplan.graph.forward_nodes`);
-  - the *gradients* are the floating-point values outside the forward made
-    by an equation that reads a per-example value, that are not themselves
-    per-example and from which no per-example value is computed: where the
-    backward reduces over the batch for good (a weight's ``x.T @ dy``, a
-    bias's sum, an embedding's scatter-add).  What reads them (the
+  - the *gradients* are the floating-point values made by an equation that
+    reads a per-example value, that are not themselves per-example, from
+    which no per-example value is computed and from which the new state (an
+    output that updates an input) is: where the backward reduces over the
+    batch for good (a weight's ``x.T @ dy``, a bias's sum, an embedding's
+    scatter-add).  The loss and metrics are no gradients (the state is not
+    computed from them), nor is a batch mean that the forward goes on with
+    (it feeds per-example values).  What reads them (the
     optimizer, and linear glue such as a transpose or the sum of a tied
     weight's two gradients) runs once per step on their mean, which is
     exact because a gradient of a mean loss is the mean of the micro-batch
@@ -28,7 +29,8 @@ runs what the other would refuse:
   A ``meshplan.grad`` marker is put on them (one, after the last of them)
   and the step is then split exactly as a marked one.  Markers the user
   wrote take precedence: nothing is inferred then.  A step in which a state
-  output is computed from the backward but not from these gradients is
+  output is computed from the backward (outside the forward, the ancestors
+  of the outputs that update no input) but not from these gradients is
   refused with the fix (mark the gradients).
 
 * **Random draws over the batch** (dropout masks): a ``random_bits`` whose
@@ -81,13 +83,21 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     if not marked:
         metrics = {o.tensor for o in graph.outputs if o.updates is None}
         flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
+        if not any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns):
+            # (the runtime's split would refuse it: never plan it)
+            raise TraceError(
+                "running more than one micro-batch needs to know where the gradients end, and "
+                "no reduction over the batch that the new state is computed from was found in "
+                "this step; compute the gradients with meshplan.value_and_grad / meshplan.grad "
+                "(or plan with num_micro_batches=1)")
         graph = build_graph(closed, micro_args, out_shape, flat)
     return closed, out_shape, flat, graph, _draws(flat, per_example, full, batch)
 
 
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
     """Ids whose shape differs between the micro-batch and full-batch traces."""
-    if len(micro.eqns) != len(full.eqns) or any(
+    # (ids match between the two traces only when the streams match)
+    if len(micro.eqns) != len(full.eqns) or len(micro.avals) != len(full.avals) or any(
             a.eqn.primitive is not b.eqn.primitive for a, b in zip(micro.eqns, full.eqns)):
         raise TraceError("the step traces to other operations at micro-batch size than at full "
                          "batch size, so meshplan cannot tell its gradients or its random draws "
@@ -100,32 +110,39 @@ def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
 def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bool],
                     batch: set[int], metrics: set[int]) -> FlatJaxpr:
     """``flat`` with a gradient marker on the gradients found by the rule of
-    the module doc (``forward``: per equation; ``batch``: the batch input ids;
-    ``metrics``: output ids that update no input).  Unchanged when the step
-    reads no batch or computes nothing backward."""
+    the module doc (``forward``: per equation, for the check of the state
+    outputs; ``batch``: the batch input ids; ``metrics``: output ids that
+    update no input).  Unchanged when no gradient is found."""
     eqns = flat.eqns
     bdep = set(batch)
     for fe in eqns:
         if any(isinstance(x, int) and x in bdep for x in fe.invars):
             bdep.update(fe.outvars)
-    # values some per-example value is computed from
-    feeds = set()
-    for fe in reversed(eqns):
-        if any(o in per_example or o in feeds for o in fe.outvars):
-            feeds.update(x for x in fe.invars if isinstance(x, int))
+    # values some per-example value is computed from, and those the state is
+    feeds = _ancestors(eqns, per_example)
+    state = _ancestors(eqns, {x for x in flat.outvars if isinstance(x, int) and x not in metrics})
     grads: list[int] = []
-    for k, fe in enumerate(eqns):
-        if forward[k] or not any(isinstance(x, int) and x in per_example for x in fe.invars):
+    for fe in eqns:
+        if not any(isinstance(x, int) and x in per_example for x in fe.invars):
             continue
         for o in fe.outvars:
             aval = flat.avals[o]
-            if (o in bdep and o not in per_example and o not in feeds
-                    and np.issubdtype(np.dtype(getattr(aval, "dtype", np.int32)), np.inexact)):
+            if (o in bdep and o in state and o not in per_example and o not in feeds
+                    and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact)):
                 grads.append(o)
     _check_outputs(flat, grads, per_example, forward, bdep, metrics)
     if not grads:
         return flat
     return _insert_marker(flat, grads)
+
+
+def _ancestors(eqns: Sequence[FlatEqn], ids: set[int]) -> set[int]:
+    """``ids`` and every value they are computed from."""
+    out = set(ids)
+    for fe in reversed(eqns):
+        if any(o in out for o in fe.outvars):
+            out.update(x for x in fe.invars if isinstance(x, int))
+    return out
 
 
 def _check_outputs(flat: FlatJaxpr, grads: list[int], per_example: set[int],
