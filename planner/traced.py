@@ -98,6 +98,9 @@ class TracedStep:
     # random draws over the batch: (flat equation, batch dimension, full-batch
     # shape); drawn once per step, each micro-batch reads its rows
     batch_draws: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # (equation, its jaxpr equation at the full batch) for what such a draw
+    # is computed from that is per-example (e.g. a split into per-example keys)
+    draw_eqns: tuple[tuple[int, Any], ...] = ()
 
     @property
     def num_args(self) -> int:

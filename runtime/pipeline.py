@@ -160,7 +160,8 @@ class PipelineExecutable:
                                         [s.layers for s in plan.stages], batch_ids, m,
                                         traced.concat_outputs,
                                         remat=[bool(s.remat) for s in plan.stages],
-                                        draws=traced.batch_draws)
+                                        draws=traced.batch_draws,
+                                        draw_eqns=traced.draw_eqns)
         if m > 1:
             graph = traced.graph
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -108,18 +108,23 @@ class StepSplit:
     moved: int = 0                    # ops moved off their layer's stage to keep a pipeline
     # draw equation -> (batch dimension, full-batch shape): the R tasks' draws
     draws: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # equation -> its jaxpr equation at the full batch (what R tasks run)
+    full_eqns: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
                stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
                num_micro_batches: int, concat_outputs: Sequence[int] = (),
                remat: Sequence[bool] = (),
-               draws: Sequence[tuple[int, int, tuple[int, ...]]] = ()) -> StepSplit:
+               draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
+               draw_eqns: Sequence[tuple[int, Any]] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
     recomputes its forward (see the module doc); default none.  ``draws``:
-    the random draws over the batch (``TracedStep.batch_draws``)."""
+    the random draws over the batch (``TracedStep.batch_draws``) and
+    ``draw_eqns`` their per-example ancestors at the full batch
+    (``TracedStep.draw_eqns``)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     phase = _phases(flat.eqns, flow, forward)
@@ -137,7 +142,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     _check_pipeline(tasks, flat.eqns, producer, deps)
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
     return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
-                     flow.alias, flow.batch_ids, deps, moved, drawn)
+                     flow.alias, flow.batch_ids, deps, moved, drawn,
+                     dict(draw_eqns) if drawn else {})
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],

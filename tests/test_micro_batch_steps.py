@@ -213,3 +213,26 @@ def test_a_step_without_gradients_is_never_planned_with_micro_batches():
     with pytest.raises(meshplan.InfeasiblePlanError, match="where the gradients end"):
         meshplan.plan(step_fn, {"w": jnp.ones((16, 4))}, BATCH, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
+def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
+    # the equinox way: one key per example (jax.random.split(key, batch
+    # size)) and a vmapped draw; the per-example keys are split at the full
+    # batch once per step too, so every example keeps its key
+    def loss(p, x, y, key):
+        keys = jax.random.split(key, x.shape[0])
+
+        def one(xi, ki):
+            h = jnp.tanh(xi @ p["w1"])
+            h = jnp.where(jax.random.bernoulli(ki, 0.8, h.shape), h / 0.8, 0.0)
+            return jnp.tanh(h @ p["w2"]) @ p["w3"]
+        return jnp.mean((jax.vmap(one)(x, keys) - y) ** 2)
+
+    def step_fn(state, batch):
+        p, o, key = state
+        key, sub = jax.random.split(key)
+        l, g = jax.value_and_grad(loss)(p, batch["x"], batch["y"], sub)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": l}
+    step = _compare(step_fn, _state(), meshplan.PipeshardParallel(stages=2, num_micro_batches=4))
+    assert step.plan.num_micro_batches == 4

@@ -52,7 +52,7 @@ from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
 from .walk import flatten
 
-__all__ = ("micro_step", "infer_gradients", "BatchDraw")
+__all__ = ("micro_step", "infer_gradients", "draw_equations", "BatchDraw")
 
 # (flat equation index, batch dimension, full-batch shape) of a draw over the batch
 BatchDraw = tuple[int, int, tuple[int, ...]]
@@ -60,10 +60,10 @@ BatchDraw = tuple[int, int, tuple[int, ...]]
 
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
                build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
-               infer: bool = True) -> tuple[Any, Any, FlatJaxpr, Graph, tuple[BatchDraw, ...]]:
+               infer: bool = True) -> tuple[Any, ...]:
     """``fn`` traced at ``micro_args`` (the batch cut into micro-batches):
     (closed jaxpr, output shapes, flat stream with the gradient marker, its
-    Graph, the draws over the batch).  ``build_graph(closed, args,
+    Graph, (the draws over the batch, :func:`draw_equations`)).  ``build_graph(closed, args,
     out_shape, flat)`` makes the Graph of a flat stream.  ``infer`` False
     (one micro-batch): the trace as it is."""
     try:
@@ -76,7 +76,7 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     marked = any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns)
     draws = any(fe.eqn.primitive.name == "random_bits" for fe in flat.eqns)
     if not infer or (marked and not draws):
-        return closed, out_shape, flat, graph, ()
+        return closed, out_shape, flat, graph, ((), ())
     full = flatten(jax.make_jaxpr(fn)(*full_args))
     per_example = _per_example(flat, full)
     batch = {i.tensor for i in graph.inputs if i.role == "batch"}
@@ -91,7 +91,8 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                 "this step; compute the gradients with meshplan.value_and_grad / meshplan.grad "
                 "(or plan with num_micro_batches=1)")
         graph = build_graph(closed, micro_args, out_shape, flat)
-    return closed, out_shape, flat, graph, _draws(flat, per_example, full, batch)
+    draws = _draws(flat, per_example, full, batch)
+    return closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full))
 
 
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
@@ -219,3 +220,26 @@ def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
     if isinstance(dims, str):
         raise TraceError(dims)
     return tuple((k, d, w) for (k, _), d, w in zip(found, dims, whole))
+
+
+def draw_equations(flat: FlatJaxpr, draws: Sequence[BatchDraw], per_example: set[int],
+                   full: FlatJaxpr) -> tuple[tuple[int, Any], ...]:
+    """(equation index, its full-batch jaxpr equation) for every equation a
+    draw over the batch is computed from (itself included) whose results are
+    per-example: e.g. ``jax.random.split(key, batch_size)`` before a vmapped
+    draw.  The runtime draws once per step with these."""
+    made = {o: k for k, fe in enumerate(flat.eqns) for o in fe.outvars}
+    full_made = {o: fe.eqn for fe in full.eqns for o in fe.outvars}
+    out: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [k for k, _, _ in draws]
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        fe = flat.eqns[k]
+        if any(o in per_example for o in fe.outvars):
+            out[k] = full_made[fe.outvars[0]]
+        stack.extend(made[x] for x in fe.invars if isinstance(x, int) and x in made)
+    return tuple(sorted(out.items(), key=lambda kv: kv[0]))

@@ -378,7 +378,7 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
                         micro_batches=m, micro_batch_size=mb,
                         concat=_concat_outputs(out_shape, step_out, flat, m,
                                                _batch_ids(flat, args, batch_argnums)),
-                        draws=draws)
+                        draws=draws[0], draw_eqns=draws[1])
 
 
 def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequence[int],
@@ -407,7 +407,8 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                  batch_argnums: tuple[int, ...], *, graph: Graph | None = None,
                  forward: tuple[bool, ...] = (), step_out: Any = None,
                  micro_batches: int | None = None, micro_batch_size: int = 0,
-                 concat: tuple[int, ...] = (), draws: tuple[Any, ...] = ()) -> TracedStep:
+                 concat: tuple[int, ...] = (), draws: tuple[Any, ...] = (),
+                 draw_eqns: tuple[Any, ...] = ()) -> TracedStep:
     leaves_p, arg_tree = jax.tree_util.tree_flatten_with_path(args)
     arg_paths = tuple((int(path[0].idx), jax.tree_util.keystr(tuple(path[1:])))
                       for path, _ in leaves_p)
@@ -419,7 +420,7 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                                            for l in jax.tree_util.tree_leaves(step_out)),
                       forward=forward, micro_batches=micro_batches,
                       micro_batch_size=micro_batch_size, concat_outputs=concat,
-                      batch_draws=draws)
+                      batch_draws=draws, draw_eqns=draw_eqns)
 
 
 def _abstract_leaf(x: Any) -> Any:
