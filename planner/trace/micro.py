@@ -20,11 +20,10 @@ runs what the other would refuse:
     batch for good (a weight's ``x.T @ dy``, a bias's sum, an embedding's
     scatter-add).  The loss and metrics are no gradients (the state is not
     computed from them), nor is a batch mean that the forward goes on with
-    (it feeds per-example values).  What reads them (the
-    optimizer, and linear glue such as a transpose or the sum of a tied
-    weight's two gradients) runs once per step on their mean, which is
-    exact because a gradient of a mean loss is the mean of the micro-batch
-    gradients.
+    (it feeds per-example values).  What reads them (the optimizer, and
+    linear glue such as a transpose or the sum of a tied weight's two
+    gradients) runs once per step on their mean, which is exact because a
+    gradient of a mean loss is the mean of the micro-batch gradients.
 
   A ``meshplan.grad`` marker is put on them (one, after the last of them)
   and the step is then split exactly as a marked one.  Markers the user
@@ -35,9 +34,12 @@ runs what the other would refuse:
 
 * **Random draws over the batch** (dropout masks): a ``random_bits`` whose
   shape carries the batch dimension would draw each micro-batch its own
-  mask.  :func:`draw_batch_dims` names, per such draw, the dimension and the
-  full-batch shape; the runtime draws it once per step at that shape and
-  hands each micro-batch its rows, as the plain step draws them.
+  mask.  :func:`~meshplan.graph.draw_batch_dims` names, per such draw, the
+  dimension and the full-batch shape, and :func:`draw_equations` the
+  full-batch form of the draw and of its per-example keys (a split into one
+  key per example); the runtime draws once per step that way and hands each
+  micro-batch its rows, as the plain step draws them.  A draw keyed by the
+  batch is refused.
 """
 from __future__ import annotations
 
