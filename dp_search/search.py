@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, GRAD_BOUNDARY, PARAM, Graph, batch_shaped_draws
+from ..graph import BATCH, PARAM, Graph, batch_shaped_draws
 from ..plan import Plan
 from ..units import human_bytes
 from .assemble import pipeline_plan
@@ -76,13 +76,6 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
-    unmarked = _no_gradient_marker(graph) if any(b > 1 for b in mbs) else None
-    if unmarked:
-        # (never plan what the runtime would refuse: it accumulates gradients
-        # over micro-batches only where it knows them)
-        if 1 not in mbs:
-            raise InfeasiblePlanError(f"{', '.join(map(str, mbs))} micro-batches: {unmarked}")
-        mbs = [1]
     # The most micro-batches first: fewer, larger micro-batches need more
     # memory, so once a count fits nothing after one that did, fewer are not
     # tried (prune_micro_batches).
@@ -202,16 +195,6 @@ class _StageCounts:
     def bests(self) -> tuple[StageCountBest, ...]:
         return tuple(StageCountBest(k, self.best.get(k), "" if k in self.best else self.why[k])
                      for k in sorted(self.best.keys() | self.why.keys()))
-
-
-def _no_gradient_marker(graph: Graph) -> str | None:
-    """Why the step cannot run in several micro-batches for want of the
-    end-of-gradients marker, or None when it has one."""
-    if any(n.primitive == GRAD_BOUNDARY for n in graph.nodes):
-        return None
-    return ("running more than one micro-batch needs to know where the gradients end: compute "
-            "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
-            "num_micro_batches=1)")
 
 
 def _no_plan(errors: dict[int, str], untraceable: set[int], cluster: ClusterSpec,

@@ -14,7 +14,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -362,21 +362,34 @@ def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> G
 
 def random_draw_shapes(graph: Graph) -> tuple[tuple[int, ...], ...]:
     """The shapes of the random bits the step draws (``random_bits`` nodes, in
-    order).  A step traced at micro-batch size that draws other shapes than
-    at full size (dropout masks over the batch) would draw each micro-batch
-    its own mask: a pipeline of it would not equal the plain step."""
+    order)."""
     return tuple(graph.tensors[n.outputs[0]].shape for n in graph.nodes
                  if n.primitive == "random_bits" and n.outputs)
 
 
 def batch_shaped_draws(full: Graph, micro: Graph) -> str | None:
-    """Why ``micro`` (the step at micro-batch size) may not stand for the
-    plain step ``full``: its random draws have other shapes; None if not."""
-    a, b = random_draw_shapes(full), random_draw_shapes(micro)
-    if a == b:
-        return None
-    differ = next(((x, y) for x, y in zip(a, b) if x != y), (a[:1], b[:1]))
-    return (f"the step draws random bits shaped by the batch (e.g. a dropout mask of shape "
-            f"{differ[0]} at full batch, {differ[1]} per micro-batch), and meshplan does not yet "
-            "give each micro-batch its rows of the plain step's draw; use one micro-batch "
-            "(num_micro_batches=1) or no randomness over the batch")
+    """Why a pipeline of ``micro`` (the step at micro-batch size) cannot give
+    each micro-batch its rows of the random bits the plain step ``full``
+    draws; None if it can (:func:`draw_batch_dims`)."""
+    dims = draw_batch_dims(random_draw_shapes(full), random_draw_shapes(micro))
+    return dims if isinstance(dims, str) else None
+
+
+def draw_batch_dims(full: Sequence[tuple[int, ...]], micro: Sequence[tuple[int, ...]]
+                    ) -> list[int | None] | str:
+    """Per random draw (shapes at the full batch and at the micro-batch, in
+    order): the dimension that carries the batch (None: the draw is the same
+    at both), or why a pipeline cannot give each micro-batch its rows of the
+    full draw."""
+    if len(full) != len(micro):
+        return (f"the step makes {len(full)} random draws at full batch size but {len(micro)} "
+                "per micro-batch; use one micro-batch (num_micro_batches=1)")
+    dims: list[int | None] = []
+    for a, b in zip(full, micro):
+        differ = [d for d in range(len(a)) if len(a) == len(b) and a[d] != b[d]]
+        if len(a) != len(b) or len(differ) > 1 or (differ and a[differ[0]] % b[differ[0]]):
+            return (f"the step draws random bits of shape {a} at full batch size but {b} per "
+                    "micro-batch, which is not a slice of rows of the full draw; draw over one "
+                    "batch dimension or use one micro-batch (num_micro_batches=1)")
+        dims.append(differ[0] if differ else None)
+    return dims

@@ -82,3 +82,12 @@ def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: b
         value, grads = vg(*args, **kw)
         return value, _mark(_grad_p, grads)
     return wrapped
+
+
+def grad_marker_eqn(avals: Any) -> Any:
+    """A jaxpr equation of the end-of-backward marker over values of
+    ``avals``: what :mod:`meshplan.trace.micro` inserts where it finds the
+    gradients of an unmarked step."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in avals]
+    return jax.make_jaxpr(lambda *xs: _grad_p.bind(*xs))(*specs).jaxpr.eqns[0]

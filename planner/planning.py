@@ -13,7 +13,6 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import jax
 
 from .cluster import ClusterSpec
 from .dp_search import SearchStats, Session, search_pipeline
@@ -24,7 +23,8 @@ from .graph import IDENTITY_MARKERS, Graph
 from .methods import Method
 from .plan import Plan
 from .request import PlanRequest
-from .trace import issue_warnings, trace, trace_both
+from .trace import issue_warnings, trace_both
+from .trace.tracer import trace_micro
 from .traced import TracedStep
 from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
@@ -88,16 +88,9 @@ def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
 def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
              name: str) -> Callable[[int], Graph]:
     """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
-    def shrink(x: Any, B: int) -> Any:
-        if not getattr(x, "shape", ()):
-            return x
-        return jax.ShapeDtypeStruct((x.shape[0] // B,) + tuple(x.shape[1:]), x.dtype)
-
+    # (the very trace the pipeline runtime runs: trace_for_run)
     def retrace(B: int) -> Graph:
-        args = list(abstract)
-        for a in batch_argnums:
-            args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
-        return trace(fn, *args, batch_argnums=batch_argnums, name=name, warn=False)
+        return trace_micro(fn, abstract, B, batch_argnums, name)
     return retrace
 
 

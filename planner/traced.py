@@ -95,6 +95,12 @@ class TracedStep:
     micro_batches: int | None = None             # None: traced at the arguments' own shapes
     micro_batch_size: int = 0                    # rows of one micro-batch (0: no batch)
     concat_outputs: tuple[int, ...] = ()
+    # random draws over the batch: (flat equation, batch dimension, full-batch
+    # shape); drawn once per step, each micro-batch reads its rows
+    batch_draws: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # (equation, its jaxpr equation at the full batch) for what such a draw
+    # is computed from that is per-example (e.g. a split into per-example keys)
+    draw_eqns: tuple[tuple[int, Any], ...] = ()
 
     @property
     def num_args(self) -> int:

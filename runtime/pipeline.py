@@ -186,7 +186,9 @@ class PipelineExecutable:
                                         [s.layers for s in plan.stages], batch_ids, m,
                                         traced.concat_outputs,
                                         remat=[s.recompute for s in plan.stages],
-                                        selective=_selective(traced, plan))
+                                        selective=_selective(traced, plan),
+                                        draws=traced.batch_draws,
+                                        draw_eqns=traced.draw_eqns)
         if m > 1:
             graph = traced.graph
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)

@@ -26,6 +26,7 @@ stage notes when the outputs were ready) and turned into
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -136,6 +137,7 @@ class StepRun:
     def run(self) -> list[Any]:
         self._check_donated()
         self._start_sums()
+        self._draw()
         for kind, s, i in self.w.order:
             self._run_task(kind, s, i)
         leftover = [x for d in self.vals for x in d]
@@ -197,6 +199,25 @@ class StepRun:
                 ids, zeros = self.ex.sums.zeros(s)
                 if ids:
                     self.accs[s] = dict(zip(ids, zeros()))
+
+    def _draw(self) -> None:
+        """The random draws over the batch, once per step at the full batch's
+        shape; each micro-batch's rows become its values (read and freed
+        like any activation)."""
+        dims = {self.flat.eqns[k].outvars[0]: d for k, (d, _) in self.split.draws.items()}
+        for key, t in self.split.tasks.items():
+            if key[0] != "R" or not self.local[key[1]]:
+                continue
+            prog = self.ex.programs[key]
+            ins = [self._arg_on(x, key[1], 0) for x in t.inputs]
+            plain, _ = self.ex._call(prog, ins, [], -1)
+            for x, v in zip(t.outputs, plain):
+                uses = len(self.w.consumers.get(x, ()))
+                if not uses:
+                    continue
+                for i, piece in enumerate(_rows(v, self.m, dims[x])):
+                    self.vals[i][x] = piece
+                    self.remaining[i][x] = uses
 
     def _run_task(self, kind: str, s: int, i: int) -> None:
         prog = self.ex.programs[(kind, s)]
@@ -368,6 +389,12 @@ class StepRun:
                 else:
                     outs.append(self.tr.output(done.get(src), src, k))
         return outs
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rows(x: Any, m: int, dim: int) -> tuple[Any, ...]:
+    """``x`` cut into ``m`` equal pieces along ``dim`` (a draw's micro-batches)."""
+    return tuple(jax.numpy.split(x, m, axis=dim))
 
 
 # ---------------------------------------------------------------------------

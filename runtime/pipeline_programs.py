@@ -271,11 +271,26 @@ def _sub(flat: FlatJaxpr, eqn_ids: list[int], inputs: Sequence[int],
                      tuple(flat.eqns[k] for k in eqn_ids), tuple(outputs), flat.avals)
 
 
+def _at_full_batch(flat: FlatJaxpr, eqn_ids: Sequence[int],
+                   full_eqns: Mapping[int, Any]) -> FlatJaxpr:
+    """``flat`` with the equations ``eqn_ids`` of an R task that have a
+    full-batch form run in that form (its draws over the batch and their
+    per-example keys): drawn once per step, cut into micro-batches by the
+    driver."""
+    eqns = list(flat.eqns)
+    for k in eqn_ids:
+        if k in full_eqns:
+            eqns[k] = dataclasses.replace(eqns[k], eqn=full_eqns[k])
+    return dataclasses.replace(flat, eqns=tuple(eqns))
+
+
 def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
              donate: tuple[int, ...] = ()) -> Program:
     s = task.stage
     eqn_ids = _closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
                             split, flat)
+    if task.kind == "R":
+        flat = _at_full_batch(flat, eqn_ids, split.full_eqns)
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
     sub = _sub(flat, eqn_ids, task.inputs, outs)
     cons = layouts.constraints[s]

@@ -19,13 +19,19 @@ Every equation then gets a *phase*:
 * ``F`` (forward): ancestors of the step's metric outputs (the loss), as the
   planner's :func:`forward_nodes` defines them (``TracedStep.forward``);
 * ``B`` (backward): every other equation that must run once per micro-batch:
-  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker)
+  the ancestors of the gradients (the inputs of the ``meshplan.grad`` marker,
+  the user's or the one :mod:`meshplan.trace.micro` put on a step without)
   and everything else that reads the batch;
 * ``A`` (apply): what runs once per step after the micro-batches: the
   equations downstream of the gradients (the optimizer update) and those that
   read only state (a step counter);
 * values made from constants alone (masks, iotas) are recomputed by every
-  program that reads them instead of being sent between stages.
+  program that reads them instead of being sent between stages;
+* ``R`` (draw): a random draw over the batch (``TracedStep.batch_draws``, a
+  dropout mask) runs once per step, before the micro-batches, at the full
+  batch's shape, in a program of its stage that also computes its key from
+  the arguments; each micro-batch reads its rows of it, so the numbers are
+  the undecorated step's.
 
 Rematerialised stages (``Stage.remat``, the ``remat`` argument of
 :func:`split_step`): the stage's backward task does not read what its forward
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -70,7 +76,7 @@ MEAN, LAST, CONCAT = "mean", "last", "concat"
 class Task:
     """One program: the equations of one stage in one phase (``level`` orders
     the apply programs of a step)."""
-    kind: str                     # "F", "B" or "A"
+    kind: str                     # "F", "B", "A" or "R" (draws over the batch)
     stage: int
     level: int = 0
     eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
@@ -86,7 +92,7 @@ class Task:
         return (self.kind, self.stage) if self.kind != "A" else ("A", self.stage, self.level)
 
     def name(self) -> str:
-        what = {"F": "forward", "B": "backward", "A": "update"}[self.kind]
+        what = {"F": "forward", "B": "backward", "A": "update", "R": "random draws"}[self.kind]
         lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
         return f"stage {self.stage} {what}{lvl}"
 
@@ -105,24 +111,36 @@ class StepSplit:
     batch_ids: frozenset[int]
     deps: dict[tuple, set[tuple]]     # C task key -> C task keys it reads from (same micro-batch)
     moved: int = 0                    # ops moved off their layer's stage to keep a pipeline
+    # draw equation -> (batch dimension, full-batch shape): the R tasks' draws
+    draws: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # equation -> its jaxpr equation at the full batch (what R tasks run)
+    full_eqns: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
                stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
                num_micro_batches: int, concat_outputs: Sequence[int] = (),
-               remat: Sequence[bool | str] = (), selective: frozenset[int] = frozenset()
-               ) -> StepSplit:
+               remat: Sequence[bool | str] = (), selective: frozenset[int] = frozenset(),
+               draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
+               draw_eqns: Sequence[tuple[int, Any]] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
     recomputes its forward (a bool, or none/selective/full; see the module
     doc); default none.  ``selective``: the equations a selective stage may
-    replay."""
+    replay.  ``draws``: the random draws over the batch
+    (``TracedStep.batch_draws``) and ``draw_eqns`` their per-example
+    ancestors at the full batch (``TracedStep.draw_eqns``)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     phase = _phases(flat.eqns, flow, forward)
+    drawn = {k: (d, tuple(full)) for k, d, full in draws
+             if num_micro_batches > 1 and phase[k] in ("F", "B")}
+    for k in drawn:
+        phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
     tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn)
+    _draw_keys(tasks, flat, flow)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective)
@@ -130,7 +148,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     _check_pipeline(tasks, flat.eqns, producer, deps)
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
     return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
-                     flow.alias, flow.batch_ids, deps, moved)
+                     flow.alias, flow.batch_ids, deps, moved, drawn,
+                     dict(draw_eqns) if drawn else {})
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],
@@ -301,6 +320,30 @@ def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
     return tasks, producer
 
 
+def _draw_keys(tasks: dict[tuple, Task], flat: FlatJaxpr, flow: _Flow) -> None:
+    """An R task also computes what its draws read (their keys) from the
+    arguments: those equations run again there, once per step (they stay
+    in the programs that made them too)."""
+    for key, t in tasks.items():
+        if key[0] != "R":
+            continue
+        own = set(t.eqns)
+        stack = [x for k in t.eqns for x in flat.eqns[k].invars if isinstance(x, int)]
+        while stack:
+            x = stack.pop()
+            k = flow.producer_eqn.get(x)
+            if k is None or k in own or x in flow.const_ids:
+                continue
+            if x in flow.bdep or x in flow.after:
+                raise MeshplanError(
+                    f"a random draw over the batch ({t.name()}) takes its key from the batch or "
+                    "the gradients, so it cannot be drawn once per step; pass the key as a "
+                    "separate argument or use one micro-batch (num_micro_batches=1)")
+            own.add(k)
+            stack.extend(y for y in flat.eqns[k].invars if isinstance(y, int))
+        t.eqns = sorted(own)
+
+
 def _wire_inputs(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn],
                  const_ids: set[int]) -> dict[int, set[tuple]]:
     """Set every task's inputs; returns id -> keys of the tasks reading it."""
@@ -411,6 +454,18 @@ def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[
     out_ids = [x for x in flat.outvars if isinstance(x, int)]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
+        if key[0] == "R":       # the draws alone (their keys are the others' own)
+            t.outputs = tuple(o for k in t.eqns if eqns[k].eqn.primitive.name == "random_bits"
+                              and producer.get(eqns[k].outvars[0]) == key
+                              for o in eqns[k].outvars)
+            bad = [o for o in t.outputs if o in out_ids
+                   or any(c[0] not in ("F", "B") for c in needed_by.get(o, ()))]
+            if bad:
+                raise MeshplanError(
+                    f"random bits drawn over the batch (tensor t{bad[0]}) are read outside the "
+                    "per-micro-batch work (by the update, or as an output of the step); return "
+                    "values computed from them instead, or use one micro-batch")
+            continue
         if key[0] == "A":
             outs = [o for k in t.eqns for o in eqns[k].outvars
                     if any(c != key for c in needed_by.get(o, ())) or o in out_ids]

@@ -1,9 +1,9 @@
 """Real train steps: random numbers (dropout), jax's own grad, per-example outputs.
 
 Random draws are planned replicated: every device draws the same bits, so the
-numbers equal the plain step's.  A pipeline with more than one micro-batch
-would draw a mask per micro-batch, unlike the plain step: that is refused
-with the reason, never run silently different.
+numbers equal the plain step's.  Pipelines with several micro-batches (draws
+over the batch, steps without meshplan's markers) are in
+test_micro_batch_steps.py.
 """
 import jax
 import jax.numpy as jnp
@@ -83,38 +83,6 @@ def test_dropout_pipelines_with_one_micro_batch():
     step = _check(_step(meshplan.value_and_grad), _state(jax.random.key(5)),
                   meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=1))
     assert len(step.plan.stages) == 2
-
-
-def test_dropout_over_the_batch_is_not_split_into_micro_batches():
-    # each micro-batch would draw its own mask: refused, with the reason
-    step = meshplan.parallelize(_step(meshplan.value_and_grad),
-                                method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
-    with pytest.raises(meshplan.InfeasiblePlanError, match="random bits shaped by the batch"):
-        step(_state(jax.random.key(5)), BATCH)
-    # the search over micro-batch counts keeps to one
-    p = meshplan.plan(_step(meshplan.value_and_grad), _state(jax.random.key(5)), BATCH,
-                      cluster=meshplan.Cluster.local(),
-                      method=meshplan.PipeshardParallel(stages=2))
-    assert p.num_micro_batches == 1
-
-
-def test_a_plain_jax_grad_step_is_never_planned_with_micro_batches_it_cannot_run():
-    # without meshplan's end-of-gradients marker the runtime cannot
-    # accumulate over micro-batches: the search keeps to one, a fixed count
-    # says why
-    def step_fn(state, batch):          # no randomness, jax's own value_and_grad
-        p, o = state
-        loss, g = jax.value_and_grad(
-            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
-        u, o = OPT.update(g, o, p)
-        return (optax.apply_updates(p, u), o), {"loss": loss}
-    state = _state(jax.random.key(1))[:2]
-    for method in (meshplan.Auto(), meshplan.PipeshardParallel(stages=2)):
-        p = meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(), method=method)
-        assert p.num_micro_batches == 1
-    with pytest.raises(meshplan.InfeasiblePlanError, match="where the gradients end"):
-        meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(),
-                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
 
 
 def test_a_batch_shaped_output_that_ignores_the_batch_is_not_shrunk():

@@ -24,6 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
+from .micro import micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
@@ -369,24 +370,45 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     mb = _micro_batch_size(args, batch_argnums, m)
     micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
                   else a for i, a in enumerate(args))
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro)
-    flat = flatten(closed)
-    graph = graph_from_jaxpr(closed, micro, out_shape, batch_argnums=batch_argnums,
-                             name=getattr(fn, "__name__", "fn"),
-                             argnames=_argnames(fn, len(micro)), flat=flat)
+    closed, out_shape, flat, graph, draws = _micro(fn, args, micro, batch_argnums,
+                                                   getattr(fn, "__name__", "fn"), m)
     step_out = jax.eval_shape(fn, *args)
     return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
                         forward=tuple(forward_nodes(graph)), step_out=step_out,
                         micro_batches=m, micro_batch_size=mb,
                         concat=_concat_outputs(out_shape, step_out, flat, m,
-                                               _batch_ids(flat, args, batch_argnums)))
+                                               _batch_ids(flat, args, batch_argnums)),
+                        draws=draws[0], draw_eqns=draws[1])
+
+
+def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequence[int],
+                name: str | None = None) -> Graph:
+    """The Graph of ``fn`` with the batch of ``args`` cut into ``B``
+    micro-batches, as the pipeline runtime runs it (the planner's
+    ``retrace(B)``): the same trace as :func:`trace_for_run`, gradient
+    marker and random draws over the batch included
+    (:mod:`meshplan.trace.micro`)."""
+    batch_argnums = tuple(int(b) for b in batch_argnums)
+    args = tuple(jax.tree_util.tree_map(_abstract_leaf, tuple(args)))
+    micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, B), a) if i in batch_argnums
+                  else a for i, a in enumerate(args))
+    return _micro(fn, args, micro, batch_argnums, name or getattr(fn, "__name__", "fn"), B)[3]
+
+
+def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
+           batch_argnums: tuple[int, ...], name: str, m: int) -> tuple[Any, ...]:
+    def build(closed: Any, a: Sequence[Any], out_shape: Any, flat: FlatJaxpr) -> Graph:
+        return graph_from_jaxpr(closed, a, out_shape, batch_argnums=batch_argnums, name=name,
+                                argnames=_argnames(fn, len(a)), flat=flat)
+    return micro_step(fn, args, micro, build, infer=m > 1)
 
 
 def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, ...],
                  batch_argnums: tuple[int, ...], *, graph: Graph | None = None,
                  forward: tuple[bool, ...] = (), step_out: Any = None,
                  micro_batches: int | None = None, micro_batch_size: int = 0,
-                 concat: tuple[int, ...] = ()) -> TracedStep:
+                 concat: tuple[int, ...] = (), draws: tuple[Any, ...] = (),
+                 draw_eqns: tuple[Any, ...] = ()) -> TracedStep:
     leaves_p, arg_tree = jax.tree_util.tree_flatten_with_path(args)
     arg_paths = tuple((int(path[0].idx), jax.tree_util.keystr(tuple(path[1:])))
                       for path, _ in leaves_p)
@@ -397,11 +419,14 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                       step_out_avals=tuple((tuple(l.shape), l.dtype)
                                            for l in jax.tree_util.tree_leaves(step_out)),
                       forward=forward, micro_batches=micro_batches,
-                      micro_batch_size=micro_batch_size, concat_outputs=concat)
+                      micro_batch_size=micro_batch_size, concat_outputs=concat,
+                      batch_draws=draws, draw_eqns=draw_eqns)
 
 
 def _abstract_leaf(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype))
+    # (not getattr's default: np.asarray of a typed PRNG key raises)
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
 
 def _shrink(x: Any, m: int) -> Any:

@@ -1,0 +1,247 @@
+"""The step at micro-batch size, as both the planner and the runtime see it.
+
+A pipeline runs the step once per micro-batch and the update once per step.
+Two things of the micro-batch trace must be found for that, and one function
+(:func:`micro_step`) finds them for the planner (``retrace(B)``) and for the
+runtime (:func:`~meshplan.trace.trace_for_run`), so that neither plans nor
+runs what the other would refuse:
+
+* **Where the gradients end** (when the step has no ``meshplan.grad``
+  marker, e.g. plain ``jax.value_and_grad``, ``nnx.value_and_grad``,
+  ``eqx.filter_value_and_grad``).  The rule, over the flat jaxpr traced at
+  the micro-batch and at the full batch (same equations, same ids):
+
+  - a value is *per-example* when its shape differs between the two traces
+    (it carries the batch dimension);
+  - the *gradients* are the floating-point values made by an equation that
+    reads a per-example value, that are not themselves per-example, from
+    which no per-example value is computed and from which the new state (an
+    output that updates an input) is: where the backward reduces over the
+    batch for good (a weight's ``x.T @ dy``, a bias's sum, an embedding's
+    scatter-add).  The loss and metrics are no gradients (the state is not
+    computed from them), nor is a batch mean that the forward goes on with
+    (it feeds per-example values).  What reads them (the optimizer, and
+    linear glue such as a transpose or the sum of a tied weight's two
+    gradients) runs once per step on their mean, which is exact because a
+    gradient of a mean loss is the mean of the micro-batch gradients.
+
+  A ``meshplan.grad`` marker is put on them (one, after the last of them)
+  and the step is then split exactly as a marked one.  Markers the user
+  wrote take precedence: nothing is inferred then.  A step in which a state
+  output is computed from the backward (outside the forward, the ancestors
+  of the outputs that update no input) but not from these gradients is
+  refused with the fix (mark the gradients).
+
+* **Random draws over the batch** (dropout masks): a ``random_bits`` whose
+  shape carries the batch dimension would draw each micro-batch its own
+  mask.  :func:`~meshplan.graph.draw_batch_dims` names, per such draw, the
+  dimension and the full-batch shape, and :func:`draw_equations` the
+  full-batch form of the draw and of its per-example keys (a split into one
+  key per example); the runtime draws once per step that way and hands each
+  micro-batch its rows, as the plain step draws them.  A draw keyed by the
+  batch is refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ..errors import TraceError
+from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
+from ..markers import grad_marker_eqn
+from ..traced import FlatEqn, FlatJaxpr
+from .walk import flatten
+
+__all__ = ("micro_step", "infer_gradients", "draw_equations", "BatchDraw")
+
+# (flat equation index, batch dimension, full-batch shape) of a draw over the batch
+BatchDraw = tuple[int, int, tuple[int, ...]]
+
+
+def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
+               build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
+               infer: bool = True) -> tuple[Any, ...]:
+    """``fn`` traced at ``micro_args`` (the batch cut into micro-batches):
+    (closed jaxpr, output shapes, flat stream with the gradient marker, its
+    Graph, (the draws over the batch, :func:`draw_equations`)).  ``build_graph(closed, args,
+    out_shape, flat)`` makes the Graph of a flat stream.  ``infer`` False
+    (one micro-batch): the trace as it is."""
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro_args)
+    except Exception as e:  # the user's function failed: say so, keep the cause
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r} at micro-batch size: "
+                         f"{type(e).__name__}: {e}") from e
+    flat = flatten(closed)
+    graph = build_graph(closed, micro_args, out_shape, flat)
+    marked = any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns)
+    draws = any(fe.eqn.primitive.name == "random_bits" for fe in flat.eqns)
+    if not infer or (marked and not draws):
+        return closed, out_shape, flat, graph, ((), ())
+    full = flatten(jax.make_jaxpr(fn)(*full_args))
+    per_example = _per_example(flat, full)
+    batch = {i.tensor for i in graph.inputs if i.role == "batch"}
+    if not marked:
+        metrics = {o.tensor for o in graph.outputs if o.updates is None}
+        flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
+        if not any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns):
+            # (the runtime's split would refuse it: never plan it)
+            raise TraceError(
+                "running more than one micro-batch needs to know where the gradients end, and "
+                "no reduction over the batch that the new state is computed from was found in "
+                "this step; compute the gradients with meshplan.value_and_grad / meshplan.grad "
+                "(or plan with num_micro_batches=1)")
+        graph = build_graph(closed, micro_args, out_shape, flat)
+    draws = _draws(flat, per_example, full, batch)
+    return closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full))
+
+
+def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
+    """Ids whose shape differs between the micro-batch and full-batch traces."""
+    # (ids match between the two traces only when the streams match)
+    if len(micro.eqns) != len(full.eqns) or len(micro.avals) != len(full.avals) or any(
+            a.eqn.primitive is not b.eqn.primitive for a, b in zip(micro.eqns, full.eqns)):
+        raise TraceError("the step traces to other operations at micro-batch size than at full "
+                         "batch size, so meshplan cannot tell its gradients or its random draws "
+                         "over the batch apart; mark the gradients with meshplan.value_and_grad "
+                         "and keep random draws out of the batch, or use one micro-batch")
+    return {i for i, a in micro.avals.items()
+            if i in full.avals and getattr(a, "shape", None) != getattr(full.avals[i], "shape", None)}
+
+
+def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bool],
+                    batch: set[int], metrics: set[int]) -> FlatJaxpr:
+    """``flat`` with a gradient marker on the gradients found by the rule of
+    the module doc (``forward``: per equation, for the check of the state
+    outputs; ``batch``: the batch input ids; ``metrics``: output ids that
+    update no input).  Unchanged when no gradient is found."""
+    eqns = flat.eqns
+    bdep = set(batch)
+    for fe in eqns:
+        if any(isinstance(x, int) and x in bdep for x in fe.invars):
+            bdep.update(fe.outvars)
+    # values some per-example value is computed from, and those the state is
+    feeds = _ancestors(eqns, per_example)
+    state = _ancestors(eqns, {x for x in flat.outvars if isinstance(x, int) and x not in metrics})
+    grads: list[int] = []
+    for fe in eqns:
+        if not any(isinstance(x, int) and x in per_example for x in fe.invars):
+            continue
+        for o in fe.outvars:
+            aval = flat.avals[o]
+            if (o in bdep and o in state and o not in per_example and o not in feeds
+                    and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact)):
+                grads.append(o)
+    _check_outputs(flat, grads, per_example, forward, bdep, metrics)
+    if not grads:
+        return flat
+    return _insert_marker(flat, grads)
+
+
+def _ancestors(eqns: Sequence[FlatEqn], ids: set[int]) -> set[int]:
+    """``ids`` and every value they are computed from."""
+    out = set(ids)
+    for fe in reversed(eqns):
+        if any(o in out for o in fe.outvars):
+            out.update(x for x in fe.invars if isinstance(x, int))
+    return out
+
+
+def _check_outputs(flat: FlatJaxpr, grads: list[int], per_example: set[int],
+                   forward: Sequence[bool], bdep: set[int], metrics: set[int]) -> None:
+    """Refuse a step whose state is computed from its backward other than
+    through the gradients found (the update would run per micro-batch)."""
+    after, backward = set(grads), set()
+    for k, fe in enumerate(flat.eqns):
+        ins = [x for x in fe.invars if isinstance(x, int)]
+        if any(x in after for x in ins):
+            after.update(fe.outvars)
+        elif not forward[k] and (any(x in backward for x in ins) or any(
+                o in per_example and o in bdep for o in fe.outvars)):
+            backward.update(o for o in fe.outvars if o not in after)
+    for x in flat.outvars:
+        if isinstance(x, int) and x not in metrics and x in backward and x not in after:
+            raise TraceError(
+                "meshplan cannot find where this step's gradients end (a state output is computed "
+                "from the backward pass but not from a reduction over the batch); compute the "
+                "gradients with meshplan.value_and_grad / meshplan.grad, or use one micro-batch")
+
+
+def _insert_marker(flat: FlatJaxpr, grads: list[int]) -> FlatJaxpr:
+    """One gradient marker on ``grads``, right after the last of them is
+    made; what reads them moves after it and reads the marker's outputs."""
+    eqns = list(flat.eqns)
+    made_at = {o: k for k, fe in enumerate(eqns) for o in fe.outvars}
+    pos = max(made_at[g] for g in grads) + 1
+    after = set(grads)
+    moved: list[int] = []
+    for k, fe in enumerate(eqns):
+        if any(isinstance(x, int) and x in after for x in fe.invars):
+            after.update(fe.outvars)
+            if k < pos:
+                moved.append(k)
+    avals = dict(flat.avals)
+    nxt = max(avals) + 1
+    outs = tuple(range(nxt, nxt + len(grads)))
+    for g, o in zip(grads, outs):
+        avals[o] = flat.avals[g]
+    rename = dict(zip(grads, outs))
+
+    def rewire(fe: FlatEqn) -> FlatEqn:
+        ins = tuple(rename.get(x, x) if isinstance(x, int) else x for x in fe.invars)
+        return fe if ins == fe.invars else FlatEqn(fe.eqn, ins, fe.outvars, fe.remat, fe.scope)
+
+    marker = FlatEqn(grad_marker_eqn([flat.avals[g] for g in grads]), tuple(grads), outs,
+                     False, "meshplan_inferred_gradients")
+    moved_set = set(moved)
+    order = ([eqns[k] for k in range(pos) if k not in moved_set] + [marker]
+             + [rewire(eqns[k]) for k in moved] + [rewire(fe) for fe in eqns[pos:]])
+    out = tuple(rename.get(x, x) if isinstance(x, int) else x for x in flat.outvars)
+    return FlatJaxpr(flat.invars, flat.constvars, flat.consts, tuple(order), out, avals)
+
+
+def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
+           batch: set[int]) -> tuple[BatchDraw, ...]:
+    """The draws over the batch of ``flat`` (see :func:`draw_batch_dims`);
+    a draw whose key is computed from the batch is refused (it cannot be
+    drawn once per step)."""
+    found = [(k, fe) for k, fe in enumerate(flat.eqns) if fe.eqn.primitive.name == "random_bits"
+             and fe.outvars and fe.outvars[0] in per_example]
+    bdep = set(batch)
+    for fe in flat.eqns:
+        if any(isinstance(x, int) and x in bdep for x in fe.invars):
+            bdep.update(fe.outvars)
+    if any(isinstance(x, int) and x in bdep for _, fe in found for x in fe.invars):
+        raise TraceError("a random draw over the batch takes its key from the batch, so it cannot "
+                         "be drawn once per step; pass the key outside the batch arguments or use "
+                         "one micro-batch (num_micro_batches=1)")
+    micro = [tuple(flat.avals[fe.outvars[0]].shape) for _, fe in found]
+    whole = [tuple(full.avals[fe.outvars[0]].shape) for _, fe in found]
+    dims = draw_batch_dims(whole, micro)
+    if isinstance(dims, str):
+        raise TraceError(dims)
+    return tuple((k, d, w) for (k, _), d, w in zip(found, dims, whole))
+
+
+def draw_equations(flat: FlatJaxpr, draws: Sequence[BatchDraw], per_example: set[int],
+                   full: FlatJaxpr) -> tuple[tuple[int, Any], ...]:
+    """(equation index, its full-batch jaxpr equation) for every equation a
+    draw over the batch is computed from (itself included) whose results are
+    per-example: e.g. ``jax.random.split(key, batch_size)`` before a vmapped
+    draw.  The runtime draws once per step with these."""
+    made = {o: k for k, fe in enumerate(flat.eqns) for o in fe.outvars}
+    full_made = {o: fe.eqn for fe in full.eqns for o in fe.outvars}
+    out: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [k for k, _, _ in draws]
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        fe = flat.eqns[k]
+        if any(o in per_example for o in fe.outvars):
+            out[k] = full_made[fe.outvars[0]]
+        stack.extend(made[x] for x in fe.invars if isinstance(x, int) and x in made)
+    return tuple(sorted(out.items(), key=lambda kv: kv[0]))
