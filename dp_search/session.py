@@ -78,7 +78,10 @@ class SearchStats:
     distinct_layer_ilps: int = 0   # distinct layer problems the search needed
     solved: int = 0                # layer ILPs solved by this search
     cache_hits: int = 0            # layer costs found in the session's cache
-    trace_s: float = 0.0           # wall time re-tracing the step per micro-batch count
+    trace_s: float = 0.0           # wall time getting the step's Graph per micro-batch count
+    rewritten: int = 0             # ... counts whose Graph was rewritten from the first trace
+    retraced: int = 0              # ... counts whose Graph was traced again
+    rewrite_s: float = 0.0         # the part of trace_s spent rewriting
     ilp_s: float = 0.0             # wall time in layer ILPs (in-process or waiting on workers)
     ilp_work_s: float = 0.0        # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0              # wall time in the stage DP, its ILPs excluded

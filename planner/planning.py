@@ -26,6 +26,7 @@ from .plan import Plan
 from .request import PlanRequest
 from .trace import issue_warnings, trace, trace_both
 from .traced import TracedStep
+from .trace.rescale import Rescaling
 from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
 
@@ -50,9 +51,12 @@ class TracedFunction:
     run: TracedStep
     unstacked: Unstacked | None = None
 
-    def retrace(self, B: int) -> Graph:
-        """The step traced with its batch split into ``B`` micro-batches."""
-        return retracer(self.step, self.args, self.batch_argnums, self.name)(B)
+    @functools.cached_property
+    def retrace(self) -> Rescaling:
+        """``retrace(B)``: the step's Graph with its batch split into ``B``
+        micro-batches, rewritten from ``graph`` where that is proven exact,
+        traced where not (:mod:`meshplan.trace.rescale`)."""
+        return retracer(self.step, self.args, self.batch_argnums, self.name, graph=self.graph)
 
 
 def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
@@ -86,8 +90,10 @@ def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
 
 
 def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
-             name: str) -> Callable[[int], Graph]:
-    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
+             name: str, graph: Graph | None = None) -> Callable[[int], Graph]:
+    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches.
+    With ``graph`` (the step traced at full batch), a :class:`Rescaling`:
+    the Graph is rewritten from it where that is proven exact."""
     def shrink(x: Any, B: int) -> Any:
         if not getattr(x, "shape", ()):
             return x
@@ -98,7 +104,7 @@ def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ..
         for a in batch_argnums:
             args[a] = jax.tree.map(lambda x: shrink(x, B), args[a])
         return trace(fn, *args, batch_argnums=batch_argnums, name=name, warn=False)
-    return retrace
+    return retrace if graph is None else Rescaling(graph, retrace)
 
 
 def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
