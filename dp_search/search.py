@@ -170,6 +170,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     # (what this search needed, not what an earlier one left in the cache:
     # the plan must not depend on the process's history)
+    if search.time_limit_hit():
+        plan = replace(plan, ilp_time_limit_hit=True)
     note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "

@@ -191,6 +191,10 @@ class LayerSolver:
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
+    def time_limit_hit(self) -> bool:
+        """Did a layer ILP this search needed stop at its time limit?"""
+        return any(c is not None and c.result.solution.status == "time_limit"
+                   for c in (self.cache.get(k) for k in self.used))
 
     def stats(self, micro_batch_counts: int) -> SearchStats:
         return SearchStats(micro_batch_counts=micro_batch_counts,

@@ -180,6 +180,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
-            return Planned(replace(s, notes=s.notes + p.notes + (
-                ONE_STAGE_NOTE,)), stats)
+            return Planned(replace(s, notes=s.notes + p.notes + (ONE_STAGE_NOTE,),
+                                   ilp_time_limit_hit=s.ilp_time_limit_hit
+                                   or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)
