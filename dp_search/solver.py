@@ -16,7 +16,7 @@ from ..ilp import IlpCaches, InputLayouts, IntraOpResult, solve_intra_op
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
 from .options import PipelineOptions
-from .session import LAYER_CACHE_MAX, SearchStats, Session
+from .session import LAYER_CACHE_MAX, SearchStats, Session, usable_cpus
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class LayerSolver:
 
     @property
     def workers(self) -> int:
-        return self.session.workers
+        # (never more processes than cores, whatever the session says)
+        return min(self.session.workers, usable_cpus())
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
              grad_accum: int) -> tuple:
