@@ -92,7 +92,7 @@ class Rescaling:
         entries = self.log[since:]
         return (sum(h == "rewritten" for _, h, _ in entries),
                 sum(h == "traced" for _, h, _ in entries),
-                sum(s for _, h, s in entries if h == "rewritten"))
+                sum((s for _, h, s in entries if h == "rewritten"), 0.0))
 
     def __repr__(self) -> str:
         r, t, _ = self.counts()
