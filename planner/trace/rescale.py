@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable
 
 from .. import flops as flop_rules
-from ..graph import BATCH, IDENTITY_MARKERS, INPUT, INTERMEDIATE, Graph, Node, Tensor
+from ..graph import BATCH, IDENTITY_MARKERS, INTERMEDIATE, Graph, Node, Tensor
 from .tracer import _with_fingerprint
 
 __all__ = ["Rescaling", "BatchDims", "batch_dims", "rescale_batch", "graph_difference"]
@@ -564,10 +564,8 @@ def _rewrite(graph: Graph, dims: BatchDims, micro: int) -> Graph:
             nodes.append(n)
             continue
         nodes.append(_node(n, tensors, graph.tensors))
-    g = dataclasses.replace(graph, tensors=tuple(tensors), nodes=tuple(nodes), fingerprint="")
-    for k in ("producer", "consumers", "constant_tensors", "constant_nodes", "input_of_tensor"):
-        g.__dict__.pop(k, None)
-    return _with_fingerprint(g)
+    return _with_fingerprint(dataclasses.replace(graph, tensors=tuple(tensors),
+                                                 nodes=tuple(nodes), fingerprint=""))
 
 
 def _node(n: Node, tensors: list[Tensor], old: tuple[Tensor, ...]) -> Node:
