@@ -598,4 +598,5 @@ def _node(n: Node, tensors: list[Tensor], old: tuple[Tensor, ...]) -> Node:
         flop_params["dimension_numbers"] = _ConvNumbers(flop_params["dimension_numbers"])
     flops = flop_rules.flops_of(p, ins, outs, flop_params)
     nbytes = sum(tensors[t].nbytes for t in n.inputs + n.outputs)
-    return dataclasses.replace(n, params=new_params, flops=flops, bytes_accessed=nbytes)
+    return Node(n.id, p, n.inputs, n.outputs, new_params, flops, nbytes, n.remat, n.repeat,
+                n.scope)
