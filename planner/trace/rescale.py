@@ -70,20 +70,25 @@ class Rescaling:
 
     def __init__(self, graph: Graph, trace: Callable[[int], Graph]) -> None:
         self.graph, self.trace = graph, trace
-        self.dims: BatchDims | None = None          # after the probe
+        self.probe: tuple[int, Graph] | None = None
+        self.dims: BatchDims | None = None          # after the probe, once a second count comes
         self.log: list[tuple[int, str, float]] = []
 
     def __call__(self, B: int) -> Graph:
         t0 = time.perf_counter()
+        if self.dims is None and self.probe is not None:
+            # (analysed only when a second count comes: one count, as a
+            # Manual plan asks, is the probe alone)
+            self.dims = batch_dims(self.graph, probe=self.probe)
         g = rescale_batch(self.graph, B, self.dims) if self.dims is not None else None
         how = "rewritten"
         if g is None:
             how = "traced"
             g = self.trace(B)
-            if self.dims is None and _batch_size(self.graph) // B > 1:
+            if self.probe is None and _batch_size(self.graph) // B > 1:
                 # (a probe with micro-batches of one would settle nothing:
                 # jax leaves out broadcasts to shapes of ones)
-                self.dims = batch_dims(self.graph, probe=(B, g))
+                self.probe = (B, g)
         self.log.append((B, how, time.perf_counter() - t0))
         return g
 
