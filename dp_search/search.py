@@ -89,10 +89,16 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     ahead: dict[int, LayerProblems | TraceError] = {}
     counts = _StageCounts() if by_stage_count and opts.num_stages is None and not opts.fixed \
         else None
+    # (a meshplan.trace.rescale.Rescaling logs which counts it rewrote)
+    rescaling = getattr(retrace, "__wrapped__", retrace)
+    logged = len(getattr(rescaling, "log", ()))
+    regraphed = [0]
 
     def layered(B: int) -> LayerProblems | TraceError:
         t0 = time.perf_counter()
         try:
+            if B > 1:
+                regraphed[0] += 1
             g = graph if B == 1 else retrace(B)  # type: ignore[misc]
         except TraceError as e:
             return e
@@ -157,11 +163,17 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     # (what this search needed, not what an earlier one left in the cache:
     # the plan must not depend on the process's history)
+    if search.time_limit_hit():
+        plan = replace(plan, ilp_time_limit_hit=True)
     note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
     stats = search.stats(len(searched))
+    rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
+                               else (0, 0, 0.0))
+    stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
+                    rewrite_s=rewrite_s)
     if counts is not None:
         stats = replace(stats, stage_counts=counts.bests())
     return replace(plan, notes=plan.notes + (note,)), stats

@@ -19,12 +19,14 @@ LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on, at most 8 (processes for layer ILPs)."""
+    """The CPUs this process may run on: the most processes for layer ILPs.
+    (No fixed cap: each worker solves one single-threaded ILP at a time, so
+    every core shortens a search; the cap of 8 there once was arbitrary.)"""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:   # not Linux
         n = os.cpu_count() or 1
-    return max(1, min(n, 8))
+    return max(1, n)
 
 
 @dataclass
@@ -41,13 +43,14 @@ class Session:
     @classmethod
     def from_env(cls, progress: Progress | None = None) -> "Session":
         """A session configured from the environment: ``MESHPLAN_WORKERS``
-        (processes for layer ILPs; default the usable CPUs, at most 8) and
+        (processes for layer ILPs; default and most: the usable CPUs) and
         the solver's ``MESHPLAN_*`` variables (:meth:`SolverOptions.from_env`)."""
         env = os.environ.get("MESHPLAN_WORKERS")
         workers = usable_cpus()
         if env:
             try:
-                workers = max(1, int(env))
+                # (more processes than cores would only take turns on them)
+                workers = max(1, min(int(env), workers))
             except ValueError:
                 raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer") from None
         try:
@@ -78,7 +81,10 @@ class SearchStats:
     distinct_layer_ilps: int = 0   # distinct layer problems the search needed
     solved: int = 0                # layer ILPs solved by this search
     cache_hits: int = 0            # layer costs found in the session's cache
-    trace_s: float = 0.0           # wall time re-tracing the step per micro-batch count
+    trace_s: float = 0.0           # wall time getting the step's Graph per micro-batch count
+    rewritten: int = 0             # ... counts whose Graph was rewritten from the first trace
+    retraced: int = 0              # ... counts whose Graph was traced again
+    rewrite_s: float = 0.0         # the part of trace_s spent rewriting
     ilp_s: float = 0.0             # wall time in layer ILPs (in-process or waiting on workers)
     ilp_work_s: float = 0.0        # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0              # wall time in the stage DP, its ILPs excluded

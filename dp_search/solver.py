@@ -19,7 +19,7 @@ from ..ilp import IlpCaches, InputLayouts, IntraOpResult, solve_intra_op
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
 from .options import PipelineOptions
-from .session import LAYER_CACHE_MAX, SearchStats, Session
+from .session import LAYER_CACHE_MAX, SearchStats, Session, usable_cpus
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ class LayerSolver:
 
     @property
     def workers(self) -> int:
-        return self.session.workers
+        # (never more processes than cores, whatever the session says)
+        return min(self.session.workers, usable_cpus())
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
              grad_accum: int) -> tuple:
@@ -219,6 +220,10 @@ class LayerSolver:
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
+    def time_limit_hit(self) -> bool:
+        """Did a layer ILP this search needed stop at its time limit?"""
+        return any(c is not None and c.result.solution.status == "time_limit"
+                   for c in (self.cache.get(k) for k in self.used))
 
     def stats(self, micro_batch_counts: int) -> SearchStats:
         return SearchStats(micro_batch_counts=micro_batch_counts,

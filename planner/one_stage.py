@@ -3,6 +3,8 @@ pipeline asks (:func:`meshplan.planning.plan_step`), and what ``--explain``
 plans its one-stage alternatives with (:mod:`meshplan.explain`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .cluster import ClusterSpec
 from .cost_model import default_axis_names
 from .cost_model.mesh import default_submesh
@@ -47,7 +49,10 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
                              time_limit=request.time_limit, memory_budget=budget,
                              reporter=session.progress, options=session.solver,
                              caches=session.ilp_caches, accumulate=grads)
-    return plan_from_intra_op(graph, cluster, r, request.method)
+    plan = plan_from_intra_op(graph, cluster, r, request.method)
+    if r.solution.status == "time_limit":
+        plan = replace(plan, ilp_time_limit_hit=True)
+    return plan
 
 
 def check_batch_divisible(graph: Graph, n: int, what: str) -> None:

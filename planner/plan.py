@@ -251,6 +251,9 @@ class Plan:
     layer_of_node: tuple[int, ...] = ()
     # [explain] the plans this one was chosen over (empty unless asked for)
     alternatives: tuple[Alternative, ...] = ()
+    # an ILP behind this plan stopped at its time limit (its best incumbent
+    # was used): why two runs may differ; in the JSON only when true
+    ilp_time_limit_hit: bool = False
 
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
@@ -311,6 +314,7 @@ class Plan:
             **({"layer_of_node": _rle(self.layer_of_node)} if self.layer_of_node else {}),
             **({"alternatives": [a.to_dict() for a in self.alternatives]}
                if self.alternatives else {}),
+            **({"ilp_time_limit_hit": True} if self.ilp_time_limit_hit else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -341,6 +345,7 @@ class Plan:
                 notes=tuple(d.get("notes", ())),
                 layer_of_node=_unrle(d.get("layer_of_node", [])),
                 alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
+                ilp_time_limit_hit=bool(d.get("ilp_time_limit_hit", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):

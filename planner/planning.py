@@ -26,6 +26,7 @@ from .request import PlanRequest
 from .trace import issue_warnings, trace_both
 from .trace.tracer import trace_micro
 from .traced import TracedStep
+from .trace.rescale import Rescaling
 from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
 
@@ -50,9 +51,12 @@ class TracedFunction:
     run: TracedStep
     unstacked: Unstacked | None = None
 
-    def retrace(self, B: int) -> Graph:
-        """The step traced with its batch split into ``B`` micro-batches."""
-        return retracer(self.step, self.args, self.batch_argnums, self.name)(B)
+    @functools.cached_property
+    def retrace(self) -> Rescaling:
+        """``retrace(B)``: the step's Graph with its batch split into ``B``
+        micro-batches, rewritten from ``graph`` where that is proven exact,
+        traced where not (:mod:`meshplan.trace.rescale`)."""
+        return retracer(self.step, self.args, self.batch_argnums, self.name, graph=self.graph)
 
 
 def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
@@ -86,12 +90,16 @@ def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
 
 
 def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
-             name: str) -> Callable[[int], Graph]:
-    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches."""
-    # (the very trace the pipeline runtime runs: trace_for_run)
+             name: str, graph: Graph | None = None) -> Callable[[int], Graph]:
+    """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches.
+    With ``graph`` (the step traced at full batch), a :class:`Rescaling`:
+    the Graph is rewritten from it where that is proven exact."""
+    # (the very trace the pipeline runtime runs: trace_for_run; where it
+    # differs from a rewrite, e.g. gradients found without markers, the
+    # rewrite's probe sees it and every count is traced)
     def retrace(B: int) -> Graph:
         return trace_micro(fn, abstract, B, batch_argnums, name)
-    return retrace
+    return retrace if graph is None else Rescaling(graph, retrace)
 
 
 def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
@@ -167,6 +175,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
-            return Planned(replace(s, notes=s.notes + p.notes + (
-                ONE_STAGE_NOTE,)), stats)
+            return Planned(replace(s, notes=s.notes + p.notes + (ONE_STAGE_NOTE,),
+                                   ilp_time_limit_hit=s.ilp_time_limit_hit
+                                   or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)

@@ -94,3 +94,38 @@ def test_plan_json_is_byte_identical_across_runs_and_hash_seeds() -> None:
     for label, text in first.items():
         notes = json.loads(text)["notes"]
         assert not any(n.rstrip().endswith(" s") for n in notes), (label, notes)
+
+
+def test_planning_twice_in_one_process_with_fresh_sessions_is_byte_identical() -> None:
+    # a searched pipeline: micro-batch counts rewritten from the first trace
+    from meshplan.dp_search import Session
+    from meshplan.planning import plan_function, trace_function
+    m = build_model("mlp", {"layers": 4, "batch": 16})
+    cluster = meshplan.load_cluster(CLUSTER)
+    texts, stats = [], []
+    for _ in range(2):
+        session = Session()
+        traced = trace_function(m.train_step, m.abstract_args, m.batch_argnums, "mlp", session)
+        planned = plan_function(traced, cluster, meshplan.PipeshardParallel(), session)
+        texts.append(planned.plan.to_json())
+        stats.append(planned.search)
+    assert stats[0].rewritten >= 1, stats[0]
+    assert texts[0] == texts[1], "\n".join(difflib.unified_diff(
+        texts[0].splitlines(), texts[1].splitlines(), lineterm="", n=1))
+    assert "ilp_time_limit_hit" not in json.loads(texts[0])
+
+
+def test_a_plan_records_an_ilp_stopped_by_its_time_limit() -> None:
+    import warnings
+    name, config, _ = CASES["gpt-shard"]
+    m = build_model(name, config)
+    cluster = meshplan.load_cluster(CLUSTER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # (the ILP warns that it stopped)
+        hit = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                            method=meshplan.ShardParallel(mesh_shape=(2, 4), time_limit=1e-3))
+    full = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                         method=meshplan.ShardParallel(mesh_shape=(2, 4)))
+    assert hit.ilp_time_limit_hit and json.loads(hit.to_json())["ilp_time_limit_hit"] is True
+    assert meshplan.Plan.from_json(hit.to_json()).ilp_time_limit_hit
+    assert not full.ilp_time_limit_hit and "ilp_time_limit_hit" not in json.loads(full.to_json())

@@ -131,3 +131,17 @@ def test_manual_remat_names_follow_design():
                         ("auto", None), ("selective", "selective")):
         m = _method(_args("--method", "manual", "--dp", "8", "--remat", flag))
         assert m.remat is value or m.remat == value == "selective", flag
+
+
+def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
+    from meshplan.dp_search.session import Session, usable_cpus
+    from meshplan.dp_search.solver import LayerSolver
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    assert usable_cpus() == 96                      # (no fixed cap)
+    monkeypatch.setenv("MESHPLAN_WORKERS", "500")
+    assert Session.from_env().workers == 96
+    monkeypatch.setenv("MESHPLAN_WORKERS", "3")
+    assert Session.from_env().workers == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    solver = LayerSolver(meshplan.Cluster.local(), None, Session(workers=64))
+    assert solver.workers == 2

@@ -326,10 +326,10 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
 
 
 def _with_fingerprint(g: Graph) -> Graph:
+    # (json writes tuples as lists: the params go in as they are)
     data = {
-        "tensors": [[list(t.shape), t.dtype, t.kind] for t in g.tensors],
-        "nodes": [[n.primitive, list(n.inputs), list(n.outputs), _jsonable(n.params), n.remat]
-                  for n in g.nodes],
+        "tensors": [[t.shape, t.dtype, t.kind] for t in g.tensors],
+        "nodes": [[n.primitive, n.inputs, n.outputs, n.params, n.remat] for n in g.nodes],
         "inputs": [[i.tensor, i.argnum, i.path, i.role] for i in g.inputs],
         "outputs": [[o.tensor, o.path, o.updates] for o in g.outputs],
         "batch_argnums": list(g.batch_argnums),
@@ -337,12 +337,6 @@ def _with_fingerprint(g: Graph) -> Graph:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     import dataclasses
     return dataclasses.replace(g, fingerprint=hashlib.sha256(text.encode()).hexdigest())
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return [_jsonable(x) for x in v]
-    return v
 
 
 # --------------------------------------------------------------------------
