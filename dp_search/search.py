@@ -33,8 +33,15 @@ def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[i
         if bad:
             raise MeshplanError(f"num_micro_batches={bad[0]} does not divide the batch size {batch}")
         return list(fixed)
-    out = [b for b in (1, 2, 4, 8, 16, 32, 64) if batch % b == 0 and b <= batch]
-    return out or [1]
+    # Every divisor of the batch within 1.5x of a power of two up to 64, not
+    # only the powers: a hand plan splits the batch so that its data-parallel
+    # degree divides each micro-batch (Megatron-LM's 24 or 48 of 1536 for 32
+    # replicas), which no power of two does when the batch has odd factors.
+    return [b for b in range(1, min(batch, MAX_MICRO_BATCHES) + 1) if batch % b == 0]
+
+
+# the most micro-batches searched while some count fits (1.5 x 64)
+MAX_MICRO_BATCHES = 96
 
 
 def _batch_size(graph: Graph) -> int:
@@ -196,7 +203,8 @@ class _StageCounts:
             else:
                 old = self.best.get(k)
                 if old is None or choice.total_s < old.predicted.iteration_s:
-                    self.best[k] = pipeline_plan(graph, lay, choice, costs, cluster, method)
+                    self.best[k] = pipeline_plan(graph, costs.lay, choice, costs, cluster,
+                                                 method)
             k *= 2
 
     def bests(self) -> tuple[StageCountBest, ...]:
@@ -274,7 +282,7 @@ def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: Pipel
               solver: LayerSolver, method: str) -> Plan:
     """The best plan with ``lay``'s micro-batch count (InfeasiblePlanError: none fits)."""
     choice, costs = best_pipeline(lay, cluster, opts, solver)
-    return pipeline_plan(full, lay, choice, costs, cluster, method)
+    return pipeline_plan(full, costs.lay, choice, costs, cluster, method)
 
 
 def _scanned_layers(graph: Graph) -> str | None:
