@@ -44,6 +44,10 @@ def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[i
 MAX_MICRO_BATCHES = 96
 
 
+def _pow2(b: int) -> bool:
+    return b & (b - 1) == 0
+
+
 def _batch_size(graph: Graph) -> int:
     sizes = {graph.tensors[i.tensor].shape[0] for i in graph.inputs
              if i.role == BATCH and graph.tensors[i.tensor].shape}
@@ -141,8 +145,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 errors[B] = str(e)
                 if isinstance(e, StageMemoryError) and e.stage is not None:
                     unfit[B] = e
-                more = [b for b in searched if b > B and b not in untraceable]
-                if opts.prune_micro_batches and (best is not None or not more):
+                # (only a power of two prunes, as before the other divisors
+                # were searched: 48 of 1536 may fit nothing where 32, whose
+                # micro-batches more replicas divide, does)
+                more = [b for b in searched if b > B and b not in untraceable and _pow2(b)]
+                if opts.prune_micro_batches and _pow2(B) and (best is not None or not more):
                     todo.clear()     # fewer micro-batches fit no better
             except TraceError as e:
                 if B == 1:
@@ -152,11 +159,13 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 errors[B] = f"the step does not trace with {B} micro-batches: {e}"
                 untraceable.add(B)
                 continue
-            top = max(searched)
+            top = max(b for b in searched if _pow2(b)) if any(map(_pow2, searched)) \
+                else max(searched)
             if (best is None and not todo and opts.num_micro_batches is None
                     and retrace is not None and top not in untraceable and batch % (2 * top) == 0):
                 # nothing fits yet: smaller micro-batches, down to one example
-                todo.append(2 * top)
+                # (and the other divisors up to it, the most first)
+                todo += [b for b in range(2 * top, max(searched), -1) if batch % b == 0]
     except BaseException:        # Ctrl-C included: no worker may outlive the search
         search.close(abort=True)
         raise
