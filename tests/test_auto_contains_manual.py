@@ -96,3 +96,38 @@ def test_auto_is_no_slower_than_any_manual_plan(seed):
             f"{cluster.name}, {m.config}: Auto {t_auto:.6g} s ({len(auto.stages)} stages, "
             f"{auto.num_micro_batches} micro-batches) slower than {method} {t_manual:.6g} s")
     assert checked, "no Manual configuration of the grid fits: the case tests nothing"
+
+
+def test_micro_batch_counts_include_the_divisors_hand_plans_use():
+    from meshplan.dp_search.search import _micro_batch_candidates
+    got = _micro_batch_candidates(1536, None)
+    # Megatron-LM's 24 and 48 of 1536 (32 replicas, micro-batches of 2 and 1 each)
+    assert {24, 48, 1, 2, 4, 8, 16, 32, 64} <= set(got) and max(got) == 96
+    assert all(1536 % b == 0 for b in got)
+    assert _micro_batch_candidates(1024, None) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_more_stages_than_layer_groups_contain_the_hand_plan():
+    """A hand plan with more stages (32) than the search's 16 layer groups is
+    inside the search: Auto is no slower than it."""
+    from meshplan.dp_search.problem import layer_problems
+    cluster = parse_cluster({
+        "format": "meshplan.cluster/1", "name": "fake-4x8", "num_hosts": 4,
+        "devices_per_host": 8, "num_devices": 32,
+        "device": {"kind": "fake", "memory_bytes": 2**30, "memory_bandwidth_bytes_per_s": 1e12,
+                   "peak_flops": {"float32": 1e13}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+    m = build_model("mlp", {"layers": 36, "hidden": 16, "in_dim": 16, "out_dim": 8,
+                            "batch": 32})
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    lay = layer_problems(graph, 32, cluster, meshplan.Auto().request(32).pipeline)
+    assert len(lay.groups) == 16 and 32 in [S for S, _, _ in lay.many_stages]
+    session = Session(workers=1)
+    auto = plan_graph(graph, cluster, meshplan.Auto(num_micro_batches=32), retrace=rt,
+                      session=session)
+    manual = plan_graph(graph, cluster, meshplan.Manual(dp=1, tp=1, pp=32, num_micro_batches=32),
+                        retrace=rt, session=session)
+    assert len(manual.stages) == 32
+    assert auto.predicted.iteration_s <= manual.predicted.iteration_s * (1 + TOLERANCE)
