@@ -9,7 +9,10 @@ Left out of the grid, because Auto does not search them by design:
 - a stage of ``dp * tp`` devices that does not tile a host (3 devices on
   hosts of 4): Auto's submeshes never straddle hosts (Alpa's shapes);
 - ``pp`` above the layers Auto's layering has: Manual then cuts finer
-  layers for its stages, Auto keeps one stage per layer at most.
+  layers for its stages, Auto keeps one stage per layer at most;
+- a ``model`` axis longer than a host with ``dp > 1`` (a stage of two hosts
+  on a (2, 4) mesh over hosts of 2): Auto keeps every axis but the first
+  inside a host on stages that span hosts.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def grid(cluster: meshplan.ClusterSpec, batch: int, layers: int):
             if D % (pp * tp):
                 continue
             dp, n = D // (pp * tp), D // pp
-            if pp > layers or (dph % n and n % dph) or tp > dph:
+            if pp > layers or (dph % n and n % dph) or (tp > dph and dp > 1):
                 continue
             for mb in (b for b in range(1, batch + 1) if batch % b == 0):
                 if (batch // mb) % dp:
