@@ -4,7 +4,7 @@ backward keeps and what it sends on, and the submeshes and logical meshes a
 stage may take."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import is_cpu
@@ -54,6 +54,9 @@ class LayerProblems:
     # the user fixed the number of stages (stages=N, Manual's pp): near ties of
     # the stage DP go to the more balanced stages (stage_dp's balance)
     exact_stages: bool = False
+    # more stages than groups (a hand plan's 35 of 105 layers): per count S,
+    # S stages of one group each on equal submeshes, and their logical meshes
+    many_stages: tuple[tuple[int, Submesh, tuple[LogicalMesh, ...]], ...] = ()
 
     def request(self, l: int, m: int, k: int) -> tuple:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
@@ -64,9 +67,26 @@ class LayerProblems:
 
     def requests(self) -> list[tuple]:
         """Every layer on every mesh its state fits: the stage DP asks for all of them."""
-        return [self.request(l, m, k) for l in range(len(self.subs))
-                for m, s in enumerate(self.submeshes) if self.state_bytes[l] / s.size <= self.budget
-                for k in range(len(self.meshes_of[m]))]
+        out = [self.request(l, m, k) for l in range(len(self.subs))
+               for m, s in enumerate(self.submeshes) if self.state_bytes[l] / s.size <= self.budget
+               for k in range(len(self.meshes_of[m]))]
+        for view in self.many_stage_views():
+            if view.submeshes[0] not in self.submeshes:
+                out += view.requests()
+        return out
+
+    def many_stage_views(self) -> list["LayerProblems"]:
+        """Per count of :attr:`many_stages` within ``min_stages..max_stages``:
+        these problems with that many groups, one stage each, all on one
+        submesh (the one assignment there is; the DP only prices it)."""
+        out = []
+        for S, sub, meshes in self.many_stages:
+            if not self.min_stages <= S <= (self.max_stages or S):
+                continue
+            out.append(replace(self, groups=group_layers(self.layering.flops, S),
+                               submeshes=[sub], meshes_of=[list(meshes)],
+                               min_stages=S, max_stages=S, many_stages=()))
+        return out
 
 
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> LayerProblems:
@@ -102,6 +122,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     selective_flops = [sum(view.graph.nodes[nid].flops for nid in members
                            if all(t in again for t in view.graph.nodes[nid].outputs))
                        for members in view.members]
+    many: tuple = ()
     if opts.fixed is not None:
         dp, tp, pp = opts.fixed
         submeshes = [fixed_submesh(cluster, dp * tp)]
@@ -112,6 +133,10 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
                      if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
         max_stages = opts.num_stages or opts.max_stages
+        if opts.num_stages is None and not opts.equal_layers and opts.num_layers is None:
+            many = tuple((S, sub, tuple(stage_meshes(cluster, sub, None, opts.data_parallel_stages,
+                                                     opts.tp_within_host)))
+                         for S, sub in _many_stages(cluster, L, n_groups, max_stages))
     return LayerProblems(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
@@ -136,7 +161,22 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                      for sub in subs],
         optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
                              if i.role == OPT_STATE) for sub in subs],
-        exact_stages=opts.num_stages is not None or opts.fixed is not None)
+        exact_stages=opts.num_stages is not None or opts.fixed is not None,
+        many_stages=many)
+
+
+def _many_stages(cluster: ClusterSpec, L: int, n_groups: int, max_stages: int | None
+                 ) -> list[tuple[int, Submesh]]:
+    """The stage counts above ``n_groups`` (up to the ``L`` layers) that split
+    the devices into equal stages of whole hosts or of pieces that tile a
+    host, as a hand plan's ``pp`` does, each with its stages' submesh."""
+    D, dph = cluster.num_devices, cluster.devices_per_host
+    out = []
+    for S in range(n_groups + 1, min(L, D, max_stages or L) + 1):
+        n = D // S
+        if D % S == 0 and (dph % n == 0 or n % dph == 0):
+            out.append((S, Submesh(1, n) if n <= dph else Submesh(n // dph, dph)))
+    return out
 
 
 def default_layers(g: Graph, cluster: ClusterSpec) -> int:

@@ -33,8 +33,19 @@ def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[i
         if bad:
             raise MeshplanError(f"num_micro_batches={bad[0]} does not divide the batch size {batch}")
         return list(fixed)
-    out = [b for b in (1, 2, 4, 8, 16, 32, 64) if batch % b == 0 and b <= batch]
-    return out or [1]
+    # Every divisor of the batch within 1.5x of a power of two up to 64, not
+    # only the powers: a hand plan splits the batch so that its data-parallel
+    # degree divides each micro-batch (Megatron-LM's 24 or 48 of 1536 for 32
+    # replicas), which no power of two does when the batch has odd factors.
+    return [b for b in range(1, min(batch, MAX_MICRO_BATCHES) + 1) if batch % b == 0]
+
+
+# the most micro-batches searched while some count fits (1.5 x 64)
+MAX_MICRO_BATCHES = 96
+
+
+def _pow2(b: int) -> bool:
+    return b & (b - 1) == 0
 
 
 def _batch_size(graph: Graph) -> int:
@@ -133,8 +144,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 errors[B] = str(e)
                 if isinstance(e, StageMemoryError) and e.stage is not None:
                     unfit[B] = e
-                more = [b for b in searched if b > B and b not in untraceable]
-                if opts.prune_micro_batches and (best is not None or not more):
+                # (only a power of two prunes, as before the other divisors
+                # were searched: 48 of 1536 may fit nothing where 32, whose
+                # micro-batches more replicas divide, does)
+                more = [b for b in searched if b > B and b not in untraceable and _pow2(b)]
+                if opts.prune_micro_batches and _pow2(B) and (best is not None or not more):
                     todo.clear()     # fewer micro-batches fit no better
             except TraceError as e:
                 if B == 1:
@@ -144,11 +158,13 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 errors[B] = f"the step does not trace with {B} micro-batches: {e}"
                 untraceable.add(B)
                 continue
-            top = max(searched)
+            top = max(b for b in searched if _pow2(b)) if any(map(_pow2, searched)) \
+                else max(searched)
             if (best is None and not todo and opts.num_micro_batches is None
                     and retrace is not None and top not in untraceable and batch % (2 * top) == 0):
                 # nothing fits yet: smaller micro-batches, down to one example
-                todo.append(2 * top)
+                # (and the other divisors up to it, the most first)
+                todo += [b for b in range(2 * top, max(searched), -1) if batch % b == 0]
     except BaseException:        # Ctrl-C included: no worker may outlive the search
         search.close(abort=True)
         raise
@@ -201,7 +217,8 @@ class _StageCounts:
             else:
                 old = self.best.get(k)
                 if old is None or choice.total_s < old.predicted.iteration_s:
-                    self.best[k] = pipeline_plan(graph, lay, choice, costs, cluster, method)
+                    self.best[k] = pipeline_plan(graph, costs.lay, choice, costs, cluster,
+                                                 method)
             k *= 2
 
     def bests(self) -> tuple[StageCountBest, ...]:
@@ -272,7 +289,7 @@ def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: Pipel
               solver: LayerSolver, method: str) -> Plan:
     """The best plan with ``lay``'s micro-batch count (InfeasiblePlanError: none fits)."""
     choice, costs = best_pipeline(lay, cluster, opts, solver)
-    return pipeline_plan(full, lay, choice, costs, cluster, method)
+    return pipeline_plan(full, costs.lay, choice, costs, cluster, method)
 
 
 def _scanned_layers(graph: Graph) -> str | None:

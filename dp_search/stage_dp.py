@@ -90,9 +90,13 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     def c(i: int, j: int, m: int, s: int) -> float | None:
         return cost(i, j, m, s)
 
+    # only stages some assignment has: ``s - 1`` later stages need a layer
+    # each, and the first stage starts a plan of min..max stages (the DP
+    # reaches no other, and one group per stage then costs L, not L^3, stages)
     latencies = sorted({v for i in range(L) for j in range(i, L) for m in range(len(sizes))
-                        for s in range(1, max_stages + 1)
-                        if (v := c(i, j, m, s)) is not None})
+                        for s in range(1, min(max_stages, L - j) + 1)
+                        if _reachable(i, s, min_stages, max_stages)
+                        and (v := c(i, j, m, s)) is not None})
     if not latencies:
         return None
     best: DPResult | None = None
@@ -107,6 +111,15 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
         if best is None or total < best.total_s - 1e-15:
             best = DPResult(total, stages, t_max)
     return best
+
+
+def _reachable(first: int, s: int, min_stages: int, max_stages: int) -> bool:
+    """Can a stage starting at layer ``first``, with ``s`` stages from it to
+    the last, be part of a plan of ``min_stages`` to ``max_stages`` stages?
+    (``e`` stages before it, one layer each at least.)"""
+    if first == 0:
+        return min_stages <= s <= max_stages
+    return max(1, min_stages - s) <= min(first, max_stages - s)
 
 
 def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,

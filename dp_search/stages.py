@@ -292,13 +292,17 @@ def _ways(remat: bool | str | None, whole: bool) -> tuple[str, ...]:
 
 def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
                   solver: LayerSolver) -> tuple[PipelineChoice, StageCosts]:
-    """The fastest schedule's pipeline for ``lay``'s micro-batch count."""
+    """The fastest schedule's pipeline for ``lay``'s micro-batch count, and
+    the stage costs it was priced with (``costs.lay``: the problems it cuts,
+    ``lay`` or one of its :meth:`~LayerProblems.many_stage_views`)."""
     costs = StageCosts(lay, opts, solver)
     found = []
-    for schedule in opts.schedules:
-        c = _pipeline_for(schedule, lay, cluster, opts, solver, costs)
-        if c is not None:
-            found.append(c)
+    for view in [lay] + lay.many_stage_views():
+        priced = costs if view is lay else StageCosts(view, opts, solver)
+        for schedule in opts.schedules:
+            c = _pipeline_for(schedule, view, cluster, opts, solver, priced)
+            if c is not None:
+                found.append((c.total_s, len(found), c, priced))
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
@@ -313,7 +317,8 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
                                f"micro-batch(es){': ' + detail if detail else ''}", detail, unfit,
                                budget_bytes=int(lay.budget),
                                needed_bytes=None if need is None else int(need))
-    return min(found, key=lambda c: c.total_s), costs
+    _, _, choice, priced = min(found)      # (the first of equals: the groups' DP)
+    return choice, priced
 
 
 def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,

@@ -169,12 +169,14 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
                                retrace=retrace, session=session, by_stage_count=explain)
     if request.one_stage_by_whole_graph and len(p.stages) == 1:
-        # one stage: the whole-graph ILP is more exact than the sum of layer costs
+        # one stage: the whole-graph ILP is more exact than the sum of layer
+        # costs; it is kept where it is no slower (so that Auto never predicts
+        # a plan slower than one it found, or than a Manual one of the search)
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
             return Planned(p, stats)
-        if s.predicted.iteration_s <= p.predicted.iteration_s * 1.05:
+        if s.predicted.iteration_s <= p.predicted.iteration_s:
             return Planned(replace(s, notes=s.notes + p.notes + (ONE_STAGE_NOTE,),
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)

@@ -1,0 +1,136 @@
+"""Property: the search contains every hand plan.  On random small models
+and clusters, ``Auto()`` never predicts a slower iteration than a ``Manual``
+configuration of the grid (dp x tp x pp x micro-batches x remat x schedule,
+those that fit), by the same cost model.
+
+Left out of the grid, because Auto does not search them by design:
+- ``schedule="interleaved"``: Auto searches only the schedules the runtime
+  executes (GPipe, 1F1B; ``Auto(schedule=...)`` can add it);
+- a stage of ``dp * tp`` devices that does not tile a host (3 devices on
+  hosts of 4): Auto's submeshes never straddle hosts (Alpa's shapes);
+- ``pp`` above the layers Auto's layering has: Manual then cuts finer
+  layers for its stages, Auto keeps one stage per layer at most;
+- a ``model`` axis longer than a host with ``dp > 1`` (a stage of two hosts
+  on a (2, 4) mesh over hosts of 2): Auto keeps every axis but the first
+  inside a host on stages that span hosts.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import meshplan
+from meshplan.api import plan_graph, retracer
+from meshplan.cluster import parse_cluster
+from meshplan.dp_search import Session
+from meshplan.dp_search.layers import assign_layers
+from meshplan.dp_search.problem import default_layers
+from meshplan.errors import InfeasiblePlanError
+from meshplan.models import build_model
+from meshplan.trace import trace
+
+# (seed: a few cases run in CI; each plans one Auto and its grid)
+SEEDS = (0, 1, 2)
+GRID_SIZE = 14          # Manual configurations sampled per case (all that fit count)
+TOLERANCE = 1e-9        # relative: float sums in a different order
+
+
+def random_cluster(rng: random.Random) -> meshplan.ClusterSpec:
+    hosts, dph = rng.choice([(1, 2), (1, 4), (2, 2), (2, 4)])
+    return parse_cluster({
+        "format": "meshplan.cluster/1", "name": f"fake-{hosts}x{dph}",
+        "num_hosts": hosts, "devices_per_host": dph, "num_devices": hosts * dph,
+        "device": {"kind": "fake", "memory_bytes": rng.choice([2**22, 2**24, 2**30]),
+                   "memory_bandwidth_bytes_per_s": 1e12,
+                   "peak_flops": {"float32": rng.choice([1e12, 1e13])}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": rng.choice([1e10, 1e11]),
+                                 "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": rng.choice([1e9, 1e10]),
+                                 "latency_s": 5e-6}}})
+
+
+def random_model(rng: random.Random):
+    batch = rng.choice([8, 12, 24])
+    if rng.random() < 0.5:
+        return build_model("mlp", {"layers": rng.choice([2, 3, 4]), "hidden": rng.choice([32, 64]),
+                                   "in_dim": 16, "out_dim": 8, "batch": batch})
+    return build_model("gpt", {"layers": rng.choice([2, 3]), "hidden": 32, "heads": 2,
+                               "seq_len": 8, "vocab": 64, "batch": batch})
+
+
+def grid(cluster: meshplan.ClusterSpec, batch: int, layers: int):
+    D, dph = cluster.num_devices, cluster.devices_per_host
+    for pp in range(1, D + 1):
+        for tp in range(1, D // pp + 1):
+            if D % (pp * tp):
+                continue
+            dp, n = D // (pp * tp), D // pp
+            if pp > layers or (dph % n and n % dph) or (tp > dph and dp > 1):
+                continue
+            for mb in (b for b in range(1, batch + 1) if batch % b == 0):
+                if (batch // mb) % dp:
+                    continue
+                for remat in (None, True, False):
+                    for schedule in ("1f1b", "gpipe"):
+                        yield meshplan.Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=mb,
+                                              remat=remat, schedule=schedule)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_auto_is_no_slower_than_any_manual_plan(seed):
+    rng = random.Random(seed)
+    cluster, m = random_cluster(rng), random_model(rng)
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    auto = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
+    layers = assign_layers(graph, default_layers=default_layers(graph, cluster)).num_layers
+    configs = list(grid(cluster, m.config["batch"], layers))
+    checked = []
+    for method in rng.sample(configs, min(GRID_SIZE, len(configs))):
+        try:
+            manual = plan_graph(graph, cluster, method, retrace=rt, session=session)
+        except InfeasiblePlanError:
+            continue                # does not fit: not a plan Auto must beat
+        checked.append(method)
+        t_auto, t_manual = auto.predicted.iteration_s, manual.predicted.iteration_s
+        assert t_auto <= t_manual * (1 + TOLERANCE), (
+            f"{cluster.name}, {m.config}: Auto {t_auto:.6g} s ({len(auto.stages)} stages, "
+            f"{auto.num_micro_batches} micro-batches) slower than {method} {t_manual:.6g} s")
+    assert checked, "no Manual configuration of the grid fits: the case tests nothing"
+
+
+def test_micro_batch_counts_include_the_divisors_hand_plans_use():
+    from meshplan.dp_search.search import _micro_batch_candidates
+    got = _micro_batch_candidates(1536, None)
+    # Megatron-LM's 24 and 48 of 1536 (32 replicas, micro-batches of 2 and 1 each)
+    assert {24, 48, 1, 2, 4, 8, 16, 32, 64} <= set(got) and max(got) == 96
+    assert all(1536 % b == 0 for b in got)
+    assert _micro_batch_candidates(1024, None) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_more_stages_than_layer_groups_contain_the_hand_plan():
+    """A hand plan with more stages (32) than the search's 16 layer groups is
+    inside the search: Auto is no slower than it."""
+    from meshplan.dp_search.problem import layer_problems
+    cluster = parse_cluster({
+        "format": "meshplan.cluster/1", "name": "fake-4x8", "num_hosts": 4,
+        "devices_per_host": 8, "num_devices": 32,
+        "device": {"kind": "fake", "memory_bytes": 2**30, "memory_bandwidth_bytes_per_s": 1e12,
+                   "peak_flops": {"float32": 1e13}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+    m = build_model("mlp", {"layers": 36, "hidden": 16, "in_dim": 16, "out_dim": 8,
+                            "batch": 32})
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    lay = layer_problems(graph, 32, cluster, meshplan.Auto().request(32).pipeline)
+    assert len(lay.groups) == 16 and 32 in [S for S, _, _ in lay.many_stages]
+    session = Session(workers=1)
+    auto = plan_graph(graph, cluster, meshplan.Auto(num_micro_batches=32), retrace=rt,
+                      session=session)
+    manual = plan_graph(graph, cluster, meshplan.Manual(dp=1, tp=1, pp=32, num_micro_batches=32),
+                        retrace=rt, session=session)
+    assert len(manual.stages) == 32
+    assert auto.predicted.iteration_s <= manual.predicted.iteration_s * (1 + TOLERANCE)
