@@ -24,7 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
-from .micro import micro_step
+from .micro import mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
@@ -203,8 +203,15 @@ def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
     :class:`~meshplan.traced.TracedStep` a one-stage runtime runs (its graph
     is that Graph).  Issues no warnings (:func:`issue_warnings`)."""
     closed, out_shape, flat, graph = _traced(fn, args, batch_argnums, name)
-    return graph, _traced_step(closed, out_shape, flat, tuple(args), graph.batch_argnums,
-                               graph=graph)
+    # (a step without gradient markers gets the one its micro-batches get)
+    bn = graph.batch_argnums
+    probe = tuple(jax.tree_util.tree_map(lambda x: _grow(_abstract_leaf(x), 2), a) if i in bn
+                  else a for i, a in enumerate(args))
+    flat, graph = mark_full_batch(
+        fn, args, probe, flat, graph,
+        lambda f: graph_from_jaxpr(closed, args, out_shape, batch_argnums=bn, name=graph.name,
+                                   argnames=_argnames(fn, len(args)), flat=f))
+    return graph, _traced_step(closed, out_shape, flat, tuple(args), bn, graph=graph)
 
 
 def _traced(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
@@ -427,6 +434,12 @@ def _shrink(x: Any, m: int) -> Any:
     if not getattr(x, "shape", ()):
         return x
     return jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
+
+
+def _grow(x: Any, k: int) -> Any:
+    if not getattr(x, "shape", ()):
+        return x
+    return jax.ShapeDtypeStruct((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype)
 
 
 def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
