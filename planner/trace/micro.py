@@ -20,13 +20,22 @@ runs what the other would refuse:
     batch for good (a weight's ``x.T @ dy``, a bias's sum, an embedding's
     scatter-add).  The loss and metrics are no gradients (the state is not
     computed from them), nor is a batch mean that the forward goes on with
-    (it feeds per-example values).  What reads them (the optimizer, and
-    linear glue such as a transpose or the sum of a tied weight's two
-    gradients) runs once per step on their mean, which is exact because a
-    gradient of a mean loss is the mean of the micro-batch gradients.
+    (it feeds per-example values).  Each is then taken past the
+    layout-only operations that are its only reader (the transpose after a
+    weight gradient's ``dot_general``, a bias gradient's reshape), so that
+    it has its parameter's shape, as ``meshplan.value_and_grad`` returns
+    it.  What reads them (the optimizer, and linear glue such as the sum of
+    a tied weight's two gradients) runs once per step on their mean, which
+    is exact because a gradient of a mean loss is the mean of the
+    micro-batch gradients.
 
   A ``meshplan.grad`` marker is put on them (one, after the last of them)
-  and the step is then split exactly as a marked one.  Markers the user
+  and the step is then split, laid out in layers and costed exactly as a
+  marked one (issue 17: the layers map each gradient to its parameter by
+  the data flow, since these come in the backward's order).  The trace of
+  the whole batch (one micro-batch: the whole-graph ILP and the overlap of
+  its gradient reductions) gets the same marker, found against a trace at
+  twice the batch (:func:`mark_full_batch`).  Markers the user
   wrote take precedence: nothing is inferred then.  A step in which a state
   output is computed from the backward (outside the forward, the ancestors
   of the outputs that update no input) but not from these gradients is
