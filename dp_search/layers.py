@@ -389,11 +389,19 @@ def gradient_parameters(graph: Graph, marker) -> list[int | None]:
     """The parameter (graph input tensor) of each gradient a ``meshplan.grad``
     marker carries, or ``None`` where it cannot be told.
 
-    The marker's operands are the leaves of the gradient pytree, which has the
-    structure of the differentiated argument; that argument's leaves are a
-    run of consecutive parameter inputs of the step.  The one run of
-    parameters whose shapes and dtypes match the gradients leaf by leaf names
-    them; no run, or several, names none."""
+    First by the data flow: when each marked gradient is read, directly or
+    not, by the update of exactly one parameter of its shape and dtype, and
+    no two gradients name the same one, that parameter is its own (this
+    holds whatever order the gradients come in: the gradients found in an
+    unmarked step come in the backward's order, :mod:`meshplan.trace.micro`).
+    Otherwise by position: a marker's operands are the leaves of the
+    gradient pytree, which has the structure of the differentiated argument;
+    that argument's leaves are a run of consecutive parameter inputs of the
+    step.  The one run of parameters whose shapes and dtypes match the
+    gradients leaf by leaf names them; no run, or several, names none."""
+    by_flow = _parameters_by_flow(graph, marker)
+    if by_flow is not None:
+        return by_flow
     params = [i for i in graph.inputs if i.role == "param"]
     sig = [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in marker.inputs]
     k = len(sig)
@@ -403,6 +411,39 @@ def gradient_parameters(graph: Graph, marker) -> list[int | None]:
     if len(runs) != 1:
         return [None] * k
     return [params[runs[0] + j].tensor for j in range(k)]
+
+
+_SEVERAL = -1     # (a value several parameters' updates read)
+
+
+def _parameters_by_flow(graph: Graph, marker) -> list[int] | None:
+    """The parameter whose update reads each marked gradient (see
+    :func:`gradient_parameters`), or None when that does not name one
+    distinct parameter of the gradient's shape and dtype for every one (a
+    global gradient norm makes every update read every gradient)."""
+    updated: dict[int, int] = {}
+    for o in graph.outputs:
+        if o.updates is not None and graph.inputs[o.updates].role == "param":
+            updated[o.tensor] = graph.inputs[o.updates].tensor
+    # one backward sweep: per value, the one parameter whose new value is
+    # computed from it, or _SEVERAL
+    reaches: dict[int, int] = dict(updated)
+    for n in reversed(graph.nodes):
+        got = {reaches[t] for t in n.outputs if t in reaches}
+        if not got:
+            continue
+        p = got.pop() if len(got) == 1 else _SEVERAL
+        for t in n.inputs:
+            q = reaches.get(t, p)
+            reaches[t] = p if q == p else _SEVERAL
+    out = []
+    for g, o in zip(marker.inputs, marker.outputs):
+        p = reaches.get(o, _SEVERAL)
+        if p == _SEVERAL or (graph.tensors[p].shape, graph.tensors[p].dtype) != (
+                graph.tensors[g].shape, graph.tensors[g].dtype):
+            return None
+        out.append(p)
+    return out if len(set(out)) == len(out) else None
 
 
 def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[int, int],

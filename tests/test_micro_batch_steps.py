@@ -125,10 +125,11 @@ def test_the_gradients_are_found_where_the_backward_reduces_over_the_batch():
     g = trace_micro(_step(jax.value_and_grad), (_state(), BATCH), 4, (1,))
     marks = [n for n in g.nodes if n.primitive == GRAD_BOUNDARY]
     assert len(marks) == 1
-    # the three weight gradients, reduced over the batch (before the
-    # optimizer's transposes), nothing else
+    # the three weight gradients, reduced over the batch, nothing else: past
+    # the backward's transposes, in the parameters' shapes, as
+    # meshplan.value_and_grad marks them (test_inferred_gradients_cost.py)
     shapes = sorted(g.tensors[t].shape for t in marks[0].inputs)
-    assert shapes == sorted([(32, 16), (32, 32), (4, 32)])
+    assert shapes == sorted([(16, 32), (32, 32), (32, 4)])
     # the loss and the draw stay before it, the update after it
     pos = marks[0].id
     assert all(n.id < pos for n in g.nodes if n.primitive == "random_bits")

@@ -20,13 +20,22 @@ runs what the other would refuse:
     batch for good (a weight's ``x.T @ dy``, a bias's sum, an embedding's
     scatter-add).  The loss and metrics are no gradients (the state is not
     computed from them), nor is a batch mean that the forward goes on with
-    (it feeds per-example values).  What reads them (the optimizer, and
-    linear glue such as a transpose or the sum of a tied weight's two
-    gradients) runs once per step on their mean, which is exact because a
-    gradient of a mean loss is the mean of the micro-batch gradients.
+    (it feeds per-example values).  Each is then taken past the
+    layout-only operations that are its only reader (the transpose after a
+    weight gradient's ``dot_general``, a bias gradient's reshape), so that
+    it has its parameter's shape, as ``meshplan.value_and_grad`` returns
+    it.  What reads them (the optimizer, and linear glue such as the sum of
+    a tied weight's two gradients) runs once per step on their mean, which
+    is exact because a gradient of a mean loss is the mean of the
+    micro-batch gradients.
 
   A ``meshplan.grad`` marker is put on them (one, after the last of them)
-  and the step is then split exactly as a marked one.  Markers the user
+  and the step is then split, laid out in layers and costed exactly as a
+  marked one (issue 17: the layers map each gradient to its parameter by
+  the data flow, since these come in the backward's order).  The trace of
+  the whole batch (one micro-batch: the whole-graph ILP and the overlap of
+  its gradient reductions) gets the same marker, found against a trace at
+  twice the batch (:func:`mark_full_batch`).  Markers the user
   wrote take precedence: nothing is inferred then.  A step in which a state
   output is computed from the backward (outside the forward, the ancestors
   of the outputs that update no input) but not from these gradients is
@@ -54,7 +63,7 @@ from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
 from .walk import flatten
 
-__all__ = ("micro_step", "infer_gradients", "draw_equations", "BatchDraw")
+__all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations", "BatchDraw")
 
 # (flat equation index, batch dimension, full-batch shape) of a draw over the batch
 BatchDraw = tuple[int, int, tuple[int, ...]]
@@ -97,6 +106,32 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     return closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full))
 
 
+def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any],
+                    flat: FlatJaxpr, graph: Graph,
+                    rebuild: Callable[[FlatJaxpr], Graph]) -> tuple[FlatJaxpr, Graph]:
+    """The whole-batch trace ``flat`` (its Graph ``graph``) of a step with no
+    gradient marker, with the marker :func:`infer_gradients` puts on its
+    gradients: found by comparing with the trace at ``probe_args`` (the batch
+    at another size), so that one micro-batch (the whole-graph ILP, the
+    overlap of the gradient reductions, the layers) sees the gradients
+    several micro-batches see.  ``rebuild(flat)``: the Graph of a stream.
+    Unchanged when the step is marked, has no batch, or no gradients are
+    found (then it plans as traced, as before)."""
+    batch = {i.tensor for i in graph.inputs if i.role == "batch"}
+    if not batch or any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns):
+        return flat, graph
+    try:
+        other = flatten(jax.make_jaxpr(fn)(*probe_args))
+        per_example = _per_example(flat, other)
+        metrics = {o.tensor for o in graph.outputs if o.updates is None}
+        marked = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
+    except Exception:   # (a step that traces only at its own batch size: as traced)
+        return flat, graph
+    if marked is flat:
+        return flat, graph
+    return marked, rebuild(marked)
+
+
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
     """Ids whose shape differs between the micro-batch and full-batch traces."""
     # (ids match between the two traces only when the streams match)
@@ -136,7 +171,39 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
     _check_outputs(flat, grads, per_example, forward, bdep, metrics)
     if not grads:
         return flat
-    return _insert_marker(flat, grads)
+    return _insert_marker(flat, _through_glue(flat, grads))
+
+
+# layout-only operations jax's backward ends a gradient with (a weight
+# gradient ``dot_general`` comes out transposed, a bias gradient goes through
+# a (1, n) reshape and a sum over its axis of one): what
+# meshplan.value_and_grad would return, and mark, is the value after them.
+# A sum or broadcast counts only when it keeps the element count.
+_GLUE = frozenset({"transpose", "reshape", "convert_element_type", "squeeze", "expand_dims",
+                   "copy", "copy_p", "reduce_sum", "broadcast_in_dim"})
+
+
+def _through_glue(flat: FlatJaxpr, grads: list[int]) -> list[int]:
+    """Each gradient moved past the layout-only operations that are its only
+    reader, so that the marker carries the gradients in their parameters'
+    shapes, as a marked step's does (the same layering, accumulation and
+    gradient reductions: :func:`meshplan.dp_search.layers.gradient_parameters`)."""
+    readers: dict[int, list[FlatEqn]] = {}
+    for fe in flat.eqns:
+        for x in set(x for x in fe.invars if isinstance(x, int)):
+            readers.setdefault(x, []).append(fe)
+    outs = {x for x in flat.outvars if isinstance(x, int)}
+    moved = []
+    for g in grads:
+        while g not in outs and len(readers.get(g, ())) == 1:
+            fe = readers[g][0]
+            if (fe.eqn.primitive.name not in _GLUE or len(fe.outvars) != 1
+                    or [x for x in fe.invars if isinstance(x, int)] != [g]
+                    or _size(flat.avals[fe.outvars[0]]) != _size(flat.avals[g])):
+                break
+            g = fe.outvars[0]
+        moved.append(g)
+    return moved
 
 
 def _ancestors(eqns: Sequence[FlatEqn], ids: set[int]) -> set[int]:
@@ -199,6 +266,10 @@ def _insert_marker(flat: FlatJaxpr, grads: list[int]) -> FlatJaxpr:
              + [rewire(eqns[k]) for k in moved] + [rewire(fe) for fe in eqns[pos:]])
     out = tuple(rename.get(x, x) if isinstance(x, int) else x for x in flat.outvars)
     return FlatJaxpr(flat.invars, flat.constvars, flat.consts, tuple(order), out, avals)
+
+
+def _size(aval: Any) -> int:
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
 def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,

@@ -24,7 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
-from .micro import micro_step
+from .micro import mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
@@ -203,8 +203,24 @@ def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
     :class:`~meshplan.traced.TracedStep` a one-stage runtime runs (its graph
     is that Graph).  Issues no warnings (:func:`issue_warnings`)."""
     closed, out_shape, flat, graph = _traced(fn, args, batch_argnums, name)
-    return graph, _traced_step(closed, out_shape, flat, tuple(args), graph.batch_argnums,
-                               graph=graph)
+    bn = graph.batch_argnums
+    flat, graph = _mark_whole_batch(fn, args, bn, closed, out_shape, flat, graph)
+    return graph, _traced_step(closed, out_shape, flat, tuple(args), bn, graph=graph)
+
+
+def _mark_whole_batch(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
+                      closed: Any, out_shape: Any, flat: FlatJaxpr,
+                      graph: Graph) -> tuple[FlatJaxpr, Graph]:
+    """A step without gradient markers traced at its whole batch, with the
+    marker its micro-batches get (:func:`~meshplan.trace.micro.mark_full_batch`,
+    probed at twice the batch): the planner's Graph and the runtime's trace
+    of one micro-batch agree."""
+    probe = tuple(jax.tree_util.tree_map(lambda x: _grow(_abstract_leaf(x), 2), a)
+                  if i in batch_argnums else a for i, a in enumerate(args))
+    return mark_full_batch(
+        fn, args, probe, flat, graph,
+        lambda f: graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
+                                   name=graph.name, argnames=_argnames(fn, len(args)), flat=f))
 
 
 def _traced(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
@@ -394,7 +410,12 @@ def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
     def build(closed: Any, a: Sequence[Any], out_shape: Any, flat: FlatJaxpr) -> Graph:
         return graph_from_jaxpr(closed, a, out_shape, batch_argnums=batch_argnums, name=name,
                                 argnames=_argnames(fn, len(a)), flat=flat)
-    return micro_step(fn, args, micro, build, infer=m > 1)
+    out = micro_step(fn, args, micro, build, infer=m > 1)
+    if m > 1:
+        return out
+    closed, out_shape, flat, graph, draws = out
+    flat, graph = _mark_whole_batch(fn, micro, batch_argnums, closed, out_shape, flat, graph)
+    return closed, out_shape, flat, graph, draws
 
 
 def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, ...],
@@ -427,6 +448,12 @@ def _shrink(x: Any, m: int) -> Any:
     if not getattr(x, "shape", ()):
         return x
     return jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
+
+
+def _grow(x: Any, k: int) -> Any:
+    if not getattr(x, "shape", ()):
+        return x
+    return jax.ShapeDtypeStruct((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype)
 
 
 def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
