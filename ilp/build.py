@@ -29,8 +29,8 @@ import numpy as np
 
 from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time, launch_time
-from ..cost_model.fusion import fused_bytes, kernels, materialised_results
-from ..cost_model.memory import liveness, peak_steps
+from ..cost_model.fusion import fused_bytes, kernels, materialised, materialised_results
+from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
 from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
@@ -492,7 +492,7 @@ class _Builder:
         """Resident inputs plus live intermediates at the peaks of the liveness profile."""
         graph, shape, groups = self.graph, self.mm.shape, self.groups
         rows = []
-        live = liveness(graph)
+        live = stored_liveness(graph)
         for step in peak_steps(live, memory_points):
             coefs = {gid: v.copy() for gid, v in resident.items()}
             for t in live.live_at(step):
@@ -506,6 +506,19 @@ class _Builder:
         if not rows:
             rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
         return rows
+
+
+def stored_liveness(graph: Graph) -> Liveness:
+    """The liveness of the intermediates that occupy memory, as the decoded
+    plan's peak counts them: neither values made from constants alone nor
+    values passed only between fused operators.  (The memory rows, the
+    decoded peak and :func:`meshplan.ilp.memory_floor` must count alike, or
+    the floor refuses what the ILP would plan.)"""
+    const, kept = graph.constant_tensors, materialised(graph)
+    intervals = {t: iv for t, iv in liveness(graph).intervals.items()
+                 if t not in const and t in kept}
+    return Liveness(intervals, live_bytes(intervals, len(graph.nodes),
+                                          lambda t: graph.tensors[t].nbytes))
 
 
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
