@@ -163,12 +163,12 @@ class PipelineChoice:
     options: dict[tuple[int, int, int, int], StageOption]
 
 
-# The shares of the budget a layer's ILP may be solved under (1 / each):
-# alone, the fastest plan of a layer may keep its weights replicated and its
-# activations split little, which a stage of many layers cannot afford.  As
-# Alpa solves its layer ILPs at several memory budgets, a stage that fits no
-# way with its layers' fastest plans tries plans made under tighter budgets.
-TIGHTEN = (1, 2, 4, 8, 16, 32)
+# The shares of the budget (1 / each) a layer's parameters and optimizer
+# state may take: alone, the fastest plan of a layer may keep its weights
+# replicated, which a stage of many layers cannot afford.  As Alpa solves its
+# layer ILPs at several memory budgets, a stage that fits no way with its
+# layers' fastest plans tries plans made with their state capped.
+TIGHTEN = tuple(2 ** i for i in range(11))
 
 
 class StageCosts:
@@ -249,12 +249,9 @@ class StageCosts:
         least_way = None
         # a stage launches a forward and a backward program per micro-batch
         dispatch = 2 * lay.dispatch_s
-        # the layers' fastest plans first; tighter budgets only if those fit no way
-        # (and no tighter once a layer has no plan at all: it would have none then)
-        for tighten, k in ((t, k) for t in TIGHTEN for k in range(len(lay.meshes_of[m]))):
-            if tighten > 1 and k == 0 and (best is not None or not any(
-                    all(r is not None for r in self.groups(m, k2, tighten // 2)[gi:gj + 1])
-                    for k2 in range(len(lay.meshes_of[m])))):
+        # the layers' fastest plans first; capped state only if those fit no way
+        for tighten, k in self._levels(gi, gj, m):
+            if tighten > 1 and best is not None:
                 break
             rows = self.groups(m, k, tighten)[gi:gj + 1]
             if any(r is None for r in rows):
@@ -284,6 +281,29 @@ class StageCosts:
             c, way = least_way
             self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
+
+    def _levels(self, gi: int, gj: int, m: int):
+        """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
+        loosest first.  A cap no layer's state reaches is skipped (it would
+        plan the same), and once a mesh has a layer with no plan under a cap
+        (or no plan at all) tighter caps on it are not tried."""
+        lay, alive = self.lay, list(range(len(self.lay.meshes_of[m])))
+        prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
+        for tighten in TIGHTEN:
+            cap = lay.budget / tighten
+            for k in list(alive):
+                if tighten > 1 and prev.get(k, 0.0) <= cap:
+                    continue
+                yield tighten, k
+                rows = self.groups(m, k, tighten)[gi:gj + 1]
+                layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
+                          for l in range(a, b + 1)] if all(r is not None for r in rows) else []
+                if not layers or any(c is None for c in layers):
+                    alive.remove(k)
+                else:
+                    prev[k] = max(c.resident_bytes for c in layers)
+            if not alive:
+                return
 
     def _hidden(self, c: GroupCost, recompute: str, send: float) -> float:
         return hidden_s(c.work(recompute, send, self.lay.B),

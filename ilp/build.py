@@ -525,13 +525,16 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   memory_budget: float | None = None,
                   input_filter: InputFilter | None = None,
                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
-                  caches: IlpCaches | None = None) -> Built:
+                  caches: IlpCaches | None = None,
+                  resident_budget: float | None = None) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel).
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
     micro-batches their reduction is paid once per iteration, so per
     micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
-    tables from earlier problems (None: a fresh one)."""
+    tables from earlier problems (None: a fresh one).  ``resident_budget``
+    also bounds the inputs' bytes per device alone (parameters and optimizer
+    state: a layer that must share a stage's memory with many others)."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
     b.add_input_groups(input_filter)
@@ -549,6 +552,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     resident = b.resident_bytes()
     budget = mm.memory_budget if memory_budget is None else memory_budget
     rows = b.memory_rows(resident, budget, memory_points)
+    if resident_budget is not None:
+        rows.append(MemoryRow(dict(resident), resident_budget, name="mem_resident_cap"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]

@@ -122,16 +122,20 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    input_filter: InputFilter | None = None,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                    options: SolverOptions = SolverOptions(),
-                   caches: IlpCaches | None = None) -> IntraOpResult:
+                   caches: IlpCaches | None = None,
+                   resident_budget: float | None = None) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
-    may be shared by many calls (None: a fresh one for this call)."""
+    may be shared by many calls (None: a fresh one for this call);
+    ``resident_budget`` bounds the inputs' bytes per device
+    (:func:`meshplan.ilp.build.build_problem`)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget)
     if err is not None:
         raise err       # (before building an ILP no layout could satisfy)
     built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
-                          accumulate=accumulate, grad_accum=grad_accum, caches=caches)
+                          accumulate=accumulate, grad_accum=grad_accum, caches=caches,
+                          resident_budget=resident_budget)
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
     return decode(graph, mm, built, sol)
 
