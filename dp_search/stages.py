@@ -169,6 +169,7 @@ class PipelineChoice:
 # layer ILPs at several memory budgets, a stage that fits no way with its
 # layers' fastest plans tries plans made with their state capped.
 TIGHTEN = tuple(2 ** i for i in range(11))
+MAX_CAPS = 3        # (each cap solves the stage's distinct layers again)
 
 
 class StageCosts:
@@ -250,7 +251,9 @@ class StageCosts:
         # a stage launches a forward and a backward program per micro-batch
         dispatch = 2 * lay.dispatch_s
         # the layers' fastest plans first; capped state only if those fit no way
-        for tighten, k in self._levels(gi, gj, m):
+        # and their activations leave room for the stage's state split evenly
+        room = [None]       # the budget less the least activations of the loosest plans
+        for tighten, k in self._levels(gi, gj, m, room):
             if tighten > 1 and best is not None:
                 break
             rows = self.groups(m, k, tighten)[gi:gj + 1]
@@ -272,6 +275,8 @@ class StageCosts:
                 # (less what runs under compute: cost_model.overlap)
                 lat = t + fixed - self._hidden(c, way, send)
                 mem = c.resident_bytes + keep * kept + working
+                if tighten == 1 and (room[0] is None or lay.budget - keep * kept - working > room[0]):
+                    room[0] = lay.budget - keep * kept - working
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
                     best = StageOption(lat, way != NONE, mem, k, send, c.memory(keep, way), way,
                                        tighten)
@@ -282,18 +287,33 @@ class StageCosts:
             self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
-    def _levels(self, gi: int, gj: int, m: int):
+    def _levels(self, gi: int, gj: int, m: int, room: list):
         """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
-        loosest first.  A cap no layer's state reaches is skipped (it would
-        plan the same), and once a mesh has a layer with no plan under a cap
-        (or no plan at all) tighter caps on it are not tried."""
+        loosest first.  Caps are tried only when the stage's state split over
+        its devices fits in ``room[0]`` (what the loosest plans' activations
+        leave), from the first cap under that room and at most
+        ``MAX_CAPS`` of them; a cap no layer's state reaches is skipped (it
+        would plan the same), and once a mesh has a layer with no plan under
+        a cap (or none at all) tighter caps on it are not tried."""
         lay, alive = self.lay, list(range(len(self.lay.meshes_of[m])))
+        i, j = lay.groups[gi][0], lay.groups[gj][1]
+        state = (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size
         prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
+        tried = 0
         for tighten in TIGHTEN:
             cap = lay.budget / tighten
+            if tighten > 1:
+                if room[0] is None or state > room[0]:
+                    return          # even split evenly, the state leaves no room
+                if cap > room[0]:
+                    continue
+                if tried == MAX_CAPS:
+                    return
+            solved = False
             for k in list(alive):
                 if tighten > 1 and prev.get(k, 0.0) <= cap:
                     continue
+                solved = True
                 yield tighten, k
                 rows = self.groups(m, k, tighten)[gi:gj + 1]
                 layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
@@ -302,6 +322,7 @@ class StageCosts:
                     alive.remove(k)
                 else:
                     prev[k] = max(c.resident_bytes for c in layers)
+            tried += solved and tighten > 1
             if not alive:
                 return
 
