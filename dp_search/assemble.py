@@ -134,7 +134,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         reads: dict[tuple[int, int], tuple] = {}
         compute = comm = cbytes = 0.0
         for l in range(st.first, st.last + 1):
-            lc = costs.layer(l, st.submesh, mesh_k)
+            lc = costs.layer(l, st.submesh, mesh_k, opt.tighten)
             compute += lc.compute_s
             comm += lc.comm_s
             cbytes += lc.comm_bytes

@@ -77,13 +77,13 @@ def solve_job(job: tuple, caches: IlpCaches | None = None) -> tuple[IntraOpResul
     result (None: it does not fit) and the seconds it took.  ``caches``: the
     session's, when solved in its process."""
     (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
-     options) = job
+     options, resident_cap) = job
     t0 = time.perf_counter()
     try:
         r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
                            time_limit=time_limit, memory_budget=budget,
                            accumulate=grads, grad_accum=grad_accum, input_filter=filt,
-                           options=options, caches=caches)
+                           options=options, caches=caches, resident_budget=resident_cap)
     except InfeasiblePlanError:
         r = None
     return r, time.perf_counter() - t0
@@ -120,7 +120,7 @@ class LayerSolver:
         return min(self.session.workers, usable_cpus())
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grad_accum: int) -> tuple:
+             grad_accum: int, tighten: int = 1) -> tuple:
         mm = mesh_model(self.cluster, mesh, submesh=submesh)
         if len(self.cache) > LAYER_CACHE_MAX:
             self.cache.clear()
@@ -128,17 +128,21 @@ class LayerSolver:
         links = tuple((l.bandwidth, l.latency, l.local, l.phases) for l in mm.links)
         return (sub.fingerprint, mesh.shape, links, mm.intra, mm.inter,
                 grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
-                o.memory_fraction)
+                o.memory_fraction) + ((tighten,) if tighten != 1 else ())
 
     def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grads: frozenset[int], grad_accum: int) -> tuple:
-        """The arguments of :func:`solve_job` (only what a worker needs)."""
+             grads: frozenset[int], grad_accum: int, tighten: int = 1) -> tuple:
+        """The arguments of :func:`solve_job` (only what a worker needs);
+        ``tighten`` > 1: its parameters and optimizer state may use at most
+        1 / tighten of the budget."""
         o = self.options
         used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
         filt = InputLayouts(o.input_filter) if isinstance(o.input_filter, str) else o.input_filter
         return (sub, self.cluster, mesh, submesh, o.backend, o.time_limit,
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
-                self.session.solver)
+                self.session.solver,
+                self.cluster.device.memory_bytes * o.memory_fraction / tighten
+                if tighten > 1 else None)
 
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
@@ -201,17 +205,21 @@ class LayerSolver:
                    grad_accum: int = 1, saved: frozenset[int] = frozenset(),
                    crossing: frozenset[int] = frozenset(),
                    entering: frozenset[int] | None = None,
-                   selective: tuple[frozenset[int], frozenset[int]] | None = None
-                   ) -> LayerCost | None:
+                   selective: tuple[frozenset[int], frozenset[int]] | None = None, *,
+                   tighten: int = 1) -> LayerCost | None:
+        """The layer's cost; ``tighten`` > 1 solves its ILP with its
+        parameters and optimizer state under 1 / tighten of the budget (a
+        stage of many layers shares the budget: the fastest plan of a layer
+        alone may keep its weights replicated)."""
         self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
-        key = self._key(sub, mesh, submesh, grad_accum)
+        key = self._key(sub, mesh, submesh, grad_accum, tighten)
         self.used.add(key)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
         self.solves += 1
         t0 = time.perf_counter()
-        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum),
+        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum, tighten),
                             self.session.ilp_caches)
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else

@@ -136,6 +136,7 @@ class StageOption:
     send_s: float           # per micro-batch, to the next stage and back
     memory: MemoryBreakdown | None = None    # memory_bytes by what it holds
     recompute: str = ""     # none, selective or full ("": as remat says)
+    tighten: int = 1        # its layers' ILPs had 1 / tighten of the budget (TIGHTEN)
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -162,13 +163,22 @@ class PipelineChoice:
     options: dict[tuple[int, int, int, int], StageOption]
 
 
+# The shares of the budget (1 / each) a layer's parameters and optimizer
+# state may take: alone, the fastest plan of a layer may keep its weights
+# replicated, which a stage of many layers cannot afford.  As Alpa solves its
+# layer ILPs at several memory budgets, a stage that fits no way with its
+# layers' fastest plans tries plans made with their state capped.
+TIGHTEN = tuple(2 ** i for i in range(11))
+MAX_CAPS = 3        # (each cap solves the stage's distinct layers again)
+
+
 class StageCosts:
     """Stage costs of one micro-batch count, from layer costs asked of ``solver`` once each."""
 
     def __init__(self, lay: LayerProblems, opts: PipelineOptions, solver: LayerSolver) -> None:
         self.lay, self.opts, self.solver = lay, opts, solver
-        self._layer: dict[tuple[int, int, int], LayerCost | None] = {}
-        self._groups: dict[tuple[int, int], list[GroupCost | None]] = {}
+        self._layer: dict[tuple[int, int, int, int], LayerCost | None] = {}
+        self._groups: dict[tuple[int, int, int], list[GroupCost | None]] = {}
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
         self.least_unfit_stage: UnfitStage | None = None
@@ -177,34 +187,37 @@ class StageCosts:
             self.state_prefix.append(self.state_prefix[-1] + b)
             self.optimizer_prefix.append(self.optimizer_prefix[-1] + o)
 
-    def layer(self, l: int, m: int, k: int) -> LayerCost | None:
-        if (l, m, k) not in self._layer:
-            self._layer[l, m, k] = self.solver.layer_cost(*self.lay.request(l, m, k))
-        return self._layer[l, m, k]
+    def layer(self, l: int, m: int, k: int, tighten: int = 1) -> LayerCost | None:
+        if (l, m, k, tighten) not in self._layer:
+            self._layer[l, m, k, tighten] = self.solver.layer_cost(*self.lay.request(l, m, k),
+                                                                   tighten=tighten)
+        return self._layer[l, m, k, tighten]
 
-    def send_s(self, j: int, m: int, k: int) -> float:
+    def send_s(self, j: int, m: int, k: int, tighten: int = 1) -> float:
         """Seconds a stage ending with layer ``j`` (on mesh ``k`` of submesh ``m``)
         spends per micro-batch sending its activations on."""
         lay = self.lay
         if j == lay.layering.num_layers - 1:
             return 0.0
-        return stage_send_s(lay.layering.cut_bytes[j], self.layer(j, m, k).send_replication,
+        return stage_send_s(lay.layering.cut_bytes[j],
+                            self.layer(j, m, k, tighten).send_replication,
                             lay.submeshes[m].size, lay.p2p_bw)
 
-    def groups(self, m: int, k: int) -> list[GroupCost | None]:
+    def groups(self, m: int, k: int, tighten: int = 1) -> list[GroupCost | None]:
         """Per group of layers on mesh ``k`` of submesh ``m``: its cost, or None
-        where a layer has no plan (or its state alone cannot fit)."""
-        if (m, k) not in self._groups:
+        where a layer has no plan (or its state alone cannot fit); ``tighten``
+        as for :meth:`LayerSolver.layer_cost`."""
+        if (m, k, tighten) not in self._groups:
             lay, rows = self.lay, []
             for a, b in lay.groups:
                 if any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
                        for l in range(a, b + 1)):
                     rows.append(None)
                     continue
-                parts = [self.layer(l, m, k) for l in range(a, b + 1)]
+                parts = [self.layer(l, m, k, tighten) for l in range(a, b + 1)]
                 rows.append(None if any(p is None for p in parts) else GroupCost.of_layers(parts))
-            self._groups[m, k] = rows
-        return self._groups[m, k]
+            self._groups[m, k, tighten] = rows
+        return self._groups[m, k, tighten]
 
     def _placeable(self, gi: int, gj: int, s: int) -> bool:
         """Can groups ``gi..gj`` be a stage with ``s`` stages from it to the
@@ -237,11 +250,16 @@ class StageCosts:
         least_way = None
         # a stage launches a forward and a backward program per micro-batch
         dispatch = 2 * lay.dispatch_s
-        for k in range(len(lay.meshes_of[m])):
-            rows = self.groups(m, k)[gi:gj + 1]
+        # the layers' fastest plans first; capped state only if those fit no way
+        # and their activations leave room for the stage's state split evenly
+        room = [None]       # the budget less the least activations of the loosest plans
+        for tighten, k in self._levels(gi, gj, m, room):
+            if tighten > 1 and best is not None:
+                break
+            rows = self.groups(m, k, tighten)[gi:gj + 1]
             if any(r is None for r in rows):
                 continue
-            send = self.send_s(j, m, k)
+            send = self.send_s(j, m, k, tighten)
             c = GroupCost.of_groups(rows)
             fixed = send + dispatch + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
                                                      lay.accumulate_passes)
@@ -257,14 +275,56 @@ class StageCosts:
                 # (less what runs under compute: cost_model.overlap)
                 lat = t + fixed - self._hidden(c, way, send)
                 mem = c.resident_bytes + keep * kept + working
+                if tighten == 1 and (room[0] is None or lay.budget - keep * kept - working > room[0]):
+                    room[0] = lay.budget - keep * kept - working
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(keep, way), way)
+                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(keep, way), way,
+                                       tighten)
                 if least is None or mem < least:
                     least, least_way = mem, (c, way)
         if best is None and least is not None:
             c, way = least_way
             self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
+
+    def _levels(self, gi: int, gj: int, m: int, room: list):
+        """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
+        loosest first.  Caps are tried only when the stage's state split over
+        its devices fits in ``room[0]`` (what the loosest plans' activations
+        leave), from the first cap under that room and at most
+        ``MAX_CAPS`` of them; a cap no layer's state reaches is skipped (it
+        would plan the same), and once a mesh has a layer with no plan under
+        a cap (or none at all) tighter caps on it are not tried."""
+        lay, alive = self.lay, list(range(len(self.lay.meshes_of[m])))
+        i, j = lay.groups[gi][0], lay.groups[gj][1]
+        state = (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size
+        prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
+        tried = 0
+        for tighten in TIGHTEN:
+            cap = lay.budget / tighten
+            if tighten > 1:
+                if room[0] is None or state > room[0]:
+                    return          # even split evenly, the state leaves no room
+                if cap > room[0]:
+                    continue
+                if tried == MAX_CAPS:
+                    return
+            solved = False
+            for k in list(alive):
+                if tighten > 1 and prev.get(k, 0.0) <= cap:
+                    continue
+                solved = True
+                yield tighten, k
+                rows = self.groups(m, k, tighten)[gi:gj + 1]
+                layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
+                          for l in range(a, b + 1)] if all(r is not None for r in rows) else []
+                if not layers or any(c is None for c in layers):
+                    alive.remove(k)
+                else:
+                    prev[k] = max(c.resident_bytes for c in layers)
+            tried += solved and tighten > 1
+            if not alive:
+                return
 
     def _hidden(self, c: GroupCost, recompute: str, send: float) -> float:
         return hidden_s(c.work(recompute, send, self.lay.B),

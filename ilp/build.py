@@ -29,8 +29,8 @@ import numpy as np
 
 from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time, launch_time
-from ..cost_model.fusion import fused_bytes, kernels, materialised_results
-from ..cost_model.memory import liveness, peak_steps
+from ..cost_model.fusion import fused_bytes, kernels, materialised, materialised_results
+from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
 from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
@@ -492,7 +492,7 @@ class _Builder:
         """Resident inputs plus live intermediates at the peaks of the liveness profile."""
         graph, shape, groups = self.graph, self.mm.shape, self.groups
         rows = []
-        live = liveness(graph)
+        live = stored_liveness(graph)
         for step in peak_steps(live, memory_points):
             coefs = {gid: v.copy() for gid, v in resident.items()}
             for t in live.live_at(step):
@@ -508,17 +508,33 @@ class _Builder:
         return rows
 
 
+def stored_liveness(graph: Graph) -> Liveness:
+    """The liveness of the intermediates that occupy memory, as the decoded
+    plan's peak counts them: neither values made from constants alone nor
+    values passed only between fused operators.  (The memory rows, the
+    decoded peak and :func:`meshplan.ilp.memory_floor` must count alike, or
+    the floor refuses what the ILP would plan.)"""
+    const, kept = graph.constant_tensors, materialised(graph)
+    intervals = {t: iv for t, iv in liveness(graph).intervals.items()
+                 if t not in const and t in kept}
+    return Liveness(intervals, live_bytes(intervals, len(graph.nodes),
+                                          lambda t: graph.tensors[t].nbytes))
+
+
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   memory_budget: float | None = None,
                   input_filter: InputFilter | None = None,
                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
-                  caches: IlpCaches | None = None) -> Built:
+                  caches: IlpCaches | None = None,
+                  resident_budget: float | None = None) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel).
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
     micro-batches their reduction is paid once per iteration, so per
     micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
-    tables from earlier problems (None: a fresh one)."""
+    tables from earlier problems (None: a fresh one).  ``resident_budget``
+    also bounds the inputs' bytes per device alone (parameters and optimizer
+    state: a layer that must share a stage's memory with many others)."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
     b.add_input_groups(input_filter)
@@ -536,6 +552,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     resident = b.resident_bytes()
     budget = mm.memory_budget if memory_budget is None else memory_budget
     rows = b.memory_rows(resident, budget, memory_points)
+    if resident_budget is not None:
+        rows.append(MemoryRow(dict(resident), resident_budget, name="mem_resident_cap"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]

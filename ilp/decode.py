@@ -12,14 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost_model.fusion import materialised
-from ..cost_model.memory import liveness, live_bytes
+from ..cost_model.memory import live_bytes
 from ..cost_model.collectives import all_reduce
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
-from .build import Built, follow_input, map_through
+from .build import Built, follow_input, map_through, stored_liveness
 from .strategies import node_space
 from .problem import Solution
 
@@ -311,15 +310,12 @@ def _peak(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpec]
           ) -> tuple[float, dict[str, float], float, list[int]]:
     """Resident input bytes per device (summed in input order) and by role,
     the peak of live intermediates, and the intermediates live at that peak."""
-    const = graph.constant_tensors
-    kept = materialised(graph)
     local = _local(graph, shape, tensor_spec)
     total = sum(local(i.tensor) for i in graph.inputs)
     resident: dict[str, float] = {}
     for i in graph.inputs:
         resident[i.role] = resident.get(i.role, 0.0) + local(i.tensor)
-    intervals = {t: iv for t, iv in liveness(graph).intervals.items()
-                 if t not in const and t in kept}
+    intervals = stored_liveness(graph).intervals
     n = len(graph.nodes)
     if not n:
         return total, resident, 0.0, []

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 
 from .. import progress
 from ..cluster import ClusterSpec
-from ..cost_model.memory import liveness
 from ..cost_model.mesh import default_axis_names, mesh_model, mesh_shapes
 from ..cost_model.sharding import ISpec
 from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
 from ..plan import LogicalMesh
-from .build import InputFilter, build_problem
+from .build import InputFilter, build_problem, stored_liveness
 from .caches import IlpCaches
 from .decode import IntraOpResult, decode
 from .options import SolverOptions
@@ -98,9 +97,10 @@ def within_host(meshes: list[LogicalMesh], hosts: int, devices_per_host: int
 
 def memory_floor(graph: Graph, num_devices: int) -> float:
     """A lower bound of the peak bytes per device of any plan of ``graph`` on
-    ``num_devices`` devices, as the ILP's memory rows count them: the inputs
-    and the intermediates live at the busiest point, all split evenly."""
-    profile = liveness(graph).profile
+    ``num_devices`` devices, as the ILP's memory rows and the decoded peak
+    count them: the inputs and the stored intermediates live at the busiest
+    point, all split evenly."""
+    profile = stored_liveness(graph).profile
     peak = float(profile.max()) if len(profile) else 0.0
     return (sum(graph.tensors[i.tensor].nbytes for i in graph.inputs) + peak) / num_devices
 
@@ -122,16 +122,20 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    input_filter: InputFilter | None = None,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                    options: SolverOptions = SolverOptions(),
-                   caches: IlpCaches | None = None) -> IntraOpResult:
+                   caches: IlpCaches | None = None,
+                   resident_budget: float | None = None) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
-    may be shared by many calls (None: a fresh one for this call)."""
+    may be shared by many calls (None: a fresh one for this call);
+    ``resident_budget`` bounds the inputs' bytes per device
+    (:func:`meshplan.ilp.build.build_problem`)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget)
     if err is not None:
         raise err       # (before building an ILP no layout could satisfy)
     built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
-                          accumulate=accumulate, grad_accum=grad_accum, caches=caches)
+                          accumulate=accumulate, grad_accum=grad_accum, caches=caches,
+                          resident_budget=resident_budget)
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
     return decode(graph, mm, built, sol)
 
