@@ -48,20 +48,12 @@ __all__ = ["VerifyRow", "verify", "compiled_memory", "markdown_table", "csv_text
            "predicted_breakdown", "PipelineVerifyRow", "verify_pipeline", "pipeline_table"]
 
 
-@dataclass(frozen=True)
-class VerifyRow:
-    model: str
-    mesh_shape: tuple[int, ...]
+class _Errors:
+    """Relative errors of a row's predicted against its compiled figures."""
     predicted_comm_bytes: int
     actual_comm_bytes: int
-    predicted_by_kind: tuple[tuple[str, int], ...]      # kind -> bytes (the plan's view)
-    actual_by_kind: tuple[tuple[str, int, int], ...]    # kind -> (count, bytes) in the HLO
     predicted_memory_bytes: int
     actual_memory_bytes: int
-    memory_parts: tuple[tuple[str, int], ...]           # argument/output/alias/temp bytes
-    plan_s: float
-    compile_s: float
-    overrides: tuple[tuple[str, str], ...] = ()
 
     @property
     def comm_rel_error(self) -> float:
@@ -74,6 +66,22 @@ class VerifyRow:
     @property
     def comm_ok(self) -> bool:
         return abs(self.comm_rel_error) <= 0.10
+
+
+@dataclass(frozen=True)
+class VerifyRow(_Errors):
+    model: str
+    mesh_shape: tuple[int, ...]
+    predicted_comm_bytes: int
+    actual_comm_bytes: int
+    predicted_by_kind: tuple[tuple[str, int], ...]      # kind -> bytes (the plan's view)
+    actual_by_kind: tuple[tuple[str, int, int], ...]    # kind -> (count, bytes) in the HLO
+    predicted_memory_bytes: int
+    actual_memory_bytes: int
+    memory_parts: tuple[tuple[str, int], ...]           # argument/output/alias/temp bytes
+    plan_s: float
+    compile_s: float
+    overrides: tuple[tuple[str, str], ...] = ()
 
 
 def _rel(pred: float, actual: float) -> float:
@@ -209,7 +217,7 @@ def csv_text(rows: Sequence[VerifyRow]) -> str:
 # ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PipelineVerifyRow:
+class PipelineVerifyRow(_Errors):
     model: str
     config: str                                         # e.g. "2x(2x2) mb4 1f1b"
     stage: int
@@ -219,18 +227,6 @@ class PipelineVerifyRow:
     predicted_memory_bytes: int
     actual_memory_bytes: int
     memory_parts: tuple[tuple[str, int], ...]           # state/running_sums/activations/programs
-
-    @property
-    def comm_rel_error(self) -> float:
-        return _rel(self.predicted_comm_bytes, self.actual_comm_bytes)
-
-    @property
-    def memory_rel_error(self) -> float:
-        return _rel(self.predicted_memory_bytes, self.actual_memory_bytes)
-
-    @property
-    def comm_ok(self) -> bool:
-        return abs(self.comm_rel_error) <= 0.10
 
 
 def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: int,
