@@ -167,8 +167,16 @@ class LayerSolver:
             # guard in the user's script.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
             if self._pool is None:
-                self._pool = multiprocessing.get_context("fork").Pool(
-                    self.workers, initializer=_ignore_sigint)
+                # a Ctrl-C landing while os.fork runs its at-fork hooks (logging's
+                # lock) is printed as "Exception ignored" and lost: hold it until
+                # the workers exist; it is delivered when unblocked
+                import signal
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    self._pool = multiprocessing.get_context("fork").Pool(
+                        self.workers, initializer=_ignore_sigint)
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
         keys = list(todo)
         return keys, todo, self._pool.map_async(solve_job, [todo[k][0] for k in keys],
                                                 chunksize=1)
