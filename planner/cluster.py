@@ -350,8 +350,19 @@ class ClusterSpec:
         d = self.device
         flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in d.peak_flops)
         if self.tpu is not None:
-            return _tpu.describe(self, flops, _achieved_text(d.achieved))
-        lines = [
+            lines = _tpu.describe(self, flops, _achieved_text(d.achieved))
+        else:
+            lines = self._describe_hosts(flops)
+        if self.description:
+            lines.append(f"  about       {self.description}")
+        if self.sources:
+            lines.append("  sources")
+            lines.extend(f"    - {s}" for s in self.sources)
+        return "\n".join(lines)
+
+    def _describe_hosts(self, flops: str) -> list[str]:
+        d = self.device
+        return [
             f"cluster {self.name}: {self.num_hosts} host(s) x {self.devices_per_host} "
             f"device(s) = {self.num_devices} devices",
             f"  device      {d.kind}, {d.memory_bytes / 2**30:.1f} GiB, "
@@ -362,12 +373,6 @@ class ClusterSpec:
             f"  inter-host  {_link_text(self.inter_host)} per host per direction "
             f"({self.inter_host_bandwidth_per_device / 1e9:.4g} GB/s per device)",
         ]
-        if self.description:
-            lines.append(f"  about       {self.description}")
-        if self.sources:
-            lines.append("  sources")
-            lines.extend(f"    - {s}" for s in self.sources)
-        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.describe()

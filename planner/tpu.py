@@ -193,8 +193,9 @@ def to_dict(cluster: ClusterSpec, fmt: str) -> dict[str, Any]:
             "dcn": tpu.dcn.to_dict()}
 
 
-def describe(cluster: ClusterSpec, flops: str, achieved: str) -> str:
-    """The topology in words: the chip, one slice's torus, the network."""
+def describe(cluster: ClusterSpec, flops: str, achieved: str) -> list[str]:
+    """The topology in words, line by line: the chip, one slice's torus, the
+    network (the cluster adds its description and sources)."""
     tpu, d = cluster.tpu, cluster.device
     assert tpu is not None
     ici, dcn = tpu.ici, tpu.dcn
@@ -225,12 +226,7 @@ def describe(cluster: ClusterSpec, flops: str, achieved: str) -> str:
         "  axes        a mesh axis over torus dimensions uses their rings; an axis over "
         "slices uses DCN",
     ]
-    if cluster.description:
-        lines.append(f"  about       {cluster.description}")
-    if cluster.sources:
-        lines.append("  sources")
-        lines.extend(f"    - {s}" for s in cluster.sources)
-    return "\n".join(lines)
+    return lines
 
 
 def _gb(link: LinkSpec) -> str:

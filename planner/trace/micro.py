@@ -69,6 +69,17 @@ __all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations",
 BatchDraw = tuple[int, int, tuple[int, ...]]
 
 
+def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, Any]:
+    """``jax.make_jaxpr(fn, return_shape=True)(*args)``; a failure of the user's
+    function becomes one TraceError that says so (``where``: at what size)
+    and keeps the cause."""
+    try:
+        return jax.make_jaxpr(fn, return_shape=True)(*args)
+    except Exception as e:
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}{where}: "
+                         f"{type(e).__name__}: {e}") from e
+
+
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
                build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
                infer: bool = True) -> tuple[Any, ...]:
@@ -77,11 +88,7 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     Graph, (the draws over the batch, :func:`draw_equations`)).  ``build_graph(closed, args,
     out_shape, flat)`` makes the Graph of a flat stream.  ``infer`` False
     (one micro-batch): the trace as it is."""
-    try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*micro_args)
-    except Exception as e:  # the user's function failed: say so, keep the cause
-        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r} at micro-batch size: "
-                         f"{type(e).__name__}: {e}") from e
+    closed, out_shape = jaxpr_of(fn, micro_args, " at micro-batch size")
     flat = flatten(closed)
     graph = build_graph(closed, micro_args, out_shape, flat)
     marked = any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns)

@@ -24,7 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
-from .micro import mark_full_batch, micro_step
+from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
@@ -231,11 +231,7 @@ def _traced(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
         if not 0 <= b < len(args):
             raise TraceError(f"batch_argnums={batch_argnums} names argument {b}, but the function "
                              f"was given {len(args)} argument(s); pass batch_argnums=() if there is no batch")
-    try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    except Exception as e:  # the user's function failed: say so, keep the cause
-        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: "
-                         f"{type(e).__name__}: {e}") from e
+    closed, out_shape = jaxpr_of(fn, args)
     flat = flatten(closed)
     graph = graph_from_jaxpr(closed, args, out_shape, batch_argnums=batch_argnums,
                              name=name or getattr(fn, "__name__", "fn"),
