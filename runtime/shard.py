@@ -435,8 +435,13 @@ def place(x: Any, sharding: NamedSharding) -> Any:
     """``x`` on ``sharding``; arrays already placed that way are passed through."""
     if isinstance(x, jax.Array) and not x.is_deleted():
         current = getattr(x, "sharding", None)
+        # only a NamedSharding on the same mesh passes through: an equivalent
+        # SingleDeviceSharding (a one-device plan) gives jit another input
+        # type than the step's own outputs, and the second call compiles again
         if current is not None and (current == sharding
-                                    or current.is_equivalent_to(sharding, x.ndim)):
+                                    or (isinstance(current, NamedSharding)
+                                        and current.mesh == sharding.mesh
+                                        and current.is_equivalent_to(sharding, x.ndim))):
             return x
     return jax.device_put(x, sharding)
 

@@ -401,3 +401,19 @@ def test_a_host_batch_on_later_calls_compiles_the_step_once():
         state, _ = step(state, batch)
     (executable,) = [e for _, e in step._cache.values()]
     assert executable._last.jitted._cache_size() == 1
+
+
+def test_a_one_device_plan_compiles_the_step_once():
+    # the state from init sits on device 0 with a SingleDeviceSharding that is
+    # equivalent to the plan's; passed through as it is, its type differs from
+    # the step's outputs and the second call would trace and compile again
+    m = build_model("gpt", {"layers": 1, "hidden": 32, "heads": 2, "seq_len": 8, "vocab": 32,
+                            "batch": 8})
+    state, batch = m.init(0)
+    one = dataclasses.replace(meshplan.ClusterSpec.local(), num_hosts=1, devices_per_host=1)
+    step = meshplan.parallelize(m.train_step, cluster=one,
+                                method=meshplan.Manual(dp=1, tp=1, pp=1))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    (executable,) = [e for _, e in step._cache.values()]
+    assert executable._last.jitted._cache_size() == 1
