@@ -27,7 +27,7 @@ log log1p logistic lt max min mul ne neg nextafter not or polygamma pow real
 reduce_precision regularized_incomplete_beta rem round rsqrt select_n sign sin
 sinh sqrt square sub tan tanh xor shift_left shift_right_logical
 shift_right_arithmetic population_count clz stop_gradient
-bessel_i0e bessel_i1e zeta
+bessel_i0e bessel_i1e zeta one_minus_square
 """.split())
 # Random bits and keys: one FLOP per element too, but planned replicated
 # (every device draws the same bits; the ILP has no rule for them).
