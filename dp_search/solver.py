@@ -16,6 +16,7 @@ from ..cost_model.sharding import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import IlpCaches, InputLayouts, IntraOpResult, solve_intra_op
+from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
 from .options import PipelineOptions
@@ -309,7 +310,7 @@ def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,
         shards = num_shards(spec_from_names(specs[t], mesh.axes), mesh.shape) if t in specs else 1
         moved = traffic.get(n.id, n.bytes_accessed)
         total += compute_time(cluster.device, n.flops / shards, moved / shards,
-                              sub.tensors[t].dtype)
+                              node_dtype(sub, n))
     return total
 
 

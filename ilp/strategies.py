@@ -35,11 +35,31 @@ class Strategy:
         return self.compute_s + self.comm_s
 
 
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
 def node_dtype(graph: Graph, node: Node) -> str:
-    ts = node.inputs if node.primitive in ("dot_general", "conv_general_dilated") else node.outputs
-    for t in ts:
-        return graph.tensors[t].dtype
-    return "float32"
+    """The dtype whose FLOP/s rate prices ``node``: a matmul's operands', its
+    output's otherwise.  A float32 matmul at jax's default precision may use
+    the device's fast float32 mode, so it is priced as ``tfloat32``: TF32
+    tensor cores on A100/H100 (measured on an H200: 330-400 TFLOP/s against
+    the 67 of plain float32, benchmarks/results/gpu_check.md); devices
+    without a tfloat32 figure fall back to their float32 one
+    (``DeviceSpec.flops_for``).  ``precision=HIGHEST`` (or the config's
+    ``jax_default_matmul_precision`` of float32/highest) keeps float32."""
+    ts = node.inputs if node.primitive in MATMULS else node.outputs
+    dtype = next((graph.tensors[t].dtype for t in ts), "float32")
+    if dtype == "float32" and node.primitive in MATMULS and not exact_float32(node):
+        return "tfloat32"
+    return dtype
+
+
+def exact_float32(node: Node) -> bool:
+    """Whether a float32 matmul asks for full float32 arithmetic."""
+    own = str(node.param("precision")).lower()
+    if own != "none":
+        return "highest" in own
+    return str(node.param("config_precision")).lower() in ("highest", "float32")
 
 
 def node_space(graph: Graph, node: Node) -> OpSpace | None:

@@ -9,10 +9,13 @@ Links are ``(bandwidth bytes/s, latency s)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from .cluster import Achieved
 
 Link = tuple[float, float]
 
@@ -27,6 +30,7 @@ class Datasheet:
     inter_host: Link
     source: str
     note: str = "Peak FLOP/s are datasheet figures for this device kind."
+    achieved: Achieved = Achieved()   # the ideal device where nothing is known
 
 
 _GIB = 2**30
@@ -42,6 +46,35 @@ def _f(**tflops: float) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((k, v * 1e12) for k, v in tflops.items()))
 
 
+# What NVIDIA GPUs achieve, for the example cluster files and for
+# ClusterSpec.local() on a GPU; each figure's source is cited in the files
+# (examples/clusters/generate.py).  Fixed costs: a kernel's launch with its
+# gap on the stream, and one jitted XLA program launched from Python.
+GPU_KERNEL_LAUNCH_S = 5e-6          # estimate (V100/A100 generation)
+GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
+# Hopper, measured with XLA (jax 0.11.2) on an H200 by benchmarks/gpu_check.py
+# (benchmarks/results/gpu_check.md): the median bf16 TFLOP/s of its large
+# transformer-shaped GEMMs, the streaming bandwidth of 1 GiB arrays, and
+# meshplan calibrate's kernel launch.
+HOPPER_MATMUL_TFLOPS = 707.8        # of 989.4 peak (H100 and H200 share the GH100 die)
+H200_STREAM_BYTES_PER_S = 4.407e12  # of 4.8e12 peak
+HOPPER_KERNEL_LAUNCH_S = 2.3e-6
+V100_ACHIEVED = Achieved(matmul_efficiency=round(83 / 125, 3),
+                         memory_efficiency=round(750 / 900, 3),
+                         kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                         program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
+                         overlap_communication=True, compute_units=80)
+A100_ACHIEVED = Achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
+                         kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                         program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
+                         overlap_communication=True, compute_units=108)
+H100_ACHIEVED = Achieved(matmul_efficiency=round(HOPPER_MATMUL_TFLOPS / 989.4, 3),
+                         memory_efficiency=0.9, kernel_launch_s=HOPPER_KERNEL_LAUNCH_S,
+                         program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
+                         overlap_communication=True, compute_units=132)
+H200_ACHIEVED = dataclasses.replace(
+    H100_ACHIEVED, memory_efficiency=round(H200_STREAM_BYTES_PER_S / 4.8e12, 3))
+
 _A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624)
 _H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, float64=66.9,
                float8_e4m3fn=1978.9, float8_e5m2=1978.9, int8=1978.9)
@@ -49,7 +82,8 @@ _H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=5
                 float8_e4m3fn=1513, float8_e5m2=1513, int8=1513)
 _KNOWN_GPUS = (
     Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8), 16 * _GIB, 900e9,
-           _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)"),
+           _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)",
+           achieved=V100_ACHIEVED),
     Datasheet(("v100",), _f(float16=112, float32=14, float64=7), 16 * _GIB, 900e9,
            _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)"),
     Datasheet(("t4",), _f(float16=65, float32=8.1, int8=130), 16 * _GIB, 320e9,
@@ -57,15 +91,16 @@ _KNOWN_GPUS = (
     Datasheet(("a100", "pcie"), _A100, 80 * _GIB, 1935e9, _PCIE4, _GPU_NET,
            "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)"),
     Datasheet(("a100", "40gb"), _A100, 40 * _GIB, 1555e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)"),
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)", achieved=A100_ACHIEVED),
     Datasheet(("a100",), _A100, 80 * _GIB, 2039e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)"),
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)", achieved=A100_ACHIEVED),
     Datasheet(("h100", "pcie"), _H100_PCIE, 80 * _GIB, 2.0e12, _PCIE5, _GPU_NET,
            "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)"),
     Datasheet(("h100",), _H100_SXM, 80 * _GIB, 3.35e12, _NVLINK4, _GPU_NET,
-           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)"),
+           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", achieved=H100_ACHIEVED),
     Datasheet(("h200",), _H100_SXM, 141 * 10**9, 4.8e12, _NVLINK4, _GPU_NET,
-           "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; same compute as H100 SXM)"),
+           "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; same compute as H100 SXM)",
+           achieved=H200_ACHIEVED),
     Datasheet(("l4",), _f(bfloat16=121, float16=121, tfloat32=60, float32=30.3,
                        float8_e4m3fn=242.5, float8_e5m2=242.5, int8=242.5),
            24 * _GIB, 300e9, _PCIE4, _GPU_NET, "NVIDIA L4 Tensor Core GPU datasheet"),

@@ -78,8 +78,8 @@ def test_compute_at_achieved_rates_with_wave_quantization():
         1e12 / 50e12)
     # 5 tiles need two waves of 4: 5/8 of the units' time is used
     assert wave_utilisation(dev, 500) == pytest.approx(5 / 8)
-    # fewer tiles than units: split-K fills them
-    assert wave_utilisation(dev, 200) == 1.0
+    # fewer tiles than units: one wave with idle units (no split-K recovery)
+    assert wave_utilisation(dev, 200) == pytest.approx(2 / 4)
     assert compute_time(dev, 1e12, 0.0, "float32", out_elements=500) == pytest.approx(
         1e12 / (50e12 * 5 / 8))
     # memory-bound at 80% of the bandwidth
@@ -211,3 +211,27 @@ def test_one_stage_plans_never_recompute():
                           method=meshplan.Manual(dp=8, tp=1, pp=1, remat=True))
     assert not asked.stages[0].remat
     assert asked.predicted.iteration_s == pytest.approx(plain.predicted.iteration_s)
+
+
+def test_float32_matmuls_at_default_precision_are_priced_at_the_tfloat32_rate():
+    import jax
+    import jax.numpy as jnp
+    from meshplan.ilp.strategies import node_dtype
+
+    def dots(a, b):
+        return a @ b, jnp.matmul(a, b, precision="highest")
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+
+    def priced_as(config: str | None) -> list[str]:
+        with jax.default_matmul_precision(config):
+            g = trace(dots, x, x)
+        return [node_dtype(g, n) for n in g.nodes if n.primitive == "dot_general"]
+
+    assert priced_as(None) == ["tfloat32", "float32"]
+    assert priced_as("float32") == ["float32", "float32"]
+    assert priced_as("tensorfloat32") == ["tfloat32", "float32"]
+    a100 = A100.device
+    assert a100.flops_for("tfloat32") == pytest.approx(156e12)
+    # a device without a tfloat32 figure prices it as float32
+    assert _device().flops_for("tfloat32") == _device().flops_for("float32")

@@ -25,12 +25,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 try:
-    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
 except ImportError:  # meshplan not installed: load planner/ as the package without its __init__
     _pkg = types.ModuleType("meshplan")
     _pkg.__path__ = [str(ROOT / "planner")]
     sys.modules["meshplan"] = _pkg
-    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from meshplan.datasheets import (A100_ACHIEVED, H100_ACHIEVED, HOPPER_MATMUL_TFLOPS,  # noqa: E402
+                                 V100_ACHIEVED)
 
 GIB = 2**30
 T = 1e12
@@ -39,18 +41,20 @@ LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: the cost of one
                 "collective, ~1 us over NVLink, ~5 us across InfiniBand, ~20 us over 25 Gbit/s "
                 "Ethernet (TCP).")
 ACHIEVED_NOTE = ("achieved: what the hardware reaches, not its peak; matmul_efficiency is "
-                 "the best measured bf16 matmul over the dense peak; figures marked as "
-                 "estimates in sources are not measurements.")
-# Fixed costs on NVIDIA GPUs (estimates, the same for every generation): a
-# kernel launch with its gap on the stream, and one jitted XLA program
-# launched from Python.
-GPU_KERNEL_LAUNCH_S = 5e-6
-GPU_PROGRAM_DISPATCH_S = 50e-6
+                 "a measured bf16 matmul rate over the dense peak (the sources say which); "
+                 "figures marked as estimates in sources are not measurements.")
+# Fixed costs on NVIDIA GPUs (meshplan.datasheets holds the figures).
 FIXED_COSTS_SOURCE = (
     "Estimates, not measurements: kernel_launch_s 5 us (a CUDA kernel launch and its gap "
     "on the stream without CUDA graphs), program_dispatch_s 50 us (one jitted XLA program "
     "launched from Python); tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for "
     "large 16-bit GEMMs)")
+HOPPER_FIXED_COSTS_SOURCE = (
+    "achieved.kernel_launch_s 2.3 us: measured by meshplan calibrate (a jitted chain of k "
+    "dependent small matmuls) with jax 0.11.2 on an H200, the same GH100 chip "
+    "(benchmarks/results/gpu_check.md); program_dispatch_s 50 us: estimate (one jitted XLA "
+    "program launched from Python; calibrate measured 106 us for a program waited for); "
+    "tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for large 16-bit GEMMs)")
 # GPU back ends run collectives on streams of their own, so data-parallel
 # gradient reductions and pipeline sends can run under compute
 # (meshplan.cost_model.overlap states which).
@@ -73,10 +77,7 @@ P3_DEVICE = DeviceSpec(
     # rate, so bfloat16 gets the fp32 figure rather than the fp16 tensor-core one.
     peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
                 "float64": 7.8 * T},
-    achieved=Achieved(matmul_efficiency=round(83 / 125, 3), memory_efficiency=round(750 / 900, 3),
-                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
-                      compute_units=80),
+    achieved=V100_ACHIEVED,
 )
 P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6, efficiency=0.8)
 P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6, efficiency=0.8)
@@ -118,10 +119,7 @@ A100_DEVICE = DeviceSpec(
     # float64 is the FP64 tensor-core rate that DGEMM reaches (9.7 without).
     peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
                 "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
-    achieved=Achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
-                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
-                      compute_units=108),
+    achieved=A100_ACHIEVED,
 )
 A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6, efficiency=0.7)
 A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6, efficiency=0.96)
@@ -165,10 +163,7 @@ H100_DEVICE = DeviceSpec(
     peak_flops={"bfloat16": 989.4 * T, "float16": 989.4 * T, "tfloat32": 494.7 * T,
                 "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
                 "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
-    achieved=Achieved(matmul_efficiency=round(792.1 / 989.4, 3), memory_efficiency=0.9,
-                      kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-                      program_dispatch_s=GPU_PROGRAM_DISPATCH_S, overlap_communication=True,
-                      compute_units=132),
+    achieved=H100_ACHIEVED,
 )
 H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6, efficiency=0.8)
 H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6, efficiency=0.9)
@@ -186,12 +181,16 @@ H100_SOURCES = (
     "NVIDIA DGX H100 datasheet and user guide: 8 x H100 SXM5 80 GB, 4 NVSwitch chips, "
     "8 x ConnectX-7 400 Gb/s NDR InfiniBand for compute traffic "
     "- https://www.nvidia.com/en-us/data-center/dgx-h100/",
-    "achieved.matmul_efficiency 0.801: Bekman, Machine Learning Engineering, Maximum "
-    "Achievable Matmul FLOPS table (github.com/stas00/ml-engineering, "
-    "compute/accelerator): H100 SXM 792.1 of 989 TFLOP/s bf16, CUDA 12.1; compute_units "
-    "132 SMs (H100 whitepaper); memory_efficiency 0.9: estimate",
+    f"achieved.matmul_efficiency {H100_ACHIEVED.matmul_efficiency}: the median of 7 large "
+    f"transformer-shaped bf16 GEMMs run by XLA (jax 0.11.2) on an H200, the same GH100 "
+    f"compute, {HOPPER_MATMUL_TFLOPS} of 989.4 TFLOP/s (643-844 across shapes; "
+    "benchmarks/gpu_check.py, benchmarks/results/gpu_check.md); for comparison Bekman, "
+    "Machine Learning Engineering, Maximum Achievable Matmul FLOPS table "
+    "(github.com/stas00/ml-engineering, compute/accelerator) gives the best shape's 792.1 "
+    "on an H100 SXM with PyTorch; compute_units 132 SMs (H100 whitepaper); "
+    "memory_efficiency 0.9: estimate for HBM3 (0.918 measured for the H200's HBM3e)",
     "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
-    FIXED_COSTS_SOURCE,
+    HOPPER_FIXED_COSTS_SOURCE,
     OVERLAP_SOURCE,
 )
 

@@ -279,6 +279,11 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
             comps = cond_components(eqn)
             if comps is not None:   # (branches that work element by element)
                 params = params + (("components", comps),)
+        if prim in ("dot_general", "conv_general_dilated") \
+                and jax.config.jax_default_matmul_precision is not None:
+            # the precision a matmul without its own runs at (ilp.strategies.node_dtype)
+            params = params + (("config_precision",
+                                str(jax.config.jax_default_matmul_precision)),)
         if prim == "random_bits":
             # whether a split draw equals the whole one (the ILP may split it then)
             params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),)
