@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "examples" / "clusters" / "dgx-h100-x1.json"
-R_MAX = 8
+R_MAX = 16
 
 # (m, k, n): tokens x hidden -> outputs of a GPT block's matmuls (qkv 3h, the
 # MLP's 4h and back) at hidden 1024..8192 and 2k..16k tokens, plus squares
@@ -60,6 +60,9 @@ STEP_MODELS = {
                      "vocab": 8192, "dtype": "float32", "compute_dtype": "bfloat16"},
     "gpt-350m-b8": {"hidden": 1024, "layers": 24, "heads": 16, "seq_len": 1024, "batch": 8,
                     "vocab": 51200, "dtype": "float32", "compute_dtype": "bfloat16"},
+    "gpt-350m-b8-f32": {"hidden": 1024, "layers": 24, "heads": 16, "seq_len": 1024,
+                        "batch": 8, "vocab": 51200, "dtype": "float32",
+                        "compute_dtype": "float32"},
     "gpt-h2048-l8-b8": {"hidden": 2048, "layers": 8, "heads": 16, "seq_len": 1024, "batch": 8,
                         "vocab": 51200, "dtype": "float32", "compute_dtype": "bfloat16"},
 }
@@ -176,15 +179,17 @@ def kernel_rows(device: Any, quick: bool, repeats: int, log) -> list[dict]:
 # train steps
 
 def step_rows(clusters: dict[str, Any], quick: bool, steps: int, log, rows: list[dict],
-              save: Callable[[], None]) -> list[dict]:
+              save: Callable[[], None], names: Sequence[str] = (),
+              counts: Sequence[int] = (1, 4)) -> list[dict]:
     import jax
     import numpy as np
     import meshplan
     from meshplan.models import build_model
     models = QUICK_STEP_MODELS if quick else STEP_MODELS
-    methods = [("mb=1", meshplan.Manual(dp=1, tp=1, pp=1, num_micro_batches=1)),
-               ("mb=4", meshplan.Manual(dp=1, tp=1, pp=1, num_micro_batches=4)),
-               ("Auto()", meshplan.Auto())]
+    if names:
+        models = {n: models[n] for n in names}
+    methods = [(f"mb={m}", meshplan.Manual(dp=1, tp=1, pp=1, num_micro_batches=m))
+               for m in counts] + [("Auto()", meshplan.Auto())]
     run_on = "reference"
     for name, config in models.items():
         model = build_model("gpt", config)
@@ -269,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", default="", help="comma-separated step models (default: all)")
+    ap.add_argument("--micro-batches", default="1,4",
+                    help="comma-separated micro-batch counts of the Manual rows")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
                     "kernels, calibrate, steps")
     args = ap.parse_args(argv)
@@ -315,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "steps" not in skip:
         t = time.perf_counter()
         result["steps"] = []
-        step_rows(clusters, args.quick, args.steps, log, result["steps"], save)
+        step_rows(clusters, args.quick, args.steps, log, result["steps"], save,
+                  [m for m in args.models.split(",") if m],
+                  [int(m) for m in args.micro_batches.split(",")])
         log(f"steps: {time.perf_counter() - t:.0f} s")
 
     save()
