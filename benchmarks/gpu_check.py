@@ -17,6 +17,7 @@ fake devices; this script checks its *device* terms on the hardware itself:
    undecorated step.
 
     python benchmarks/gpu_check.py --out DIR [--quick] [--reference FILE]
+    python benchmarks/gpu_check.py --predict DIR/gpu_check.json ...   (CPU)
 
 A kernel's time: an unrolled chain of R dependent kernels in one jitted
 program, timed at R = 1 and R = R_MAX; (t(R_MAX) - t(1)) / (R_MAX - 1) is one
@@ -253,6 +254,72 @@ def step_rows(clusters: dict[str, Any], quick: bool, steps: int, log, rows: list
 
 
 # ---------------------------------------------------------------------------
+# predictions of today's model for measured runs (no accelerator needed)
+
+def device_like(kind: str) -> Any:
+    """One device of ``kind`` as ``ClusterSpec.local()`` would describe it there."""
+    from meshplan import datasheets
+    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    ds = datasheets.known_device("gpu", kind)
+    if ds is None:
+        raise SystemExit(f"--predict: no datasheet figures for {kind!r}")
+    dev = DeviceSpec(kind=kind, memory_bytes=ds.memory_bytes,
+                     memory_bandwidth_bytes_per_s=ds.memory_bandwidth, peak_flops=ds.flops,
+                     achieved=ds.achieved)
+    return ClusterSpec(f"one-{kind}", 1, 1, dev, LinkSpec(*ds.intra_host),
+                       LinkSpec(*ds.inter_host))
+
+
+def predict_kernel(device: Any, row: dict) -> float:
+    """Seconds the model gives one kernel of a measured row."""
+    from meshplan.cost_model.compute import compute_time, launch_time
+    if row["kind"] == "stream":
+        moved = 3 * (int(row["shape"].split()[0]) << 20)
+        return compute_time(device, 0.0, moved) + launch_time(device, 1)
+    m, k, n = map(int, row["shape"].split("x"))
+    dtype = row["dtype"].split()[0]
+    priced = "tfloat32" if row["dtype"] == "float32" else dtype   # default precision
+    nbytes = (2 if dtype == "bfloat16" else 4) * (m * k + k * n + m * n)
+    return compute_time(device, 2.0 * m * k * n, nbytes, priced, out_elements=m * n) \
+        + launch_time(device, 1)
+
+
+def repredict(paths: Sequence[str]) -> list[str]:
+    """Today's predictions for the kernels and Manual step rows of measured runs."""
+    import meshplan
+    from meshplan.models import build_model
+    lines = []
+    for path in paths:
+        run = json.loads(pathlib.Path(path).read_text())
+        cluster = device_like(run["device"])
+        lines += [f"## {path}: {run['device']}, jax {run['jax']}", ""]
+        kernels = [dict(r, predicted_us=predict_kernel(cluster.device, r) * 1e6)
+                   for r in run.get("kernels", [])]
+        for r in kernels:
+            r["ratio"] = r["predicted_us"] / r["measured_us"]
+        if kernels:
+            lines += table(kernels, ["kind", "dtype", "shape", "measured_us", "tflops", "gbps",
+                                     "predicted_us", "ratio"]) + [""]
+        steps = []
+        for r in run.get("steps", []):
+            if not (r.get("measured_ms") and r["method"].startswith("mb=")):
+                continue
+            model = build_model("gpt", STEP_MODELS[r["model"]])
+            state, batch = model.abstract_args
+            plan = meshplan.plan(model.train_step, state, batch, cluster=cluster,
+                                 batch_argnums=model.batch_argnums,
+                                 method=meshplan.Manual(dp=1, tp=1, pp=1,
+                                                        num_micro_batches=int(r["method"][3:])))
+            pred = plan.predicted.iteration_s * 1e3
+            steps.append({**r, "predicted_ms": pred, "ratio": pred / r["measured_ms"],
+                          "predicted_mem_gib": plan.predicted.peak_memory_bytes / 2**30})
+        if steps:
+            lines += table(steps, ["model", "method", "measured_ms", "predicted_ms", "ratio",
+                                   "predicted_mem_gib", "compiled_mem_gib"]) + [""]
+    return lines
+
+
+# ---------------------------------------------------------------------------
 # report
 
 def table(rows: Sequence[dict], cols: Sequence[str]) -> list[str]:
@@ -267,8 +334,10 @@ def table(rows: Sequence[dict], cols: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for gpu_check.md/.json and the "
-                    "calibrated cluster")
+    ap.add_argument("--out", help="folder for gpu_check.md/.json and the calibrated cluster")
+    ap.add_argument("--predict", nargs="+", metavar="JSON",
+                    help="no measuring: today's model's predictions for the rows of these "
+                         "gpu_check.json files (runs on CPU)")
     ap.add_argument("--reference", default=str(REFERENCE),
                     help="cluster file whose device.achieved figures are checked")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run)")
@@ -280,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
                     "kernels, calibrate, steps")
     args = ap.parse_args(argv)
+    if args.predict:
+        print("\n".join(repredict(args.predict)))
+        return 0
+    if not args.out:
+        ap.error("--out FOLDER is required to measure (or --predict JSON to re-predict)")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

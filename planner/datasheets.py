@@ -53,11 +53,11 @@ def _f(**tflops: float) -> tuple[tuple[str, float], ...]:
 GPU_KERNEL_LAUNCH_S = 5e-6          # estimate (V100/A100 generation)
 GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
 # Hopper, measured with XLA (jax 0.11.2) on an H200 by benchmarks/gpu_check.py
-# (benchmarks/results/gpu_check.md): the median bf16 TFLOP/s of its large
-# transformer-shaped GEMMs, the streaming bandwidth of 1 GiB arrays, and
-# meshplan calibrate's kernel launch.
-HOPPER_MATMUL_TFLOPS = 707.8        # of 989.4 peak (H100 and H200 share the GH100 die)
-H200_STREAM_BYTES_PER_S = 4.407e12  # of 4.8e12 peak
+# (benchmarks/results/gpu_check.md), two runs: the median bf16 TFLOP/s of its
+# 7 large transformer-shaped GEMMs (14 timings), the mean streaming bandwidth
+# of 1 GiB arrays, and meshplan calibrate's kernel launch.
+HOPPER_MATMUL_TFLOPS = 716.4        # of 989.4 peak (H100 and H200 share the GH100 die)
+H200_STREAM_BYTES_PER_S = 4.39e12   # of 4.8e12 peak
 HOPPER_KERNEL_LAUNCH_S = 2.3e-6
 V100_ACHIEVED = Achieved(matmul_efficiency=round(83 / 125, 3),
                          memory_efficiency=round(750 / 900, 3),

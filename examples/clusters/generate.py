@@ -183,12 +183,12 @@ H100_SOURCES = (
     "- https://www.nvidia.com/en-us/data-center/dgx-h100/",
     f"achieved.matmul_efficiency {H100_ACHIEVED.matmul_efficiency}: the median of 7 large "
     f"transformer-shaped bf16 GEMMs run by XLA (jax 0.11.2) on an H200, the same GH100 "
-    f"compute, {HOPPER_MATMUL_TFLOPS} of 989.4 TFLOP/s (643-844 across shapes; "
+    f"compute, two runs, {HOPPER_MATMUL_TFLOPS} of 989.4 TFLOP/s (643-844 across shapes; "
     "benchmarks/gpu_check.py, benchmarks/results/gpu_check.md); for comparison Bekman, "
     "Machine Learning Engineering, Maximum Achievable Matmul FLOPS table "
     "(github.com/stas00/ml-engineering, compute/accelerator) gives the best shape's 792.1 "
     "on an H100 SXM with PyTorch; compute_units 132 SMs (H100 whitepaper); "
-    "memory_efficiency 0.9: estimate for HBM3 (0.918 measured for the H200's HBM3e)",
+    "memory_efficiency 0.9: estimate for HBM3 (0.915 measured for the H200's HBM3e)",
     "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
     HOPPER_FIXED_COSTS_SOURCE,
     OVERLAP_SOURCE,
