@@ -126,3 +126,9 @@ def test_calibrate_bad_out_is_one_line_exit_2(where):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "--out" in lines[0] or where in lines[0]
+
+
+def test_kernel_seconds_take_out_the_dispatch_of_long_calls_only():
+    assert C.kernel_seconds(1.5e-3, 0.1e-3) == pytest.approx(1.4e-3)
+    # a call under twice the dispatch is mostly fixed cost: kept whole
+    assert C.kernel_seconds(0.15e-3, 0.1e-3) == pytest.approx(0.15e-3)

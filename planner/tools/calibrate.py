@@ -6,9 +6,10 @@ so devices that share chips or cores -- the fake CPU devices of
 
 - peak FLOP/s per dtype (float32, bfloat16, float16 where the back end runs
   them): a jitted ``jnp.matmul`` of two n x n matrices per device, n doubled
-  until one run is long enough to be compute bound; 2 n^3 / time;
+  until one run is long enough to be compute bound; 2 n^3 / kernel time;
 - memory bandwidth: ``z = x + y`` on large per-device arrays (read 2, write 1):
-  3 x array bytes / time;
+  3 x array bytes / kernel time (a call's time less the program dispatch
+  measured below, :func:`kernel_seconds`);
 - fixed costs: a jitted chain of k dependent small matmuls per device, k
   in a few sizes; the line t = a + b k gives the cost of launching one
   program (a, ``achieved.program_dispatch_s``) and one kernel (b,
@@ -107,6 +108,14 @@ def matmul_flops(n: int, seconds: float) -> float:
 def add_bandwidth(nbytes: int, seconds: float) -> float:
     """Bytes/s of ``x + y`` over arrays of ``nbytes`` each (two read, one written)."""
     return 3.0 * nbytes / seconds
+
+
+def kernel_seconds(seconds: float, dispatch_s: float) -> float:
+    """A single timed call's kernel time: the call less launching its program
+    (on a GPU the 0.1 ms of dispatch and waiting is 5-25% of a large matmul or
+    copy; benchmarks/results/gpu_check.md).  A call under twice the dispatch
+    is mostly fixed cost and keeps its whole time."""
+    return seconds - dispatch_s if seconds > 2 * dispatch_s else seconds
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -305,11 +314,13 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     measurements: list[Measurement] = []
     how: list[str] = []
 
-    flops = _measure_matmuls(mesh, platform, opts, timer, reporter, measurements, how)
-    memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
-                                     measurements, how)
-    links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
+    # fixed costs first: the rates below are of kernels, without their dispatch
     achieved = _measure_fixed_costs(mesh, devices, opts, timer, reporter, measurements, how)
+    dispatch = achieved.program_dispatch_s
+    flops = _measure_matmuls(mesh, platform, opts, timer, reporter, measurements, how, dispatch)
+    memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
+                                     measurements, how, dispatch)
+    links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
@@ -335,7 +346,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
 
 
 def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
-                     measurements: list, how: list) -> dict[str, float]:
+                     measurements: list, how: list, dispatch_s: float) -> dict[str, float]:
     """Matmul FLOP/s per dtype."""
     flops: dict[str, float] = {}
     sizes = _doubling(opts.matmul_min_n, opts.matmul_max_n)
@@ -346,13 +357,13 @@ def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
             continue
         with reporter.step(f"calibrate: matmul {dtype}"):
             n, t = grow(_matmul_fn(mesh, dtype), sizes, timer, opts, growth=8)
-        flops[dtype] = matmul_flops(n, t)
+        flops[dtype] = matmul_flops(n, kernel_seconds(t, dispatch_s))
         measurements.append(Measurement(f"matmul {dtype}", flops[dtype], n, t))
     if not flops:
         raise MeshplanError(f"calibrate: none of the dtypes {', '.join(opts.dtypes)} runs a "
                             f"matmul on {platform}")
     how.append("peak_flops: jitted jnp.matmul of two n x n matrices on every device at once, "
-               "2 n^3 / median time, " + ", ".join(
+               "2 n^3 / (median time less the program dispatch), " + ", ".join(
                    f"{m.what.split()[1]} n={m.size} {m.seconds * 1e3:.3g} ms" for m in measurements)
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
@@ -395,7 +406,8 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
 
 
 def _measure_memory(mesh, dev0, platform: str, per_host: int, opts: Options, timer: Timer,
-                    reporter, measurements: list, how: list) -> tuple[int, float]:
+                    reporter, measurements: list, how: list,
+                    dispatch_s: float) -> tuple[int, float]:
     """Device memory (bytes) and memory bandwidth (bytes/s)."""
     mem_limit = allocator_limit(dev0)
     if mem_limit is not None:
@@ -408,10 +420,11 @@ def _measure_memory(mesh, dev0, platform: str, per_host: int, opts: Options, tim
     with reporter.step("calibrate: memory bandwidth"):
         nbytes, t = grow(_add_fn(mesh), _doubling(opts.memory_min_bytes, hi, 4), timer, opts,
                          growth=4)
-    mem_bw = add_bandwidth(nbytes, t)
+    mem_bw = add_bandwidth(nbytes, kernel_seconds(t, dispatch_s))
     measurements.append(Measurement("memory", mem_bw, nbytes, t))
     how.append(f"memory_bandwidth_bytes_per_s: jitted x + y of float32 arrays of "
-               f"{nbytes / 2**20:.3g} MiB per device, 3 x array bytes / median time "
+               f"{nbytes / 2**20:.3g} MiB per device, 3 x array bytes / (median time less the "
+               f"program dispatch) "
                f"({t * 1e3:.3g} ms)")
     how.append(f"memory_bytes: {mem_how}")
 
