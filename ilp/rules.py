@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from ..flops import BARRIERS, ELEMENTWISE, RANDOM
+from .loops import loop_classes
 
 Shape = tuple[int, ...]
 
@@ -297,6 +298,26 @@ def split_rule(ins, outs, params) -> OpSpace:
     return L.space([inl], outl)
 
 
+def stack_rule(ins, outs, params) -> OpSpace:
+    """jnp.stack (jax's ``stack`` primitive): the operands' dimensions may be
+    split alike; the new ``axis`` stays whole (each operand is one slice of it)."""
+    axis = params["axis"] % len(outs[0])
+    L = _Labels()
+    inl = L.fresh(ins[0])
+    out = inl[:axis] + (L.new(outs[0][axis], True),) + inl[axis:]
+    return L.space([inl if s == ins[0] else None for s in ins], [out])
+
+
+def unstack_rule(ins, outs, params) -> OpSpace:
+    """jnp.unstack: the pieces along ``axis`` stay whole; every other dimension
+    may be split, each piece split like its operand."""
+    axis = params["axis"] % len(ins[0])
+    L = _Labels()
+    inl = L.fresh(ins[0], blocked_dims=[axis])
+    out = inl[:axis] + inl[axis + 1:]
+    return L.space([inl], [out] * len(outs))
+
+
 def squeeze_rule(ins, outs, params) -> OpSpace:
     dims = set(d % len(ins[0]) for d in params["dimensions"])
     L = _Labels()
@@ -335,6 +356,31 @@ def cond_rule(ins, outs, params) -> OpSpace | None:
     in_l = [None] + [of(c, s) for c, s in zip(comps[:n], ins[1:])]
     out_l = [of(c, o) or () for c, o in zip(comps[n:], outs)]
     return L.space(in_l, out_l, independent=True)
+
+
+def loop_rule(ins, outs, params) -> OpSpace | None:
+    """A scan or while loop (the tracer records its body as ``loop``,
+    :mod:`meshplan.ilp.loops`): the dimensions its body does not mix (the
+    batch of a time-step recurrence's carry) may be split, alike in every
+    operand and result of their class; the rest stay whole.  None when
+    nothing may be split: the loop runs replicated (and is warned about)."""
+    desc = params.get("loop")
+    if desc is None:
+        return None
+    classes = loop_classes(desc, ins, outs, op_space)
+    L = _Labels()
+    label: dict[int, int] = {}
+
+    def labels(cls: tuple[int, ...] | None, shape: Shape) -> tuple[int, ...] | None:
+        if cls is None:
+            return None
+        return tuple(L.new(n, True) if k < 0 else label.setdefault(k, L.new(n))
+                     for k, n in zip(cls, shape))
+    in_l = [labels(k, s) for k, s in zip(classes, ins)]
+    out_l = [labels(k, o) or () for k, o in zip(classes[len(ins):], outs)]
+    if all(l in L.blocked for l in L.sizes):
+        return None
+    return L.space(in_l, out_l)
 
 
 def iota_rule(ins, outs, params) -> OpSpace:
@@ -483,7 +529,11 @@ def _rules() -> Mapping[str, Rule]:
         "dynamic_update_slice": dynamic_update_slice_rule,
         "concatenate": concatenate_rule,
         "split": split_rule,
+        "stack": stack_rule,
+        "unstack": unstack_rule,
         "cond": cond_rule,
+        "scan": loop_rule,
+        "while": loop_rule,
         "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,
