@@ -6,18 +6,22 @@ is a variable; each body operator's own sharding rule (its OpSpace) says
 which of its dimensions are split together, and the ties say which body
 dimensions are which loop dimensions.  A union-find over them gives classes
 of dimensions that must be split alike.  A class may not be split at all
-(it is *blocked*) when any member is: a dimension an operator keeps whole or
-reduces over (a contraction inside the loop would need a collective in
-every iteration), an operand an operator takes whole, an operator with no
+(it is *blocked*) when any member is: a dimension an operator keeps whole,
+an operand an operator takes whole, an operator with no
 rule, the iteration dimension of a scan's per-step values, or two
 dimensions of one value (one mesh axis cannot split both).
 
 What is left are the dimensions the loop does not mix: the batch of an
 RNN's carry, the channels of an element-wise recurrence.  Splitting them,
-each device runs the whole loop on its own slice, with no communication.
+each device runs the whole loop on its own slice, with no communication,
+except where the body sums over one (a contraction: an RNN's weight
+gradient over the batch); that class is *partial*, and its partial sums
+are all-reduced in every step (XLA does so: a loop's carry holds whole
+values).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 Shape = tuple[int, ...]
@@ -52,13 +56,15 @@ class _Classes:
         return self.find(x) in self.blocked
 
 
-def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape],
-                 space_of: SpaceOf) -> list[tuple[int, ...] | None]:
+def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_of: SpaceOf
+                 ) -> tuple[list[tuple[int, ...] | None], dict[int, float]]:
     """Per operand and result of the loop (results after operands), a class
-    id per dimension, -1 where the dimension may not be split; None for a
-    scalar.  ``space_of`` is :func:`meshplan.ilp.rules.op_space`."""
-    shapes, eqns, ties = desc
+    id per dimension, -1 where the dimension may not be split, None for a
+    scalar; and per partial class, the bytes one step all-reduces when it is
+    split.  ``space_of`` is :func:`meshplan.ilp.rules.op_space`."""
+    shapes, eqns, ties, itemsizes = desc
     c = _Classes()
+    sums: list[tuple[Any, float]] = []      # (a dimension summed over, bytes of the sum)
     for e, (prim, e_ins, e_outs, params) in enumerate(eqns):
         in_shapes = [shapes[i] for i in e_ins]
         out_shapes = [shapes[o] for o in e_outs]
@@ -76,8 +82,10 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape],
                 continue
             for d, lab in enumerate(labels):
                 c.join(("v", v, d), ("l", e, lab))
-                if lab in space.blocked or lab in space.reduce:
+                if lab in space.blocked:
                     c.block(("l", e, lab))
+        out_bytes = sum(math.prod(shapes[o]) * itemsizes[o] for o in e_outs)
+        sums += [(("l", e, lab), float(out_bytes)) for lab in space.reduce]
     slots = list(ins) + list(outs)
     for slot, v, offset in ties:
         for d in range(offset):
@@ -98,6 +106,10 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape],
             r = c.find(("s", s, d))
             if sizes.setdefault(r, size) != size:
                 c.blocked.add(r)
+    partial: dict[Any, float] = {}
+    for key, nbytes in sums:
+        r = c.find(key)
+        partial[r] = partial.get(r, 0.0) + nbytes
     out: list[tuple[int, ...] | None] = []
     for s, shape in enumerate(slots):
         if not shape:
@@ -106,4 +118,4 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape],
         out.append(tuple(-1 if c.is_blocked(("s", s, d))
                          else ids.setdefault(c.find(("s", s, d)), len(ids))
                          for d in range(len(shape))))
-    return out
+    return out, {ids[r]: b for r, b in partial.items() if r in ids and r not in c.blocked}

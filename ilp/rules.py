@@ -38,6 +38,9 @@ class OpSpace:
     # result and the operands with its labels share a layout, and each
     # component may be laid out apart (the ILP builder does so)
     independent: bool = False
+    # (label, bytes): splitting the label leaves partial sums inside a loop's
+    # body, which an all-reduce of that many bytes (all steps) combines
+    reduce_each_step: tuple[tuple[int, float], ...] = ()
 
 
 class _Labels:
@@ -56,9 +59,10 @@ class _Labels:
         return tuple(self.new(s, d in blocked_dims) for d, s in enumerate(shape))
 
     def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False,
-              independent=False) -> OpSpace:
+              independent=False, reduce_each_step=()) -> OpSpace:
         return OpSpace(tuple(ins), tuple(outs), dict(self.sizes), frozenset(self.blocked),
-                       frozenset(reduce), elementwise, reduce_scatter, independent)
+                       frozenset(reduce), elementwise, reduce_scatter, independent,
+                       tuple(reduce_each_step))
 
 
 Rule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], OpSpace | None]
@@ -362,12 +366,15 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     """A scan or while loop (the tracer records its body as ``loop``,
     :mod:`meshplan.ilp.loops`): the dimensions its body does not mix (the
     batch of a time-step recurrence's carry) may be split, alike in every
-    operand and result of their class; the rest stay whole.  None when
+    operand and result of their class; the rest stay whole.  A class the
+    body contracts over (an RNN's weight gradient summed over the batch)
+    costs an all-reduce of the partial sums in every step.  None when
     nothing may be split: the loop runs replicated (and is warned about)."""
     desc = params.get("loop")
     if desc is None:
         return None
-    classes = loop_classes(desc, ins, outs, op_space)
+    classes, partial = loop_classes(desc, ins, outs, op_space)
+    steps = int(params.get("length", 1))      # (a while: costed as one iteration)
     L = _Labels()
     label: dict[int, int] = {}
 
@@ -380,7 +387,8 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     out_l = [labels(k, o) or () for k, o in zip(classes[len(ins):], outs)]
     if all(l in L.blocked for l in L.sizes):
         return None
-    return L.space(in_l, out_l)
+    each = [(label[k], b * steps) for k, b in sorted(partial.items()) if k in label]
+    return L.space(in_l, out_l, reduce_each_step=each)
 
 
 def iota_rule(ins, outs, params) -> OpSpace:

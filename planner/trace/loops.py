@@ -7,10 +7,11 @@ body's own operators, which live in the ILP layer (:mod:`meshplan.ilp.rules`);
 the tracer cannot call them, so it records the body as plain data in the
 loop's node params (``("loop", description)``) and the rule reads it there.
 
-A description is ``(shapes, eqns, ties)``:
+A description is ``(shapes, eqns, ties, itemsizes)``:
 
 * ``shapes``: the shape of every body value, by id (the loop body and, for a
-  ``while``, its predicate, with nested calls inlined; literals get ids too);
+  ``while``, its predicate, with nested calls inlined; literals get ids too),
+  and ``itemsizes`` the bytes of one of its elements;
 * ``eqns``: ``(primitive, operand ids, result ids, params)`` per body equation,
   params as the Graph keeps them;
 * ``ties``: ``(slot, body id, offset)``: dimension ``d`` of body value ``id``
@@ -26,7 +27,8 @@ from typing import Any, Callable
 
 from .walk import flatten
 
-Description = tuple[tuple[tuple[int, ...], ...], tuple[Any, ...], tuple[tuple[int, int, int], ...]]
+Description = tuple[tuple[tuple[int, ...], ...], tuple[Any, ...], tuple[tuple[int, int, int], ...],
+                    tuple[int, ...]]
 
 
 class _Body:
@@ -36,9 +38,11 @@ class _Body:
         self.params_of = params_of
         self.shapes: list[tuple[int, ...]] = []
         self.eqns: list[tuple[Any, ...]] = []
+        self.itemsizes: list[int] = []
 
     def _new(self, aval: Any) -> int:
         self.shapes.append(tuple(int(d) for d in getattr(aval, "shape", ())))
+        self.itemsizes.append(int(getattr(getattr(aval, "dtype", None), "itemsize", 4) or 4))
         return len(self.shapes) - 1
 
     def add(self, jaxpr: Any) -> tuple[list[int], list[int]]:
@@ -82,5 +86,5 @@ def loop_description(eqn: Any, params_of: Callable[[Any], tuple]) -> Description
             ties += [(cn + bn + k, v, 0), (n_in + k, v, 0)]
     else:
         return None
-    return tuple(body.shapes), tuple(body.eqns), tuple(ties)
+    return tuple(body.shapes), tuple(body.eqns), tuple(ties), tuple(body.itemsizes)
 
