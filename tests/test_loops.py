@@ -159,3 +159,18 @@ def test_time_step_loops_run_batch_split_and_equal_jit(loss, size):
                 continue            # (an RNN's weight gradient)
             want = ("data", None) if len(spec) == 2 else (None, "data", None)
             assert tuple(spec) == want, (n.primitive, graph.tensors[t].shape, spec)
+
+
+def test_a_replicated_loop_is_named_once_with_its_share():
+    def step(w, x):
+        h = jax.lax.fori_loop(0, 8, lambda i, h: jnp.flip(jnp.tanh(h @ w)), x @ w)
+        return jnp.mean(h)
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = meshplan.plan(step, w, x, cluster=cluster, method=meshplan.ShardParallel())
+    said = [str(c.message) for c in caught if "run replicated" in str(c.message)]
+    assert len(said) == 1 and "scan (" in said[0] and "MiB" in said[0], said
+    assert any("scan (" in n for n in plan.notes)
