@@ -174,3 +174,22 @@ def test_a_replicated_loop_is_named_once_with_its_share():
     said = [str(c.message) for c in caught if "run replicated" in str(c.message)]
     assert len(said) == 1 and "scan (" in said[0] and "MiB" in said[0], said
     assert any("scan (" in n for n in plan.notes)
+
+
+def test_a_loop_and_a_cond_nested_in_a_scan_keep_its_batch_split():
+    def loss(p, x):
+        def step(h, x_t):
+            h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h + x_t), h)
+            h = jax.lax.cond(jnp.sum(x_t) > 0, lambda h: h * 2.0, lambda h: h - 1.0, h)
+            return h, h
+        _, hs = jax.lax.scan(step, x[:, 0] @ p["wa"], x.transpose(1, 0, 2))
+        return jnp.mean(hs ** 2)
+    p, x = _args(16, 4, 8)
+    graph = trace(_step(loss), p, x, warn=False)
+    (outer,) = [n for n in _loop_nodes(graph) if not n.scope.startswith("transpose")
+                and graph.tensors[n.inputs[-1]].shape == (4, 16, 8)]
+    space = node_space(graph, outer)
+    assert space is not None
+    carry = space.in_labels[[graph.tensors[t].shape for t in outer.inputs].index((16, 8))]
+    assert carry[0] not in space.blocked
+    _run_against_jit(_step(loss), p, x, meshplan.DataParallel())

@@ -13,7 +13,8 @@ A description is ``(shapes, eqns, ties, itemsizes)``:
   ``while``, its predicate, with nested calls inlined; literals get ids too),
   and ``itemsizes`` the bytes of one of its elements;
 * ``eqns``: ``(primitive, operand ids, result ids, params)`` per body equation,
-  params as the Graph keeps them;
+  params as the Graph keeps them (a nested cond or loop with its own
+  ``components`` or ``loop``);
 * ``ties``: ``(slot, body id, offset)``: dimension ``d`` of body value ``id``
   is dimension ``d + offset`` of the loop's operand ``slot`` (results come
   after the operands: ``slot = len(operands) + k``).  A scan's per-step
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .cond import cond_components
 from .walk import flatten
 
 Description = tuple[tuple[tuple[int, ...], ...], tuple[Any, ...], tuple[tuple[int, int, int], ...],
@@ -45,6 +47,19 @@ class _Body:
         self.itemsizes.append(int(getattr(getattr(aval, "dtype", None), "itemsize", 4) or 4))
         return len(self.shapes) - 1
 
+    def _params(self, eqn: Any) -> tuple:
+        """An equation's params as the Graph keeps them, with what the
+        tracer adds for the rules of nested control flow."""
+        params = self.params_of(eqn)
+        if eqn.primitive.name == "cond":
+            comps = cond_components(eqn)
+            if comps is not None:
+                params = params + (("components", comps),)
+        inner = loop_description(eqn, self.params_of)
+        if inner is not None:
+            params = params + (("loop", inner),)
+        return params
+
     def add(self, jaxpr: Any) -> tuple[list[int], list[int]]:
         """Adds one (closed) jaxpr; returns the ids of its inputs and outputs."""
         flat = flatten(jaxpr)
@@ -54,7 +69,7 @@ class _Body:
             return ids[x] if isinstance(x, int) else self._new(x.aval)
         for fe in flat.eqns:
             self.eqns.append((fe.eqn.primitive.name, tuple(ref(x) for x in fe.invars),
-                              tuple(ids[o] for o in fe.outvars), self.params_of(fe.eqn)))
+                              tuple(ids[o] for o in fe.outvars), self._params(fe.eqn)))
         return [ids[i] for i in flat.invars], [ref(x) for x in flat.outvars]
 
 
