@@ -193,3 +193,24 @@ def test_a_loop_and_a_cond_nested_in_a_scan_keep_its_batch_split():
     carry = space.in_labels[[graph.tensors[t].shape for t in outer.inputs].index((16, 8))]
     assert carry[0] not in space.blocked
     _run_against_jit(_step(loss), p, x, meshplan.DataParallel())
+
+
+def test_rnn_weight_gradient_is_all_reduced_in_every_step_as_costed():
+    # the rule's premise: XLA sums the partial weight gradients inside the
+    # loop's body (a carry holds whole values), not once after it
+    import re
+    step = _step(_rnn)
+    p, x = _args(512, 8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        par = meshplan.parallelize(step, method=meshplan.DataParallel(), donate_argnums=())
+        par(p, x)
+    text = par.lower(p, x).compile().as_text()
+    comp, inside = None, []
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%?\S+ .*\{$", line)
+        if m:
+            comp = "entry" if m.group(1) else "body"
+        if "all-reduce(" in line or "all-reduce-start(" in line:
+            inside.append((comp, line.count("f32[32,32]")))
+    assert ("body", 2) in inside, inside
