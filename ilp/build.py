@@ -94,7 +94,7 @@ def follow_input(space, node, graph) -> int | None:
     with exactly one laid-out operand (the others scalars or indices) follows
     that operand, its layout mapped through the node's labels.
     """
-    if space is None or len(node.outputs) != 1:
+    if space is None or len(node.outputs) != 1 or space.reduce_each_step:
         return None
     if space.elementwise:
         # a value made from constants alone (a causal mask) adapts to the
@@ -440,7 +440,7 @@ class _Builder:
         iteration, not once per micro-batch; the groups of the update (what
         reads a gradient, directly or not) run once per iteration, with the
         reshardings into and out of them.  ``(accumulated, per_iteration)``."""
-        gt, groups = self.group_of_tensor, self.groups
+        groups = self.groups
         accumulated, updates = self.gradient_groups(accumulate)
         per_iteration: frozenset[int] = frozenset()
         if grad_accum <= 1:

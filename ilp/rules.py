@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from ..flops import BARRIERS, ELEMENTWISE, RANDOM
+from .loops import loop_classes
 
 Shape = tuple[int, ...]
 
@@ -37,6 +38,9 @@ class OpSpace:
     # result and the operands with its labels share a layout, and each
     # component may be laid out apart (the ILP builder does so)
     independent: bool = False
+    # (label, bytes): splitting the label leaves partial sums inside a loop's
+    # body, which an all-reduce of that many bytes (all steps) combines
+    reduce_each_step: tuple[tuple[int, float], ...] = ()
 
 
 class _Labels:
@@ -55,9 +59,10 @@ class _Labels:
         return tuple(self.new(s, d in blocked_dims) for d, s in enumerate(shape))
 
     def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False,
-              independent=False) -> OpSpace:
+              independent=False, reduce_each_step=()) -> OpSpace:
         return OpSpace(tuple(ins), tuple(outs), dict(self.sizes), frozenset(self.blocked),
-                       frozenset(reduce), elementwise, reduce_scatter, independent)
+                       frozenset(reduce), elementwise, reduce_scatter, independent,
+                       tuple(reduce_each_step))
 
 
 Rule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], OpSpace | None]
@@ -297,6 +302,26 @@ def split_rule(ins, outs, params) -> OpSpace:
     return L.space([inl], outl)
 
 
+def stack_rule(ins, outs, params) -> OpSpace:
+    """jnp.stack (jax's ``stack`` primitive): the operands' dimensions may be
+    split alike; the new ``axis`` stays whole (each operand is one slice of it)."""
+    axis = params["axis"] % len(outs[0])
+    L = _Labels()
+    inl = L.fresh(ins[0])
+    out = inl[:axis] + (L.new(outs[0][axis], True),) + inl[axis:]
+    return L.space([inl if s == ins[0] else None for s in ins], [out])
+
+
+def unstack_rule(ins, outs, params) -> OpSpace:
+    """jnp.unstack: the pieces along ``axis`` stay whole; every other dimension
+    may be split, each piece split like its operand."""
+    axis = params["axis"] % len(ins[0])
+    L = _Labels()
+    inl = L.fresh(ins[0], blocked_dims=[axis])
+    out = inl[:axis] + inl[axis + 1:]
+    return L.space([inl], [out] * len(outs))
+
+
 def squeeze_rule(ins, outs, params) -> OpSpace:
     dims = set(d % len(ins[0]) for d in params["dimensions"])
     L = _Labels()
@@ -335,6 +360,35 @@ def cond_rule(ins, outs, params) -> OpSpace | None:
     in_l = [None] + [of(c, s) for c, s in zip(comps[:n], ins[1:])]
     out_l = [of(c, o) or () for c, o in zip(comps[n:], outs)]
     return L.space(in_l, out_l, independent=True)
+
+
+def loop_rule(ins, outs, params) -> OpSpace | None:
+    """A scan or while loop (the tracer records its body as ``loop``,
+    :mod:`meshplan.ilp.loops`): the dimensions its body does not mix (the
+    batch of a time-step recurrence's carry) may be split, alike in every
+    operand and result of their class; the rest stay whole.  A class the
+    body contracts over (an RNN's weight gradient summed over the batch)
+    costs an all-reduce of the partial sums in every step.  None when
+    nothing may be split: the loop runs replicated (and is warned about)."""
+    desc = params.get("loop")
+    if desc is None:
+        return None
+    classes, partial = loop_classes(desc, ins, outs, op_space)
+    steps = int(params.get("length", 1))      # (a while: costed as one iteration)
+    L = _Labels()
+    label: dict[int, int] = {}
+
+    def labels(cls: tuple[int, ...] | None, shape: Shape) -> tuple[int, ...] | None:
+        if cls is None:
+            return None
+        return tuple(L.new(n, True) if k < 0 else label.setdefault(k, L.new(n))
+                     for k, n in zip(cls, shape))
+    in_l = [labels(k, s) for k, s in zip(classes, ins)]
+    out_l = [labels(k, o) or () for k, o in zip(classes[len(ins):], outs)]
+    if all(l in L.blocked for l in L.sizes):
+        return None
+    each = [(label[k], b * steps) for k, b in sorted(partial.items()) if k in label]
+    return L.space(in_l, out_l, reduce_each_step=each)
 
 
 def iota_rule(ins, outs, params) -> OpSpace:
@@ -483,7 +537,11 @@ def _rules() -> Mapping[str, Rule]:
         "dynamic_update_slice": dynamic_update_slice_rule,
         "concatenate": concatenate_rule,
         "split": split_rule,
+        "stack": stack_rule,
+        "unstack": unstack_rule,
         "cond": cond_rule,
+        "scan": loop_rule,
+        "while": loop_rule,
         "name": elementwise_rule,     # checkpoint_name: an identity that names its operand
         "squeeze": squeeze_rule,
         "iota": iota_rule,

@@ -150,6 +150,12 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
                     variants.append(((spec,), t_rs, b_rs, d, reduce_scatter_kind(mm)))
         else:
             variants.append((out_specs, 0.0, 0.0, None, ""))
+        each = [all_reduce(mm, per_label[l], b) for l, b in space.reduce_each_step
+                if l in per_label]
+        if each:        # (inside a loop: on top of any variant's own collective)
+            t_e, b_e = sum(c[0] for c in each), sum(c[1] for c in each)
+            variants = [(o, t + t_e, b + b_e, rs, kind or "all-reduce")
+                        for o, t, b, rs, kind in variants]
         for o_specs, t_c, b_c, rs, kind in variants:
             key = (in_specs, o_specs)
             strat = Strategy(_name(assign, space, mm.mesh.axes, rs), in_specs, o_specs,

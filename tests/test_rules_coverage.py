@@ -46,6 +46,10 @@ CASES = {
                      _last(lambda h: (h * jax.lax.cumlogsumexp(_nograd(h), axis=1)).mean())),
     "sort": (("sort",), _last(lambda h: jnp.sort(h, axis=1)[:, :4].mean())),
     "argsort": (("sort",), _last(lambda h: (h * jnp.argsort(h, axis=1)).mean())),
+    # (jax 0.10 has stack and unstack primitives; each is the other's transpose)
+    "stack": (("stack", "unstack"),
+              _last(lambda h: (jnp.stack([h, h * 2.0], axis=1) ** 2).mean()
+                    + sum((u ** 3).mean() for u in jnp.unstack(h.reshape(len(h), 4, -1), axis=1)))),
 }
 
 
@@ -131,6 +135,43 @@ def test_multisteps_state_follows_the_parameters_and_runs_like_jit():
     for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+
+
+ADAM = optax.adam(1e-2)
+
+
+def _adam_step(state, batch):
+    p, o = state
+    loss, g = jax.value_and_grad(
+        lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
+    u, o = ADAM.update(g, o, p)
+    return (optax.apply_updates(p, u), o), loss
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(), meshplan.Auto(),
+                                    meshplan.ShardParallel(mesh_shape=(2, 4))],
+                         ids=["shard", "auto", "shard-2x4"])
+def test_multisteps_plans_its_state_like_the_plain_adam_step(method):
+    # (sizes where splitting pays on the 8-GPU cluster: the plain step's
+    # state is split there, and MultiSteps' cond must not undo that)
+    S = jax.ShapeDtypeStruct
+    p = {"w1": S((1024, 4096), jnp.float32), "w2": S((4096, 1024), jnp.float32)}
+    batch = {"x": S((64, 1024), jnp.float32), "y": S((64, 1024), jnp.float32)}
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = meshplan.plan(_adam_step, (p, jax.eval_shape(ADAM.init, p)), batch,
+                              method=method, cluster=cluster)
+        multi = meshplan.plan(_multi_step, (p, jax.eval_shape(MULTI.init, p)), batch,
+                              method=method, cluster=cluster)
+    want = {k.replace("[1][0]", "[1]"): v for k, v in plain.stages[0].params}
+    got = {k.replace(".inner_opt_state[0]", ""): v for k, v in multi.stages[0].params}
+    assert any(d is not None for k, v in want.items() if "mu" in k for d in v), want
+    for k, v in want.items():
+        assert got[k] == v, (k, got[k], v)
+    # the gradients MultiSteps accumulates are laid out like their parameters
+    for name in ("w1", "w2"):
+        assert got[f"[1].acc_grads['{name}']"] == want[f"[0]['{name}']"]
 
 
 def test_a_cond_that_reduces_in_a_branch_has_no_rule():

@@ -24,6 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
+from .loops import loop_description
 from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
@@ -275,6 +276,9 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
         if prim in COMPOSITES:
             repeat = _composite_cost(eqn, set())[2]
             params = params + (("body", _body_digest(eqn)),)
+            loop = loop_description(eqn, _node_params)
+            if loop is not None:    # (what the ILP's loop rule reads)
+                params = params + (("loop", loop),)
         if prim == "cond":
             comps = cond_components(eqn)
             if comps is not None:   # (branches that work element by element)
