@@ -423,8 +423,7 @@ class ShardExecutable:
             # that spans processes: give them to XLA as host values
             flat = dataclasses.replace(flat, consts=tuple(
                 np.asarray(c) if isinstance(c, jax.Array) else c for c in flat.consts))
-        if self.replay is not None and max(
-                k for g in self.replay.groups for k in g) >= len(flat.eqns):
+        if self.replay is not None and len(self.replay.forward) != len(flat.eqns):
             raise StalePlanError("the step traced for these arguments has other equations than "
                                  "the one its recomputation was planned on; re-plan")
         evaluate = make_evaluator(flat, constraints, reads, self.replay)
