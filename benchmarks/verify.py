@@ -12,6 +12,14 @@ runs it, against the stage's predicted communication and memory (see
 meshplan.tools.verify.verify_pipeline); written to verify_pipeline.md.
 
     python benchmarks/verify.py [--models mlp,gpt] [--meshes 8 2x4] [--no-pipelines]
+
+Recomputation rows (``--remat``, alone): a gpt with long sequences under
+``Manual(dp=2, tp=4, remat=k)`` for none / selective / full, the plan's
+predicted activation bytes and memory against the compiled program's
+``memory_analysis()`` (XLA CPU with its memory-aware scheduler, see
+meshplan.tools.remat_memory); written to verify_remat.md.
+
+    python benchmarks/verify.py --remat
 """
 from __future__ import annotations
 
@@ -37,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--no-pipelines", action="store_true", help="skip the pipeline rows")
     ap.add_argument("--only-pipelines", action="store_true", help="only the pipeline rows")
+    ap.add_argument("--remat", action="store_true",
+                    help="only the recomputation rows (memory_analysis per choice)")
     a = ap.parse_args(argv)
+    if a.remat:
+        return remat(a)
     if not a.no_pipelines:
         pipelines(a)
     if a.only_pipelines:
@@ -97,6 +109,33 @@ def pipelines(a: argparse.Namespace) -> None:
               "`temp` of its programs (`memory_analysis()`).", "", table, "",
               f"{ok}/{len(rows)} stages within 10% on communication.", ""]
         (out / "verify_pipeline.md").write_text("\n".join(md))
+
+
+REMAT_GPT = {"optimizer": "sgd", "layers": 4, "hidden": 64, "seq_len": 256, "vocab": 128,
+             "batch": 16, "heads": 8}
+
+
+def remat(a: argparse.Namespace) -> int:
+    import os
+    # (before jax starts: the scheduler that frees what is recomputed)
+    from meshplan.tools.remat_memory import SCHEDULER_FLAG
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}".strip()
+    from meshplan.tools.remat_memory import remat_table, verify_remat
+
+    table = remat_table(verify_remat("gpt", 2, 4, overrides=REMAT_GPT))
+    print(table, flush=True)
+    if not a.no_write:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = ", ".join(f"{k}={v}" for k, v in REMAT_GPT.items())
+        md = ["# One-program recomputation: predicted vs compiled memory (per device)", "",
+              f"gpt ({cfg}) under `Manual(dp=2, tp=4, remat=k)` on 8 fake CPU devices, "
+              "XLA CPU with `--xla_cpu_enable_concurrency_optimized_scheduler=false`.  "
+              "none is planned by the whole-graph ILP, selective and full by the stage DP "
+              "(other layouts, other memory model).  Compiled: `memory_analysis()` of the "
+              "step as `parallelize` runs it.", "", table, ""]
+        (out / "verify_remat.md").write_text("\n".join(md))
+    return 0
 
 
 if __name__ == "__main__":

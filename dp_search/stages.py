@@ -267,10 +267,10 @@ class StageCosts:
             # being processed also needs its layer's temporaries.  With remat
             # a stage keeps only its inputs and recomputes a layer's forward
             # just before its backward.
-            # the whole model as one stage with one micro-batch runs as one
-            # program, which never recomputes: no remat to choose (or charge)
-            whole = gi == 0 and gj == len(lay.groups) - 1 and lay.B == 1
-            for way in _ways(opts.remat, whole):
+            # (the whole model as one stage with one micro-batch runs as one
+            # program, which recomputes as the stage DP prices it too:
+            # meshplan.runtime.remat)
+            for way in _ways(opts.remat):
                 t, kept, working = c.way(way)
                 # (less what runs under compute: cost_model.overlap)
                 lat = t + fixed - self._hidden(c, way, send)
@@ -340,11 +340,9 @@ class StageCosts:
             self.least_unfit_stage = UnfitStage(memory, keep, remat, layers, devices, s)
 
 
-def _ways(remat: bool | str | None, whole: bool) -> tuple[str, ...]:
+def _ways(remat: bool | str | None) -> tuple[str, ...]:
     """The recomputation choices a stage may take: ``remat`` None tries all
-    three (the fastest that fits wins); a whole one-program plan has none."""
-    if whole:
-        return (NONE,)
+    three (the fastest that fits wins)."""
     if remat is None:
         return (NONE, SELECTIVE, FULL)
     return (recompute_name(remat),)

@@ -16,6 +16,7 @@ from .errors import MeshplanError, StalePlanError
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
+from .recompute import NONE
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
@@ -195,7 +196,7 @@ class Parallelized:
         return ShardExecutable(step, p, abstract, traced=traced.run,
                                retrace=functools.partial(trace_for_run, step,
                                                          batch_argnums=batch_argnums),
-                               donate_argnums=self._donate(graph))
+                               donate_argnums=self._donate(graph), replay=_replay(p, graph))
 
     def _donate(self, graph: Graph) -> tuple[int, ...]:
         if self.donate_argnums == "auto":
@@ -267,6 +268,19 @@ class _Unstacking:
 
     def __getattr__(self, name: str) -> Any:   # last_timeline, ...
         return getattr(self.inner, name)
+
+
+def _replay(p: Plan, graph: Graph) -> Any:
+    """[one stage] What the program recomputes (None: nothing), layer by layer:
+    the plan's layers, or (a plan from the whole-graph ILP) the planner's."""
+    from meshplan.runtime.remat import plan_replay
+    if p.stages[0].recompute == NONE:
+        return None
+    layers = p.layer_of_node
+    if len(layers) != len(graph.nodes):
+        from meshplan.dp_search.layers import assign_layers
+        layers = assign_layers(graph).layer_of_node
+    return plan_replay(graph, p.stages[0].recompute, layers)
 
 
 def _layer_of_node(p: Plan, traced: TracedStep) -> tuple[int, ...]:

@@ -120,9 +120,9 @@ class Manual:
         if used != num_devices:
             raise MeshplanError(f"Manual(dp={self.dp}, tp={self.tp}, pp={self.pp}) uses "
                                 f"{used} devices but the cluster has {num_devices}")
-        # (one stage with one micro-batch runs as one program, which never
-        # recomputes: remat=True changes nothing there)
-        if self.pp > 1 or self.num_micro_batches > 1:
+        # (one stage with one micro-batch and recomputation: the stage DP
+        # prices it, and the one program recomputes: meshplan.runtime.remat)
+        if self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective"):
             return PlanRequest("manual", pipeline=PipelineOptions(
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),

@@ -31,11 +31,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError
 from meshplan.plan import Plan
+from meshplan.recompute import NONE
 # (meshes and specs: shared with Plan.shardings, re-exported for the runtime's modules)
 from meshplan.shardings import (arg_specs, build_mesh, check_spec, shape_of as _shape_of,
                                 stage_devices, to_partition_spec)
 from meshplan.traced import FlatJaxpr, Lit, TracedStep, signature
 
+from .remat import Replay
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
                         global_view, is_multiprocess, place_global)
 
@@ -47,8 +49,8 @@ __all__ = ("build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "F
 # ---------------------------------------------------------------------------
 
 def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
-                   reads: Mapping[int, Sequence[tuple[int, NamedSharding]]] | None = None
-                   ) -> Callable[..., list[Any]]:
+                   reads: Mapping[int, Sequence[tuple[int, NamedSharding]]] | None = None,
+                   replay: Replay | None = None) -> Callable[..., list[Any]]:
     """A function of the flat input leaves that computes the flat outputs.
 
     It binds every equation of ``flat`` in order, like ``jax.core.eval_jaxpr``,
@@ -57,7 +59,8 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
     equation to (operand position, sharding) pairs: those operands are
     constrained as that equation reads them.  Without them XLA's partitioner
     picks its own way from an operand's layout to what a dot or convolution
-    needs, which need not be the (costed) way the plan chose.
+    needs, which need not be the (costed) way the plan chose.  ``replay``:
+    the forward values the backward reads recomputed (:mod:`.remat`).
     """
     reads = reads or {}
     def evaluate(*invals: Any) -> list[Any]:
@@ -76,19 +79,60 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
             write(i, c)
         for i, v in zip(flat.invars, invals, strict=True):
             write(i, v)
-        for fe in flat.eqns:
+        def bind(fe: Any, args: list[Any]) -> Sequence[Any]:
             eqn = fe.eqn
             subfuns, bind_params = _bind_params(eqn)
             ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-            args = [read(x) for x in fe.invars]
             for pos, sharding in (reads.get(fe.outvars[0], ()) if fe.outvars else ()):
                 if pos < len(args) and getattr(args[pos], "ndim", 0):
                     args[pos] = jax.lax.with_sharding_constraint(args[pos], sharding)
             with ctx:
                 outs = eqn.primitive.bind(*subfuns, *args, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outs = (outs,)
-            for i, v in zip(fe.outvars, outs, strict=True):
+            return outs if eqn.primitive.multiple_results else (outs,)
+
+        again: dict[int, Any] = {}      # [replay] recomputed copies
+
+        def recompute(g: int, anchor: list[Any]) -> list[Any]:
+            """Bind group ``g`` again from its kept operands, barriered with
+            ``anchor`` (backward values: the copy waits for them); returns
+            ``anchor`` as it left the barrier."""
+            eqns = [flat.eqns[k] for k in replay.groups[g]]
+            made = {o for fe in eqns for o in fe.outvars}
+            for fe in eqns:     # another group's values first (a shared weight copy)
+                for x in fe.invars:
+                    if isinstance(x, int) and x not in made and x in replay.group_of \
+                            and x not in again:
+                        recompute(replay.group_of[x], [])
+            kept = sorted({x for fe in eqns for x in fe.invars if isinstance(x, int)
+                           and x not in made and x not in again})
+            fenced = jax.lax.optimization_barrier((tuple(env[x] for x in kept), tuple(anchor)))
+            local = dict(zip(kept, fenced[0]))
+            local.update({x: again[x] for fe in eqns for x in fe.invars
+                          if isinstance(x, int) and x in again})
+            for fe in eqns:
+                args = [x.value if isinstance(x, Lit) else local[x] for x in fe.invars]
+                for i, v in zip(fe.outvars, bind(fe, args), strict=True):
+                    sharding = constraints.get(i)
+                    local[i] = v if sharding is None else jax.lax.with_sharding_constraint(
+                        v, sharding)
+            again.update({o: local[o] for fe in eqns for o in fe.outvars
+                          if replay.group_of.get(o) == g})
+            return list(fenced[1])
+
+        for k, fe in enumerate(flat.eqns):
+            args = [read(x) for x in fe.invars]
+            for t in (replay.reads(k, fe.invars) if replay is not None else ()):
+                if t not in again:
+                    pos = [p for p, x in enumerate(fe.invars) if isinstance(x, int)
+                           and x not in replay.group_of and getattr(args[p], "ndim", None)
+                           is not None]
+                    out = recompute(replay.group_of[t], [args[p] for p in pos])
+                    for p, v in zip(pos, out):
+                        args[p] = v
+            if replay is not None:
+                args = [again.get(x, a) if isinstance(x, int) and not replay.forward[k] else a
+                        for x, a in zip(fe.invars, args)]
+            for i, v in zip(fe.outvars, bind(fe, args), strict=True):
                 write(i, v)
         return [read(x) for x in flat.outvars]
 
@@ -170,13 +214,18 @@ class ShardExecutable:
     is the same host value in each process or a global array (see
     :mod:`meshplan.runtime.multihost`).  ``jax.ShapeDtypeStruct`` batch leaves
     (for ``args`` and :meth:`lower`) describe the *global* batch.
+
+    ``replay``: what the program recomputes (the stage's ``recompute``, made
+    by :func:`meshplan.runtime.remat.plan_replay` on the step's graph); a
+    plan that recomputes is refused without it.
     """
 
     def __init__(self, fn: Callable[..., Any], plan: Plan, args: Sequence[Any], *,
                  traced: TracedStep,
                  retrace: Callable[[tuple[Any, ...]], TracedStep] | None = None,
                  donate_argnums: Sequence[int] | None = None,
-                 devices: Sequence[jax.Device] | None = None) -> None:
+                 devices: Sequence[jax.Device] | None = None,
+                 replay: Replay | None = None) -> None:
         if len(plan.stages) != 1:
             raise RuntimeStageError(
                 f"ShardExecutable runs one-stage plans; this plan has {len(plan.stages)} stages "
@@ -184,6 +233,10 @@ class ShardExecutable:
         self.fn = fn
         self.plan = plan
         self.stage = plan.stages[0]
+        if self.stage.recompute != NONE and replay is None:
+            raise RuntimeStageError(f"this plan recomputes ({self.stage.recompute}): give "
+                                    "ShardExecutable the replay (meshplan.runtime.remat)")
+        self.replay = replay
         if donate_argnums is None:
             donate_argnums = (0,) if args and 0 not in plan.batch_argnums else ()
         self.donate_argnums = tuple(int(a) for a in donate_argnums)
@@ -370,7 +423,10 @@ class ShardExecutable:
             # that spans processes: give them to XLA as host values
             flat = dataclasses.replace(flat, consts=tuple(
                 np.asarray(c) if isinstance(c, jax.Array) else c for c in flat.consts))
-        evaluate = make_evaluator(flat, constraints, reads)
+        if self.replay is not None and len(self.replay.forward) != len(flat.eqns):
+            raise StalePlanError("the step traced for these arguments has other equations than "
+                                 "the one its recomputation was planned on; re-plan")
+        evaluate = make_evaluator(flat, constraints, reads, self.replay)
         expected = tuple((tuple(a.shape), a.dtype) for a in in_avals)
 
         def step(*step_args: Any) -> Any:

@@ -200,17 +200,20 @@ def test_gradients_accumulate_per_micro_batch_at_memory_bandwidth():
     assert accumulation_s(1e9, 4, 1e9, passes=1) == pytest.approx(3 / 4)
 
 
-def test_one_stage_plans_never_recompute():
-    # the whole model as one stage runs as one program, which does not
-    # recompute: Manual(remat=True) with one stage is not charged for it
+def test_one_stage_plans_are_charged_for_the_recomputation_they_run():
+    # the whole model as one program recomputes when asked
+    # (meshplan.runtime.remat): Manual(remat=True) with one stage pays for it
     m = _gpt()
     cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
     plain = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
                           method=meshplan.Manual(dp=8, tp=1, pp=1, remat=False))
     asked = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
                           method=meshplan.Manual(dp=8, tp=1, pp=1, remat=True))
-    assert not asked.stages[0].remat
-    assert asked.predicted.iteration_s == pytest.approx(plain.predicted.iteration_s)
+    assert not plain.stages[0].remat
+    assert len(asked.stages) == 1 and asked.stages[0].recompute == "full"
+    assert asked.predicted.iteration_s > plain.predicted.iteration_s
+    q = asked.predicted
+    assert 1.1 < q.hardware_tflops_per_device / q.tflops_per_device < 1.5
 
 
 def test_float32_matmuls_at_default_precision_are_priced_at_the_tfloat32_rate():
