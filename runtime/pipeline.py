@@ -209,7 +209,7 @@ class PipelineExecutable:
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
         # data-parallel gradients reduced once per step (see pipeline_partial)
         self.partial = partial_sums(self.fn, args, traced, plan, self.meshes, split,
-                                    closure_eqns)
+                                    closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
                                                              self.donations, self.partial)
         self.const_out = const_outputs(split, flat)

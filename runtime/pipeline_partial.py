@@ -87,9 +87,11 @@ def _data_axes(plan: Plan) -> tuple[str, ...] | None:
 
 def partial_sums(fn: Callable, args: Sequence[Any], traced: TracedStep, plan: Plan,
                  meshes: Sequence[Mesh], split: StepSplit,
-                 closure: Callable[..., list[int]]) -> PartialSums | None:
+                 closure: Callable[..., list[int]],
+                 layout: Callable[[int, int], NamedSharding | None]) -> PartialSums | None:
     """How the backwards keep partial gradients (see the module doc), or None.
-    ``closure(task, split, flat)``: the equations a task's program replays."""
+    ``closure(task, split, flat)``: the equations a task's program replays;
+    ``layout(x, s)``: value ``x``'s planned layout on stage ``s``, if any."""
     from meshplan.trace import trace_for_run
 
     m = int(plan.num_micro_batches)
@@ -118,7 +120,7 @@ def partial_sums(fn: Callable, args: Sequence[Any], traced: TracedStep, plan: Pl
             continue
         dims = _task_dims(t, big, flat, d, closure(
             dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)), split, big), split.producer)
-        if dims is not None:
+        if dims is not None and _data_parallel(t, dims, axes, lambda x: layout(x, key[1])):
             stages.add(key[1])
             ids.update(t.accumulate)
             batch_dim.update(dims)
@@ -152,6 +154,25 @@ def _task_dims(t: Task, big: FlatJaxpr, flat: FlatJaxpr, d: int, eqn_ids: Sequen
         if dim is not None:
             dims[x] = dim
     return dims
+
+
+def _data_parallel(t: Task, dims: Mapping[int, int], axes: Sequence[str],
+                   layout: Callable[[int], NamedSharding | None]) -> bool:
+    """Does the plan run backward ``t`` data-parallel over ``axes``: every
+    value cut along the batch planned cut over them there, and no running
+    sum planned cut over them (its partial sums would outgrow the plan)?"""
+    for x, d in dims.items():
+        sh = layout(x)
+        entry = tuple(sh.spec)[d] if sh is not None and d < len(sh.spec) else None
+        got = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if got[:len(axes)] != tuple(axes):
+            return False
+    for x in t.accumulate:
+        sh = layout(x)
+        if sh is not None and any(a in (e if isinstance(e, (list, tuple)) else (e,))
+                                  for e in sh.spec for a in axes):
+            return False
+    return True
 
 
 def _cut(big: Any, small: Any, d: int) -> int | None | bool:

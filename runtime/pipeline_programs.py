@@ -121,6 +121,12 @@ class StageLayouts:
         ps = to_partition_spec(spec) if spec is not None else PartitionSpec()
         return NamedSharding(self.meshes[s], ps)
 
+    def planned(self, x: int, s: int) -> NamedSharding | None:
+        """The plan's layout of value or argument leaf ``x`` on stage ``s``, if any."""
+        if x in self.leaf_key:
+            return self.arg(x, s)
+        return self.constraints[s].get(x)
+
     def acc(self, x: int, s: int) -> NamedSharding:
         """Where the running sum of ``x`` lives on stage ``s``: its planned
         layout, else replicated."""
