@@ -104,7 +104,9 @@ def pipelines(a: argparse.Namespace) -> None:
               "8 fake CPU devices (XLA CPU), built-in models at their default sizes, Manual plans. "
               "Communication: the stage's predicted `comm_bytes` vs the collectives of its "
               "compiled programs, each times the runs of one call (forward and backward per "
-              "micro-batch, update once).  Memory: the stage's predicted `memory_bytes` vs its "
+              "micro-batch; means of the running sums and update once: with partial gradient "
+              "sums the means program holds the step's one data-parallel gradient reduction, "
+              "see meshplan.runtime.pipeline_partial).  Memory: the stage's predicted `memory_bytes` vs its "
               "state + running sums + activations of the micro-batches in flight + the largest "
               "`temp` of its programs (`memory_analysis()`).", "", table, "",
               f"{ok}/{len(rows)} stages within 10% on communication.", ""]

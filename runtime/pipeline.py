@@ -89,8 +89,9 @@ from meshplan.traced import TracedStep
 
 from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
-from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, const_outputs,
-                                donations, returned_leaves)
+from .pipeline_partial import partial_sums
+from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, closure_eqns,
+                                const_outputs, donations, returned_leaves)
 from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import MEAN, StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
@@ -170,7 +171,7 @@ class PipelineExecutable:
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
-        self._build(layer_of_node, xp)
+        self._build(layer_of_node, xp, tuple(args))
         self.last_stats: dict[str, Any] = {}
         self._steps = 0
         self._events: tuple | None = None
@@ -179,7 +180,8 @@ class PipelineExecutable:
         self._watchers: list[Watcher] | None = None
 
     # ---- building ---------------------------------------------------------
-    def _build(self, layer_of_node: Sequence[int], xp: StageTransport | None) -> None:
+    def _build(self, layer_of_node: Sequence[int], xp: StageTransport | None,
+               args: tuple[Any, ...]) -> None:
         traced, plan, m, flat = self.traced, self.plan, self.m, self.flat
         batch_ids = [i for i, b in zip(flat.invars, traced.batch_leaves) if b]
         self.split = split = split_step(flat, traced.forward, layer_of_node,
@@ -205,11 +207,14 @@ class PipelineExecutable:
         if xp is not None:
             self.donated = frozenset()
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
+        # data-parallel gradients reduced once per step (see pipeline_partial)
+        self.partial = partial_sums(self.fn, args, traced, plan, self.meshes, split,
+                                    closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
-                                                             self.donations)
+                                                             self.donations, self.partial)
         self.const_out = const_outputs(split, flat)
         self.returned = returned_leaves(split, flat)
-        self.sums = RunningSums(split, flat, self.layouts, m)
+        self.sums = RunningSums(split, flat, self.layouts, m, self.partial)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,
                                    self.wiring.leaf_readers)
 

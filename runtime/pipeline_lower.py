@@ -41,7 +41,8 @@ __all__ = ("PipelineLowered", "PipelineCompiled", "lower_pipeline", "StageMemory
 class PipelineCompiled:
     """The compiled stage programs: ``compiled[key]`` is the
     ``jax.stages.Compiled`` of task ``key`` (``("F", s)``, ``("B", s)``,
-    ``("A", s, level)``)."""
+    ``("A", s, level)``) and, with several micro-batches, of the means of
+    stage ``s``'s running sums (``("M", s)``)."""
     compiled: Mapping[tuple, Any]
     num_stages: int
     num_micro_batches: int
@@ -60,8 +61,8 @@ class PipelineCompiled:
 
     def runs(self, key: tuple) -> int:
         """How often one call runs program ``key`` (forwards and backwards
-        once per micro-batch, updates once)."""
-        return 1 if key[0] == "A" else self.num_micro_batches
+        once per micro-batch, means and updates once)."""
+        return 1 if key[0] in ("A", "M") else self.num_micro_batches
 
     def as_text(self) -> str:
         return "\n\n".join(f"// {_name(k)}\n{c.as_text()}" for k, c in self.compiled.items())
@@ -127,9 +128,7 @@ def lower_pipeline(ex: "PipelineExecutable", args: tuple[Any, ...]) -> PipelineL
     def one(key: tuple, ins: list[Any]) -> None:
         prog = ex.programs[key]
         task = prog.task
-        accs = [jax.ShapeDtypeStruct(tuple(flat.avals[x].shape), flat.avals[x].dtype,
-                                     sharding=lay.acc(x, task.stage))
-                for x in task.accumulate] if m > 1 else []
+        accs = [ex.sums.struct(x, task.stage) for x in task.accumulate] if m > 1 else []
         lo = prog.fn.lower(*ins, *accs)
         co = lo.compile()
         lowered[key], compiled[key], inputs[key] = lo, co, tuple(ins)
@@ -142,6 +141,18 @@ def lower_pipeline(ex: "PipelineExecutable", args: tuple[Any, ...]) -> PipelineL
     for kind, s, i in ex.wiring.order:
         if i == 0:
             one((kind, s), [spec(x, s) for x in ex.programs[(kind, s)].task.inputs])
+    # the means of the running sums (with partial sums: the step's one
+    # gradient reduction), what the updates read
+    for s in (range(ex.p) if m > 1 else ()):
+        ids = ex.sums.zeros(s)[0]
+        if ids:
+            lo = ex.sums.mean(s, len(ids)).lower(*[ex.sums.struct(x, s) for x in ids])
+            co = lo.compile()
+            key = ("M", s)
+            lowered[key], compiled[key] = lo, co
+            inputs[key] = tuple(ex.sums.struct(x, s) for x in ids)
+            for x, sh in zip(ids, co.output_shardings):
+                where[x], stage_of[x] = sh, s
     for key in ex.wiring.update_order:
         s = key[1]
         ins = []
@@ -208,8 +219,10 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
         state = sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, lay.arg(x, s))
                     for x in leaf_ids if x not in lay.is_batch
                     and s in ex.wiring.leaf_readers.get(x, ()) and hasattr(flat.avals[x], "shape"))
-        sums = sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, lay.acc(x, s))
-                   for k in keys if k[0] != "A" for x in split.tasks[k].accumulate) if m > 1 else 0
+        # (partial sums: (D, *shape) cut over the data axes, one gradient a device)
+        sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
+                   for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B")
+                             for x in split.tasks[k].accumulate)) if m > 1 else 0
         kept = 0
         f, b = split.tasks.get(("F", s)), split.tasks.get(("B", s))
         if f is not None and b is not None:

@@ -23,11 +23,12 @@ from meshplan.errors import StalePlanError
 from meshplan.plan import Plan
 from meshplan.traced import FlatJaxpr, TracedStep
 
+from .pipeline_partial import PartialSums, acc_sharding, partial_program
 from .pipeline_split import StepSplit, Task
 from .shard import check_spec, make_evaluator, to_partition_spec
 
 __all__ = ("Program", "StageLayouts", "RunningSums", "build_programs", "donations",
-           "returned_leaves", "const_outputs",)
+           "returned_leaves", "const_outputs", "closure_eqns",)
 
 
 @dataclasses.dataclass
@@ -120,6 +121,12 @@ class StageLayouts:
         ps = to_partition_spec(spec) if spec is not None else PartitionSpec()
         return NamedSharding(self.meshes[s], ps)
 
+    def planned(self, x: int, s: int) -> NamedSharding | None:
+        """The plan's layout of value or argument leaf ``x`` on stage ``s``, if any."""
+        if x in self.leaf_key:
+            return self.arg(x, s)
+        return self.constraints[s].get(x)
+
     def acc(self, x: int, s: int) -> NamedSharding:
         """Where the running sum of ``x`` lives on stage ``s``: its planned
         layout, else replicated."""
@@ -178,11 +185,14 @@ def _norm(d: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
-                   donate: Mapping[tuple, tuple[int, ...]] | None = None) -> dict[tuple, Program]:
+                   donate: Mapping[tuple, tuple[int, ...]] | None = None,
+                   partial: PartialSums | None = None) -> dict[tuple, Program]:
     """One jitted program per task of ``split``; ``donate``: per task key, the
-    positions of its inputs it takes over (see :func:`donations`)."""
+    positions of its inputs it takes over (see :func:`donations`);
+    ``partial``: the backwards keep partial gradients (see
+    :mod:`~meshplan.runtime.pipeline_partial`)."""
     donate = donate or {}
-    return {key: _program(task, split, flat, layouts, donate.get(key, ()))
+    return {key: _program(task, split, flat, layouts, donate.get(key, ()), partial)
             for key, task in split.tasks.items()}
 
 
@@ -245,7 +255,7 @@ def _aval_key(aval: Any) -> tuple | None:
     return None if shape is None else (tuple(shape), str(aval.dtype))
 
 
-def _closure_eqns(task: Task, split: StepSplit, flat: FlatJaxpr) -> list[int]:
+def closure_eqns(task: Task, split: StepSplit, flat: FlatJaxpr) -> list[int]:
     """The task's equations plus the constant equations it reads, in flat order."""
     eqns = flat.eqns
     own = set(task.eqns)
@@ -285,9 +295,20 @@ def _at_full_batch(flat: FlatJaxpr, eqn_ids: Sequence[int],
 
 
 def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
-             donate: tuple[int, ...] = ()) -> Program:
+             donate: tuple[int, ...] = (), partial: PartialSums | None = None) -> Program:
     s = task.stage
-    eqn_ids = _closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
+    if partial is not None and task.kind == "B" and s in partial.stages:
+        local = partial_program(task, split, layouts, partial, closure_eqns, _sub)
+        acc_sh = [acc_sharding(partial, layouts.acc(x, s)) for x in task.accumulate]
+
+        def backward(*xs: Any) -> tuple[list[Any], list[Any]]:
+            plain, new = local(*xs)
+            return list(plain), [jax.lax.with_sharding_constraint(v, sh)
+                                 for v, sh in zip(new, acc_sh)]
+        backward.__name__ = backward.__qualname__ = f"stage{s}_B"
+        return Program(task, jax.jit(backward, donate_argnums=donate), layouts.constraints[s],
+                       donate)
+    eqn_ids = closure_eqns(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)),
                             split, flat)
     if task.kind == "R":
         flat = _at_full_batch(flat, eqn_ids, split.full_eqns)
@@ -322,7 +343,7 @@ def const_outputs(split: StepSplit, flat: FlatJaxpr) -> dict[int, Any]:
     for x in flat.outvars:
         if isinstance(x, int) and x in split.const_eqn:
             t = Task("K", 0, 0, [split.const_eqn[x]])
-            sub = _sub(flat, _closure_eqns(t, split, flat), (), (x,))
+            sub = _sub(flat, closure_eqns(t, split, flat), (), (x,))
             out[x] = make_evaluator(sub, {})()[0]
     return out
 
@@ -335,8 +356,10 @@ class RunningSums:
     """Jitted functions making the zero running sums of a stage and the
     means of its sums (made on first use, one per stage and count)."""
 
-    def __init__(self, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts, m: int) -> None:
+    def __init__(self, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts, m: int,
+                 partial: PartialSums | None = None) -> None:
         self.split, self.flat, self.layouts, self.m = split, flat, layouts, m
+        self.partial = partial
         self._zeros: dict[int, tuple[list[int], Callable[[], list[Any]]]] = {}
         self._means: dict[tuple[int, int], Callable[..., Any]] = {}
 
@@ -346,23 +369,47 @@ class RunningSums:
         if hit is None:
             ids = [x for key, t in self.split.tasks.items() if key[0] != "A" and key[1] == s
                    for x in t.accumulate]
-            avals = [self.flat.avals[x] for x in ids]
-            shardings = [self.layouts.acc(x, s) for x in ids]
+            structs = [self.struct(x, s) for x in ids]
 
             def zeros() -> list[Any]:
-                return [jax.numpy.zeros(a.shape, a.dtype) for a in avals]
+                return [jax.numpy.zeros(a.shape, a.dtype) for a in structs]
+            shardings = [a.sharding for a in structs]
             hit = self._zeros[s] = (ids, jax.jit(zeros, out_shardings=shardings))
         return hit
 
+    def struct(self, x: int, s: int) -> jax.ShapeDtypeStruct:
+        """The running sum of ``x`` on stage ``s``: the gradient's shape on its
+        layout, or with partial sums ``(D, *shape)`` with one row per data shard."""
+        aval, sh = self.flat.avals[x], self.layouts.acc(x, s)
+        if self.partial is None or x not in self.partial.ids:
+            return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
+        return jax.ShapeDtypeStruct((self.partial.size, *aval.shape), aval.dtype,
+                                    sharding=acc_sharding(self.partial, sh))
+
     def mean(self, s: int, n: int) -> Callable[..., Any]:
-        """A jitted function dividing ``n`` sums of stage ``s`` by the number
-        of micro-batches."""
+        """A jitted function dividing the ``n`` sums of stage ``s`` (in the
+        order of :meth:`zeros`) by the number of micro-batches; with partial
+        sums it first adds the data shards' rows (the one gradient reduction
+        of the step) and leaves each mean on its planned layout."""
         f = self._means.get((s, n))
         if f is None:
-            m = self.m
+            m, ps = self.m, self.partial
+            ids = self.zeros(s)[0]
+            if ps is None or not ps.ids.intersection(ids):
+                def mean(*xs: Any) -> list[Any]:
+                    return [(x / m).astype(x.dtype) for x in xs]
+                # (the sums are ours and read by nothing after: taken over)
+                mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
+                f = jax.jit(mean, donate_argnums=tuple(range(n)))
+            else:
+                shardings = [self.layouts.acc(x, s) for x in ids]
+                rows = [x in ps.ids for x in ids]
 
-            def mean(*xs: Any) -> list[Any]:
-                return [(x / m).astype(x.dtype) for x in xs]
-            # (the sums are ours and read by nothing after: taken over)
-            f = self._means[(s, n)] = jax.jit(mean, donate_argnums=tuple(range(n)))
+                def mean(*xs: Any) -> list[Any]:
+                    return [jax.lax.with_sharding_constraint(
+                        (x.sum(0) / (m * ps.size) if r else x / m).astype(x.dtype), sh)
+                        for x, r, sh in zip(xs, rows, shardings)]
+                mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
+                f = jax.jit(mean)
+            self._means[(s, n)] = f
         return f

@@ -99,6 +99,25 @@ def test_pipeline_equals_undecorated_step(name, dp, tp, pp, mb, schedule):
     _assert_close(state, losses, name)
 
 
+def test_data_parallel_gradients_are_reduced_once_per_step():
+    # the backwards keep per-device partial gradients over the micro-batches
+    # and the means program reduces them once (meshplan.runtime.pipeline_partial),
+    # with the numerics of the undecorated step
+    from meshplan.runtime import parse_collectives
+
+    plan = _plan("mlp", 2, 1, 4, 2, "gpipe")
+    step, state, losses = _run("mlp", plan)
+    ex = step._fast[1]
+    assert ex.partial is not None and ex.partial.axes == ("data",) and ex.partial.stages
+    _assert_close(state, losses, "mlp")
+    m, state0, batch = _model("mlp")
+    compiled = step.lower(state0, batch).compile()
+    for s in ex.partial.stages:
+        backward = {c.kind for c in parse_collectives(compiled[("B", s)])}
+        assert "all-reduce" not in backward, s
+        assert "all-reduce" in {c.kind for c in parse_collectives(compiled[("M", s)])}
+
+
 # ... and the whole matrix of the acceptance criteria (slow)
 MATRIX = [(name, dp, tp, pp, mb, schedule)
           for name in ("gpt", "mlp", "wresnet")

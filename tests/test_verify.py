@@ -44,11 +44,13 @@ def test_pipeline_lowers_to_one_program_per_stage_and_phase():
                                 method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
     lowered = step.lower(*model.abstract_args)
     assert isinstance(lowered, PipelineLowered)
-    assert {k[:2] for k, _ in lowered.items()} == {(k, s) for k in "FBA" for s in (0, 1)}
+    # (M: the means of a stage's running sums, run once per call)
+    assert {k[:2] for k, _ in lowered.items()} == {(k, s) for k in "FBAM" for s in (0, 1)}
     assert all(isinstance(lo, jax.stages.Lowered) for _, lo in lowered.items())
     compiled = lowered.compile()
     assert all(isinstance(c, jax.stages.Compiled) for _, c in compiled.items())
     assert compiled.runs(("F", 0)) == 2 and compiled.runs(("A", 0, 0)) == 1
+    assert compiled.runs(("M", 0)) == 1
     assert "stage 1 B" in lowered.as_text()
 
 
@@ -64,4 +66,9 @@ def test_pipeline_rows_compare_each_stage():
     # the middle stages hold no collective, by the plan and by XLA
     assert rows[1].predicted_comm_bytes == rows[1].actual_comm_bytes == 0
     assert rows[0].actual_comm_bytes > 0
+    # the first and last stages reduce their data-parallel gradients once per
+    # step (in the means program), as the plan charges: not once per micro-batch
+    for r in (rows[0], rows[3]):
+        assert r.predicted_comm_bytes > 0
+        assert abs(r.comm_rel_error) <= 0.01, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
     assert "| mlp | 4x(2x1) mb2 gpipe | 3 |" in pipeline_table(rows)

@@ -30,7 +30,8 @@ Pipeline plans (:func:`verify_pipeline`, one row per stage): the stage's
 programs lowered and compiled as the driver runs them (``step.lower(...)``,
 :mod:`meshplan.runtime.pipeline_lower`); communication is the collectives'
 bytes of each program times the times one call runs it (forward and
-backward once per micro-batch, the update once) against the stage's
+backward once per micro-batch; the means of the running sums, where partial
+gradient sums are reduced, and the update once) against the stage's
 predicted ``comm_bytes``; memory is what the stage keeps alive (state,
 running sums, activations of the micro-batches in flight) plus the largest
 arena of intermediates of its programs, against the stage's predicted
