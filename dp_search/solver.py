@@ -159,6 +159,31 @@ class LayerSolver:
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
+        keys = list(todo)
+        return keys, todo, self._workers().map_async(solve_job, [todo[k][0] for k in keys],
+                                                     chunksize=1)
+
+    def prefetch(self, requests: list[tuple], tighten: int) -> None:
+        """Solve the distinct uncached layer ILPs of ``requests`` (arguments
+        of :meth:`layer_cost`) under 1 / ``tighten`` of the budget side by
+        side in the worker processes, when there are two or more (the stage
+        DP asks for a capped mesh's layers one by one, each a MIP of seconds).
+        The same problems give the same results wherever they are solved."""
+        todo: dict[tuple, tuple] = {}
+        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
+                selective in requests:
+            key = self._key(sub, mesh, submesh, grad_accum, tighten)
+            if key not in self.cache and key not in todo:
+                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten), sub, mesh,
+                             fwd_flops, saved, crossing, entering, selective)
+        if self.workers <= 1 or len(todo) < 2:
+            return
+        keys = list(todo)
+        self.collect((keys, todo, self._workers().map_async(
+            solve_job, [todo[k][0] for k in keys], chunksize=1)))
+
+    def _workers(self) -> Any:
+        """The pool of ILP worker processes (started on first use)."""
         import multiprocessing
         import warnings
         with warnings.catch_warnings():
@@ -178,9 +203,7 @@ class LayerSolver:
                         self.workers, initializer=_ignore_sigint)
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        keys = list(todo)
-        return keys, todo, self._pool.map_async(solve_job, [todo[k][0] for k in keys],
-                                                chunksize=1)
+        return self._pool
 
     def collect(self, batch: tuple | None) -> None:
         """Wait for a :meth:`submit` and keep its layer costs."""

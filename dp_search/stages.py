@@ -179,6 +179,9 @@ class StageCosts:
         self.lay, self.opts, self.solver = lay, opts, solver
         self._layer: dict[tuple[int, int, int, int], LayerCost | None] = {}
         self._groups: dict[tuple[int, int, int], list[GroupCost | None]] = {}
+        # (gi, gj, m, k, tighten) -> _priced's answer; -> _levels' largest layer state
+        self._prices: dict[tuple[int, int, int, int, int], tuple | None] = {}
+        self._largest: dict[tuple[int, int, int, int, int], float | None] = {}
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
         self.least_unfit_stage: UnfitStage | None = None
@@ -209,6 +212,12 @@ class StageCosts:
         as for :meth:`LayerSolver.layer_cost`."""
         if (m, k, tighten) not in self._groups:
             lay, rows = self.lay, []
+            if tighten > 1:     # (the loosest plans were solved side by side already)
+                self.solver.prefetch(
+                    [lay.request(l, m, k) for a, b in lay.groups
+                     if not any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
+                                for l in range(a, b + 1))
+                     for l in range(a, b + 1)], tighten)
             for a, b in lay.groups:
                 if any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
                        for l in range(a, b + 1)):
@@ -248,32 +257,17 @@ class StageCosts:
             return None
         best, least = None, None
         least_way = None
-        # a stage launches a forward and a backward program per micro-batch
-        dispatch = 2 * lay.dispatch_s
         # the layers' fastest plans first; capped state only if those fit no way
         # and their activations leave room for the stage's state split evenly
         room = [None]       # the budget less the least activations of the loosest plans
         for tighten, k in self._levels(gi, gj, m, room):
             if tighten > 1 and best is not None:
                 break
-            rows = self.groups(m, k, tighten)[gi:gj + 1]
-            if any(r is None for r in rows):
+            priced = self._priced(gi, gj, m, k, tighten)
+            if priced is None:
                 continue
-            send = self.send_s(j, m, k, tighten)
-            c = GroupCost.of_groups(rows)
-            fixed = send + dispatch + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
-                                                     lay.accumulate_passes)
-            # each micro-batch in flight keeps what its backward reads; the one
-            # being processed also needs its layer's temporaries.  With remat
-            # a stage keeps only its inputs and recomputes a layer's forward
-            # just before its backward.
-            # (the whole model as one stage with one micro-batch runs as one
-            # program, which recomputes as the stage DP prices it too:
-            # meshplan.runtime.remat)
-            for way in _ways(opts.remat):
-                t, kept, working = c.way(way)
-                # (less what runs under compute: cost_model.overlap)
-                lat = t + fixed - self._hidden(c, way, send)
+            send, c, ways = priced
+            for way, lat, kept, working in ways:
                 mem = c.resident_bytes + keep * kept + working
                 if tighten == 1 and (room[0] is None or lay.budget - keep * kept - working > room[0]):
                     room[0] = lay.budget - keep * kept - working
@@ -286,6 +280,41 @@ class StageCosts:
             c, way = least_way
             self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
+
+    def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int
+                ) -> tuple[float, GroupCost, list[tuple[str, float, float, float]]] | None:
+        """Groups ``gi..gj`` as one stage on mesh ``k`` of submesh ``m``: its
+        send time, its cost and per recomputation choice (latency, kept per
+        micro-batch in flight, working set); None where a group has no plan.
+        (None of it depends on the stages after it or the schedule, which
+        the DP varies: priced once.)"""
+        key = (gi, gj, m, k, tighten)
+        if key in self._prices:
+            return self._prices[key]
+        lay = self.lay
+        rows = self.groups(m, k, tighten)[gi:gj + 1]
+        if any(r is None for r in rows):
+            self._prices[key] = None
+            return None
+        send = self.send_s(lay.groups[gj][1], m, k, tighten)
+        c = GroupCost.of_groups(rows)
+        # a stage launches a forward and a backward program per micro-batch
+        fixed = send + 2 * lay.dispatch_s + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
+                                                            lay.accumulate_passes)
+        # each micro-batch in flight keeps what its backward reads; the one
+        # being processed also needs its layer's temporaries.  With remat
+        # a stage keeps only its inputs and recomputes a layer's forward
+        # just before its backward.
+        # (the whole model as one stage with one micro-batch runs as one
+        # program, which recomputes as the stage DP prices it too:
+        # meshplan.runtime.remat)
+        ways = []
+        for way in _ways(self.opts.remat):
+            t, kept, working = c.way(way)
+            # (less what runs under compute: cost_model.overlap)
+            ways.append((way, t + fixed - self._hidden(c, way, send), kept, working))
+        self._prices[key] = (send, c, ways)
+        return self._prices[key]
 
     def _levels(self, gi: int, gj: int, m: int, room: list):
         """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
@@ -315,16 +344,27 @@ class StageCosts:
                     continue
                 solved = True
                 yield tighten, k
-                rows = self.groups(m, k, tighten)[gi:gj + 1]
-                layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
-                          for l in range(a, b + 1)] if all(r is not None for r in rows) else []
-                if not layers or any(c is None for c in layers):
+                largest = self._largest_state(gi, gj, m, k, tighten)
+                if largest is None:
                     alive.remove(k)
                 else:
-                    prev[k] = max(c.resident_bytes for c in layers)
+                    prev[k] = largest
             tried += solved and tighten > 1
             if not alive:
                 return
+
+    def _largest_state(self, gi: int, gj: int, m: int, k: int, tighten: int) -> float | None:
+        """The largest resident state of a layer of groups ``gi..gj`` on mesh
+        ``k`` of submesh ``m`` (None: some layer has no plan there)."""
+        key = (gi, gj, m, k, tighten)
+        if key not in self._largest:
+            lay = self.lay
+            rows = self.groups(m, k, tighten)[gi:gj + 1]
+            layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
+                      for l in range(a, b + 1)] if all(r is not None for r in rows) else []
+            self._largest[key] = (None if not layers or any(c is None for c in layers)
+                                  else max(c.resident_bytes for c in layers))
+        return self._largest[key]
 
     def _hidden(self, c: GroupCost, recompute: str, send: float) -> float:
         return hidden_s(c.work(recompute, send, self.lay.B),

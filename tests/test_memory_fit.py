@@ -4,7 +4,6 @@ peak, and a stage whose layers' fastest plans replicate their weights tries
 layer plans with their state capped."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -85,3 +84,28 @@ def test_issue_reproduction_plans_with_one_micro_batch():
         weights = {k: v for k, v in s.params
                    if k.startswith("['params']['h") and len(v) == 2}
         assert weights and all(any(d is not None for d in spec) for spec in weights.values())
+
+
+def test_capped_layer_plans_solved_in_the_workers_give_the_same_plan(monkeypatch):
+    """A capped mesh's layer ILPs are solved side by side in the worker pool
+    (LayerSolver.prefetch): the plan is byte-identical to solving them one by
+    one in the planning process, and the workers did solve capped ones."""
+    from meshplan.dp_search import Session
+    from meshplan.dp_search.solver import LayerSolver
+    capped = []
+    prefetch = LayerSolver.prefetch
+
+    def spy(self, requests, tighten):
+        before = self.solves
+        prefetch(self, requests, tighten)
+        capped.append((tighten, self.solves - before))
+    monkeypatch.setattr(LayerSolver, "prefetch", spy)
+    _, g = _graph("gpt", {"layers": 8, "hidden": 4096, "batch": 32, "seq_len": 512,
+                          "heads": 32, "vocab": 128})
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x1.json")
+    opts = PipelineOptions(num_stages=1, num_micro_batches=(1,), schedules=("1f1b",),
+                           data_parallel_stages=True)
+    plans = [plan_pipeline(g, cluster, meshplan.PipeshardParallel(), options=opts,
+                           session=Session(workers=w)).to_json() for w in (1, 2)]
+    assert plans[0] == plans[1]
+    assert any(t > 1 and n >= 2 for t, n in capped), capped
