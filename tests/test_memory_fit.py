@@ -47,8 +47,10 @@ def _sharded_stage_case(cap: bool, monkeypatch):
     _, g = _graph("gpt", {"layers": 8, "hidden": 4096, "batch": 32, "seq_len": 512,
                           "heads": 32, "vocab": 128})
     cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x1.json")
+    # (no recomputation: a one-program stage may recompute too, which would
+    # fit it without sharded weights)
     opts = PipelineOptions(num_stages=1, num_micro_batches=(1,), schedules=("1f1b",),
-                           data_parallel_stages=True)
+                           data_parallel_stages=True, remat=False)
     return cluster, plan_pipeline(g, cluster, meshplan.PipeshardParallel(), options=opts)
 
 
