@@ -24,18 +24,23 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from ..trace.cond import UnionFind
-
 Shape = tuple[int, ...]
 SpaceOf = Callable[[str, Sequence[Shape], Sequence[Shape], dict], Any]
 
 
-class _Classes(UnionFind):
+class _Classes:
     """Union-find over hashable dimension keys, with a blocked flag per root."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self.parent: dict[Any, Any] = {}
         self.blocked: set[Any] = set()
+
+    def find(self, x: Any) -> Any:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
 
     def join(self, a: Any, b: Any) -> None:
         ra, rb = self.find(a), self.find(b)

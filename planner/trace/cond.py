@@ -23,7 +23,7 @@ from ..flops import ELEMENTWISE
 from .walk import INLINE_CALLS, _closed_parts
 
 
-class UnionFind:
+class _Union:
     """Union-find over hashable keys."""
 
     def __init__(self) -> None:
@@ -48,7 +48,7 @@ def _rank(v: Any) -> int:
     return len(getattr(v.aval, "shape", ()))
 
 
-def _walk(jaxpr: Any, key: dict[Any, Any], u: UnionFind, scope: str) -> None:
+def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
     """Join, in ``u``, the keys of the array values that meet element-wise in
     ``jaxpr``; ``key`` maps its variables to keys (filled in as it goes)."""
     for n, eqn in enumerate(jaxpr.eqns):
@@ -86,7 +86,7 @@ def cond_components(eqn: Any) -> tuple[int, ...] | None:
     ``eqn``, its component id (-1: needs no layout); None when a branch is
     not element-wise."""
     operands, results = eqn.invars[1:], eqn.outvars
-    u = UnionFind()
+    u = _Union()
     try:
         for b, branch in enumerate(eqn.params["branches"]):
             inner, _ = _closed_parts(branch)
