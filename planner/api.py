@@ -190,6 +190,8 @@ class Parallelized:
                 raise MeshplanError(f"this pipeline plan runs {p.num_micro_batches} "
                                     f"micro-batches, but {why}")
             return PipelineExecutable(step, p, abstract, traced=run,
+                                      retrace=functools.partial(trace_for_run, step, abstract,
+                                                                batch_argnums),
                                       layer_of_node=_layer_of_node(p, run),
                                       donate_argnums=self._donate(graph))
         # (one stage: the planner's own trace, which the plan's tensor ids name)

@@ -77,7 +77,7 @@ update that reads the batch itself.  Outputs whose dimension 0 is the batch
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -123,12 +123,17 @@ class PipelineExecutable:
     :class:`~meshplan.StalePlanError` when called).  ``layer_of_node``
     (default ``plan.layer_of_node``) is the layer of every operation of the
     traced step.  ``timeline``: record what ran (see :attr:`last_timeline`).
+    ``retrace(pieces)``: the step traced with its batch cut in ``pieces``
+    (``trace_for_run`` bound to ``fn`` and ``args``); with it, data-parallel
+    stages keep partial gradient sums reduced once per step
+    (:mod:`.pipeline_partial`), without it they reduce every micro-batch.
     """
 
     def __init__(self, fn: Any, plan: Plan, args: Sequence[Any], *, traced: TracedStep,
                  layer_of_node: Sequence[int] | None = None,
                  devices: Sequence[jax.Device] | None = None,
-                 timeline: bool = True, donate_argnums: Sequence[int] = ()) -> None:
+                 timeline: bool = True, donate_argnums: Sequence[int] = (),
+                 retrace: Callable[[int], TracedStep] | None = None) -> None:
         if len(plan.stages) < 2 and plan.num_micro_batches < 2:
             raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
                                     "micro-batches; use ShardExecutable for one program")
@@ -171,7 +176,7 @@ class PipelineExecutable:
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
-        self._build(layer_of_node, xp, tuple(args))
+        self._build(layer_of_node, xp, retrace)
         self.last_stats: dict[str, Any] = {}
         self._steps = 0
         self._events: tuple | None = None
@@ -181,7 +186,7 @@ class PipelineExecutable:
 
     # ---- building ---------------------------------------------------------
     def _build(self, layer_of_node: Sequence[int], xp: StageTransport | None,
-               args: tuple[Any, ...]) -> None:
+               retrace: Callable[[int], TracedStep] | None) -> None:
         traced, plan, m, flat = self.traced, self.plan, self.m, self.flat
         batch_ids = [i for i, b in zip(flat.invars, traced.batch_leaves) if b]
         self.split = split = split_step(flat, traced.forward, layer_of_node,
@@ -208,7 +213,7 @@ class PipelineExecutable:
             self.donated = frozenset()
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
         # data-parallel gradients reduced once per step (see pipeline_partial)
-        self.partial = partial_sums(self.fn, args, traced, plan, self.meshes, split,
+        self.partial = partial_sums(retrace, traced, plan, self.meshes, split,
                                     closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
                                                              self.donations, self.partial)

@@ -85,16 +85,18 @@ def _data_axes(plan: Plan) -> tuple[str, ...] | None:
     return axes or None
 
 
-def partial_sums(fn: Callable, args: Sequence[Any], traced: TracedStep, plan: Plan,
+def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep, plan: Plan,
                  meshes: Sequence[Mesh], split: StepSplit,
                  closure: Callable[..., list[int]],
                  layout: Callable[[int, int], NamedSharding | None]) -> PartialSums | None:
     """How the backwards keep partial gradients (see the module doc), or None.
+    ``retrace(pieces)``: the step traced with its batch cut in ``pieces`` (the
+    planner's ``trace_for_run``; without it, no partial sums);
     ``closure(task, split, flat)``: the equations a task's program replays;
     ``layout(x, s)``: value ``x``'s planned layout on stage ``s``, if any."""
-    from meshplan.trace import trace_for_run
-
     m = int(plan.num_micro_batches)
+    if retrace is None:
+        return None
     axes = _data_axes(plan)
     if m < 2 or axes is None:
         return None
@@ -108,7 +110,7 @@ def partial_sums(fn: Callable, args: Sequence[Any], traced: TracedStep, plan: Pl
         return None
     d = sizes.pop()
     try:
-        small = trace_for_run(fn, args, plan.batch_argnums, m * d)
+        small = retrace(m * d)
     except MeshplanError:
         return None
     big, flat = traced.flat, small.flat

@@ -398,7 +398,9 @@ def test_stage_failure_names_the_stage():
 def _pipeline_executable(fn, plan, args):
     """A PipelineExecutable given the step traced as meshplan.parallelize gives it."""
     traced = trace_for_run(fn, args, plan.batch_argnums, plan.num_micro_batches)
-    return PipelineExecutable(fn, plan, args, traced=traced)
+    return PipelineExecutable(fn, plan, args, traced=traced,
+                              retrace=functools.partial(trace_for_run, fn, args,
+                                                        plan.batch_argnums))
 
 
 def test_batch_that_does_not_split_into_micro_batches_is_refused():
