@@ -259,13 +259,13 @@ def step_rows(clusters: dict[str, Any], quick: bool, steps: int, log, rows: list
 def device_like(kind: str) -> Any:
     """One device of ``kind`` as ``ClusterSpec.local()`` would describe it there."""
     from meshplan import datasheets
-    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
     ds = datasheets.known_device("gpu", kind)
     if ds is None:
         raise SystemExit(f"--predict: no datasheet figures for {kind!r}")
     dev = DeviceSpec(kind=kind, memory_bytes=ds.memory_bytes,
                      memory_bandwidth_bytes_per_s=ds.memory_bandwidth, peak_flops=ds.flops,
-                     achieved=ds.achieved)
+                     achieved=Achieved(**dict(ds.achieved)))
     return ClusterSpec(f"one-{kind}", 1, 1, dev, LinkSpec(*ds.intra_host),
                        LinkSpec(*ds.inter_host))
 

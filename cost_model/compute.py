@@ -34,15 +34,20 @@ def compute_time(device: DeviceSpec, flops: float, nbytes: float, dtype: str = "
 def wave_utilisation(device: DeviceSpec, out_elements: float) -> float:
     """Fraction of the compute units' time a matmul with ``out_elements``
     output elements keeps busy: its tiles run in waves of ``compute_units``,
-    and the last wave may be partly empty.  A single wave of fewer tiles than
-    units leaves the rest idle too: splitting the contraction (split-K) does
-    not win the time back in XLA's GEMMs (on an H200, 512^3 and 1024^3
-    bfloat16 products took 8.8 and 12.7 us, where full units would take 5.4
-    and 7.7; benchmarks/results/gpu_check.md).  1.0 without unit figures."""
+    and the last wave may be partly empty.  Fewer tiles than units make no
+    idle wave: GEMM libraries then split the contraction (split-K) or take
+    smaller tiles until every unit has work (a matrix-vector-like product,
+    a few rows by a wide weight, is memory-bound, not one tile's work).
+    Small GEMMs are slower than this on an H200 (512^3 and 1024^3 bfloat16:
+    8.8-16.5 and 11-12.7 us against 5.4 and 8.5 predicted,
+    benchmarks/results/gpu_check.md): a fixed latency per GEMM that is not
+    modelled.  1.0 without unit figures."""
     a = device.achieved
     if a.compute_units <= 0 or out_elements <= 0:
         return 1.0
     tiles = math.ceil(out_elements / a.tile_elements)
+    if tiles <= a.compute_units:
+        return 1.0
     waves = math.ceil(tiles / a.compute_units)
     return tiles / (waves * a.compute_units)
 

@@ -312,8 +312,8 @@ class ClusterSpec:
                               memory_bandwidth_bytes_per_s=known.memory_bandwidth,
                               peak_flops=known.flops,
                               # XLA's host devices are threads over the same cores
-                              achieved=dataclasses.replace(
-                                  known.achieved, shared_host_compute=platform == "cpu")),
+                              achieved=Achieved(**{**dict(known.achieved),
+                                                   "shared_host_compute": platform == "cpu"})),
             intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
             description=description, sources=(known.source,))
 

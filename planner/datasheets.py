@@ -9,13 +9,10 @@ Links are ``(bandwidth bytes/s, latency s)``.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
-
-from .cluster import Achieved
 
 Link = tuple[float, float]
 
@@ -30,7 +27,8 @@ class Datasheet:
     inter_host: Link
     source: str
     note: str = "Peak FLOP/s are datasheet figures for this device kind."
-    achieved: Achieved = Achieved()   # the ideal device where nothing is known
+    # ``Achieved`` fields (meshplan.cluster): empty is the ideal device
+    achieved: tuple[tuple[str, Any], ...] = ()
 
 
 _GIB = 2**30
@@ -59,21 +57,25 @@ GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
 HOPPER_MATMUL_TFLOPS = 716.4        # of 989.4 peak (H100 and H200 share the GH100 die)
 H200_STREAM_BYTES_PER_S = 4.39e12   # of 4.8e12 peak
 HOPPER_KERNEL_LAUNCH_S = 2.3e-6
-V100_ACHIEVED = Achieved(matmul_efficiency=round(83 / 125, 3),
+def _achieved(**fields: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(fields.items()))
+
+
+V100_ACHIEVED = _achieved(matmul_efficiency=round(83 / 125, 3),
                          memory_efficiency=round(750 / 900, 3),
                          kernel_launch_s=GPU_KERNEL_LAUNCH_S,
                          program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
                          overlap_communication=True, compute_units=80)
-A100_ACHIEVED = Achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
+A100_ACHIEVED = _achieved(matmul_efficiency=round(267.9 / 312, 3), memory_efficiency=0.9,
                          kernel_launch_s=GPU_KERNEL_LAUNCH_S,
                          program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
                          overlap_communication=True, compute_units=108)
-H100_ACHIEVED = Achieved(matmul_efficiency=round(HOPPER_MATMUL_TFLOPS / 989.4, 3),
+H100_ACHIEVED = _achieved(matmul_efficiency=round(HOPPER_MATMUL_TFLOPS / 989.4, 3),
                          memory_efficiency=0.9, kernel_launch_s=HOPPER_KERNEL_LAUNCH_S,
                          program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
                          overlap_communication=True, compute_units=132)
-H200_ACHIEVED = dataclasses.replace(
-    H100_ACHIEVED, memory_efficiency=round(H200_STREAM_BYTES_PER_S / 4.8e12, 3))
+H200_ACHIEVED = _achieved(**{**dict(H100_ACHIEVED),
+                             "memory_efficiency": round(H200_STREAM_BYTES_PER_S / 4.8e12, 3)})
 
 _A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624)
 _H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, float64=66.9,

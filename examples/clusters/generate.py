@@ -25,12 +25,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 try:
-    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 except ImportError:  # meshplan not installed: load planner/ as the package without its __init__
     _pkg = types.ModuleType("meshplan")
     _pkg.__path__ = [str(ROOT / "planner")]
     sys.modules["meshplan"] = _pkg
-    from meshplan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 from meshplan.datasheets import (A100_ACHIEVED, H100_ACHIEVED, HOPPER_MATMUL_TFLOPS,  # noqa: E402
                                  V100_ACHIEVED)
 
@@ -77,7 +77,7 @@ P3_DEVICE = DeviceSpec(
     # rate, so bfloat16 gets the fp32 figure rather than the fp16 tensor-core one.
     peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
                 "float64": 7.8 * T},
-    achieved=V100_ACHIEVED,
+    achieved=Achieved(**dict(V100_ACHIEVED)),
 )
 P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6, efficiency=0.8)
 P3_INTER = LinkSpec(bandwidth_bytes_per_s=25e9 / 8, latency_s=20e-6, efficiency=0.8)
@@ -119,7 +119,7 @@ A100_DEVICE = DeviceSpec(
     # float64 is the FP64 tensor-core rate that DGEMM reaches (9.7 without).
     peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
                 "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
-    achieved=A100_ACHIEVED,
+    achieved=Achieved(**dict(A100_ACHIEVED)),
 )
 A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6, efficiency=0.7)
 A100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 200e9 / 8, latency_s=5e-6, efficiency=0.96)
@@ -163,7 +163,7 @@ H100_DEVICE = DeviceSpec(
     peak_flops={"bfloat16": 989.4 * T, "float16": 989.4 * T, "tfloat32": 494.7 * T,
                 "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
                 "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
-    achieved=H100_ACHIEVED,
+    achieved=Achieved(**dict(H100_ACHIEVED)),
 )
 H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6, efficiency=0.8)
 H100_INTER = LinkSpec(bandwidth_bytes_per_s=8 * 400e9 / 8, latency_s=5e-6, efficiency=0.9)
@@ -181,7 +181,7 @@ H100_SOURCES = (
     "NVIDIA DGX H100 datasheet and user guide: 8 x H100 SXM5 80 GB, 4 NVSwitch chips, "
     "8 x ConnectX-7 400 Gb/s NDR InfiniBand for compute traffic "
     "- https://www.nvidia.com/en-us/data-center/dgx-h100/",
-    f"achieved.matmul_efficiency {H100_ACHIEVED.matmul_efficiency}: the median of 7 large "
+    f"achieved.matmul_efficiency {dict(H100_ACHIEVED)['matmul_efficiency']}: the median of 7 large "
     f"transformer-shaped bf16 GEMMs run by XLA (jax 0.11.2) on an H200, the same GH100 "
     f"compute, two runs, {HOPPER_MATMUL_TFLOPS} of 989.4 TFLOP/s (643-844 across shapes; "
     "benchmarks/gpu_check.py, benchmarks/results/gpu_check.md); for comparison Bekman, "
