@@ -16,38 +16,38 @@ from ..cluster import DeviceSpec
 
 
 def compute_time(device: DeviceSpec, flops: float, nbytes: float, dtype: str = "float32",
-                 out_elements: float = 0.0) -> float:
+                 out_elements: float = 0.0, out_side: float = 0.0) -> float:
     """Seconds of arithmetic and memory traffic for ``flops`` FLOPs touching
     ``nbytes`` bytes on one device, launch cost not included.  ``out_elements``
     (the result's elements on this device) turns on wave quantization for a
-    matmul."""
+    matmul; ``out_side``: the result's shorter matrix side (0: unknown)."""
     a = device.achieved
     t_flops = 0.0
     if flops > 0:
         rate = device.flops_for(dtype) * a.matmul_efficiency
-        t_flops = flops / (rate * wave_utilisation(device, out_elements))
+        t_flops = flops / (rate * wave_utilisation(device, out_elements, out_side))
     t_mem = nbytes / (device.memory_bandwidth_bytes_per_s * a.memory_efficiency) \
         if nbytes > 0 else 0.0
     return max(t_flops, t_mem)
 
 
-def wave_utilisation(device: DeviceSpec, out_elements: float) -> float:
+def wave_utilisation(device: DeviceSpec, out_elements: float, out_side: float = 0.0) -> float:
     """Fraction of the compute units' time a matmul with ``out_elements``
     output elements keeps busy: its tiles run in waves of ``compute_units``,
-    and the last wave may be partly empty.  Fewer tiles than units make no
-    idle wave: GEMM libraries then split the contraction (split-K) or take
-    smaller tiles until every unit has work (a matrix-vector-like product,
-    a few rows by a wide weight, is memory-bound, not one tile's work).
-    Small GEMMs are slower than this on an H200 (512^3 and 1024^3 bfloat16:
-    8.8-16.5 and 11-12.7 us against 5.4 and 8.5 predicted,
-    benchmarks/results/gpu_check.md): a fixed latency per GEMM that is not
-    modelled.  1.0 without unit figures."""
+    and the last wave may be partly empty -- also the only wave, when there
+    are fewer tiles than units: on an H200 512^3 and 1024^3 bfloat16 products
+    ran at 16-30 and 169-194 TFLOP/s, and gpt train steps were predicted 0.82-
+    1.13 of measured this way against 0.68-0.96 with every unit busy
+    (benchmarks/results/gpu_check.md).  A result with a side shorter than a
+    tile's (``out_side``: a few rows by a wide weight) is tiled otherwise
+    (narrow tiles, split-K) and is memory-bound anyway: no quantization.
+    1.0 without unit figures."""
     a = device.achieved
     if a.compute_units <= 0 or out_elements <= 0:
         return 1.0
-    tiles = math.ceil(out_elements / a.tile_elements)
-    if tiles <= a.compute_units:
+    if 0 < out_side and out_side * out_side < a.tile_elements:
         return 1.0
+    tiles = math.ceil(out_elements / a.tile_elements)
     waves = math.ceil(tiles / a.compute_units)
     return tiles / (waves * a.compute_units)
 

@@ -75,7 +75,7 @@ def replicated_strategy(graph: Graph, node: Node, mm: MeshModel,
     outs = tuple(replicated(len(graph.tensors[t].shape)) for t in node.outputs)
     moved = node.bytes_accessed if bytes_accessed is None else bytes_accessed
     t = compute_time(mm.device, node.flops, moved, node_dtype(graph, node),
-                     _out_elements(graph, node))
+                     _out_elements(graph, node), _out_side(graph, node))
     return Strategy("R", ins, outs, t, 0.0, 0.0)
 
 
@@ -84,6 +84,12 @@ def _out_elements(graph: Graph, node: Node, shards: float = 1) -> float:
     if not node.outputs:
         return 0.0
     return math.prod(graph.tensors[node.outputs[0]].shape) / shards
+
+
+def _out_side(graph: Graph, node: Node) -> float:
+    """The shorter of the first result's two minor sides (0 for a vector)."""
+    shape = graph.tensors[node.outputs[0]].shape if node.outputs else ()
+    return float(min(shape[-2:])) if len(shape) >= 2 else 0.0
 
 
 def _spec(labels: Sequence[int], per_label: dict[int, tuple[int, ...]]) -> ISpec:
@@ -133,7 +139,7 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
         t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype,
                               _out_elements(graph, node, num_shards(out_specs[0], shape))
-                              if out_specs else 0.0)
+                              if out_specs else 0.0, _out_side(graph, node))
         assign = list(zip(axes, choice))
         variants: list[tuple[tuple[ISpec, ...], float, float, int | None, str]] = []
         if red_axes:
