@@ -31,21 +31,23 @@ def compute_time(device: DeviceSpec, flops: float, nbytes: float, dtype: str = "
     return max(t_flops, t_mem)
 
 
+# rows of one tensor-core matrix instruction (NVIDIA mma m16n8k16)
+MMA_ROWS = 16
+
+
 def wave_utilisation(device: DeviceSpec, out_elements: float, out_side: float = 0.0) -> float:
     """Fraction of the compute units' time a matmul with ``out_elements``
     output elements keeps busy: its tiles run in waves of ``compute_units``,
     and the last wave may be partly empty -- also the only wave, when there
     are fewer tiles than units: on an H200 512^3 and 1024^3 bfloat16 products
-    ran at 16-30 and 169-194 TFLOP/s, and gpt train steps were predicted 0.82-
-    1.13 of measured this way against 0.68-0.96 with every unit busy
-    (benchmarks/results/gpu_check.md).  A result with a side shorter than a
-    tile's (``out_side``: a few rows by a wide weight) is tiled otherwise
-    (narrow tiles, split-K) and is memory-bound anyway: no quantization.
-    1.0 without unit figures."""
+    ran at 16-30 and 169-194 TFLOP/s (benchmarks/results/gpu_check.md).  A result with fewer rows than one
+    tensor-core instruction's (``out_side`` < ``MMA_ROWS``: a few rows by a
+    wide weight) is a matrix-vector product, run by other kernels (split-K)
+    and memory-bound anyway: no quantization.  1.0 without unit figures."""
     a = device.achieved
     if a.compute_units <= 0 or out_elements <= 0:
         return 1.0
-    if 0 < out_side and out_side * out_side < a.tile_elements:
+    if 0 < out_side < MMA_ROWS:
         return 1.0
     tiles = math.ceil(out_elements / a.tile_elements)
     waves = math.ceil(tiles / a.compute_units)

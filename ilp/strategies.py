@@ -80,8 +80,9 @@ def replicated_strategy(graph: Graph, node: Node, mm: MeshModel,
 
 
 def _out_elements(graph: Graph, node: Node, shards: float = 1) -> float:
-    """Elements of the first result on one device (what a matmul tiles)."""
-    if not node.outputs:
+    """Elements of the first result on one device (what a matmul tiles);
+    0 for other operators (no tiles, no wave quantization)."""
+    if not node.outputs or node.primitive not in MATMULS:
         return 0.0
     return math.prod(graph.tensors[node.outputs[0]].shape) / shards
 
