@@ -173,6 +173,7 @@ def test_a_draw_keyed_by_the_batch_is_refused_with_the_reason():
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
 
 
+@pytest.mark.slow   # (30 s; the plain-jax dropout pipelines stay in the default suite)
 def test_nnx_dropout_model_pipelines_with_micro_batches():
     # flax nnx: nnx.Dropout draws over the batch, nnx.value_and_grad marks nothing
     from test_libraries import STEPS, _tokens, flax_nnx

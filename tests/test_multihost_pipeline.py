@@ -53,6 +53,7 @@ CASES = [
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow   # (66 s; the one-stage two-process test stays in the default suite)
 def test_two_stage_pipeline_on_two_processes_matches_one_process_reference(
         tmp_path: pathlib.Path) -> None:
     cases = [{**c, "steps": STEPS, "data": f"data-{c['label']}.npz"} for c in CASES]

@@ -208,6 +208,7 @@ def _live_activations(schedule, pp, mb):
     return peak, ex.last_stats["max_in_flight"]
 
 
+@pytest.mark.slow   # (76 s; GPipe's twin stays in the default suite)
 def test_1f1b_holds_at_most_p_minus_s_micro_batches_of_activations():
     pp, mb = 4, 8
     peak, in_flight = _live_activations("1f1b", pp, mb)
@@ -310,6 +311,7 @@ def _held_for_backward(remat):
     return ex, fwd_in, bwd_in, alive_before
 
 
+@pytest.mark.slow   # (49 s; the remat stages' numerics stay in the default suite)
 def test_remat_keeps_only_the_forward_inputs_between_forward_and_backward():
     plain = _held_for_backward((False, False))
     remat = _held_for_backward((True, True))

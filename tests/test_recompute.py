@@ -258,6 +258,7 @@ def _kept_between(ex, s):
     return sum(np.prod(ex.flat.avals[x].shape) * ex.flat.avals[x].dtype.itemsize for x in kept)
 
 
+@pytest.mark.slow   # (42 s; selective and full numerics stay in the default suite)
 def test_kept_between_forward_and_backward_follows_none_selective_full():
     kept = {}
     for k in ("none", "selective", "full"):
