@@ -134,6 +134,7 @@ def test_micro_batches_of_one_example_are_traced():
     assert rescale_batch(t.graph, 3, dims) is None        # (4 does not split into 3)
 
 
+@pytest.mark.slow   # (29 s; the rewrite-equals-trace tests stay in the default suite)
 def test_the_pipeline_search_reports_rewritten_counts():
     from meshplan.planning import plan_function
     m = build_model("gpt", {"layers": 2, "hidden": 16, "heads": 2, "seq_len": 8, "vocab": 32,

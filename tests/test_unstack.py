@@ -6,6 +6,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import meshplan
 from meshplan.models import build_model
@@ -127,6 +128,7 @@ def test_checkpointed_body_over_cast_parameters():
                         rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow   # (22 s; the unrolled scan's numerics stay in the default suite)
 def test_state_kept_per_layer_between_calls():
     """split_layers once, run steps on the per-layer form (no split or stack
     per call), stack_layers at the end: the same state as the plain step."""
