@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cluster import ClusterSpec
+from ..cost_model import default_axis_names
 from ..cost_model.mesh import is_cpu
+from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import candidate_meshes, within_host
@@ -127,6 +129,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         dp, tp, pp = opts.fixed
         submeshes = [fixed_submesh(cluster, dp * tp)]
         max_stages = pp
+    elif opts.mesh_shape is not None:       # one stage on every device
+        submeshes = [fixed_submesh(cluster, cluster.num_devices)]
+        max_stages = 1
     else:
         # whole hosts: powers of two, and the divisors of the host count (so
         # that equal stages can cover every host)
@@ -146,7 +151,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         entering=entering_values(g, layering, subs, view),
         selective=selective, selective_flops=selective_flops,
         submeshes=submeshes,
-        meshes_of=[stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
+        meshes_of=[given_meshes(cluster, s, opts.mesh_shape, opts.axis_names)
+                   if opts.mesh_shape is not None else
+                   stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
                                 opts.tp_within_host) for s in submeshes],
         max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
         budget=cluster.device.memory_bytes * opts.memory_fraction,
@@ -190,6 +197,15 @@ def fixed_submesh(cluster: ClusterSpec, n: int) -> Submesh:
     if n % dph:
         raise MeshplanError(f"a stage of {n} devices is not whole hosts of {dph}")
     return Submesh(n // dph, dph)
+
+
+def given_meshes(cluster: ClusterSpec, sub: Submesh, shape: tuple[int, ...],
+                 names: tuple[str, ...] | None) -> list[LogicalMesh]:
+    """The logical mesh ``shape`` a request fixes, laid over a TPU torus in
+    every order worth trying (one mesh elsewhere)."""
+    names = tuple(names) if names else default_axis_names(len(shape))
+    return [LogicalMesh(names, tuple(shape), order)
+            for order in torus_orders(cluster, (sub.hosts, sub.devices_per_host))]
 
 
 def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = False,

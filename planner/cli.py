@@ -176,9 +176,10 @@ def _method(args: argparse.Namespace):
     if args.mesh and name != "shard":
         raise ModelConfigError(f"--mesh applies to --method shard only (got --method {name}); "
                                "use --dp/--tp/--pp with --method manual")
-    if args.remat != "auto" and name != "manual":
-        raise ModelConfigError(f"--remat applies to --method manual only (got --method {name}); "
-                               "the other methods choose recomputation per stage")
+    if args.remat is not None and name not in ("manual", "shard"):
+        raise ModelConfigError(f"--remat applies to --method manual and shard only (got --method "
+                               f"{name}); the other methods choose recomputation per stage")
+    remat = {"always": "full", "never": "none"}.get(args.remat, args.remat)
     given = [k for k, users in APPLIES.items()
              if getattr(args, k) not in (None, "auto", False) and name not in users]
     if given:
@@ -194,7 +195,7 @@ def _method(args: argparse.Namespace):
                   tp_within_host=args.tp_within_host)
     if name == "shard":
         mesh = _parse_mesh(args.mesh) if args.mesh else None
-        return M.ShardParallel(mesh_shape=mesh, **common)
+        return M.ShardParallel(mesh_shape=mesh, remat=remat or "none", **common)
     if name == "data":
         return M.DataParallel(**common)
     if name == "manual":
@@ -204,8 +205,7 @@ def _method(args: argparse.Namespace):
         return M.Manual(dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
                         num_micro_batches=mb or 1,
                         schedule=sched if sched != "auto" else "1f1b",
-                        remat={"auto": None, "always": "full", "never": "none"}.get(
-                            args.remat, args.remat),
+                        remat=None if remat in (None, "auto") else remat,
                         **common)
     if name == "pipeshard":
         return M.PipeshardParallel(stages=args.pp or "auto", **search, **common)
@@ -416,10 +416,12 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="auto, pipeshard: only the first (data) mesh axis may cross hosts, so "
                         "tensor parallelism stays on a host's fast links")
     p.add_argument("--remat", choices=["auto", "none", "selective", "full", "always", "never"],
-                   default="auto",
+                   default=None,
                    help="--method manual: recompute activations in every stage (full; alias "
                         "always), only the attention-score region in every stage (selective), "
-                        "in none (none; alias never), or where needed to fit (auto, the default)")
+                        "in none (none; alias never), or where needed to fit (auto, the default); "
+                        "--method shard: the same choices, none by default, auto the fastest "
+                        "that fits")
     p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 

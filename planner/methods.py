@@ -39,16 +39,28 @@ REMAT_NAMES = {"none": False, "full": True, "selective": "selective"}
 class ShardParallel:
     """One stage; the ILP chooses every sharding.  ``mesh_shape`` fixes the
     logical mesh (e.g. ``(2, 4)``); ``None`` tries every shape.
-    ``memory_fraction``: of each device's memory the plan may use."""
+    ``memory_fraction``: of each device's memory the plan may use.
+    ``remat``: ``"none"``/``False`` (the default) the step keeps every
+    activation; ``"full"``/``True`` or ``"selective"`` it recomputes them
+    (as :class:`Manual`'s); ``"auto"`` the fastest of the three that fits.
+    A recomputing plan is priced layer by layer (the stage search with one
+    stage and one micro-batch) and runs as one program."""
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9
+    remat: bool | str = False
     name = "shard"
 
     def __post_init__(self) -> None:
         _check_fraction(self)
+        r = self.remat
+        if isinstance(r, str) and r in REMAT_NAMES:
+            object.__setattr__(self, "remat", REMAT_NAMES[r])
+        elif r not in (True, False, "auto"):
+            raise MeshplanError(f"ShardParallel(remat={r!r}): use 'none', 'selective', 'full', "
+                                "'auto', True or False")
 
     def request(self, num_devices: int) -> PlanRequest:
         meshes = None
@@ -58,6 +70,15 @@ class ShardParallel:
                 raise MeshplanError(f"ShardParallel(mesh_shape={shape}) has {math.prod(shape)} "
                                     f"devices but the cluster has {num_devices}")
             meshes = shape
+        if self.remat is not False:
+            return PlanRequest("shard", pipeline=PipelineOptions(
+                num_micro_batches=(1,), schedules=("1f1b",), num_stages=1,
+                mesh_shape=meshes, axis_names=self.axis_names,
+                remat=None if self.remat == "auto" else self.remat,
+                time_limit=self.time_limit, backend=self.backend,
+                memory_fraction=float(self.memory_fraction)),
+                time_limit=self.time_limit, backend=self.backend,
+                memory_fraction=float(self.memory_fraction))
         return PlanRequest("shard", mesh_shape=meshes, axis_names=self.axis_names,
                            time_limit=self.time_limit, backend=self.backend,
                            memory_fraction=float(self.memory_fraction))

@@ -17,6 +17,9 @@ class PipelineOptions:
     num_stages: int | None = None                       # None: searched
     max_stages: int | None = None                       # searched up to this many (None: any)
     fixed: tuple[int, int, int] | None = None           # Manual (dp, tp, pp)
+    # ShardParallel(mesh_shape=..., remat=...): one stage on this logical mesh
+    mesh_shape: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9

@@ -102,3 +102,29 @@ def test_memory_analysis_confirms_the_saving():
                          text=True, timeout=600, check=True).stdout
     temp = json.loads(out.strip().splitlines()[-1])
     assert temp["none"] > temp["selective"] > temp["full"], temp
+
+
+def test_shard_parallel_recomputes_on_its_fixed_mesh_with_the_plain_steps_numbers():
+    # ShardParallel(remat=...) keeps its mesh, lets the ILP choose the layouts
+    # (weights may split over both axes, unlike Manual's), and recomputes
+    m, state, batch = _model()
+    cluster = meshplan.load_cluster(DGX)
+    plan = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                         method=meshplan.ShardParallel(mesh_shape=(4, 2), remat="full"))
+    assert plan.method == "shard" and len(plan.stages) == 1 and plan.num_micro_batches == 1
+    assert plan.stages[0].logical_mesh.shape == (4, 2)
+    assert plan.stages[0].recompute == "full"
+    plain = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                          method=meshplan.ShardParallel(mesh_shape=(4, 2)))
+    assert plain.stages[0].recompute == "none"
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    s, metrics = step(state, batch)
+    r, ref_metrics = jax.jit(m.train_step)(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert step._fast[1].replay is not None
+
+
+@pytest.mark.parametrize("bad", ["sometimes", 2])
+def test_shard_parallel_refuses_an_unknown_remat(bad):
+    with pytest.raises(meshplan.MeshplanError, match="ShardParallel.remat="):
+        meshplan.ShardParallel(remat=bad)

@@ -133,6 +133,18 @@ def test_manual_remat_names_follow_design():
         assert m.remat is value or m.remat == value == "selective", flag
 
 
+def test_shard_remat_flag_defaults_to_none_and_takes_the_same_names():
+    assert _method(_args("--method", "shard")).remat is False
+    for flag, value in (("full", True), ("always", True), ("none", False), ("never", False),
+                        ("auto", "auto"), ("selective", "selective")):
+        m = _method(_args("--method", "shard", "--remat", flag))
+        assert m.remat is value or m.remat == value, flag
+    assert meshplan.ShardParallel().request(8).pipeline is None      # (today's one-stage ILP)
+    p = meshplan.ShardParallel(mesh_shape=(2, 4), remat="auto").request(8).pipeline
+    assert p.num_stages == 1 and p.num_micro_batches == (1,) and p.mesh_shape == (2, 4)
+    assert p.remat is None
+
+
 def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
     from meshplan.dp_search.session import Session, usable_cpus
     from meshplan.dp_search.solver import LayerSolver
