@@ -95,6 +95,20 @@ def roofline_s(device, kind: str, dtype: str, shape: str) -> float:
     return compute_time(device, 2.0 * m * k * n, nbytes, priced, out_elements=m * n)
 
 
+SWEEPS = (("matmul", ("bfloat16", "float32")), ("stream", ("float32",)))
+
+
+def floors(rows: dict) -> dict[str, tuple[float, list[float], list]]:
+    """kind -> (floor in seconds: the median, its timings in us, the flat
+    regions per dtype as (dtype, [(shape, timings)]))."""
+    out = {}
+    for kind, dtypes in SWEEPS:
+        regions = [(d, flat_region(rows, kind, d)) for d in dtypes]
+        times = [t for _, region in regions for _, ts in region for t in ts]
+        out[kind] = (statistics.median(times) * 1e-6, times, regions)
+    return out
+
+
 def _geomean(xs: Sequence[float]) -> float:
     return math.exp(statistics.mean(math.log(x) for x in xs))
 
@@ -111,17 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch = device.achieved.kernel_launch_s
     print(f"# Kernel floors on {kind} from {', '.join(pathlib.Path(f).name for f in args.files)}")
     print()
-    floors = {}
-    for label, kind_, dtypes in (("matmul", "matmul", ("bfloat16", "float32")),
-                                 ("stream", "stream", ("float32",))):
-        times = []
-        for d in dtypes:
-            region = flat_region(rows, kind_, d)
-            print(f"{label} {d}: flat region " + ", ".join(
+    derived = floors(rows)
+    for kind_, (floor, times, regions) in derived.items():
+        for d, region in regions:
+            print(f"{kind_} {d}: flat region " + ", ".join(
                 f"{s} ({'/'.join(f'{t:.1f}' for t in ts)} us)" for s, ts in region))
-            times += [t for _, ts in region for t in ts]
-        floors[kind_] = statistics.median(times) * 1e-6
-        print(f"  -> {label} floor: median {statistics.median(times):.2f} us of {len(times)} "
+        print(f"  -> {kind_} floor: median {floor * 1e6:.2f} us of {len(times)} "
               f"timings, range {min(times):.1f}-{max(times):.1f} us")
     print()
     print(f"Combining with the roofline (kernel launch {launch * 1e6:.2g} us): "
@@ -137,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratios, small = [], []
         for (k, d, shape), ts in rows.items():
             r = roofline_s(device, k, d, shape)
-            p = rule(floors[k], r)
+            p = rule(derived[k][0], r)
             for t in ts:
                 if t < NOISE_US:
                     continue

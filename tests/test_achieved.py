@@ -122,6 +122,23 @@ def test_a_kernel_costs_its_floor_or_launch_plus_roofline_whichever_is_longer():
     assert kernel_fixed_time(_device(kernel_launch_s=2e-6), 1e-6, True) == pytest.approx(2e-6)
 
 
+def test_hopper_floors_are_what_the_committed_h200_timings_give():
+    import importlib.util
+    import pathlib
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("kernel_latency", bench / "kernel_latency.py")
+    kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kl)
+    kind, rows = kl.load(kl.DEFAULT_FILES)
+    assert kind == "NVIDIA H200"
+    derived = kl.floors(rows)
+    from meshplan import datasheets
+    # the datasheet keeps two significant figures of the medians
+    assert derived["matmul"][0] == pytest.approx(datasheets.HOPPER_MATMUL_KERNEL_MIN_S, rel=0.01)
+    assert derived["stream"][0] == pytest.approx(datasheets.HOPPER_MEMORY_KERNEL_MIN_S, rel=0.02)
+    assert len(derived["matmul"][1]) == 8 and len(derived["stream"][1]) == 4
+
+
 def _compute_s(fn, args, **achieved) -> float:
     from meshplan.ilp.build import build_problem
     g = trace(fn, *args, batch_argnums=())
