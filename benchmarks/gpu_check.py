@@ -6,7 +6,8 @@ fake devices; this script checks its *device* terms on the hardware itself:
 1. matmuls of transformer shapes (bfloat16, and float32 at jax's default
    precision), a streaming elementwise op at growing sizes, and a chain of
    tiny kernels: measured per-kernel time against ``cost_model.compute``'s
-   prediction (``compute_time + launch_time``) with the device's datasheet
+   prediction (``compute_time`` with ``kernel_fixed_time``: the roofline plus
+   the launch, or the kernel's floor when longer) with the device's datasheet
    peaks and the ``achieved`` figures of the shipped cluster file for the
    device family (``--reference``);
 2. ``meshplan calibrate`` on the device (its JSON is written to ``--out``);
@@ -139,7 +140,7 @@ def reference_cluster(local: Any, reference: Any) -> Any:
 
 
 def kernel_rows(device: Any, quick: bool, repeats: int, log) -> list[dict]:
-    from meshplan.cost_model.compute import compute_time, launch_time
+    from meshplan.cost_model.compute import compute_time, kernel_fixed_time
     rows = []
     modes = [("bfloat16", None, "bfloat16"), ("float32", None, "float32"),
              ("float32", "highest", "float32")]
@@ -151,12 +152,12 @@ def kernel_rows(device: Any, quick: bool, repeats: int, log) -> list[dict]:
             flops = 2.0 * m * k * n
             size = 2 if dtype == "bfloat16" else 4
             nbytes = size * (m * k + k * n + m * n)
-            pred = compute_time(device, flops, nbytes, model_dtype, out_elements=m * n) \
-                + launch_time(device, 1)
+            pred = compute_time(device, flops, nbytes, model_dtype, out_elements=m * n)
+            pred += kernel_fixed_time(device, pred, True)
             tf32 = None
             if dtype == "float32" and precision is None and device.flops_for("tfloat32"):
-                tf32 = compute_time(device, flops, nbytes, "tfloat32", out_elements=m * n) \
-                    + launch_time(device, 1)
+                tf32 = compute_time(device, flops, nbytes, "tfloat32", out_elements=m * n)
+                tf32 += kernel_fixed_time(device, tf32, True)
             rows.append({"kind": "matmul", "dtype": dtype + (f" ({precision})" if precision
                                                               else ""),
                          "shape": f"{m}x{k}x{n}", "measured_us": t * 1e6,
@@ -168,7 +169,8 @@ def kernel_rows(device: Any, quick: bool, repeats: int, log) -> list[dict]:
         nbytes = mib << 20
         t = per_kernel_s(stream_chain(nbytes), repeats)
         moved = 3 * nbytes
-        pred = compute_time(device, 0.0, moved) + launch_time(device, 1)
+        pred = compute_time(device, 0.0, moved)
+        pred += kernel_fixed_time(device, pred, False)
         rows.append({"kind": "stream", "dtype": "float32", "shape": f"{mib} MiB x 3",
                      "measured_us": t * 1e6, "gbps": moved / t / 1e9,
                      "predicted_us": pred * 1e6, "ratio": pred / t})
@@ -272,16 +274,25 @@ def device_like(kind: str) -> Any:
 
 def predict_kernel(device: Any, row: dict) -> float:
     """Seconds the model gives one kernel of a measured row."""
-    from meshplan.cost_model.compute import compute_time, launch_time
+    from meshplan.cost_model.compute import compute_time, kernel_fixed_time
     if row["kind"] == "stream":
         moved = 3 * (int(row["shape"].split()[0]) << 20)
-        return compute_time(device, 0.0, moved) + launch_time(device, 1)
+        t = compute_time(device, 0.0, moved)
+        return t + kernel_fixed_time(device, t, False)
     m, k, n = map(int, row["shape"].split("x"))
     dtype = row["dtype"].split()[0]
     priced = "tfloat32" if row["dtype"] == "float32" else dtype   # default precision
     nbytes = (2 if dtype == "bfloat16" else 4) * (m * k + k * n + m * n)
-    return compute_time(device, 2.0 * m * k * n, nbytes, priced, out_elements=m * n) \
-        + launch_time(device, 1)
+    t = compute_time(device, 2.0 * m * k * n, nbytes, priced, out_elements=m * n)
+    return t + kernel_fixed_time(device, t, True)
+
+
+def without_floors(cluster: Any) -> Any:
+    """``cluster`` with the kernel floors taken out: launch + roofline, the
+    model before the floors (to show what they change)."""
+    a = dataclasses.replace(cluster.device.achieved, matmul_kernel_min_s=0.0,
+                            memory_kernel_min_s=0.0)
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, achieved=a))
 
 
 def repredict(paths: Sequence[str]) -> list[str]:
@@ -291,30 +302,39 @@ def repredict(paths: Sequence[str]) -> list[str]:
     lines = []
     for path in paths:
         run = json.loads(pathlib.Path(path).read_text())
+        if not isinstance(run.get("device"), str):      # (the calibrated cluster file)
+            lines += [f"({path}: not a gpu_check run, skipped)", ""]
+            continue
         cluster = device_like(run["device"])
+        bare = without_floors(cluster)
         lines += [f"## {path}: {run['device']}, jax {run['jax']}", ""]
-        kernels = [dict(r, predicted_us=predict_kernel(cluster.device, r) * 1e6)
+        kernels = [dict(r, predicted_us=predict_kernel(cluster.device, r) * 1e6,
+                        no_floor_us=predict_kernel(bare.device, r) * 1e6)
                    for r in run.get("kernels", [])]
         for r in kernels:
             r["ratio"] = r["predicted_us"] / r["measured_us"]
+            r["no_floor_ratio"] = r["no_floor_us"] / r["measured_us"]
         if kernels:
             lines += table(kernels, ["kind", "dtype", "shape", "measured_us", "tflops", "gbps",
-                                     "predicted_us", "ratio"]) + [""]
+                                     "no_floor_us", "no_floor_ratio", "predicted_us",
+                                     "ratio"]) + [""]
         steps = []
         for r in run.get("steps", []):
             if not (r.get("measured_ms") and r["method"].startswith("mb=")):
                 continue
             model = build_model("gpt", STEP_MODELS[r["model"]])
             state, batch = model.abstract_args
-            plan = meshplan.plan(model.train_step, state, batch, cluster=cluster,
-                                 batch_argnums=model.batch_argnums,
-                                 method=meshplan.Manual(dp=1, tp=1, pp=1,
-                                                        num_micro_batches=int(r["method"][3:])))
-            pred = plan.predicted.iteration_s * 1e3
-            steps.append({**r, "predicted_ms": pred, "ratio": pred / r["measured_ms"],
-                          "predicted_mem_gib": plan.predicted.peak_memory_bytes / 2**30})
+            method = meshplan.Manual(dp=1, tp=1, pp=1, num_micro_batches=int(r["method"][3:]))
+            plans = [meshplan.plan(model.train_step, state, batch, cluster=c,
+                                   batch_argnums=model.batch_argnums, method=method)
+                     for c in (bare, cluster)]
+            before, pred = (p.predicted.iteration_s * 1e3 for p in plans)
+            steps.append({**r, "no_floor_ms": before, "no_floor_ratio": before / r["measured_ms"],
+                          "predicted_ms": pred, "ratio": pred / r["measured_ms"],
+                          "predicted_mem_gib": plans[1].predicted.peak_memory_bytes / 2**30})
         if steps:
-            lines += table(steps, ["model", "method", "measured_ms", "predicted_ms", "ratio",
+            lines += table(steps, ["model", "method", "measured_ms", "no_floor_ms",
+                                   "no_floor_ratio", "predicted_ms", "ratio",
                                    "predicted_mem_gib", "compiled_mem_gib"]) + [""]
     return lines
 

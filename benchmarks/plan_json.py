@@ -35,14 +35,15 @@ CASES = {
 }
 
 
-def plans() -> dict[str, str]:
+def plans(cluster_file: str | None = None) -> dict[str, str]:
+    """The cases' plans, each on its own cluster file or all on ``cluster_file``."""
     import meshplan
     from meshplan.models import build_model
     out = {}
     for label, (name, config, method, cluster) in CASES.items():
         m = build_model(name, config)
         out[label] = meshplan.plan(m.train_step, *m.abstract_args,
-                                   cluster=meshplan.load_cluster(cluster),
+                                   cluster=meshplan.load_cluster(cluster_file or cluster),
                                    method=eval(method, {"meshplan": meshplan})).to_json()
     return out
 
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", help="file to write the plans to")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two such files")
+    ap.add_argument("--cluster", help="plan every case on this cluster file instead (to see "
+                    "what a change to a cluster's figures does to the plans)")
     args = ap.parse_args(argv)
     if args.compare:
         a, b = (json.load(open(f)) for f in args.compare)
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         ap.error("give a file to write, or --compare A B")
     with open(args.out, "w") as f:
-        json.dump(plans(), f, indent=0, sort_keys=True)
+        json.dump(plans(args.cluster), f, indent=0, sort_keys=True)
     print(f"{len(CASES)} plans written to {args.out}")
     return 0
 

@@ -61,6 +61,17 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, floa
     return out
 
 
+def fusion_bytes(graph: Graph, traffic: dict[int, float]) -> dict[int, float]:
+    """fusible node id -> bytes its whole fusion moves (the sum of
+    ``traffic``, :func:`fused_bytes`, over the fusion's operators): the
+    kernel's roofline, which its floor is compared with."""
+    fusion = _fusions(graph, {n.id for n in graph.nodes if n.primitive in FUSIBLE})
+    total: dict[int, float] = {}
+    for i, rep in fusion.items():
+        total[rep] = total.get(rep, 0.0) + traffic.get(i, 0.0)
+    return {i: total[rep] for i, rep in fusion.items()}
+
+
 def _fusions(graph: Graph, fusible: set[int]) -> dict[int, int]:
     """fusible node id -> a representative of its fusion (the connected set of
     fusible operators passing values to each other)."""

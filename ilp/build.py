@@ -28,15 +28,16 @@ import math
 import numpy as np
 
 from ..cost_model.collectives import all_reduce
-from ..cost_model.compute import compute_time, launch_time
-from ..cost_model.fusion import fused_bytes, kernels, materialised, materialised_results
+from ..cost_model.compute import compute_time, kernel_fixed_time
+from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialised,
+                                 materialised_results)
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
 from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
-from .strategies import Strategy, node_dtype, node_space, node_strategies
+from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
 
 
 TIE_BREAK_S_PER_BYTE = 1e-18
@@ -212,6 +213,8 @@ class _Builder:
     # (reader group, writer group) -> (seconds, bytes) per strategy pair
     edge_acc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     launches: dict[int, int] = field(default_factory=dict)   # node id -> kernels it launches
+    # fusible node id -> (bytes its whole fusion moves, bytes charged to the node)
+    fusion_share: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -239,6 +242,8 @@ class _Builder:
         leaving = materialised_results(graph)     # (what both of these need)
         traffic = fused_bytes(graph, leaving)
         self.launches = kernels(graph, leaving)
+        whole = fusion_bytes(graph, traffic)
+        self.fusion_share = {i: (whole[i], traffic[i]) for i in self.launches if i in whole}
         strat_cache: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
             if node.primitive in IDENTITY_MARKERS and len(node.inputs) == len(node.outputs):
@@ -329,8 +334,8 @@ class _Builder:
             if mp is None:
                 mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
             g.specs[i][out_t] = mp.out
-            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype) + \
-                launch_time(mm.device, self.launches.get(node.id, 0))
+            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+            t += self._fixed(node, t)
             steps = self.rs.steps(main, ms, mp.main_req)
             if mp.reduce_axes:
                 steps = steps + (("all-reduce",) + all_reduce(
@@ -359,18 +364,31 @@ class _Builder:
             strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved)
             strat_cache[key] = strategies
         g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
-        launch = launch_time(self.mm.device, self.launches.get(node.id, 0))
         for s in strategies:
+            fixed = self._fixed(node, s.compute_s)
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
-            g.cost.append(s.cost + launch)
-            g.compute.append(s.compute_s + launch)
+            g.cost.append(s.cost + fixed)
+            g.compute.append(s.compute_s + fixed)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
             g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
         self.groups.append(g)
         for t in node.outputs:
             self.group_of_tensor[t] = g.gid
+
+    def _fixed(self, node, roofline_s: float) -> float:
+        """Launch and floor of the kernels ``node`` launches (0 for none),
+        given the roofline of its own share of the work.  A fusion is one
+        kernel: its floor is weighed against the whole fusion's roofline,
+        the node's scaled by the bytes of the fusion over the node's own."""
+        n = self.launches.get(node.id, 0)
+        if not n:
+            return 0.0
+        whole, own = self.fusion_share.get(node.id, (0.0, 0.0))
+        if own > 0:
+            roofline_s *= whole / own
+        return n * kernel_fixed_time(self.mm.device, roofline_s, node.primitive in MATMULS)
 
     # ---- inputs a hand-made method pins to one layout ----------------------------
     def keep_pinned_reads(self) -> None:

@@ -33,6 +33,10 @@ ideal peak figures, no overheads)::
         "matmul_efficiency": 0.86,      # fraction of peak FLOP/s a large matmul reaches
         "memory_efficiency": 0.9,       # fraction of memory bandwidth a streaming kernel reaches
         "kernel_launch_s": 5e-6,        # fixed cost of every kernel (fusion, matmul, collective)
+        "matmul_kernel_min_s": 1e-5,    # a matmul kernel's shortest time, launch included:
+                                        # it costs max(this, launch + roofline) (0: launch only)
+        "memory_kernel_min_s": 3e-6,    # the same floor for every other compute kernel
+                                        # (a fusion, a reduction, a copy); not collectives
         "program_dispatch_s": 2e-5,     # fixed cost of launching one compiled program
         "compute_units": 108,           # SMs / cores a matmul's tiles are spread over (0: none)
         "tile_elements": 16384,         # output elements of one matmul tile (128 x 128)
@@ -117,6 +121,11 @@ class Achieved:
     matmul_efficiency: float = 1.0     # large matmul FLOP/s over peak
     memory_efficiency: float = 1.0     # streaming bandwidth over peak
     kernel_launch_s: float = 0.0       # per kernel (fusion, matmul, collective)
+    # A kernel's shortest time, launch included (ramp-up, a GEMM's prologue and
+    # epilogue): a compute kernel costs max(floor, launch + roofline).  0: no
+    # floor beyond the launch, as files from before these fields were planned
+    matmul_kernel_min_s: float = 0.0   # matmuls and convolutions
+    memory_kernel_min_s: float = 0.0   # every other compute kernel (not collectives)
     program_dispatch_s: float = 0.0    # per compiled program launched
     compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
     tile_elements: int = 128 * 128     # output elements per matmul tile
@@ -130,11 +139,18 @@ class Achieved:
     overlap_communication: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for key in _FLOOR_KEYS:     # written only when given: older files stay as they were
+            if not d[key]:
+                del d[key]
+        return d
 
     @property
     def is_ideal(self) -> bool:
         return self == Achieved()
+
+
+_FLOOR_KEYS = ("matmul_kernel_min_s", "memory_kernel_min_s")
 
 
 @dataclass(frozen=True)
@@ -391,9 +407,12 @@ def _achieved_text(a: Achieved) -> str:
              if a.compute_units else "")
     shared = ", devices share the host's compute" if a.shared_host_compute else ""
     shared += ", collectives overlap compute" if a.overlap_communication else ""
+    floors = (f", kernels at least {a.matmul_kernel_min_s * 1e6:.3g} us (matmul) and "
+              f"{a.memory_kernel_min_s * 1e6:.3g} us (other)"
+              if a.matmul_kernel_min_s or a.memory_kernel_min_s else "")
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
-            f"{a.kernel_launch_s * 1e6:.3g} us per kernel, {a.program_dispatch_s * 1e6:.3g} us "
-            f"per program{waves}{shared}")
+            f"{a.kernel_launch_s * 1e6:.3g} us per kernel{floors}, "
+            f"{a.program_dispatch_s * 1e6:.3g} us per program{waves}{shared}")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -521,7 +540,7 @@ class _Reader:
         for key in ("matmul_efficiency", "memory_efficiency"):
             if key in d:
                 out[key] = self.fraction(d[key], f"{path}.{key}")
-        for key in ("kernel_launch_s", "program_dispatch_s"):
+        for key in ("kernel_launch_s", "program_dispatch_s") + _FLOOR_KEYS:
             if key in d:
                 out[key] = self.number(d[key], f"{path}.{key}", zero_ok=True)
         if "compute_units" in d:

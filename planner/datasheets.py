@@ -57,6 +57,16 @@ GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
 HOPPER_MATMUL_TFLOPS = 716.4        # of 989.4 peak (H100 and H200 share the GH100 die)
 H200_STREAM_BYTES_PER_S = 4.39e12   # of 4.8e12 peak
 HOPPER_KERNEL_LAUNCH_S = 2.3e-6
+# A kernel's floor (its shortest time, launch included), the medians of the
+# small kernels whose time stays flat as their work grows, from the same two
+# runs (benchmarks/kernel_latency.py prints them): matmuls 9.9 us (8 timings
+# of 256^3-1024^3 products, 3.9-16.5 us), streaming kernels 3.1 us (4 timings
+# of 1-4 MiB x + y, 2.6-6.1 us).  Unmeasured GPUs (V100, A100) keep the
+# launch alone: no floor was measured there.
+HOPPER_MATMUL_KERNEL_MIN_S = 9.9e-6
+HOPPER_MEMORY_KERNEL_MIN_S = 3.1e-6
+
+
 def _achieved(**fields: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(fields.items()))
 
@@ -72,6 +82,8 @@ A100_ACHIEVED = _achieved(matmul_efficiency=round(267.9 / 312, 3), memory_effici
                          overlap_communication=True, compute_units=108)
 H100_ACHIEVED = _achieved(matmul_efficiency=round(HOPPER_MATMUL_TFLOPS / 989.4, 3),
                          memory_efficiency=0.9, kernel_launch_s=HOPPER_KERNEL_LAUNCH_S,
+                         matmul_kernel_min_s=HOPPER_MATMUL_KERNEL_MIN_S,
+                         memory_kernel_min_s=HOPPER_MEMORY_KERNEL_MIN_S,
                          program_dispatch_s=GPU_PROGRAM_DISPATCH_S,
                          overlap_communication=True, compute_units=132)
 H200_ACHIEVED = _achieved(**{**dict(H100_ACHIEVED),

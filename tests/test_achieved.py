@@ -11,7 +11,8 @@ import pytest
 import meshplan
 from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 from meshplan.cost_model.collectives import all_gather, all_reduce, reduce_scatter
-from meshplan.cost_model.compute import compute_time, launch_time, wave_utilisation
+from meshplan.cost_model.compute import (compute_time, kernel_fixed_time, launch_time,
+                                         wave_utilisation)
 from meshplan.cost_model.fusion import kernels
 from meshplan.cost_model.mesh import mesh_model
 from meshplan.cost_model.pipeline import shared_compute_iteration_s
@@ -49,6 +50,8 @@ def test_achieved_round_trips_and_is_optional():
     ("achieved.matmul_efficiency", 1.5, "at most 1"),
     ("achieved.memory_efficiency", 0, "positive"),
     ("achieved.kernel_launch_s", -1e-6, "non-negative"),
+    ("achieved.matmul_kernel_min_s", -1e-6, "non-negative"),
+    ("achieved.memory_kernel_min_s", "3us", "a string"),
     ("achieved.compute_units", 1.5, "integer"),
     ("achieved.shared_host_compute", "yes", "true or false"),
     ("achieved.tile_size", 4, "unknown key"),
@@ -92,6 +95,81 @@ def test_compute_at_achieved_rates_with_wave_quantization():
     ideal = _device()
     assert compute_time(ideal, 1e12, 1e9, "float32", out_elements=1) == pytest.approx(
         max(1e12 / 100e12, 1e9 / 1e12))
+
+
+def test_kernel_floors_round_trip_and_old_files_stay_as_they_were():
+    h100 = meshplan.load_cluster("examples/clusters/dgx-h100-x1.json")
+    a = h100.device.achieved
+    assert a.matmul_kernel_min_s == pytest.approx(9.9e-6)
+    assert a.memory_kernel_min_s == pytest.approx(3.1e-6)
+    assert meshplan.parse_cluster(json.loads(h100.to_json())) == h100
+    assert "at least 9.9 us (matmul)" in h100.describe()
+    # without floors (an older file, or an unmeasured GPU) the keys are not written
+    assert "matmul_kernel_min_s" not in A100.to_dict()["device"]["achieved"]
+    assert A100.device.achieved.matmul_kernel_min_s == 0.0
+
+
+def test_a_kernel_costs_its_floor_or_launch_plus_roofline_whichever_is_longer():
+    dev = _device(kernel_launch_s=2e-6, matmul_kernel_min_s=10e-6, memory_kernel_min_s=3e-6)
+    # a small matmul: the floor (launch included) and nothing else
+    assert 1e-6 + kernel_fixed_time(dev, 1e-6, True) == pytest.approx(10e-6)
+    # a large one: launch + roofline; not floor + roofline
+    assert 20e-6 + kernel_fixed_time(dev, 20e-6, True) == pytest.approx(22e-6)
+    # between them, the floor still wins until launch + roofline passes it
+    assert 7e-6 + kernel_fixed_time(dev, 7e-6, True) == pytest.approx(10e-6)
+    assert 0.5e-6 + kernel_fixed_time(dev, 0.5e-6, False) == pytest.approx(3e-6)
+    # no floors: the launch alone, as before
+    assert kernel_fixed_time(_device(kernel_launch_s=2e-6), 1e-6, True) == pytest.approx(2e-6)
+
+
+def test_hopper_floors_are_what_the_committed_h200_timings_give():
+    import importlib.util
+    import pathlib
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("kernel_latency", bench / "kernel_latency.py")
+    kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kl)
+    kind, rows = kl.load(kl.DEFAULT_FILES)
+    assert kind == "NVIDIA H200"
+    derived = kl.floors(rows)
+    from meshplan import datasheets
+    # the datasheet keeps two significant figures of the medians
+    assert derived["matmul"][0] == pytest.approx(datasheets.HOPPER_MATMUL_KERNEL_MIN_S, rel=0.01)
+    assert derived["stream"][0] == pytest.approx(datasheets.HOPPER_MEMORY_KERNEL_MIN_S, rel=0.02)
+    assert len(derived["matmul"][1]) == 8 and len(derived["stream"][1]) == 4
+
+
+def _compute_s(fn, args, **achieved) -> float:
+    from meshplan.ilp.build import build_problem
+    g = trace(fn, *args, batch_argnums=())
+    c = ClusterSpec("one", 1, 1, _device(**achieved), LinkSpec(100e9, 0.0), LinkSpec(80e9, 0.0))
+    built = build_problem(g, mesh_model(c, LogicalMesh(("x",), (1,))))
+    return sum(grp.compute[0] for grp in built.groups)
+
+
+def test_each_kernel_pays_its_floor_once_and_a_fusion_is_weighed_whole():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w):
+        h = jnp.tanh(x * 2.0 + 1.0)          # one fused kernel
+        return (h @ w).sum()                  # a matmul, and a reduction kernel
+    small = [jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32)]
+    launch = dict(kernel_launch_s=2e-6)
+    floors = dict(launch, matmul_kernel_min_s=10e-6, memory_kernel_min_s=3e-6)
+    k = kernels(trace(f, *small, batch_argnums=()))
+    assert len(k) == 3
+    # tiny work: each kernel is lifted from launch + roofline to its floor
+    extra = _compute_s(f, small, **floors) - _compute_s(f, small, **launch)
+    assert extra == pytest.approx((10e-6 - 2e-6) + 2 * (3e-6 - 2e-6), rel=1e-3)
+
+    # x * 2 + 1, then a sum: one fusion whose read of the 8 MB input is
+    # charged to the multiply and whose root (the sum) moves 4 bytes.  The
+    # fusion moves 8 MB in 8 us, past its 3 us floor: launch only
+    def g(x):
+        return (x * 2.0 + 1.0).sum()
+    big = [jax.ShapeDtypeStruct((2**21,), jnp.float32)]
+    assert _compute_s(g, big, **floors) == pytest.approx(_compute_s(g, big, **launch))
 
 
 def test_kernels_one_per_fusion_and_per_matmul():

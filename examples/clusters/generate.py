@@ -48,13 +48,21 @@ FIXED_COSTS_SOURCE = (
     "Estimates, not measurements: kernel_launch_s 5 us (a CUDA kernel launch and its gap "
     "on the stream without CUDA graphs), program_dispatch_s 50 us (one jitted XLA program "
     "launched from Python); tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for "
-    "large 16-bit GEMMs)")
+    "large 16-bit GEMMs); no kernel floor (matmul_kernel_min_s, memory_kernel_min_s): none "
+    "was measured on this GPU, so a kernel costs its launch plus its roofline")
 HOPPER_FIXED_COSTS_SOURCE = (
     "achieved.kernel_launch_s 2.3 us: measured by meshplan calibrate (a jitted chain of k "
     "dependent small matmuls) with jax 0.11.2 on an H200, the same GH100 chip "
     "(benchmarks/results/gpu_check.md); program_dispatch_s 50 us: estimate (one jitted XLA "
     "program launched from Python; calibrate measured 106 us for a program waited for); "
     "tile_elements 128 x 128 (a typical cuBLAS/CUTLASS tile for large 16-bit GEMMs)")
+HOPPER_FLOORS_SOURCE = (
+    "achieved.matmul_kernel_min_s 9.9 us and memory_kernel_min_s 3.1 us: measured, "
+    "gpu_check.py, benchmarks/results/gpu_check/h200-run1.json and h200-run2-kernels.json "
+    "(jax 0.11.2 on an H200, the same GH100 chip): the medians of the small kernels whose "
+    "time stays flat as their work grows (matmuls 256^3-1024^3: 8 timings, 3.9-16.5 us; "
+    "streaming x + y of 1-4 MiB: 4 timings, 2.6-6.1 us), as benchmarks/kernel_latency.py "
+    "derives them; a compute kernel costs max(floor, launch + roofline)")
 # GPU back ends run collectives on streams of their own, so data-parallel
 # gradient reductions and pipeline sends can run under compute
 # (meshplan.cost_model.overlap states which).
@@ -191,6 +199,7 @@ H100_SOURCES = (
     "memory_efficiency 0.9: estimate for HBM3 (0.915 measured for the H200's HBM3e)",
     "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
     HOPPER_FIXED_COSTS_SOURCE,
+    HOPPER_FLOORS_SOURCE,
     OVERLAP_SOURCE,
 )
 
