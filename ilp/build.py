@@ -526,7 +526,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   input_filter: InputFilter | None = None,
                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                   caches: IlpCaches | None = None,
-                  resident_budget: float | None = None) -> Built:
+                  resident_budget: float | None = None,
+                  host_inputs: frozenset[int] = frozenset()) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel).
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
@@ -534,7 +535,9 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
     tables from earlier problems (None: a fresh one).  ``resident_budget``
     also bounds the inputs' bytes per device alone (parameters and optimizer
-    state: a layer that must share a stage's memory with many others)."""
+    state: a layer that must share a stage's memory with many others).
+    ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
+    memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
     b.add_input_groups(input_filter)
@@ -551,9 +554,11 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         edge_costs.append((u, v, sec, byt))
     resident = b.resident_bytes()
     budget = mm.memory_budget if memory_budget is None else memory_budget
-    rows = b.memory_rows(resident, budget, memory_points)
+    on_device = {gid: v for gid, v in resident.items()
+                 if groups[gid].input_index not in host_inputs}
+    rows = b.memory_rows(on_device, budget, memory_points)
     if resident_budget is not None:
-        rows.append(MemoryRow(dict(resident), resident_budget, name="mem_resident_cap"))
+        rows.append(MemoryRow(dict(on_device), resident_budget, name="mem_resident_cap"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]
