@@ -189,3 +189,19 @@ def test_offloaded_step_lowers_with_host_memory_arguments():
     # the optimizer's arguments and results carry the host memory space
     assert "pinned_host" in text
     step.lower(state, BATCH).compile()
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def test_cli_offload_flag_forces_it_and_is_refused_where_it_does_not_apply(tmp_path, capsys):
+    from meshplan.cli import main
+    model = ["--model", "gpt"] + [f"--model-arg={k}={v}" for k, v in GPT.items()]
+    out = tmp_path / "p.json"
+    assert main(["plan", *model, "--cluster", DGX, "--method", "manual", "--dp", "8",
+                 "--offload", "optimizer", "--json", str(out)]) == 0
+    assert "optimizer state offloaded to host" in capsys.readouterr().out
+    assert meshplan.Plan.from_json(out.read_text()).stages[0].offload == "optimizer"
+    assert main(["plan", *model, "--cluster", DGX, "--method", "pipeshard",
+                 "--offload", "optimizer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--offload applies to" in err
