@@ -33,7 +33,7 @@ from ..cost_model.fusion import fused_bytes, kernels, materialised, materialised
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
-from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
+from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .strategies import Strategy, node_dtype, node_space, node_strategies
@@ -508,6 +508,15 @@ class _Builder:
         return rows
 
 
+def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
+                 ) -> dict[int, np.ndarray]:
+    """Coefficients of the memory when the update runs with offloaded state:
+    every input on the device (the state read back for the update), and a
+    gradient per parameter, taken as laid out like its parameter."""
+    return {gid: v * (2 if graph.inputs[groups[gid].input_index].role == PARAM else 1)
+            for gid, v in resident.items()}
+
+
 def stored_liveness(graph: Graph) -> Liveness:
     """The liveness of the intermediates that occupy memory, as the decoded
     plan's peak counts them: neither values made from constants alone nor
@@ -559,6 +568,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     rows = b.memory_rows(on_device, budget, memory_points)
     if resident_budget is not None:
         rows.append(MemoryRow(dict(on_device), resident_budget, name="mem_resident_cap"))
+    if host_inputs:
+        rows.append(MemoryRow(update_point(graph, groups, resident), budget, name="mem_update"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]

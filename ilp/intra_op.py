@@ -100,11 +100,16 @@ def memory_floor(graph: Graph, num_devices: int,
     """A lower bound of the peak bytes per device of any plan of ``graph`` on
     ``num_devices`` devices, as the ILP's memory rows and the decoded peak
     count them: the inputs (but ``host_inputs``, kept in host memory) and the
-    stored intermediates live at the busiest point, all split evenly."""
+    stored intermediates live at the busiest point, all split evenly; with
+    ``host_inputs``, also the update's point (:func:`meshplan.ilp.build.update_point`)."""
     profile = stored_liveness(graph).profile
     peak = float(profile.max()) if len(profile) else 0.0
-    return (sum(graph.tensors[i.tensor].nbytes for k, i in enumerate(graph.inputs)
-                if k not in host_inputs) + peak) / num_devices
+    floor = (sum(graph.tensors[i.tensor].nbytes for k, i in enumerate(graph.inputs)
+                 if k not in host_inputs) + peak) / num_devices
+    if host_inputs:     # the update: every input on the device, a gradient per parameter
+        floor = max(floor, sum(graph.tensors[i.tensor].nbytes * (2 if i.role == PARAM else 1)
+                               for i in graph.inputs) / num_devices)
+    return floor
 
 
 def _too_big(graph: Graph, n: int, budget: float,

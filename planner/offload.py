@@ -5,11 +5,14 @@ memory between steps; each step reads it to the device before the update and
 writes the new state back after it (``meshplan.runtime.shard`` gives those
 leaves ``memory_kind="pinned_host"`` shardings).  The planner counts that:
 
-* memory: the state's bytes per device leave the device's working set: the
-  ILP's memory rows leave those inputs out (``host_inputs``), and the plan's
-  peak is the ILP's less the state's bytes per device in the layout chosen.
-  (During the update the state is back on the device, but the activations of
-  the forward are gone by then: the peak is where they live);
+* memory: the state's bytes per device leave the device's working set of
+  the forward and backward: the ILP's memory rows leave those inputs out
+  (``host_inputs``), and that peak is the ILP's less the state's bytes per
+  device in the layout chosen.  The update reads the state back on the
+  device: one more row (``mem_update``) bounds every input plus a gradient
+  per parameter (laid out as the parameter: an estimate) by the same budget,
+  and the plan's peak is the larger of the two points.  (XLA may bring the
+  leaves in one at a time; nothing makes it, so the planner does not count on it);
 * time: each leaf crosses the cluster's host link twice per step (read
   before the update, written after), on the critical path: the update needs
   the state it reads, and the next step needs the state written back.
@@ -25,8 +28,8 @@ from dataclasses import replace
 from .cluster import ClusterSpec
 from .cost_model.sharding import num_shards, spec_from_names
 from .errors import InfeasiblePlanError, MeshplanError
-from .graph import OPT_STATE, Graph
-from .plan import Plan, PlanPredicted
+from .graph import BATCH, OPT_STATE, PARAM, Graph
+from .plan import MemoryBreakdown, Plan, PlanPredicted
 from .units import human_bytes, human_time
 
 
@@ -100,6 +103,9 @@ def with_offload(plan: Plan, graph: Graph, cluster: ClusterSpec, prefixes: dict[
         if memory is not None:
             memory = replace(memory, optimizer=0, offloaded=int(local),
                              temporaries=memory.temporaries + memory.optimizer - int(local))
+        update = _update_point(graph, plan, prefixes)
+        if update.total > peak:     # (the ILP's mem_update row kept it in the budget)
+            peak, memory = update.total, replace(update, offloaded=int(local))
     stage = replace(stage, offload="optimizer", host_params=tuple(keys),
                     host_outputs=tuple(host_outputs), outputs=tuple(sorted(outputs.items())),
                     predicted=replace(pr, memory_bytes=peak, memory=memory,
@@ -117,6 +123,24 @@ def with_offload(plan: Plan, graph: Graph, cluster: ClusterSpec, prefixes: dict[
             + ("" if frees_memory(cluster) else
                " (host memory is device memory on this cluster: nothing is freed)"))
     return replace(plan, stages=(stage,), predicted=predicted, notes=plan.notes + (note,))
+
+
+def _update_point(graph: Graph, plan: Plan, prefixes: dict[int, str]) -> MemoryBreakdown:
+    """The device's memory while the update runs: the offloaded state back on
+    the device beside every other input and a gradient per parameter (laid
+    out as its parameter), as the ILP's ``mem_update`` row counts it."""
+    mesh = plan.stages[0].logical_mesh
+    specs = dict(plan.stages[0].params) | dict(plan.batch)
+    parts = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    for inp in graph.inputs:
+        spec = specs.get(prefixes.get(inp.argnum, "") + inp.path, ())
+        nbytes = graph.tensors[inp.tensor].nbytes / num_shards(
+            spec_from_names(spec, mesh.axes), mesh.shape)
+        part = {OPT_STATE: "optimizer", BATCH: "activations"}.get(inp.role, "params")
+        parts[part] += nbytes
+        if inp.role == PARAM:
+            parts["grads"] += nbytes
+    return MemoryBreakdown.of(sum(int(v) for v in parts.values()), **parts)
 
 
 def not_fitting(err: InfeasiblePlanError, cluster: ClusterSpec) -> InfeasiblePlanError:

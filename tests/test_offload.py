@@ -15,6 +15,7 @@ from meshplan.models import build_model
 
 DGX = "examples/clusters/dgx-a100-x1.json"
 GPT = {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64, "batch": 8}
+ACTIVATION_HEAVY = {"layers": 2, "hidden": 16, "heads": 2, "seq_len": 64, "vocab": 32, "batch": 8}
 STATE_HEAVY = {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 4, "vocab": 64, "batch": 8}
 OPT = optax.adam(1e-2)
 
@@ -107,26 +108,48 @@ def test_plan_json_records_the_choice_under_new_keys_only():
     assert "offloaded to host" in str(off)
 
 
+def _one_device(memory_bytes=None):
+    data = _cluster_data(**({} if memory_bytes is None else {"memory_bytes": int(memory_bytes)}))
+    data.update(devices_per_host=1, num_devices=1)
+    return meshplan.ClusterSpec.from_dict(data)
+
+
 def test_auto_offloads_only_where_memory_binds():
-    # parameters and Adam's state dominate (short sequences), replicated by dp=8
-    big = meshplan.load_cluster(DGX)
-    base = _plan(meshplan.Manual(dp=8), big, STATE_HEAVY)
-    mem = base.stages[0].predicted.memory
-    # a budget (90% of the device) below the state alone, above what remains without it
-    small = meshplan.ClusterSpec.from_dict(_cluster_data(
-        memory_bytes=int((mem.params + 0.75 * mem.optimizer) / 0.9)))
+    # one device: one layout, so the memory is fixed and the test exact;
+    # activations outweigh the parameters (long sequences, narrow layers)
+    base = _plan(meshplan.Manual(), _one_device(), ACTIVATION_HEAVY)
+    peak, opt = base.predicted.peak_memory_bytes, base.stages[0].predicted.memory.optimizer
+    # a budget (90% of the device) between the peak with and without the state
+    small = _one_device((peak - opt / 2) / 0.9)
     with pytest.raises(InfeasiblePlanError):
-        _plan(meshplan.Manual(dp=8, offload="none"), small, STATE_HEAVY)
-    auto = _plan(meshplan.Manual(dp=8, offload="auto"), small, STATE_HEAVY)
+        _plan(meshplan.Manual(offload="none"), small, ACTIVATION_HEAVY)
+    auto = _plan(meshplan.Manual(offload="auto"), small, ACTIVATION_HEAVY)
     assert auto.stages[0].offload == "optimizer"
-    assert auto.predicted.peak_memory_bytes <= small.device.memory_bytes * 0.9
-    assert auto.stages[0].predicted.memory.offloaded == mem.optimizer
+    assert auto.predicted.peak_memory_bytes == peak - opt
     # where it fits, auto keeps the state on the device
-    assert _plan(meshplan.Manual(dp=8, offload="auto"), big, STATE_HEAVY).stages[0].offload == "none"
+    assert _plan(meshplan.Manual(offload="auto"), _one_device(),
+                 ACTIVATION_HEAVY).stages[0].offload == "none"
     # too small even with the state on the host: the error says so
-    tiny = meshplan.ClusterSpec.from_dict(_cluster_data(memory_bytes=int(mem.params / 2)))
     with pytest.raises(InfeasiblePlanError, match="does not make it fit either"):
-        _plan(meshplan.Manual(dp=8, offload="auto"), tiny, STATE_HEAVY)
+        _plan(meshplan.Manual(offload="auto"), _one_device((peak - opt) / 0.9 - 1024),
+              ACTIVATION_HEAVY)
+
+
+def test_the_update_needs_the_state_back_on_the_device():
+    # parameters and Adam's state outweigh the activations (short sequences):
+    # offloaded, the update (every input and a gradient per parameter) binds
+    base = _plan(meshplan.Manual(), _one_device(), STATE_HEAVY)
+    mem = base.stages[0].predicted.memory
+    off = _plan(meshplan.Manual(offload="optimizer"), _one_device(), STATE_HEAVY)
+    m = off.stages[0].predicted.memory
+    # (the gpt has no other state: its parameters' bytes are the gradients')
+    assert (m.params, m.grads, m.optimizer, m.temporaries, m.offloaded) == (
+        mem.params, mem.params, mem.optimizer, 0, mem.optimizer)
+    assert off.predicted.peak_memory_bytes == m.total > base.predicted.peak_memory_bytes - mem.optimizer
+    # so a budget below the state alone is not rescued by offloading it
+    small = _one_device((mem.params + 0.75 * mem.optimizer) / 0.9)
+    with pytest.raises(InfeasiblePlanError):
+        _plan(meshplan.Manual(offload="auto"), small, STATE_HEAVY)
 
 
 def test_bad_offload_requests_give_one_clear_line():
