@@ -356,9 +356,7 @@ class ClusterSpec:
                               achieved=Achieved(**{**dict(known.achieved),
                                                    "shared_host_compute": platform == "cpu"})),
             intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
-            # XLA's CPU devices: host memory is device memory; "offloading" is a copy
-            host_link=(HostLink(known.memory_bandwidth, 0.0, separate_memory=False)
-                       if platform == "cpu" else None),
+            host_link=_local_host_link(platform, known, datasheets.HOST_LINK_EFFICIENCY),
             description=description, sources=(known.source,))
 
     @classmethod
@@ -427,6 +425,17 @@ class ClusterSpec:
 def _link_text(link: LinkSpec) -> str:
     eff = f" ({link.efficiency:.0%} achieved)" if link.efficiency != 1.0 else ""
     return f"{link.bandwidth_bytes_per_s / 1e9:.4g} GB/s{eff}, {link.latency_s * 1e6:.3g} us"
+
+
+def _local_host_link(platform: str, known: Any, efficiency: float) -> HostLink | None:
+    """The host link of local devices: on XLA's CPU devices host memory is
+    device memory ("offloading" is a copy at memory bandwidth); a known GPU
+    has its PCIe link (``meshplan.datasheets``); others have none."""
+    if platform == "cpu":
+        return HostLink(known.memory_bandwidth, 0.0, separate_memory=False)
+    if known.host_link is None:
+        return None
+    return HostLink(*known.host_link, efficiency=efficiency)
 
 
 def _host_link_text(h: HostLink | None) -> str:

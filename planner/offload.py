@@ -33,13 +33,18 @@ from .plan import MemoryBreakdown, Plan, PlanPredicted
 from .units import human_bytes, human_time
 
 
-def check_host_link(cluster: ClusterSpec) -> None:
-    """Refuse to plan offloading on a cluster that does not describe its host link."""
+def check_offload(graph: Graph, cluster: ClusterSpec) -> None:
+    """Refuse to plan offloading on a cluster that does not describe its host
+    link, or for a step without optimizer state."""
     if cluster.host_link is None:
         raise MeshplanError(
             f"cluster {cluster.name!r} gives no host link ($.links.host_device: bandwidth and "
             "latency between each device and host memory), so offloading to host memory "
             "cannot be priced; add one to the cluster file or plan with offload='none'")
+    if not any(i.role == OPT_STATE for i in graph.inputs):
+        raise MeshplanError(f"offload='optimizer': {graph.name or 'the step'} has no optimizer "
+                            "state among its arguments (leaves whose path names opt_state, mu, "
+                            "nu, moments); plan with offload='none'")
 
 
 def frees_memory(cluster: ClusterSpec) -> bool:
@@ -68,16 +73,12 @@ def with_offload(plan: Plan, graph: Graph, cluster: ClusterSpec, prefixes: dict[
     with its optimizer state in host memory: the leaves named, the moves
     priced, the state's bytes taken out of the device's peak.  ``prefixes``:
     the key prefix of each argument (as the plan's ``params`` keys go)."""
-    check_host_link(cluster)
+    check_offload(graph, cluster)
     link = cluster.host_link
     (stage,) = plan.stages
     mesh = stage.logical_mesh
     specs = dict(stage.params)
     host_inputs = [k for k, i in enumerate(graph.inputs) if i.role == OPT_STATE]
-    if not host_inputs:
-        raise MeshplanError(f"offload='optimizer': {graph.name or 'the step'} has no optimizer "
-                            "state among its arguments (leaves whose path names opt_state, mu, "
-                            "nu, moments); plan with offload='none'")
     keys, local, moves = [], 0.0, 0.0
     for k in host_inputs:
         inp = graph.inputs[k]
@@ -130,10 +131,12 @@ def _update_point(graph: Graph, plan: Plan, prefixes: dict[int, str]) -> MemoryB
     the device beside every other input and a gradient per parameter (laid
     out as its parameter), as the ILP's ``mem_update`` row counts it."""
     mesh = plan.stages[0].logical_mesh
-    specs = dict(plan.stages[0].params) | dict(plan.batch)
+    params, batch = dict(plan.stages[0].params), dict(plan.batch)
     parts = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
     for inp in graph.inputs:
-        spec = specs.get(prefixes.get(inp.argnum, "") + inp.path, ())
+        # (batch arguments are keyed in a section of their own)
+        table = batch if inp.argnum in plan.batch_argnums else params
+        spec = table.get(prefixes.get(inp.argnum, "") + inp.path, ())
         nbytes = graph.tensors[inp.tensor].nbytes / num_shards(
             spec_from_names(spec, mesh.axes), mesh.shape)
         part = {OPT_STATE: "optimizer", BATCH: "activations"}.get(inp.role, "params")

@@ -13,7 +13,7 @@ from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
-from .offload import (check_host_link, frees_memory, host_inputs, not_fitting, offloaded_bytes,
+from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
                       with_offload)
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
@@ -43,7 +43,7 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
 def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Session,
           memory_budget: float | None, offload: bool) -> Plan:
     if offload:
-        check_host_link(cluster)
+        check_offload(graph, cluster)
     # the parameter gradients (meshplan.value_and_grad marks them): their
     # reductions may run under the backward (cost_model.overlap)
     grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)

@@ -62,9 +62,12 @@ def test_a_bad_host_link_is_refused_naming_its_json_path(bad, path):
     assert e.value.path == path and "\n" not in str(e.value)
 
 
-def test_cpu_devices_share_host_memory():
+def test_local_devices_host_link_cpu_shares_host_memory_gpus_have_pcie():
+    from meshplan import datasheets
     link = meshplan.Cluster.local().host_link
     assert link is not None and not link.separate_memory
+    assert datasheets.known_device("gpu", "NVIDIA H200").host_link == (63.0e9, 1e-5)
+    assert datasheets.known_device("gpu", "Tesla V100-SXM2-16GB").host_link == (15.75e9, 1e-5)
 
 
 # -- planning ---------------------------------------------------------------------------
@@ -162,6 +165,14 @@ def test_bad_offload_requests_give_one_clear_line():
     with pytest.raises(MeshplanError, match=r"links\.host_device") as e:
         _plan(meshplan.Manual(dp=8, offload="optimizer"), meshplan.ClusterSpec.from_dict(no_link))
     assert "\n" not in str(e.value)
+
+    def sgd_step(w, batch):     # no optimizer state to offload
+        g = jax.grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g, None
+    with pytest.raises(MeshplanError, match="no optimizer state"):
+        meshplan.plan(sgd_step, jnp.ones((16, 8)), {"x": jnp.ones((16, 16))},
+                      cluster=meshplan.load_cluster(DGX),
+                      method=meshplan.Manual(dp=8, offload="optimizer"))
 
 
 # -- the runtime ------------------------------------------------------------------------
