@@ -97,6 +97,12 @@ def test_offloaded_plan_frees_the_optimizer_bytes_and_pays_the_host_link():
     assert set(o.host_outputs) <= dict(o.outputs).keys()
 
 
+def test_auto_asked_to_offload_plans_one_offloaded_stage():
+    p = _plan(meshplan.Auto(offload="optimizer"), _one_device())
+    assert len(p.stages) == 1 and p.stages[0].offload == "optimizer"
+    assert p.method == "auto" and p.stages[0].predicted.host_transfer_s > 0
+
+
 def test_plan_json_records_the_choice_under_new_keys_only():
     base = _plan(meshplan.Manual(dp=8))
     d = json.loads(base.to_json())["stages"][0]
