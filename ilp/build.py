@@ -34,7 +34,7 @@ from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialise
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
-from ..graph import CONST, IDENTITY_MARKERS, LITERAL, Graph, GraphInput
+from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
@@ -526,6 +526,15 @@ class _Builder:
         return rows
 
 
+def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
+                 ) -> dict[int, np.ndarray]:
+    """Coefficients of the memory when the update runs with offloaded state:
+    every input on the device (the state read back for the update), and a
+    gradient per parameter, taken as laid out like its parameter."""
+    return {gid: v * (2 if graph.inputs[groups[gid].input_index].role == PARAM else 1)
+            for gid, v in resident.items()}
+
+
 def stored_liveness(graph: Graph) -> Liveness:
     """The liveness of the intermediates that occupy memory, as the decoded
     plan's peak counts them: neither values made from constants alone nor
@@ -544,7 +553,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   input_filter: InputFilter | None = None,
                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                   caches: IlpCaches | None = None,
-                  resident_budget: float | None = None) -> Built:
+                  resident_budget: float | None = None,
+                  host_inputs: frozenset[int] = frozenset()) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel).
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
@@ -552,7 +562,9 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
     tables from earlier problems (None: a fresh one).  ``resident_budget``
     also bounds the inputs' bytes per device alone (parameters and optimizer
-    state: a layer that must share a stage's memory with many others)."""
+    state: a layer that must share a stage's memory with many others).
+    ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
+    memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
     b.add_input_groups(input_filter)
@@ -569,9 +581,13 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         edge_costs.append((u, v, sec, byt))
     resident = b.resident_bytes()
     budget = mm.memory_budget if memory_budget is None else memory_budget
-    rows = b.memory_rows(resident, budget, memory_points)
+    on_device = {gid: v for gid, v in resident.items()
+                 if groups[gid].input_index not in host_inputs}
+    rows = b.memory_rows(on_device, budget, memory_points)
     if resident_budget is not None:
-        rows.append(MemoryRow(dict(resident), resident_budget, name="mem_resident_cap"))
+        rows.append(MemoryRow(dict(on_device), resident_budget, name="mem_resident_cap"))
+    if host_inputs:
+        rows.append(MemoryRow(update_point(graph, groups, resident), budget, name="mem_update"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
     costs = [np.array(g.cost) + (TIE_BREAK_S_PER_BYTE * resident[g.gid] if g.gid in resident else 0.0)
              for g in groups]

@@ -95,18 +95,26 @@ def within_host(meshes: list[LogicalMesh], hosts: int, devices_per_host: int
     return inside or [m for m in meshes if len(m.shape) == 1]
 
 
-def memory_floor(graph: Graph, num_devices: int) -> float:
+def memory_floor(graph: Graph, num_devices: int,
+                 host_inputs: frozenset[int] = frozenset()) -> float:
     """A lower bound of the peak bytes per device of any plan of ``graph`` on
     ``num_devices`` devices, as the ILP's memory rows and the decoded peak
-    count them: the inputs and the stored intermediates live at the busiest
-    point, all split evenly."""
+    count them: the inputs (but ``host_inputs``, kept in host memory) and the
+    stored intermediates live at the busiest point, all split evenly; with
+    ``host_inputs``, also the update's point (:func:`meshplan.ilp.build.update_point`)."""
     profile = stored_liveness(graph).profile
     peak = float(profile.max()) if len(profile) else 0.0
-    return (sum(graph.tensors[i.tensor].nbytes for i in graph.inputs) + peak) / num_devices
+    floor = (sum(graph.tensors[i.tensor].nbytes for k, i in enumerate(graph.inputs)
+                 if k not in host_inputs) + peak) / num_devices
+    if host_inputs:     # the update: every input on the device, a gradient per parameter
+        floor = max(floor, sum(graph.tensors[i.tensor].nbytes * (2 if i.role == PARAM else 1)
+                               for i in graph.inputs) / num_devices)
+    return floor
 
 
-def _too_big(graph: Graph, n: int, budget: float) -> InfeasiblePlanError | None:
-    need = memory_floor(graph, n)
+def _too_big(graph: Graph, n: int, budget: float,
+             host_inputs: frozenset[int] = frozenset()) -> InfeasiblePlanError | None:
+    need = memory_floor(graph, n, host_inputs)
     if need <= budget:
         return None
     return InfeasiblePlanError(
@@ -123,19 +131,23 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                    options: SolverOptions = SolverOptions(),
                    caches: IlpCaches | None = None,
-                   resident_budget: float | None = None) -> IntraOpResult:
+                   resident_budget: float | None = None,
+                   host_inputs: frozenset[int] = frozenset()) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
-    ``resident_budget`` bounds the inputs' bytes per device
-    (:func:`meshplan.ilp.build.build_problem`)."""
+    ``resident_budget`` bounds the inputs' bytes per device and
+    ``host_inputs`` are kept out of the device's memory
+    (:func:`meshplan.ilp.build.build_problem`).  The result's peak still
+    counts every input."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
-    err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget)
+    err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget,
+                   host_inputs)
     if err is not None:
         raise err       # (before building an ILP no layout could satisfy)
     built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
                           accumulate=accumulate, grad_accum=grad_accum, caches=caches,
-                          resident_budget=resident_budget)
+                          resident_budget=resident_budget, host_inputs=host_inputs)
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
     return decode(graph, mm, built, sol)
 
@@ -146,18 +158,19 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                   input_filter: InputFilter | None = None,
                   reporter: progress.Progress | None = None,
                   options: SolverOptions = SolverOptions(), caches: IlpCaches | None = None,
-                  accumulate: frozenset[int] = frozenset()
+                  accumulate: frozenset[int] = frozenset(),
+                  host_inputs: frozenset[int] = frozenset()
                   ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
     """The fastest plan over ``meshes`` (default: every mesh shape of the device
     count); ``reporter`` shows each mesh's ILP as a progress step.  ``options``,
-    ``caches`` and ``accumulate`` (the parameter gradients) as for
-    :func:`solve_intra_op`."""
+    ``caches``, ``accumulate`` (the parameter gradients) and ``host_inputs``
+    as for :func:`solve_intra_op`."""
     reporter = reporter or progress.Progress(progress.QUIET)
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
     meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
     budget = (mesh_model(cluster, meshes[0], submesh=submesh).memory_budget
               if memory_budget is None else memory_budget)
-    err = _too_big(graph, n, budget)
+    err = _too_big(graph, n, budget, host_inputs)
     if err is not None:
         raise err       # on every mesh: nothing to try
     results: list[IntraOpResult | InfeasiblePlanError] = []
@@ -169,7 +182,8 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                                               memory_budget=memory_budget,
                                               input_filter=input_filter,
                                               options=options, caches=caches,
-                                              accumulate=accumulate))
+                                              accumulate=accumulate,
+                                              host_inputs=host_inputs))
         except InfeasiblePlanError as e:
             results.append(e)
     ok = [r for r in results if isinstance(r, IntraOpResult)]

@@ -1,7 +1,8 @@
 """meshplan: automatic intra- and inter-operator parallelization for JAX."""
 from __future__ import annotations
 
-from .cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec, load_cluster, parse_cluster
+from .cluster import (Achieved, ClusterSpec, DeviceSpec, HostLink, LinkSpec, load_cluster,
+                      parse_cluster)
 from .errors import (CheckpointError, ClusterSpecError, InfeasiblePlanError, MeshplanError,
                      ModelConfigError,
                      PlanFormatError, RuntimeStageError, SolverError, StalePlanError,
@@ -19,7 +20,7 @@ Cluster = ClusterSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec", "Achieved", "load_cluster", "parse_cluster",
+    "Cluster", "ClusterSpec", "DeviceSpec", "HostLink", "LinkSpec", "Achieved", "load_cluster", "parse_cluster",
     "Graph", "GraphInput", "GraphOutput", "Node", "Tensor", "trace",
     "Auto", "DataParallel", "Manual", "PipeshardParallel", "ShardParallel",
     "LogicalMesh", "Plan", "PlanPredicted", "Predicted", "Stage",

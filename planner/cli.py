@@ -167,7 +167,8 @@ def _cluster(arg: str):
 APPLIES = {"dp": ("manual",), "tp": ("manual",), "pp": ("manual", "pipeshard"),
            "micro_batches": ("auto", "pipeshard", "manual"),
            "schedule": ("auto", "pipeshard", "manual"),
-           "max_stages": ("auto", "pipeshard"), "tp_within_host": ("auto", "pipeshard")}
+           "max_stages": ("auto", "pipeshard"), "tp_within_host": ("auto", "pipeshard"),
+           "offload": ("auto", "shard", "data", "manual")}
 
 
 def _method(args: argparse.Namespace):
@@ -181,7 +182,7 @@ def _method(args: argparse.Namespace):
                                f"{name}); the other methods choose recomputation per stage")
     remat = {"always": "full", "never": "none"}.get(args.remat, args.remat)
     given = [k for k, users in APPLIES.items()
-             if getattr(args, k) not in (None, "auto", False) and name not in users]
+             if getattr(args, k, None) not in (None, "auto", False) and name not in users]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         users = sorted({u for k in given for u in APPLIES[k]} - {name})
@@ -191,6 +192,8 @@ def _method(args: argparse.Namespace):
                                "itself")
     mb, sched = _counts(args.micro_batches), _names(args.schedule)
     common = dict(time_limit=args.time_limit, memory_fraction=args.memory_fraction)
+    if getattr(args, "offload", None) is not None and name != "pipeshard":
+        common["offload"] = args.offload
     search = dict(num_micro_batches=mb, schedule=sched, max_stages=args.max_stages,
                   tp_within_host=args.tp_within_host)
     if name == "shard":
@@ -422,6 +425,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                         "in none (none; alias never), or where needed to fit (auto, the default); "
                         "--method shard: the same choices, none by default, auto the fastest "
                         "that fits")
+    p.add_argument("--offload", choices=["none", "optimizer", "auto"],
+                   help="auto, shard, data, manual: keep the optimizer state in host memory "
+                        "between steps (optimizer; one-stage plans), only where the plan does "
+                        "not fit without it (auto; the default but for manual), or never (none)")
     p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
                    help="seconds per ILP solve (default 60)")
 

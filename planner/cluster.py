@@ -48,6 +48,14 @@ ideal peak figures, no overheads)::
       "links": {"intra_host": {..., "efficiency": 0.7}}   # fraction of bandwidth a large
                                                           # collective reaches (bus bandwidth)
 
+Optional, the link between each device and its host's memory (PCIe), what
+offloading state to host memory pays (absent: offloading is not planned)::
+
+      "links": {..., "host_device": {"bandwidth_bytes_per_s": 31.5e9, "latency_s": 1e-5,
+                                     "efficiency": 0.8,          # optional, as for links
+                                     "separate_memory": true}}   # optional; false: the
+                                                                 # device memory is the host's
+
 ``links.intra_host.bandwidth_bytes_per_s`` is per device, per direction.
 ``links.inter_host.bandwidth_bytes_per_s`` is the whole host's network
 bandwidth per direction (all NICs together); the cost model shares it among
@@ -110,6 +118,35 @@ class LinkSpec:
         d = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
         if self.efficiency != 1.0:
             d["efficiency"] = self.efficiency
+        return d
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """One device's link to its host's memory (PCIe), per direction: what
+    moving offloaded state between host and device costs.  ``separate_memory``
+    False: the device's memory is the host's own (XLA's CPU devices), so a
+    copy "to the host" frees nothing the planner counts."""
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float = 1.0
+    separate_memory: bool = True
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` one way (one transfer)."""
+        return self.latency_s + nbytes / self.achieved_bandwidth if nbytes > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                             "latency_s": self.latency_s}
+        if self.efficiency != 1.0:
+            d["efficiency"] = self.efficiency
+        if not self.separate_memory:
+            d["separate_memory"] = False
         return d
 
 
@@ -211,6 +248,8 @@ class ClusterSpec:
     sources: tuple[str, ...] = ()
     # TPU slices (meshplan.tpu): a "host" is then a slice, its devices the chips
     tpu: _tpu.TpuSlice | None = None
+    # device <-> host memory (None: not given; offloading is not planned)
+    host_link: HostLink | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -243,7 +282,9 @@ class ClusterSpec:
             "num_devices": self.num_devices,
             "device": self.device.to_dict(),
             "links": {"intra_host": self.intra_host.to_dict(),
-                      "inter_host": self.inter_host.to_dict()},
+                      "inter_host": self.inter_host.to_dict(),
+                      **({"host_device": self.host_link.to_dict()}
+                         if self.host_link is not None else {})},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -331,6 +372,7 @@ class ClusterSpec:
                               achieved=Achieved(**{**dict(known.achieved),
                                                    "shared_host_compute": platform == "cpu"})),
             intra_host=LinkSpec(*known.intra_host), inter_host=LinkSpec(*known.inter_host),
+            host_link=_local_host_link(platform, known, datasheets.HOST_LINK_EFFICIENCY),
             description=description, sources=(known.source,))
 
     @classmethod
@@ -389,6 +431,7 @@ class ClusterSpec:
             f"  intra-host  {_link_text(self.intra_host)} per device per direction",
             f"  inter-host  {_link_text(self.inter_host)} per host per direction "
             f"({self.inter_host_bandwidth_per_device / 1e9:.4g} GB/s per device)",
+            f"  host link   {_host_link_text(self.host_link)}",
         ]
 
     def __str__(self) -> str:
@@ -398,6 +441,26 @@ class ClusterSpec:
 def _link_text(link: LinkSpec) -> str:
     eff = f" ({link.efficiency:.0%} achieved)" if link.efficiency != 1.0 else ""
     return f"{link.bandwidth_bytes_per_s / 1e9:.4g} GB/s{eff}, {link.latency_s * 1e6:.3g} us"
+
+
+def _local_host_link(platform: str, known: Any, efficiency: float) -> HostLink | None:
+    """The host link of local devices: on XLA's CPU devices host memory is
+    device memory ("offloading" is a copy at memory bandwidth); a known GPU
+    has its PCIe link (``meshplan.datasheets``); others have none."""
+    if platform == "cpu":
+        return HostLink(known.memory_bandwidth, 0.0, separate_memory=False)
+    if known.host_link is None:
+        return None
+    return HostLink(*known.host_link, efficiency=efficiency)
+
+
+def _host_link_text(h: HostLink | None) -> str:
+    if h is None:
+        return "not given (offloading to host memory is not planned)"
+    eff = f" ({h.efficiency:.0%} achieved)" if h.efficiency != 1.0 else ""
+    shared = "" if h.separate_memory else "; host memory is device memory"
+    return (f"{h.bandwidth_bytes_per_s / 1e9:.4g} GB/s{eff}, {h.latency_s * 1e6:.3g} us "
+            f"per device per direction{shared}")
 
 
 def _achieved_text(a: Achieved) -> str:
@@ -437,6 +500,8 @@ _DEVICE_KEYS = ("kind", "memory_bytes", "memory_bandwidth_bytes_per_s", "peak_fl
 _DEVICE_OPTIONAL = ("achieved",)
 _ACHIEVED_KEYS = tuple(f.name for f in dataclasses.fields(Achieved))
 _LINKS_KEYS = ("intra_host", "inter_host")
+_LINKS_OPTIONAL = ("host_device",)
+_HOST_LINK_OPTIONAL = ("efficiency", "separate_memory")
 _LINK_KEYS = ("bandwidth_bytes_per_s", "latency_s")
 _LINK_OPTIONAL = ("efficiency",)
 
@@ -534,6 +599,19 @@ class _Reader:
             latency_s=self.number(d["latency_s"], f"{path}.latency_s", zero_ok=True),
             efficiency=self.fraction(d.get("efficiency", 1.0), f"{path}.efficiency"))
 
+    def host_link(self, value: Any, path: str) -> HostLink:
+        d = self.obj(value, path, _LINK_KEYS, _HOST_LINK_OPTIONAL)
+        separate = d.get("separate_memory", True)
+        if not isinstance(separate, bool):
+            raise self.fail(f"{path}.separate_memory", f"must be true or false, got "
+                            f"{_show(separate)}")
+        return HostLink(
+            bandwidth_bytes_per_s=self.number(d["bandwidth_bytes_per_s"],
+                                              f"{path}.bandwidth_bytes_per_s"),
+            latency_s=self.number(d["latency_s"], f"{path}.latency_s", zero_ok=True),
+            efficiency=self.fraction(d.get("efficiency", 1.0), f"{path}.efficiency"),
+            separate_memory=separate)
+
     def achieved(self, value: Any, path: str) -> Achieved:
         d = self.obj(value, path, (), _ACHIEVED_KEYS)
         out: dict[str, Any] = {}
@@ -596,11 +674,13 @@ def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
                          f"or drop num_devices")
 
     device = _device(r, top["device"], "$.device")
-    links = r.obj(top["links"], "$.links", _LINKS_KEYS)
+    links = r.obj(top["links"], "$.links", _LINKS_KEYS, _LINKS_OPTIONAL)
     return ClusterSpec(
         name=name, num_hosts=hosts, devices_per_host=per_host, device=device,
         intra_host=r.link(links["intra_host"], "$.links.intra_host"),
         inter_host=r.link(links["inter_host"], "$.links.inter_host"),
+        host_link=(r.host_link(links["host_device"], "$.links.host_device")
+                   if "host_device" in links else None),
         description=description, sources=sources)
 
 

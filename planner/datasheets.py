@@ -29,11 +29,17 @@ class Datasheet:
     note: str = "Peak FLOP/s are datasheet figures for this device kind."
     # ``Achieved`` fields (meshplan.cluster): empty is the ideal device
     achieved: tuple[tuple[str, Any], ...] = ()
+    # the device's PCIe link to host memory (what offloading pays); None: unknown
+    host_link: Link | None = None
 
 
 _GIB = 2**30
 _NVLINK2, _NVLINK3, _NVLINK4 = ((b, 5e-6) for b in (150e9, 300e9, 450e9))
 _PCIE3, _PCIE4, _PCIE5 = ((b, 1e-5) for b in (16e9, 32e9, 64e9))
+# A GPU's link to host memory: PCIe 3.0/4.0/5.0 x16 per direction (as the
+# example cluster files, examples/clusters/generate.py), ~10 us (estimate).
+_HOST3, _HOST4, _HOST5 = ((b, 1e-5) for b in (15.75e9, 31.5e9, 63.0e9))
+HOST_LINK_EFFICIENCY = 0.8          # estimate, as in the example cluster files
 # Between GPU hosts: a typical 100 Gbit/s NIC (12.5e9 bytes/s), ~10 us.
 _GPU_NET = (12.5e9, 1e-5)
 # TPU: ICI within a slice (order of v4/v5e ICI per chip), data-centre network between hosts.
@@ -97,27 +103,30 @@ _H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=5
 _KNOWN_GPUS = (
     Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8), 16 * _GIB, 900e9,
            _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)",
-           achieved=V100_ACHIEVED),
+           achieved=V100_ACHIEVED, host_link=_HOST3),
     Datasheet(("v100",), _f(float16=112, float32=14, float64=7), 16 * _GIB, 900e9,
-           _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)"),
+           _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)", host_link=_HOST3),
     Datasheet(("t4",), _f(float16=65, float32=8.1, int8=130), 16 * _GIB, 320e9,
-           _PCIE3, _GPU_NET, "NVIDIA T4 datasheet"),
+           _PCIE3, _GPU_NET, "NVIDIA T4 datasheet", host_link=_HOST3),
     Datasheet(("a100", "pcie"), _A100, 80 * _GIB, 1935e9, _PCIE4, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)"),
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)", host_link=_HOST4),
     Datasheet(("a100", "40gb"), _A100, 40 * _GIB, 1555e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)", achieved=A100_ACHIEVED),
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)", achieved=A100_ACHIEVED,
+           host_link=_HOST4),
     Datasheet(("a100",), _A100, 80 * _GIB, 2039e9, _NVLINK3, _GPU_NET,
-           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)", achieved=A100_ACHIEVED),
+           "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)", achieved=A100_ACHIEVED,
+           host_link=_HOST4),
     Datasheet(("h100", "pcie"), _H100_PCIE, 80 * _GIB, 2.0e12, _PCIE5, _GPU_NET,
-           "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)"),
+           "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)", host_link=_HOST5),
     Datasheet(("h100",), _H100_SXM, 80 * _GIB, 3.35e12, _NVLINK4, _GPU_NET,
-           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", achieved=H100_ACHIEVED),
+           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", achieved=H100_ACHIEVED,
+           host_link=_HOST5),
     Datasheet(("h200",), _H100_SXM, 141 * 10**9, 4.8e12, _NVLINK4, _GPU_NET,
            "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; same compute as H100 SXM)",
-           achieved=H200_ACHIEVED),
+           achieved=H200_ACHIEVED, host_link=_HOST5),
     Datasheet(("l4",), _f(bfloat16=121, float16=121, tfloat32=60, float32=30.3,
                        float8_e4m3fn=242.5, float8_e5m2=242.5, int8=242.5),
-           24 * _GIB, 300e9, _PCIE4, _GPU_NET, "NVIDIA L4 Tensor Core GPU datasheet"),
+           24 * _GIB, 300e9, _PCIE4, _GPU_NET, "NVIDIA L4 Tensor Core GPU datasheet", host_link=_HOST4),
 )
 # TPUs: float32 matmuls at JAX's default precision run on the bf16 MXU, so only
 # bf16/int8 are given and flops_for("float32") falls back to the bf16 figure.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshplanError
-from .request import PipelineOptions, PlanRequest
+from .request import OFFLOAD_MODES, PipelineOptions, PlanRequest
 
 def normalize_argnums(argnums: Any) -> tuple[int, ...]:
     """``batch_argnums`` as jax takes argnums: an int or a sequence of ints."""
@@ -44,13 +44,18 @@ class ShardParallel:
     activation; ``"full"``/``True`` or ``"selective"`` it recomputes them
     (as :class:`Manual`'s); ``"auto"`` the fastest of the three that fits.
     A recomputing plan is priced layer by layer (the stage search with one
-    stage and one micro-batch) and runs as one program."""
+    stage and one micro-batch) and runs as one program.
+    ``offload``: ``"optimizer"`` keeps the optimizer state in host memory
+    between steps, ``"auto"`` only where the plan does not fit without it,
+    ``"none"`` never (:mod:`meshplan.offload`); a recomputing plan does not
+    offload."""
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9
     remat: bool | str = False
+    offload: str = "auto"
     name = "shard"
 
     def __post_init__(self) -> None:
@@ -61,6 +66,10 @@ class ShardParallel:
         elif r not in (True, False, "auto"):
             raise MeshplanError(f"ShardParallel(remat={r!r}): use 'none', 'selective', 'full', "
                                 "'auto', True or False")
+        _check_offload(self)
+        if self.remat is not False and self.offload == "optimizer":
+            raise MeshplanError(f"ShardParallel(remat={r!r}, offload='optimizer'): a recomputing "
+                                "plan does not offload yet; use one of them")
 
     def request(self, num_devices: int) -> PlanRequest:
         meshes = None
@@ -81,25 +90,29 @@ class ShardParallel:
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("shard", mesh_shape=meshes, axis_names=self.axis_names,
                            time_limit=self.time_limit, backend=self.backend,
-                           memory_fraction=float(self.memory_fraction))
+                           memory_fraction=float(self.memory_fraction), offload=self.offload)
 
 
 @dataclass(frozen=True)
 class DataParallel:
-    """Replicated parameters and optimizer state, batch split over all devices."""
+    """Replicated parameters and optimizer state, batch split over all devices.
+    ``offload`` as for :class:`ShardParallel`."""
     time_limit: float = 60.0
     backend: str = "highs"
     memory_fraction: float = 0.9
+    offload: str = "auto"
     name = "data"
 
     def __post_init__(self) -> None:
         _check_fraction(self)
+        _check_offload(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         return PlanRequest("data", mesh_shape=(num_devices,), axis_names=("data",),
                            input_layouts="replicated", batch_split=num_devices,
                            batch_split_by="DataParallel", time_limit=self.time_limit,
-                           backend=self.backend, memory_fraction=float(self.memory_fraction))
+                           backend=self.backend, memory_fraction=float(self.memory_fraction),
+                           offload=self.offload)
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,11 @@ class Manual:
     to fit (selectively, or fully where that is not enough);
     ``"full"``/``True`` every stage recomputes its forward (as Megatron-LM's
     older runs do); ``"selective"`` every stage recomputes its attention-score
-    region only (Korthikanti et al. 2022); ``"none"``/``False`` none does."""
+    region only (Korthikanti et al. 2022); ``"none"``/``False`` none does.
+    ``offload``: ``"optimizer"`` keeps the optimizer state in host memory
+    between steps (one stage, one micro-batch, no recomputation: the
+    one-program path), ``"auto"`` only where the plan does not fit without
+    it, ``"none"`` (the default) never."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -120,6 +137,7 @@ class Manual:
     backend: str = "highs"
     remat: bool | str | None = None
     memory_fraction: float = 0.9
+    offload: str = "none"
     name = "manual"
 
     def __post_init__(self) -> None:
@@ -135,6 +153,7 @@ class Manual:
             raise MeshplanError(f"Manual(remat={self.remat!r}): use None, 'none', 'selective', "
                                 "'full', True or False")
         _check_fraction(self)
+        _check_offload(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         used = self.dp * self.tp * self.pp
@@ -144,6 +163,12 @@ class Manual:
         # (one stage with one micro-batch and recomputation: the stage DP
         # prices it, and the one program recomputes: meshplan.runtime.remat)
         if self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective"):
+            if self.offload == "optimizer":
+                raise MeshplanError(
+                    f"Manual(offload='optimizer') is planned for one stage without "
+                    f"recomputation; this asks for pp={self.pp}, num_micro_batches="
+                    f"{self.num_micro_batches}, remat={self.remat!r}: use pp=1, "
+                    "num_micro_batches=1 and remat=None/'none', or offload='none'")
             return PlanRequest("manual", pipeline=PipelineOptions(
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
@@ -155,7 +180,8 @@ class Manual:
                            axis_names=("data", "model"),
                            input_layouts="model", batch_split=self.dp,
                            batch_split_by="Manual(dp=...)", time_limit=self.time_limit,
-                           backend=self.backend, memory_fraction=float(self.memory_fraction))
+                           backend=self.backend, memory_fraction=float(self.memory_fraction),
+                           offload=self.offload)
 
 
 def _check_fraction(method: Any) -> None:
@@ -163,6 +189,12 @@ def _check_fraction(method: Any) -> None:
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
         raise MeshplanError(f"{type(method).__name__}(memory_fraction={f!r}): use a fraction "
                             "of each device's memory in (0, 1], e.g. 0.9")
+
+
+def _check_offload(method: Any) -> None:
+    if method.offload not in OFFLOAD_MODES:
+        raise MeshplanError(f"{type(method).__name__}(offload={method.offload!r}): use one of "
+                            f"{', '.join(repr(m) for m in OFFLOAD_MODES)}")
 
 
 def _controls(method: Any) -> None:
@@ -252,7 +284,10 @@ class PipeshardParallel:
 class Auto:
     """Search everything: stages, submeshes, logical meshes, shardings,
     micro-batches and schedule, within the search controls (see
-    :class:`PipeshardParallel`)."""
+    :class:`PipeshardParallel`).  ``offload``: ``"auto"`` plans one stage
+    with the optimizer state in host memory where no plan fits without it;
+    ``"optimizer"`` plans that one-stage plan only; ``"none"`` never
+    (:mod:`meshplan.offload`)."""
     time_limit: float = 60.0
     backend: str = "highs"
     num_micro_batches: int | tuple[int, ...] | None = None
@@ -260,16 +295,18 @@ class Auto:
     max_stages: int | None = None
     memory_fraction: float = 0.9
     tp_within_host: bool = False
+    offload: str = "auto"
     name = "auto"
 
     def __post_init__(self) -> None:
         _controls(self)
+        _check_offload(self)
 
     def request(self, num_devices: int) -> PlanRequest:
         return PlanRequest("auto", pipeline=_pipeline_options(self),
                            one_stage_by_whole_graph=True, time_limit=self.time_limit,
                            backend=self.backend, memory_fraction=float(self.memory_fraction),
-                           tp_within_host=self.tp_within_host)
+                           tp_within_host=self.tp_within_host, offload=self.offload)
 
 
 Method = ShardParallel | DataParallel | Manual | PipeshardParallel | Auto

@@ -13,6 +13,8 @@ from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
+from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
+                      with_offload)
 from .plan import LogicalMesh, Plan
 from .request import PlanRequest
 
@@ -21,7 +23,27 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
                    memory_budget: float | None = None) -> Plan:
     """The one-stage plan ``request`` asks for (its ``pipeline`` is ignored).
     ``memory_budget``: bytes per device (default: the request's memory
-    fraction of the devices')."""
+    fraction of the devices').  ``request.offload``: "optimizer" keeps the
+    optimizer state in host memory; "auto" does so only where the plan does
+    not fit without it and the cluster's host memory is separate
+    (:mod:`meshplan.offload`)."""
+    if request.offload == "optimizer":
+        return _plan(graph, cluster, request, session, memory_budget, offload=True)
+    try:
+        return _plan(graph, cluster, request, session, memory_budget, offload=False)
+    except InfeasiblePlanError as e:
+        if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
+            raise
+        try:
+            return _plan(graph, cluster, request, session, memory_budget, offload=True)
+        except InfeasiblePlanError:
+            raise not_fitting(e, cluster) from None
+
+
+def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Session,
+          memory_budget: float | None, offload: bool) -> Plan:
+    if offload:
+        check_offload(graph, cluster)
     # the parameter gradients (meshplan.value_and_grad marks them): their
     # reductions may run under the backward (cost_model.overlap)
     grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
@@ -33,12 +55,13 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
         tuple(request.axis_names or default_axis_names(len(shape))), tuple(shape))
     budget = (int(cluster.device.memory_bytes * request.memory_fraction)
               if memory_budget is None else memory_budget)
+    host = host_inputs(graph, cluster) if offload else frozenset()
     if request.input_layouts is not None:
         # hand-made layouts (data parallel, Megatron): one mesh, one ILP
         r = solve_intra_op(graph, cluster, mesh, input_filter=InputLayouts(request.input_layouts),
                            backend=request.backend, time_limit=request.time_limit,
                            memory_budget=budget, options=session.solver,
-                           caches=session.ilp_caches, accumulate=grads)
+                           caches=session.ilp_caches, accumulate=grads, host_inputs=host)
     else:
         meshes = None if mesh is None else [mesh]
         if meshes is None and request.tp_within_host:
@@ -48,10 +71,12 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
         r, _ = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
                              time_limit=request.time_limit, memory_budget=budget,
                              reporter=session.progress, options=session.solver,
-                             caches=session.ilp_caches, accumulate=grads)
+                             caches=session.ilp_caches, accumulate=grads, host_inputs=host)
     plan = plan_from_intra_op(graph, cluster, r, request.method)
     if r.solution.status == "time_limit":
         plan = replace(plan, ilp_time_limit_hit=True)
+    if offload:
+        plan = with_offload(plan, graph, cluster, dict(plan.arg_prefixes))
     return plan
 
 

@@ -21,6 +21,9 @@ from .alternatives import Alternative, comm_share, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
 from .recompute import RECOMPUTE, SELECTIVE, recompute_name
+
+# what a stage may keep in host memory between steps (meshplan.offload)
+OFFLOAD_KINDS = ("none", "optimizer")
 # (the spec vocabulary lives in .specs, which the jax binding reads too; re-exported)
 from .specs import DimSpec, Spec, spec_axes, spec_from_json, spec_str, spec_to_json  # noqa: F401
 from .units import human_bytes, human_rate, human_time
@@ -76,6 +79,8 @@ class MemoryBreakdown:
     optimizer: int = 0
     activations: int = 0
     temporaries: int = 0
+    # state kept in host memory between steps (offloaded): not part of the total
+    offloaded: int = 0
 
     @classmethod
     def of(cls, total: float, *, params: float, grads: float, optimizer: float,
@@ -95,15 +100,18 @@ class MemoryBreakdown:
                 ("activations", self.activations), ("temporaries", self.temporaries))
 
     def to_dict(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.parts()}
+        return {k: int(v) for k, v in self.parts()} | (
+            {"offloaded": int(self.offloaded)} if self.offloaded else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "MemoryBreakdown":
-        return cls(**{k: int(d.get(k, 0)) for k, _ in cls().parts()})
+        return cls(**{k: int(d.get(k, 0)) for k, _ in cls().parts()},
+                   offloaded=int(d.get("offloaded", 0)))
 
     def __str__(self) -> str:
+        host = f" (+ {human_bytes(self.offloaded)} in host memory)" if self.offloaded else ""
         return (f"{human_bytes(self.total)} = "
-                + " + ".join(f"{k} {human_bytes(v)}" for k, v in self.parts()))
+                + " + ".join(f"{k} {human_bytes(v)}" for k, v in self.parts()) + host)
 
 
 @dataclass(frozen=True)
@@ -119,13 +127,17 @@ class Predicted:
     # pipeline stages: the collectives' result bytes per device of one
     # iteration of the stage (all micro-batches), as comm_bytes_per_device counts them
     comm_bytes: int | None = None
+    # offloaded state: its moves between host and device memory per iteration
+    host_transfer_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s,
                 "memory_bytes": int(self.memory_bytes),
                 **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
                 **({"latency_s": self.latency_s} if self.latency_s is not None else {}),
-                **({"comm_bytes": int(self.comm_bytes)} if self.comm_bytes is not None else {})}
+                **({"comm_bytes": int(self.comm_bytes)} if self.comm_bytes is not None else {}),
+                **({"host_transfer_s": self.host_transfer_s}
+                   if self.host_transfer_s is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Predicted":
@@ -176,8 +188,16 @@ class Stage:
     # selective and full, so that old readers keep working; where the two
     # disagree (a file or a replace() that set remat alone) remat wins
     recompute: str = ""
+    # "optimizer": the leaves named by host_params (inputs) and host_outputs
+    # (their new values) live in host memory between steps (meshplan.offload)
+    offload: str = "none"
+    host_params: tuple[str, ...] = ()
+    host_outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_KINDS:
+            raise PlanFormatError(f"stage offload {self.offload!r}: use one of "
+                                  f"{', '.join(OFFLOAD_KINDS)}")
         r = self.recompute
         if r and r not in RECOMPUTE:
             raise PlanFormatError(f"stage recompute {r!r}: use one of {', '.join(RECOMPUTE)}")
@@ -203,6 +223,10 @@ class Stage:
             "constraints": [[t, spec_to_json(s)] for t, s in self.constraints],
             "strategies": [[n, s] for n, s in self.strategies],
             "read_constraints": [[t, p, spec_to_json(s)] for t, p, s in self.read_constraints],
+            **({"offload": self.offload,
+                "host_memory": {"params": list(self.host_params),
+                                "outputs": list(self.host_outputs)}}
+               if self.offload != "none" else {}),
         }
 
     @classmethod
@@ -221,13 +245,17 @@ class Stage:
             strategies=tuple((int(n), str(s)) for n, s in d.get("strategies", [])),
             read_constraints=tuple((int(t), int(p), spec_from_json(s))
                                    for t, p, s in d.get("read_constraints", [])),
+            offload=str(d.get("offload", "none")),
+            host_params=tuple(str(k) for k in d.get("host_memory", {}).get("params", ())),
+            host_outputs=tuple(str(k) for k in d.get("host_memory", {}).get("outputs", ())),
         )
 
 
 def _remat_note(s: Stage) -> str:
+    off = f", {s.offload} state offloaded to host" if s.offload != "none" else ""
     if not s.remat:
-        return ""
-    return ", remat (selective)" if s.recompute == SELECTIVE else ", remat"
+        return off
+    return (", remat (selective)" if s.recompute == SELECTIVE else ", remat") + off
 
 
 @dataclass(frozen=True)

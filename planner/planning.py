@@ -18,6 +18,7 @@ from .cluster import ClusterSpec
 from .dp_search import SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
+from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import plan_one_stage
 from .graph import IDENTITY_MARKERS, Graph
 from .methods import Method
@@ -166,8 +167,22 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     best plan per number of stages)."""
     if request.pipeline is None:
         return Planned(plan_one_stage(graph, cluster, request, session))
-    p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
-                               retrace=retrace, session=session, by_stage_count=explain)
+    if request.offload == "optimizer":
+        # (offloading is planned for one stage: the whole-graph ILP's path)
+        return Planned(plan_one_stage(graph, cluster, replace(request, pipeline=None), session))
+    try:
+        p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
+                                   retrace=retrace, session=session, by_stage_count=explain)
+    except InfeasiblePlanError as e:
+        # no plan fits: one stage with the optimizer state in host memory may
+        if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
+            raise
+        try:
+            return Planned(plan_one_stage(graph, cluster,
+                                          replace(request, pipeline=None, offload="optimizer"),
+                                          session))
+        except InfeasiblePlanError:
+            raise not_fitting(e, cluster) from None
     if request.one_stage_by_whole_graph and len(p.stages) == 1:
         # one stage: the whole-graph ILP is more exact than the sum of layer
         # costs; it is kept where it is no slower (so that Auto never predicts

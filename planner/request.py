@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# what a method may say about offloading optimizer state to host memory
+# (meshplan.offload): never, always (one-stage plans), or where memory binds
+OFFLOAD_MODES = ("none", "optimizer", "auto")
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
@@ -59,3 +63,5 @@ class PlanRequest:
     backend: str = "highs"
     memory_fraction: float = 0.9                  # of each device's memory the plan may use
     tp_within_host: bool = False                  # as PipelineOptions.tp_within_host
+    # one of OFFLOAD_MODES; "auto": only where the plan does not fit without it
+    offload: str = "none"

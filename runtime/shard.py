@@ -50,7 +50,9 @@ __all__ = ("build_mesh", "arg_specs", "to_partition_spec", "ShardExecutable", "F
 
 def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
                    reads: Mapping[int, Sequence[tuple[int, NamedSharding]]] | None = None,
-                   replay: Replay | None = None) -> Callable[..., list[Any]]:
+                   replay: Replay | None = None,
+                   to_device: Mapping[int, NamedSharding] | None = None
+                   ) -> Callable[..., list[Any]]:
     """A function of the flat input leaves that computes the flat outputs.
 
     It binds every equation of ``flat`` in order, like ``jax.core.eval_jaxpr``,
@@ -61,10 +63,14 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
     picks its own way from an operand's layout to what a dot or convolution
     needs, which need not be the (costed) way the plan chose.  ``replay``:
     the forward values the backward reads recomputed (:mod:`.remat`).
+    ``to_device``: input ids kept in host memory between steps (offloaded
+    state), each moved to the device's memory where the stream first reads
+    it, so that it occupies the device only from there on.
     """
     reads = reads or {}
     def evaluate(*invals: Any) -> list[Any]:
         env: dict[int, Any] = {}
+        pending = dict(to_device or {})
 
         def write(i: int, value: Any) -> None:
             sharding = constraints.get(i)
@@ -73,12 +79,19 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
             env[i] = value
 
         def read(x: int | Lit) -> Any:
-            return x.value if isinstance(x, Lit) else env[x]
+            if isinstance(x, Lit):
+                return x.value
+            if x in pending:     # (its constraint applies on the device, once there)
+                write(x, jax.device_put(env[x], pending.pop(x)))
+            return env[x]
 
         for i, c in zip(flat.constvars, flat.consts):
             write(i, c)
         for i, v in zip(flat.invars, invals, strict=True):
-            write(i, v)
+            if i in pending:
+                env[i] = v
+            else:
+                write(i, v)
         def bind(fe: Any, args: list[Any]) -> Sequence[Any]:
             eqn = fe.eqn
             subfuns, bind_params = _bind_params(eqn)
@@ -378,8 +391,15 @@ class ShardExecutable:
         specs = arg_specs(self.plan, args)
         in_shardings = jax.tree_util.tree_map(named, specs,
                                               is_leaf=lambda x: isinstance(x, PartitionSpec))
+        host = _host_memory(self.mesh) if self.stage.host_params else None
+        if host is not None:
+            in_shardings = _on_host(in_shardings, self.plan, self.stage.host_params, host)
         flat_in = tuple(jax.tree_util.tree_leaves(
             in_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
+        # offloaded leaves come to the device's own memory where the step reads them
+        device_kind = self.mesh.devices.flat[0].default_memory().kind
+        to_device = {i: s.with_memory_kind(device_kind)
+                     for i, s in enumerate(flat_in) if host is not None and s.memory_kind == host}
         leaves, in_treedef = jax.tree_util.tree_flatten(args)
         batch_leaves: list[int] = []
         offset = 0
@@ -407,6 +427,7 @@ class ShardExecutable:
             reads.setdefault(tid, []).append((pos, named(to_partition_spec(spec))))
 
         out_table = dict(self.stage.outputs)
+        host_out = frozenset(self.stage.host_outputs) if host is not None else frozenset()
 
         def out_one(path: Any, leaf: Any) -> NamedSharding | None:
             key = jax.tree_util.keystr(path)
@@ -414,7 +435,9 @@ class ShardExecutable:
             if spec is None:
                 return None
             check_spec(spec, _shape_of(leaf), logical, f"output leaf {key or '<root>'}")
-            return named(to_partition_spec(spec))
+            sharding = named(to_partition_spec(spec))
+            # (the new offloaded state goes back to host memory as the step ends)
+            return sharding.with_memory_kind(host) if key in host_out else sharding
 
         out_shardings = jax.tree_util.tree_map_with_path(out_one, out_shape)
         out_treedef = jax.tree_util.tree_structure(out_shape)
@@ -426,7 +449,8 @@ class ShardExecutable:
         if self.replay is not None and len(self.replay.forward) != len(flat.eqns):
             raise StalePlanError("the step traced for these arguments has other equations than "
                                  "the one its recomputation was planned on; re-plan")
-        evaluate = make_evaluator(flat, constraints, reads, self.replay)
+        evaluate = make_evaluator(flat, constraints, reads, self.replay,
+                                  {flat.invars[i]: s for i, s in to_device.items()})
         expected = tuple((tuple(a.shape), a.dtype) for a in in_avals)
 
         def step(*step_args: Any) -> Any:
@@ -485,6 +509,39 @@ def _follow(args: tuple[Any, ...], argnum: int, path: tuple[Any, ...]) -> Any:
     except (KeyError, IndexError, AttributeError, TypeError):
         return None
     return node
+
+
+HOST_MEMORY = "pinned_host"
+
+
+def _host_memory(mesh: Any) -> str:
+    """The memory kind offloaded leaves live in, refused where the backend has none."""
+    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+    if HOST_MEMORY not in kinds:
+        raise RuntimeStageError(
+            f"this plan keeps state in host memory ({HOST_MEMORY!r}), which "
+            f"{mesh.devices.flat[0].platform} devices do not offer (their memories: "
+            f"{', '.join(sorted(kinds))}); re-plan with offload='none'")
+    return HOST_MEMORY
+
+
+def _on_host(in_shardings: tuple[Any, ...], plan: Plan, keys: Sequence[str], host: str
+             ) -> tuple[Any, ...]:
+    """``in_shardings`` with the leaves ``keys`` names (params keys) in ``host`` memory."""
+    wanted = frozenset(keys)
+    prefixes = plan.key_prefixes(len(in_shardings))
+    out = []
+    for argnum, tree in enumerate(in_shardings):
+        if argnum in plan.batch_argnums:
+            out.append(tree)
+            continue
+
+        def one(path: Any, s: NamedSharding, prefix: str = prefixes.get(argnum, "")) -> Any:
+            key = prefix + jax.tree_util.keystr(path)
+            return s.with_memory_kind(host) if key in wanted else s
+        out.append(jax.tree_util.tree_map_with_path(
+            one, tree, is_leaf=lambda x: isinstance(x, NamedSharding)))
+    return tuple(out)
 
 
 def place(x: Any, sharding: NamedSharding) -> Any:

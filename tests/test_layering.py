@@ -38,6 +38,7 @@ LAYER_OF = {
     "tools": "top",             # calibrate, verify, timeline drawing
     "explain": "top",           # plans the alternatives --explain lists
     "one_stage": "top",         # the whole-graph ILP plan (planning and explain)
+    "offload": "top",           # optimizer state in host memory (one-stage plans)
 }
 FOLDER_LAYER = {"cost_model": "cost_model", "ilp": "ilp", "dp_search": "dp_search",
                 "runtime": "runtime", "models": "models"}

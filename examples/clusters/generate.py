@@ -25,12 +25,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 try:
-    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, HostLink, LinkSpec
 except ImportError:  # meshplan not installed: load planner/ as the package without its __init__
     _pkg = types.ModuleType("meshplan")
     _pkg.__path__ = [str(ROOT / "planner")]
     sys.modules["meshplan"] = _pkg
-    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
+    from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, HostLink, LinkSpec
 from meshplan.datasheets import (A100_ACHIEVED, H100_ACHIEVED, HOPPER_MATMUL_TFLOPS,  # noqa: E402
                                  V100_ACHIEVED)
 
@@ -73,6 +73,19 @@ OVERLAP_SOURCE = (
     "Parallel Training, VLDB 2020, gradient bucketing; Megatron-LM's --overlap-grad-reduce; "
     "XLA's xla_gpu_enable_latency_hiding_scheduler); which communication hides is stated in "
     "meshplan's cost_model/overlap.py")
+# Host <-> device links (what offloading optimizer state to host memory pays):
+# a PCIe x16 link per GPU, per direction: lanes x transfer rate x 128b/130b
+# encoding / 8 bits.  Latency and efficiency are estimates, not measurements.
+# (16 x 8e9 x 128/130 / 8 = 15.75e9, rounded as the figures are usually quoted)
+PCIE3_X16 = 15.75e9
+PCIE4_X16 = 31.5e9
+PCIE5_X16 = 63.0e9
+HOST_LINK_NOTE = (
+    "links.host_device: the GPU's PCIe x16 link to host memory, per direction (lanes x "
+    "transfer rate x 128b/130b encoding; PCI-SIG PCI Express Base Specifications 3.0, 4.0 "
+    "and 5.0: 8, 16 and 32 GT/s per lane); efficiency 0.8 and latency 10 us (a DMA copy "
+    "from pinned host memory and its setup) are estimates, not measurements. GPUs that "
+    "share a PCIe switch's uplink share its bandwidth when all copy at once; not modelled")
 MEMORY_NOTE = ("memory_bytes is the nominal capacity; the usable amount is smaller "
                "(CUDA context, XLA allocator fraction).")
 
@@ -117,7 +130,11 @@ P3_SOURCES = (
     "links efficiency 0.8 (NVLink 2 and 25 Gbit/s TCP): estimates, not measurements",
     FIXED_COSTS_SOURCE,
     OVERLAP_SOURCE,
+    "links.host_device 15.75 GB/s: the V100-SXM2 of a p3.16xlarge attaches to its host over "
+    "PCIe 3.0 x16 (NVIDIA DGX-1 with Tesla V100 system architecture whitepaper, the same "
+    "board design). " + HOST_LINK_NOTE,
 )
+P3_HOST = HostLink(bandwidth_bytes_per_s=PCIE3_X16, latency_s=10e-6, efficiency=0.8)
 
 # -- DGX A100 (80 GB): Megatron-LM's testbed (Selene) ----------------------------
 A100_DEVICE = DeviceSpec(
@@ -161,7 +178,11 @@ A100_SOURCES = (
     "(github.com/NVIDIA/nccl-tests issue 119)",
     FIXED_COSTS_SOURCE,
     OVERLAP_SOURCE,
+    "links.host_device 31.5 GB/s: each A100 of a DGX A100 attaches to the host CPUs over "
+    "PCIe 4.0 x16 through PCIe switches (NVIDIA DGX A100 system architecture whitepaper). "
+    + HOST_LINK_NOTE,
 )
+A100_HOST = HostLink(bandwidth_bytes_per_s=PCIE4_X16, latency_s=10e-6, efficiency=0.8)
 
 # -- DGX H100 -----------------------------------------------------------------------
 H100_DEVICE = DeviceSpec(
@@ -201,27 +222,35 @@ H100_SOURCES = (
     HOPPER_FIXED_COSTS_SOURCE,
     HOPPER_FLOORS_SOURCE,
     OVERLAP_SOURCE,
+    "links.host_device 63 GB/s: each H100 of a DGX H100 attaches to the host CPUs over "
+    "PCIe 5.0 x16 (NVIDIA DGX H100 user guide; H100 SXM5 datasheet: PCIe Gen5 128 GB/s "
+    "bidirectional); an H200 SXM has the same PCIe Gen5 x16 host interface. "
+    + HOST_LINK_NOTE,
 )
+H100_HOST = HostLink(bandwidth_bytes_per_s=PCIE5_X16, latency_s=10e-6, efficiency=0.8)
 
 FAMILIES = (
-    # (name prefix, host counts, device, intra link, inter link, description, sources)
-    ("aws-p3.16xlarge", (1, 2, 4, 8), P3_DEVICE, P3_INTRA, P3_INTER, P3_TEXT, P3_SOURCES),
+    # (name prefix, host counts, device, intra link, inter link, host link, description,
+    #  sources)
+    ("aws-p3.16xlarge", (1, 2, 4, 8), P3_DEVICE, P3_INTRA, P3_INTER, P3_HOST, P3_TEXT,
+     P3_SOURCES),
     ("dgx-a100", (1, 2, 4, 8, 16, 32, 35, 64, 128, 192, 240, 256, 315, 384), A100_DEVICE,
-     A100_INTRA,
-     A100_INTER, A100_TEXT, A100_SOURCES),
-    ("dgx-h100", (1, 8, 64), H100_DEVICE, H100_INTRA, H100_INTER, H100_TEXT, H100_SOURCES),
+     A100_INTRA, A100_INTER, A100_HOST, A100_TEXT, A100_SOURCES),
+    ("dgx-h100", (1, 8, 64), H100_DEVICE, H100_INTRA, H100_INTER, H100_HOST, H100_TEXT,
+     H100_SOURCES),
 )
 
 
 def build_all() -> dict[str, ClusterSpec]:
     """File name -> ClusterSpec for every example cluster."""
     out = {}
-    for prefix, host_counts, device, intra, inter, text, sources in FAMILIES:
+    for prefix, host_counts, device, intra, inter, host, text, sources in FAMILIES:
         for hosts in host_counts:
             name = f"{prefix}-x{hosts}"
             out[f"{name}.json"] = ClusterSpec(
                 name=name, num_hosts=hosts, devices_per_host=8, device=device,
-                intra_host=intra, inter_host=inter, description=text, sources=sources)
+                intra_host=intra, inter_host=inter, host_link=host, description=text,
+                sources=sources)
     return out
 
 
