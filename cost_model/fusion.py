@@ -11,7 +11,8 @@ five-fold, which makes sharding such work look far more valuable than it is.
 that rule: the operands it reads from memory (made by a non-fusible operator
 or an input of the step) plus its result when the result is materialised
 (read by a non-fusible operator, or an output of the step).
-:func:`materialised` names the values that exist in memory at all.
+:func:`materialised` names the values that exist in memory at all, and
+:func:`kept_after_fusion` what a backward keeps of its forward once fused.
 """
 from __future__ import annotations
 
