@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshplanError
+from .ilp import InputLayouts
 from .request import PipelineOptions, PlanRequest
 
 def normalize_argnums(argnums: Any) -> tuple[int, ...]:
@@ -89,7 +90,10 @@ class Manual:
     to fit (selectively, or fully where that is not enough);
     ``"full"``/``True`` every stage recomputes its forward (as Megatron-LM's
     older runs do); ``"selective"`` every stage recomputes its attention-score
-    region only (Korthikanti et al. 2022); ``"none"``/``False`` none does."""
+    region only (Korthikanti et al. 2022); ``"none"``/``False`` none does.
+    ``sequence_parallel``: the activations between layers split along the
+    sequence over ``model`` (Megatron-LM's sequence parallelism;
+    :class:`~meshplan.ilp.InputLayouts`), for pipelined plans."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -99,6 +103,7 @@ class Manual:
     backend: str = "highs"
     remat: bool | str | None = None
     memory_fraction: float = 0.9
+    sequence_parallel: bool = False
     name = "manual"
 
     def __post_init__(self) -> None:
@@ -120,14 +125,19 @@ class Manual:
         if used != num_devices:
             raise MeshplanError(f"Manual(dp={self.dp}, tp={self.tp}, pp={self.pp}) uses "
                                 f"{used} devices but the cluster has {num_devices}")
+        staged = self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective")
+        if self.sequence_parallel and not staged:
+            raise MeshplanError("Manual(sequence_parallel=True) plans layers apart: it needs "
+                                "pp > 1, num_micro_batches > 1 or remat")
         # (one stage with one micro-batch and recomputation: the stage DP
         # prices it, and the one program recomputes: meshplan.runtime.remat)
-        if self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective"):
+        if staged:
             return PlanRequest("manual", pipeline=PipelineOptions(
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
                 time_limit=self.time_limit, backend=self.backend, remat=self.remat,
-                input_filter="model", memory_fraction=float(self.memory_fraction)),
+                input_filter=InputLayouts("model", sequence=True) if self.sequence_parallel
+                else "model", memory_fraction=float(self.memory_fraction)),
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("manual", mesh_shape=(self.dp, self.tp),

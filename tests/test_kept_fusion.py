@@ -1,18 +1,24 @@
 """What a backward keeps once XLA has fused it (cost_model.fusion.kept_after_fusion):
 per primitive on small steps, and per transformer layer against the bytes a
 compiled XLA program keeps between its forward and backward."""
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import meshplan
 from meshplan.cost_model.fusion import kept_after_fusion
 from meshplan.dp_search.layers import saved_for_backward
 from meshplan.dp_search.problem import layer_problems
+from meshplan.errors import MeshplanError
 from meshplan.graph import forward_nodes
 from meshplan.models import build_model, gpt
 from meshplan.request import PipelineOptions
 from meshplan.trace import trace
+
+DGX = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters" / "dgx-a100-x1.json")
 
 
 def _step_graph(loss, w, x):
@@ -114,3 +120,24 @@ def test_kept_bytes_per_layer_against_a_compiled_program():
     assert 0.8 <= predicted / compiled <= 1.0, (predicted, compiled)
     assert traced / compiled > 1.2, (traced, compiled)
     np.testing.assert_allclose(predicted / (s * b * h), 136.6, rtol=0.01)
+
+
+def test_sequence_parallel_splits_what_a_selective_stage_keeps():
+    """Manual(sequence_parallel=True): the activations between layers arrive
+    split along the sequence, so the LayerNorm inputs and outputs a
+    selective stage keeps are split too (Korthikanti et al.: s b h 34 / t
+    instead of s b h (10 + 24 / t))."""
+    m = build_model("gpt", {"optimizer": "sgd", "layers": "2", "hidden": "64", "seq_len": "64",
+                            "vocab": "64", "batch": "4", "heads": "4"})
+    cluster = meshplan.load_cluster(DGX)
+    kept = {}
+    for sp in (False, True):
+        p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=meshplan.Manual(
+            tp=4, pp=2, num_micro_batches=2, remat="selective", sequence_parallel=sp))
+        kept[sp] = [s.predicted.memory.activations for s in p.stages]
+    assert all(a < b for a, b in zip(kept[True], kept[False])), kept
+
+
+def test_sequence_parallel_needs_layers_planned_apart():
+    with pytest.raises(MeshplanError, match="sequence_parallel"):
+        meshplan.Manual(tp=8, sequence_parallel=True).request(8)
