@@ -11,12 +11,15 @@ five-fold, which makes sharding such work look far more valuable than it is.
 that rule: the operands it reads from memory (made by a non-fusible operator
 or an input of the step) plus its result when the result is materialised
 (read by a non-fusible operator, or an output of the step).
-:func:`materialised` names the values that exist in memory at all.
+:func:`materialised` names the values that exist in memory at all, and
+:func:`kept_after_fusion` what a backward keeps of its forward once fused.
 """
 from __future__ import annotations
 
-from ..flops import DATA_MOVEMENT, PER_ELEMENT
-from ..graph import Graph
+from typing import Iterable, Sequence
+
+from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM
+from ..graph import CONST, LITERAL, OPT_STATE, PARAM, STATE, Graph
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
 # reduction's producers into its kernel, and on GPU the normalisation
@@ -144,3 +147,74 @@ def materialised(graph: Graph) -> set[int]:
             out.update(n.inputs)
     out.update(outputs)
     return out
+
+
+# What a backward fusion can make again from the values it reads: element-wise
+# operators and views (random bits and barriers aside: XLA never duplicates them).
+RECOMPUTABLE = (LOOP_FUSIBLE - RANDOM - BARRIERS) | frozenset({"reshape"})
+
+
+def kept_after_fusion(graph: Graph, forward: Sequence[bool], reads: Iterable[int],
+                      members: Iterable[int] | None = None) -> frozenset[int]:
+    """The forward values a backward keeps once XLA has fused it, given the
+    values its traced equations read (``reads``, before fusion).
+
+    A read value in memory anyway (made by a matmul, a reduction or other
+    non-fusible operator, or read by one, or by a forward operator outside
+    :data:`RECOMPUTABLE` and the reductions, which fuse their producers) is
+    kept as it is.  One that lives only inside an element-wise chain (the
+    GELU's tanh, the LayerNorm's centred input, softmax's exp) is made again
+    by the backward fusion reading it, from the chain's inputs in memory:
+    those are kept instead, when they cost fewer new bytes than the value
+    itself (a dropout mask of 1 byte an element stays, rather than its random
+    bits).  Values are taken producers first, so a chain's later values reuse
+    what its earlier ones kept; a value kept for several readers counts once.
+    Parameters, optimizer state and constants are resident or folded: never
+    kept.  ``members``: the layer's nodes (a chain is not followed into
+    another layer: the value entering it is kept); default all."""
+    nodes, producer, consumers = graph.nodes, graph.producer, graph.consumers
+    own = set(range(len(nodes))) if members is None else set(members)
+    free = {i.tensor for i in graph.inputs if i.role in (PARAM, OPT_STATE, STATE)}
+    free |= graph.constant_tensors
+    free |= {t.id for t in graph.tensors if t is not None and t.kind in (CONST, LITERAL)}
+    outputs = {o.tensor for o in graph.outputs}
+
+    def in_memory(t: int) -> bool:
+        p = producer.get(t)
+        if p is None or p not in own or nodes[p].primitive not in RECOMPUTABLE or t in outputs:
+            return True
+        return any(nodes[c].primitive not in RECOMPUTABLE and nodes[c].primitive not in
+                   FUSED_REDUCTIONS for c in consumers.get(t, ()))
+
+    kept: set[int] = set()
+
+    def chain_inputs(t: int) -> set[int]:
+        out, seen, stack = set(), {t}, list(nodes[producer[t]].inputs)
+        while stack:
+            u = stack.pop()
+            if u in seen or u in free:
+                continue
+            seen.add(u)
+            if u in kept or in_memory(u):
+                out.add(u)
+            elif forward[producer[u]]:
+                stack.extend(nodes[producer[u]].inputs)
+            else:
+                out.add(u)
+        return out
+
+    def order(t: int) -> int:
+        p = producer.get(t)
+        return -1 if p is None else p
+    for t in sorted(set(reads), key=order):
+        if t in free or t in kept:
+            continue
+        if in_memory(t):
+            kept.add(t)
+            continue
+        ins = chain_inputs(t)
+        if sum(graph.tensors[u].nbytes for u in ins - kept) < graph.tensors[t].nbytes:
+            kept |= ins
+        else:
+            kept.add(t)
+    return frozenset(kept)

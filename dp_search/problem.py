@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from ..cluster import ClusterSpec
 from ..cost_model import default_axis_names
+from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
@@ -115,12 +116,19 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                  for members in view.members]
     region = selective_nodes(view.graph, view.forward)
     again = recomputed_tensors(view.graph, view.forward, region)
-    saved = saved_for_backward(g, layering, view)
+    # what each backward reads, then what it keeps once XLA has fused it
+    read = saved_for_backward(g, layering, view)
+    saved = [kept_after_fusion(view.graph, view.forward, r, members)
+             for members, r in zip(view.members, read)]
     selective = []
-    for members, kept in zip(view.members, saved):
+    for members, r, kept in zip(view.members, read, saved):
         mine = frozenset(t for nid in members for t in view.graph.nodes[nid].outputs if t in again)
+        if not mine:
+            selective.append((mine, kept))
+            continue
         reads = replay_reads(view.graph, view.forward, mine, members)
-        selective.append((mine, (kept - mine) | reads) if mine else (mine, kept))
+        selective.append((mine, kept_after_fusion(view.graph, view.forward,
+                                                  (r - mine) | reads, members)))
     selective_flops = [sum(view.graph.nodes[nid].flops for nid in members
                            if all(t in again for t in view.graph.nodes[nid].outputs))
                        for members in view.members]

@@ -33,8 +33,14 @@ class InputLayouts:
     ``params`` says how parameters, optimizer and other state may be laid out:
     ``"replicated"`` (data parallel), ``"sharded"`` (ZeRO-3 style: split over
     axis 0 wherever a dimension divides) or ``"model"`` (Megatron: split over
-    the other axes only, never over ``data``)."""
+    the other axes only, never over ``data``).  ``sequence``: Megatron-LM's
+    sequence parallelism (Korthikanti et al. 2022, section 4.2.2): the
+    activations a layer gets from another layer ([batch, sequence, ...]
+    values, and their gradients) arrive split along the sequence over the
+    other axes, so the LayerNorm and residual regions run on sequence shards
+    (the layer's ILP still chooses where to gather)."""
     params: str = "replicated"
+    sequence: bool = False
 
     def __call__(self, inp: GraphInput, spec: ISpec) -> bool:
         axes = [a for d in spec for a in d]
@@ -43,6 +49,10 @@ class InputLayouts:
             # replicated: a data axis of size 1, a batch it does not divide)
             return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
         if inp.role not in (PARAM, OPT_STATE, STATE):    # activations from another stage
+            if self.sequence and len(spec) >= 3:
+                # (none on offer, as for an odd sequence length: replicated)
+                return spec[0] in ((), (0,)) and bool(spec[1]) and 0 not in spec[1] \
+                    and all(not d for d in spec[2:])
             return True
         if self.params == "replicated":
             return not axes

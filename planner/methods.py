@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshplanError
+from .ilp import InputLayouts
 from .request import OFFLOAD_MODES, PipelineOptions, PlanRequest
 
 def normalize_argnums(argnums: Any) -> tuple[int, ...]:
@@ -127,7 +128,10 @@ class Manual:
     ``offload``: ``"optimizer"`` keeps the optimizer state in host memory
     between steps (one stage, one micro-batch, no recomputation: the
     one-program path), ``"auto"`` only where the plan does not fit without
-    it, ``"none"`` (the default) never."""
+    it, ``"none"`` (the default) never.
+    ``sequence_parallel``: the activations between layers split along the
+    sequence over ``model`` (Megatron-LM's sequence parallelism;
+    :class:`~meshplan.ilp.InputLayouts`), for pipelined plans."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -138,6 +142,7 @@ class Manual:
     remat: bool | str | None = None
     memory_fraction: float = 0.9
     offload: str = "none"
+    sequence_parallel: bool = False
     name = "manual"
 
     def __post_init__(self) -> None:
@@ -160,9 +165,13 @@ class Manual:
         if used != num_devices:
             raise MeshplanError(f"Manual(dp={self.dp}, tp={self.tp}, pp={self.pp}) uses "
                                 f"{used} devices but the cluster has {num_devices}")
+        staged = self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective")
+        if self.sequence_parallel and not staged:
+            raise MeshplanError("Manual(sequence_parallel=True) plans layers apart: it needs "
+                                "pp > 1, num_micro_batches > 1 or remat")
         # (one stage with one micro-batch and recomputation: the stage DP
         # prices it, and the one program recomputes: meshplan.runtime.remat)
-        if self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective"):
+        if staged:
             if self.offload == "optimizer":
                 raise MeshplanError(
                     f"Manual(offload='optimizer') is planned for one stage without "
@@ -173,7 +182,8 @@ class Manual:
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
                 time_limit=self.time_limit, backend=self.backend, remat=self.remat,
-                input_filter="model", memory_fraction=float(self.memory_fraction)),
+                input_filter=InputLayouts("model", sequence=True) if self.sequence_parallel
+                else "model", memory_fraction=float(self.memory_fraction)),
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("manual", mesh_shape=(self.dp, self.tp),

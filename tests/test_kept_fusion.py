@@ -1,0 +1,143 @@
+"""What a backward keeps once XLA has fused it (cost_model.fusion.kept_after_fusion):
+per primitive on small steps, and per transformer layer against the bytes a
+compiled XLA program keeps between its forward and backward."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshplan
+from meshplan.cost_model.fusion import kept_after_fusion
+from meshplan.dp_search.layers import saved_for_backward
+from meshplan.dp_search.problem import layer_problems
+from meshplan.errors import MeshplanError
+from meshplan.graph import forward_nodes
+from meshplan.models import build_model, gpt
+from meshplan.request import PipelineOptions
+from meshplan.trace import trace
+
+DGX = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters" / "dgx-a100-x1.json")
+
+
+def _step_graph(loss, w, x):
+    def step(w, x):
+        return meshplan.value_and_grad(loss)(w, x)
+    return trace(step, w, x, batch_argnums=(1,))
+
+
+def _reads(g, fwd):
+    """Forward values the traced backward reads (before fusion)."""
+    return {t for n in g.nodes if not fwd[n.id] for t in n.inputs
+            if (p := g.producer.get(t)) is not None and fwd[p]}
+
+
+def _by_primitive(g, ts):
+    return sorted(g.nodes[g.producer[t]].primitive for t in ts if t in g.producer)
+
+
+def test_gelu_chain_keeps_its_input_not_its_intermediates():
+    # dense -> GELU (tanh form) -> dense: the traced backward reads the tanh,
+    # its argument's pieces and the GELU input; the fused backward reads the
+    # GELU input only (and the GELU output, which the second matmul reads)
+    w = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def loss(w, x):
+        y = jax.nn.gelu(x @ w)
+        return jnp.sum(y @ w.T)
+    g = _step_graph(loss, w, x)
+    fwd = forward_nodes(g)
+    reads = _reads(g, fwd)
+    kept = kept_after_fusion(g, fwd, reads)
+    assert "tanh" in _by_primitive(g, reads)
+    assert "tanh" not in _by_primitive(g, kept)
+    # of the batch's values (w.T is the parameter's), the matmul result (the
+    # GELU input) and the GELU output: 2 x 32 x 256 floats
+    act = [t for t in kept if g.tensors[t].shape[:1] == (32,)]
+    assert _by_primitive(g, act) == ["dot_general", "mul"]
+    assert sum(g.tensors[t].nbytes for t in act) == 2 * 32 * 256 * 4
+
+
+def test_dropout_mask_kept_at_one_byte_an_element():
+    # the mask is a compare of random bits: its chain input (4-byte bits)
+    # costs more than the 1-byte mask itself, so the mask is what stays
+    # (the key comes with the batch: a mask of a constant key is a constant)
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    batch = {"x": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+             "key": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+
+    def loss(w, batch):
+        h = batch["x"] @ w
+        keep = jax.random.bernoulli(batch["key"], 0.9, h.shape)
+        return jnp.sum(jnp.where(keep, h / 0.9, 0.0) @ w)
+    g = _step_graph(loss, w, batch)
+    fwd = forward_nodes(g)
+    kept = kept_after_fusion(g, fwd, _reads(g, fwd))
+    masks = [t for t in kept if g.tensors[t].dtype == "bool"]
+    assert len(masks) == 1 and g.tensors[masks[0]].nbytes == 32 * 64
+    assert not any(g.tensors[t].dtype == "uint32" for t in kept)
+
+
+def _compiled_kept_per_layer(s, b, h, a):
+    """Bytes one more GPT block adds to a compiled step's temporaries (float32
+    on CPU, XLA's own fusion): what each block keeps for its backward, since
+    every block's forward finishes before the first backward starts."""
+    def temp(layers):
+        ps = [gpt.init_block(jax.random.PRNGKey(i), h, layers, jnp.float32)
+              for i in range(layers)]
+
+        def loss(ps, x):
+            for p in ps:
+                x = gpt.block(p, x, a, jnp.float32)
+            return jnp.sum(x)
+        x = jax.ShapeDtypeStruct((b, s, h), jnp.float32)
+        c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(ps, x).compile()
+        return c.memory_analysis().temp_size_in_bytes
+    return temp(2) - temp(1)
+
+
+def test_kept_bytes_per_layer_against_a_compiled_program():
+    """A GPT block (float32, s=128, b=4, h=64, 4 heads): meshplan's kept bytes
+    per layer within 0.8..1.0 of what XLA's compiled program keeps (measured
+    0.85); the traced backward's reads before fusion overstate it (1.3x).
+    XLA:CPU keeps more than the fused rule: its reduction kernels read the
+    LayerNorm's centred and normalised values from memory (4 x 4 s b h), and it
+    keeps the GELU's tanh rather than make an expensive op twice (4 s b h x 4);
+    the GPU kernels Korthikanti et al. count (fused LayerNorm, bias-GELU)
+    keep neither."""
+    s, b, h, a = 128, 4, 64, 4
+    m = build_model("gpt", {k: str(v) for k, v in dict(
+        batch=b, seq_len=s, hidden=h, heads=a, layers=2, vocab=128,
+        dtype="float32", compute_dtype="float32").items()})
+    g = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums)
+    lay = layer_problems(g, 1, meshplan.Cluster.local(), PipelineOptions(num_layers=4))
+    sub = lay.subs[1]                   # the first transformer block
+    predicted = sum(sub.tensors[t].nbytes for t in lay.saved[1])
+    traced = sum(sub.tensors[t].nbytes for t in saved_for_backward(g, lay.layering)[1])
+    compiled = _compiled_kept_per_layer(s, b, h, a)
+    assert 0.8 <= predicted / compiled <= 1.0, (predicted, compiled)
+    assert traced / compiled > 1.2, (traced, compiled)
+    np.testing.assert_allclose(predicted / (s * b * h), 136.6, rtol=0.01)
+
+
+def test_sequence_parallel_splits_what_a_selective_stage_keeps():
+    """Manual(sequence_parallel=True): the activations between layers arrive
+    split along the sequence, so the LayerNorm inputs and outputs a
+    selective stage keeps are split too (Korthikanti et al.: s b h 34 / t
+    instead of s b h (10 + 24 / t))."""
+    m = build_model("gpt", {"optimizer": "sgd", "layers": "2", "hidden": "64", "seq_len": "64",
+                            "vocab": "64", "batch": "4", "heads": "4"})
+    cluster = meshplan.load_cluster(DGX)
+    kept = {}
+    for sp in (False, True):
+        p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=meshplan.Manual(
+            tp=4, pp=2, num_micro_batches=2, remat="selective", sequence_parallel=sp))
+        kept[sp] = [s.predicted.memory.activations for s in p.stages]
+    assert all(a < b for a, b in zip(kept[True], kept[False])), kept
+
+
+def test_sequence_parallel_needs_layers_planned_apart():
+    with pytest.raises(MeshplanError, match="sequence_parallel"):
+        meshplan.Manual(tp=8, sequence_parallel=True).request(8)
