@@ -115,13 +115,11 @@ def human(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-NOTE = ("Where a row has no plan, the reason is printed in full: the stand-in's attention "
-        "materializes its [batch, heads, seq, seq] scores (float32 for the softmax), which "
-        "MaxText's splash-attention kernel never does, so a layer's temporaries alone take "
-        "8-13 GiB of a v5e's 16 GiB; and the activations kept by selective recomputation "
-        "(v5p rows) are counted before fusion, about twice what XLA keeps (issue 23). "
-        "Fused attention kernels are not modelled: the planner sees the attention the "
-        "step's jaxpr has.")
+NOTE = ("Predictions use the TPU files' peak rates (no achieved efficiency is published "
+        "for TPU matmuls; none is assumed). The stand-in's attention passes each block's "
+        "scores through HBM, which MaxText's splash kernel does not, so attention is "
+        "priced slower than it runs; peak matmul rates price the rest faster than it runs. "
+        "Where a row has no plan, the reason is printed in full.")
 
 
 def select(rows, only: str | None):

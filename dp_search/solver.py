@@ -138,7 +138,10 @@ class LayerSolver:
         1 / tighten of the budget."""
         o = self.options
         used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
-        filt = InputLayouts(o.input_filter) if isinstance(o.input_filter, str) else o.input_filter
+        filt = o.input_filter
+        if isinstance(filt, str):       # "model", or "model+sequence" (sequence parallel)
+            mode, _, seq = filt.partition("+")
+            filt = InputLayouts(mode, sequence=seq == "sequence")
         return (sub, self.cluster, mesh, submesh, o.backend, o.time_limit,
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshplanError
-from .ilp import InputLayouts
 from .request import OFFLOAD_MODES, PipelineOptions, PlanRequest
 
 def normalize_argnums(argnums: Any) -> tuple[int, ...]:
@@ -182,8 +181,8 @@ class Manual:
                 num_micro_batches=(self.num_micro_batches,), schedules=(self.schedule,),
                 num_stages=self.pp, fixed=(self.dp, self.tp, self.pp),
                 time_limit=self.time_limit, backend=self.backend, remat=self.remat,
-                input_filter=InputLayouts("model", sequence=True) if self.sequence_parallel
-                else "model", memory_fraction=float(self.memory_fraction)),
+                input_filter="model+sequence" if self.sequence_parallel else "model",
+                memory_fraction=float(self.memory_fraction)),
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("manual", mesh_shape=(self.dp, self.tp),
