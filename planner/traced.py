@@ -60,6 +60,11 @@ class FlatEqn:
     outvars: tuple[int, ...]
     remat: bool
     scope: str
+    # the differentiated ``jax.checkpoint`` call (in the backward) this
+    # equation was inlined from, numbered in the stream; -1: none.  The
+    # runtime fences each such call's operands as jax lowers the call, so
+    # XLA cannot merge its recomputation with the forward's values.
+    fence: int = -1
 
 
 @dataclass(frozen=True)

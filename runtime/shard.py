@@ -68,6 +68,8 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
     it, so that it occupies the device only from there on.
     """
     reads = reads or {}
+    fences = checkpoint_fences(flat)
+
     def evaluate(*invals: Any) -> list[Any]:
         env: dict[int, Any] = {}
         pending = dict(to_device or {})
@@ -132,8 +134,16 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
                           if replay.group_of.get(o) == g})
             return list(fenced[1])
 
+        fenced: dict[int, dict[int, Any]] = {}   # checkpoint call -> its operands, fenced
+
         for k, fe in enumerate(flat.eqns):
-            args = [read(x) for x in fe.invars]
+            if k in fences:
+                ops = fences[k]
+                values = [again.get(x, read(x)) if replay is not None and not replay.forward[k]
+                          else read(x) for x in ops]
+                fenced[fe.fence] = dict(zip(ops, jax.lax.optimization_barrier(tuple(values))))
+            mine = fenced.get(fe.fence, {})
+            args = [mine[x] if isinstance(x, int) and x in mine else read(x) for x in fe.invars]
             for t in (replay.reads(k, fe.invars) if replay is not None else ()):
                 if t not in again:
                     pos = [p for p, x in enumerate(fe.invars) if isinstance(x, int)
@@ -150,6 +160,30 @@ def make_evaluator(flat: FlatJaxpr, constraints: Mapping[int, NamedSharding],
         return [read(x) for x in flat.outvars]
 
     return evaluate
+
+
+def checkpoint_fences(flat: FlatJaxpr) -> dict[int, tuple[int, ...]]:
+    """First equation of each inlined differentiated ``jax.checkpoint`` call
+    (``FlatEqn.fence``) -> the operands its equations read from outside it.
+
+    jax lowers such a call with its operands behind one
+    ``optimization_barrier`` (``prevent_cse``); a ``lax.scan`` boundary does
+    the same for ``prevent_cse=False``.  Inlined and unrolled, neither is
+    left, and XLA would merge the recomputation with the forward's identical
+    values, keeping them alive: the saving gone.  Fencing the operands (the
+    backward's cotangents among them) puts it back."""
+    born = {o: k for k, fe in enumerate(flat.eqns) for o in fe.outvars}
+    first: dict[int, int] = {}
+    ops: dict[int, dict[int, None]] = {}
+    for k, fe in enumerate(flat.eqns):
+        if fe.fence < 0:
+            continue
+        start = first.setdefault(fe.fence, k)
+        # (what the call reads from before it starts: a stream rewrite may
+        # have moved one of its equations past a value made later)
+        ops.setdefault(fe.fence, {}).update(
+            (x, None) for x in fe.invars if isinstance(x, int) and born.get(x, -1) < start)
+    return {k: tuple(ops[f]) for f, k in first.items() if ops[f]}
 
 
 def _bind_params(eqn: Any) -> tuple[Sequence[Any], dict[str, Any]]:

@@ -52,6 +52,7 @@ runs what the other would refuse:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -264,7 +265,7 @@ def _insert_marker(flat: FlatJaxpr, grads: list[int]) -> FlatJaxpr:
 
     def rewire(fe: FlatEqn) -> FlatEqn:
         ins = tuple(rename.get(x, x) if isinstance(x, int) else x for x in fe.invars)
-        return fe if ins == fe.invars else FlatEqn(fe.eqn, ins, fe.outvars, fe.remat, fe.scope)
+        return fe if ins == fe.invars else dataclasses.replace(fe, invars=ins)
 
     marker = FlatEqn(grad_marker_eqn([flat.avals[g] for g in grads]), tuple(grads), outs,
                      False, "meshplan_inferred_gradients")

@@ -47,6 +47,7 @@ class _Flattener:
         self.eqns: list[FlatEqn] = []
         self.constvars: list[int] = []
         self.consts: list[Any] = []
+        self.fences = 0
 
     def fresh(self, aval: Any) -> int:
         i = self.next_id
@@ -59,7 +60,7 @@ class _Flattener:
             return Lit(v.val, v.aval)
         return env[v]
 
-    def walk(self, jaxpr: Any, env: dict[Any, int], remat: bool) -> None:
+    def walk(self, jaxpr: Any, env: dict[Any, int], remat: bool, fence: int = -1) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = tuple(self.read(env, v) for v in eqn.invars)
@@ -70,7 +71,10 @@ class _Flattener:
                     inner_env[cv] = self.add_const(cv.aval, c)
                 for iv, x in zip(inner.invars, ins):
                     inner_env[iv] = x if isinstance(x, int) else self.materialize(x)
-                self.walk(inner, inner_env, remat or name in REMAT_CALLS)
+                inner_fence = fence
+                if fence < 0 and name in REMAT_CALLS and eqn.params.get("differentiated"):
+                    inner_fence, self.fences = self.fences, self.fences + 1
+                self.walk(inner, inner_env, remat or name in REMAT_CALLS, inner_fence)
                 for ov, iv in zip(eqn.outvars, inner.outvars):
                     r = self.read(inner_env, iv)
                     env[ov] = r if isinstance(r, int) else self.materialize(r)
@@ -78,7 +82,8 @@ class _Flattener:
             outs = tuple(self.fresh(v.aval) for v in eqn.outvars)
             for ov, i in zip(eqn.outvars, outs):
                 env[ov] = i
-            self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack)))
+            self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack),
+                                     fence))
 
     def add_const(self, aval: Any, value: Any) -> int:
         i = self.fresh(aval)
