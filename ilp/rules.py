@@ -374,7 +374,7 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     if desc is None:
         return None
     classes, partial = loop_classes(desc, ins, outs, op_space)
-    steps = int(params.get("length", 1))      # (a while: costed as one iteration)
+    steps = int(params.get("length", params.get("trip_count", 1)))
     L = _Labels()
     label: dict[int, int] = {}
 

@@ -214,3 +214,32 @@ def test_rnn_weight_gradient_is_all_reduced_in_every_step_as_costed():
         if "all-reduce(" in line or "all-reduce-start(" in line:
             inside.append((comp, line.count("f32[32,32]")))
     assert ("body", 2) in inside, inside
+
+
+@pytest.mark.parametrize("cond,body,init,n", [
+    (lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.sin(s[1]) * 2.0), 0, 3),
+    (lambda s: s[0] <= 10, lambda s: (s[0] + 2, jnp.sin(s[1]) * 2.0), 1, 5),
+    (lambda s: 0 < s[0], lambda s: (s[0] - 1, jnp.sin(s[1]) * 2.0), 4, 4),
+    (lambda s: s[0] != 6, lambda s: (s[0] + 3, jnp.sin(s[1]) * 2.0), 0, 2),
+], ids=["lt", "le-step2", "count-down", "ne"])
+def test_a_counted_while_loop_is_costed_for_its_trip_count(cond, body, init, n):
+    B, H = 8, 16
+
+    def step(p, x):
+        return jax.lax.while_loop(cond, body, (init, x @ p))[1]
+    graph = trace(step, jnp.ones((H, H)), jnp.ones((B, H)), warn=False)
+    (loop,) = _loop_nodes(graph)
+    assert loop.repeat == n and dict(loop.params)["trip_count"] == n
+    assert not any("trip count" in w for w in graph.warnings)
+    # the body (sin, mul: 2 FLOPs per element) n times, the predicate n + 1 times
+    assert loop.flops == pytest.approx(n * 2 * B * H + (n + 1), rel=0.2)
+
+
+def test_a_while_loop_whose_trip_count_depends_on_data_is_costed_once_and_said_so():
+    def step(p, x):
+        return jax.lax.while_loop(lambda s: s[1].sum() < 100.0,
+                                  lambda s: (s[0] + 1, s[1] * 2.0), (0, x @ p))[1]
+    graph = trace(step, jnp.ones((4, 4)), jnp.ones((8, 4)), warn=False)
+    (loop,) = _loop_nodes(graph)
+    assert loop.repeat == 1
+    assert any("trip count unknown" in w for w in graph.warnings)

@@ -103,3 +103,83 @@ def loop_description(eqn: Any, params_of: Callable[[Any], tuple]) -> Description
         return None
     return tuple(body.shapes), tuple(body.eqns), tuple(ties), tuple(body.itemsizes)
 
+
+
+def while_trip_count(eqn: Any) -> int | None:
+    """How many times the ``while`` equation ``eqn`` runs its body, where the
+    jaxpr says so: a counter carry that starts at a literal, changes by a
+    literal step in the body, and is compared in the predicate with a
+    literal (or a carry passed through unchanged from a literal start), the
+    loop ``lax.while_loop(lambda s: s[0] < 10, ...)`` or a ``fori_loop``
+    with traced-looking bounds compiles to.  None: not known at trace time."""
+    p = eqn.params
+    cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    inits = eqn.invars[cn + bn:]
+    carries_c, carries_b = cond.invars[cn:], body.invars[bn:]
+    if len(cond.eqns) != 1 or cond.eqns[0].outvars[0] is not cond.outvars[0]:
+        return None
+    test = cond.eqns[0]
+    if test.primitive.name not in _FLIP:
+        return None
+
+    def start(v: Any) -> int | None:
+        """The literal start of carry ``v`` of the predicate, if it has one."""
+        if v not in carries_c:
+            return None
+        init = inits[carries_c.index(v)]
+        return int(init.val) if _int_literal(init) else None
+
+    def bound(v: Any) -> int | None:
+        if _int_literal(v):
+            return int(v.val)
+        if v in carries_c:   # a carry the body passes through unchanged
+            k = carries_c.index(v)
+            if body.outvars[k] is carries_b[k]:
+                return start(v)
+        return None
+
+    a, b = test.invars
+    op = test.primitive.name
+    if start(a) is None or bound(b) is None:
+        a, b, op = b, a, _FLIP[op]
+    i0, n = start(a), bound(b)
+    step = None if i0 is None else _step(body, carries_b[carries_c.index(a)],
+                                         body.outvars[carries_c.index(a)])
+    if n is None or not step:
+        return None
+    if op in ("lt", "le") and step > 0:
+        span = n - i0 + (1 if op == "le" else 0)
+        return max(0, -(-span // step))
+    if op in ("gt", "ge") and step < 0:
+        span = i0 - n + (1 if op == "ge" else 0)
+        return max(0, -(-span // -step))
+    if op == "ne" and (n - i0) % step == 0 and (n - i0) // step >= 0:
+        return (n - i0) // step
+    return None
+
+
+# a comparison, and the same one with its operands swapped
+_FLIP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "ne": "ne"}
+
+
+def _int_literal(v: Any) -> bool:
+    val = getattr(v, "val", None)
+    return val is not None and not hasattr(v, "count") and getattr(
+        getattr(v, "aval", None), "shape", None) == () and str(v.aval.dtype).startswith(("int", "uint"))
+
+
+def _step(body: Any, var_in: Any, var_out: Any) -> int | None:
+    """The literal step by which the body's one equation moves a counter."""
+    for e in body.eqns:
+        if var_out not in e.outvars:
+            continue
+        if e.primitive.name not in ("add", "sub"):
+            return None
+        x, y = e.invars
+        if x is var_in and _int_literal(y):
+            return int(y.val) if e.primitive.name == "add" else -int(y.val)
+        if y is var_in and _int_literal(x) and e.primitive.name == "add":
+            return int(x.val)
+        return None
+    return None

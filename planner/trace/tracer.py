@@ -24,7 +24,7 @@ from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_components
-from .loops import loop_description
+from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
@@ -148,8 +148,11 @@ def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
     if name == "while":
         f1, b1 = _body_cost(eqn.params["body_jaxpr"], warnings)
         f2, b2 = _body_cost(eqn.params["cond_jaxpr"], warnings)
-        warnings.add("while loop: trip count unknown at trace time, costed as one iteration")
-        return f1 + f2, b1 + b2, 1
+        n = while_trip_count(eqn)
+        if n is None:
+            warnings.add("while loop: trip count unknown at trace time, costed as one iteration")
+            return f1 + f2, b1 + b2, 1
+        return f1 * n + f2 * (n + 1), b1 * n + b2 * (n + 1), n
     if name == "cond":
         costs = [_body_cost(br, warnings) for br in eqn.params["branches"]]
         return max(c[0] for c in costs), max(c[1] for c in costs), 1
@@ -279,6 +282,8 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
             loop = loop_description(eqn, _node_params)
             if loop is not None:    # (what the ILP's loop rule reads)
                 params = params + (("loop", loop),)
+            if prim == "while":     # (its steps, as a scan's ``length``: 1 if unknown)
+                params = params + (("trip_count", repeat),)
         if prim == "cond":
             comps = cond_components(eqn)
             if comps is not None:   # (branches that work element by element)
