@@ -1,5 +1,6 @@
-"""Where meshplan's own plans put each mesh axis on TPU pods: a gpt planned
-with ShardParallel on a fixed mesh over multi-slice jobs and one large slice,
+"""Where meshplan's own plans put each mesh axis on TPU pods: a small gpt and
+MaxText's 16B decoder (benchmarks/_maxtext_decoder.py, as in maxtext_tpu.py)
+planned with ShardParallel on a fixed mesh over multi-slice jobs and one large slice,
 listing for each axis the links it runs on (ICI torus rings or DCN) and what
 the plan splits over it.  Plan-only: the figures are predictions, not runs.
 
@@ -20,33 +21,56 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPT = {"layers": "2", "hidden": "1024", "heads": "8", "seq_len": "512", "vocab": "1024",
        "batch": "1024", "dtype": "bfloat16", "compute_dtype": "bfloat16"}
-# (cluster file, mesh shape): the slices first, as MaxText lays dcn_data_parallelism
+# (model, cluster file, mesh shape): the slices first, as MaxText lays
+# dcn_data_parallelism; the MaxText rows take MaxText's 16B configuration
+# (per-chip batch 6, full recomputation) on a 2-slice v5e job, and on a
+# v5p-1024 slice an FSDP x tensor mesh
 CASES = (
-    ("tpu-v5e-256-x2", (2, 16, 16)),
-    ("tpu-v5e-256-x4", (4, 16, 16)),
-    ("tpu-v5p-1024", (8, 8, 8)),
+    ("gpt", "tpu-v5e-256-x2", (2, 16, 16)),
+    ("gpt", "tpu-v5e-256-x4", (4, 16, 16)),
+    ("gpt", "tpu-v5p-1024", (8, 8, 8)),
+    ("maxtext-16b", "tpu-v5e-256-x2", (2, 256)),
+    ("maxtext-16b", "tpu-v5p-1024", (64, 16)),
 )
+
+
+def _step(model: str, cluster):
+    """(step, its abstract arguments) of ``model`` for ``cluster``."""
+    if model == "gpt":
+        from meshplan.models import build_model
+        m = build_model("gpt", GPT)
+        return m.train_step, m.abstract_args
+    from _maxtext_decoder import abstract_step
+    from maxtext_tpu import model_dims
+    step, state, tokens = abstract_step(batch=6 * cluster.num_devices, remat_policy="full",
+                                        **model_dims(16))
+    return step, (state, tokens)
+
+
+def _is_weight(path: str) -> bool:
+    """A model weight's leaf (gpt: under ['params']; the MaxText step's state:
+    under ['params'] too, its AdamW moments under ['opt_state'])."""
+    return path.startswith("['params']")
 
 
 def _axes(spec) -> set[str]:
     return {a for d in spec for a in ((d,) if isinstance(d, str) else (d or ()))}
 
 
-def run_case(name: str, shape: tuple[int, ...]) -> tuple[list[str], bool, str]:
+def run_case(model: str, name: str, shape: tuple[int, ...]) -> tuple[list[str], bool, str]:
     import meshplan
     from meshplan.cost_model.mesh import mesh_model
-    from meshplan.models import build_model
 
     cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / "tpu" / f"{name}.json")
-    model = build_model("gpt", GPT)
+    step, args = _step(model, cluster)
     start = time.perf_counter()
-    plan = meshplan.plan(model.train_step, *model.abstract_args, cluster=cluster,
+    plan = meshplan.plan(step, *args, cluster=cluster,
                          method=meshplan.ShardParallel(mesh_shape=shape))
     took = time.perf_counter() - start
     (stage,) = plan.stages
     mm = mesh_model(cluster, stage.logical_mesh, submesh=tuple(stage.submesh))
-    weights = [s for k, s in stage.params if k.startswith("['params']")]
-    state = [s for k, s in stage.params if not k.startswith("['params']")]
+    weights = [s for k, s in stage.params if _is_weight(k)]
+    state = [s for k, s in stage.params if not _is_weight(k)]
     rows, ok, notes = [], True, []
     for axis, link in zip(stage.logical_mesh.axes, mm.links):
         rings = " + ".join(f"{n}-ring {bw / 1e9:.4g} GB/s" for n, bw, _ in link.phases)
@@ -61,13 +85,13 @@ def run_case(name: str, shape: tuple[int, ...]) -> tuple[list[str], bool, str]:
                 if batch else "the batch is not split over it: every slice runs the same "
                 "step, and DCN carries only the all-gather of the weights updated from the "
                 "optimizer state sharded over it") + f"; {w} weights split over it")
-        rows.append(f"| {name} | {stage.logical_mesh.axis_size(axis)} | {axis} | "
+        rows.append(f"| {model} | {name} | {stage.logical_mesh.axis_size(axis)} | {axis} | "
                     f"{'DCN' if link.crosses_hosts else 'ICI'} | {rings} | "
                     f"{', '.join(batch) or '-'} | {w}/{len(weights)} | {o}/{len(state)} |")
     p = plan.predicted
-    rows.append(f"| {name} | | (plan) | | predicted {p.iteration_s * 1e3:.3g} ms/iteration, "
+    rows.append(f"| {model} | {name} | | (plan) | | predicted {p.iteration_s * 1e3:.3g} ms/iteration, "
                 f"{p.tflops_per_device:.3g} TFLOP/s per chip | | planned in {took:.0f} s | |")
-    return rows, ok, f"- {name}: " + ("; ".join(notes) or "one slice, every axis on ICI")
+    return rows, ok, f"- {model} on {name}: " + ("; ".join(notes) or "one slice, every axis on ICI")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,28 +102,32 @@ def main(argv: list[str] | None = None) -> int:
         "# Mesh axes on TPU pods: ICI or DCN",
         "",
         f"Command: `python benchmarks/tpu_multislice.py --out benchmarks/results/"
-        f"tpu_multislice.md`. Model: builtin gpt {GPT}; method ShardParallel on the mesh "
+        f"tpu_multislice.md`. Models: builtin gpt {GPT}; MaxText's 16B decoder "
+        "(benchmarks/_maxtext_decoder.py: 32 layers x 4096, mlp 28672, seq 2048, per-chip "
+        "batch 6, full recomputation, AdamW; maxtext_tpu.py's configuration); method "
+        "ShardParallel on the mesh "
         "shape given (axes x, y, z), the ILP choosing every layout. Clusters: "
         "examples/clusters/tpu/ (Google Cloud's figures, cited there). Predictions only; "
         "the planning time is wall time on a shared, noisy machine.",
         "",
-        "| cluster | size | axis | link | rings (per chip per direction) | batch split on it "
+        "| model | cluster | size | axis | link | rings (per chip per direction) | batch split on it "
         "(dim 0) | weights split on it | optimizer/other state split on it |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     all_ok, notes = True, []
-    for name, shape in CASES:
-        rows, ok, note = run_case(name, shape)
+    for model, name, shape in CASES:
+        rows, ok, note = run_case(model, name, shape)
         lines += rows
         notes.append(note)
         all_ok &= ok
-        print(f"{name}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
+        print(f"{model} on {name}: {'ok' if ok else 'FAILED'}", file=sys.stderr, flush=True)
     lines += ["", ("No weight is split over an axis that crosses slices, and the batch only "
                    "along dimension 0: tensor-parallel and FSDP traffic stays on ICI."
                    if all_ok else "An axis over slices splits weights: see the table."),
               "", *notes, "",
-              "The model is small for these pods (the plans are communication-bound), so "
-              "these show where traffic goes, not throughput.", ""]
+              "The gpt is small for these pods (its plans are communication-bound): its rows "
+              "show where traffic goes, not throughput; maxtext_tpu.md compares the 16B "
+              "configuration's throughput with MaxText's.", ""]
     text = "\n".join(lines)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

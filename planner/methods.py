@@ -61,11 +61,8 @@ class ShardParallel:
     def __post_init__(self) -> None:
         _check_fraction(self)
         r = self.remat
-        if isinstance(r, str) and r in REMAT_NAMES:
-            object.__setattr__(self, "remat", REMAT_NAMES[r])
-        elif r not in (True, False, "auto"):
-            raise MeshplanError(f"ShardParallel(remat={r!r}): use 'none', 'selective', 'full', "
-                                "'auto', True or False")
+        _check_remat(self, (True, False, "selective", "auto"),
+                     "'none', 'selective', 'full', 'auto', True or False")
         _check_offload(self)
         if self.remat is not False and self.offload == "optimizer":
             raise MeshplanError(f"ShardParallel(remat={r!r}, offload='optimizer'): a recomputing "
@@ -151,11 +148,8 @@ class Manual:
                 raise MeshplanError(f"Manual({k}={v!r}): must be a positive integer")
         if self.schedule not in SCHEDULES[1:]:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
-        if isinstance(self.remat, str) and self.remat in REMAT_NAMES:
-            object.__setattr__(self, "remat", REMAT_NAMES[self.remat])
-        if self.remat not in (None, True, False, "selective"):
-            raise MeshplanError(f"Manual(remat={self.remat!r}): use None, 'none', 'selective', "
-                                "'full', True or False")
+        _check_remat(self, (None, True, False, "selective"),
+                     "None, 'none', 'selective', 'full', True or False")
         _check_fraction(self)
         _check_offload(self)
 
@@ -198,6 +192,16 @@ def _check_fraction(method: Any) -> None:
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
         raise MeshplanError(f"{type(method).__name__}(memory_fraction={f!r}): use a fraction "
                             "of each device's memory in (0, 1], e.g. 0.9")
+
+
+def _check_remat(method: Any, allowed: tuple[Any, ...], hint: str) -> None:
+    """Normalise ``method.remat`` (a recomputation name: True, False or
+    "selective") and refuse what is not in ``allowed``."""
+    r = method.remat
+    if isinstance(r, str) and r in REMAT_NAMES:
+        object.__setattr__(method, "remat", REMAT_NAMES[r])
+    if method.remat not in allowed:
+        raise MeshplanError(f"{type(method).__name__}(remat={r!r}): use {hint}")
 
 
 def _check_offload(method: Any) -> None:
