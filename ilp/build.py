@@ -61,6 +61,9 @@ class Group:
     # per strategy: HLO collective kind -> bytes of the comm_bytes above
     comm_kinds: list[dict[str, float]] = field(default_factory=list)
     members: list[int] = field(default_factory=list)   # follower node ids
+    # per strategy: the (tensor id, layout) reads made by an operator that
+    # runs every micro-batch; the other reads are the update's, once a step
+    steady_reads: list[set[tuple[int, ISpec]]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -148,7 +151,7 @@ InputFilter = Callable[[GraphInput, ISpec], bool]
 def _restrict(g: Group, ok: list[int]) -> None:
     """Keep only the strategies ``ok`` of group ``g``."""
     for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
-                 "comm_kinds"):
+                 "comm_kinds", "steady_reads"):
         vals = getattr(g, name)
         setattr(g, name, [vals[j] for j in ok])
 
@@ -215,6 +218,11 @@ class _Builder:
     launches: dict[int, int] = field(default_factory=dict)   # node id -> kernels it launches
     # fusible node id -> (bytes its whole fusion moves, bytes charged to the node)
     fusion_share: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # the optimizer update's operators (reading a parameter gradient, directly
+    # or not): with gradient accumulation they run once per ``grad_accum``
+    # micro-batches, so what they read between groups costs ``once`` of it
+    update_nodes: frozenset[int] = frozenset()
+    once: float = 1.0
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -228,6 +236,7 @@ class _Builder:
             g = Group(len(self.groups), f"in{k}", None, k, strategies)
             g.specs = [{inp.tensor: s} for s in specs]
             g.reads = [[] for _ in specs]
+            g.steady_reads = [set() for _ in specs]
             g.cost = [0.0] * len(specs)
             g.compute = [0.0] * len(specs)
             g.comm = [0.0] * len(specs)
@@ -312,7 +321,10 @@ class _Builder:
                                  moved * n / total / shards, dtype)
                 g.cost[i] += t
                 g.compute[i] += t
-                g.reads[i].extend((node.inputs[p], spec) for p in ops if p != lead)
+                read = [(node.inputs[p], spec) for p in ops if p != lead]
+                g.reads[i].extend(read)
+                if node.id not in self.update_nodes:
+                    g.steady_reads[i].update(read)
             gt[t_out] = g.gid
         if not loose:
             return None
@@ -350,6 +362,8 @@ class _Builder:
             for p, req in mp.reads:
                 if graph.tensors[node.inputs[p]].shape:
                     g.reads[i].append((node.inputs[p], req))
+                    if node.id not in self.update_nodes:
+                        g.steady_reads[i].add((node.inputs[p], req))
         g.members.append(node.id)
         self.group_of_tensor[out_t] = g.gid
 
@@ -364,10 +378,12 @@ class _Builder:
             strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved)
             strat_cache[key] = strategies
         g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
+        steady = node.id not in self.update_nodes
         for s in strategies:
             fixed = self._fixed(node, s.compute_s)
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
+            g.steady_reads.append(set(g.reads[-1]) if steady else set())
             g.cost.append(s.cost + fixed)
             g.compute.append(s.compute_s + fixed)
             g.comm.append(s.comm_s)
@@ -408,8 +424,11 @@ class _Builder:
                 _restrict(g, ok)
 
     # ---- reads -> edges (or costs inside a group) ------------------------------
-    def _add_read(self, h: Group, g: Group, t: int, j: int, req: ISpec) -> None:
-        """Strategy ``j`` of ``g`` reads ``t`` (made by ``h``) laid out as ``req``."""
+    def _add_read(self, h: Group, g: Group, t: int, j: int, req: ISpec,
+                  weight: float = 1.0) -> None:
+        """Strategy ``j`` of ``g`` reads ``t`` (made by ``h``) laid out as ``req``,
+        ``weight`` times per micro-batch when between groups (a read inside a
+        group is paid as the group's own work)."""
         if h.gid == g.gid:
             steps = self.rs.steps(t, g.specs[j][t], req)
             if steps:
@@ -423,8 +442,8 @@ class _Builder:
             self.edge_acc[h.gid, g.gid] = (np.zeros((h.size, g.size)), np.zeros((h.size, g.size)))
         sec, byt = self.edge_acc[h.gid, g.gid]
         c, b = self.rs.column(h, t, req)
-        sec[:, j] += c
-        byt[:, j] += b
+        sec[:, j] += c * weight
+        byt[:, j] += b * weight
 
     def add_read_edges(self) -> None:
         graph, groups, gt = self.graph, self.groups, self.group_of_tensor
@@ -435,7 +454,8 @@ class _Builder:
                     if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
                         continue
                     seen.add((t, req))
-                    self._add_read(groups[gt[t]], g, t, j, req)
+                    w = 1.0 if (t, req) in g.steady_reads[j] else self.once
+                    self._add_read(groups[gt[t]], g, t, j, req, w)
 
     def add_alias_edges(self) -> None:
         """The new value of an updated input must end in that input's layout."""
@@ -448,16 +468,19 @@ class _Builder:
             if not graph.tensors[in_t].shape:
                 continue
             h = groups[gt[o.tensor]]
-            for j in range(p.size):
-                self._add_read(h, p, o.tensor, j, p.specs[j][in_t])
+            for j in range(p.size):     # (the new value arrives once a step)
+                self._add_read(h, p, o.tensor, j, p.specs[j][in_t], self.once)
 
     # ---- gradient accumulation ---------------------------------------------------
     def scale_for_accumulation(self, accumulate: frozenset[int], grad_accum: int
                                ) -> tuple[frozenset[int], frozenset[int]]:
         """The groups that make parameter gradients communicate once per
         iteration, not once per micro-batch; the groups of the update (what
-        reads a gradient, directly or not) run once per iteration, with the
-        reshardings into and out of them.  ``(accumulated, per_iteration)``."""
+        reads a gradient, directly or not) run once per iteration.  (The
+        reshardings between groups were weighted as they were added: those
+        the update reads, and the new values into their inputs' layouts, once
+        per iteration; every other read, e.g. of a parameter that the forward
+        gathers, once per micro-batch.)  ``(accumulated, per_iteration)``."""
         groups = self.groups
         accumulated, updates = self.gradient_groups(accumulate)
         per_iteration: frozenset[int] = frozenset()
@@ -476,10 +499,6 @@ class _Builder:
             g = groups[gid]
             for name in ("cost", "compute", "comm", "comm_bytes"):
                 setattr(g, name, [x * f for x in getattr(g, name)])
-        for (u, v), (sec, byt) in self.edge_acc.items():
-            if u in per_iteration or v in per_iteration:
-                sec *= f
-                byt *= f
         return accumulated, per_iteration
 
     def gradient_groups(self, accumulate: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
@@ -487,11 +506,8 @@ class _Builder:
         of the update (reading a gradient, directly or not)."""
         gt = self.group_of_tensor
         made = frozenset(gt[t] for t in accumulate if t in gt)
-        later = set(accumulate)
-        for n in self.graph.nodes:
-            if any(t in later for t in n.inputs):
-                later.update(n.outputs)
-        return made, frozenset(gt[t] for t in later - set(accumulate) if t in gt) - made
+        later = update_tensors(self.graph, accumulate)
+        return made, frozenset(gt[t] for t in later if t in gt) - made
 
     # ---- memory rows ------------------------------------------------------------
     def resident_bytes(self) -> dict[int, np.ndarray]:
@@ -524,6 +540,28 @@ class _Builder:
         if not rows:
             rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
         return rows
+
+
+def update_tensors(graph: Graph, accumulate: frozenset[int]) -> set[int]:
+    """The values computed from the parameter gradients ``accumulate``
+    (the optimizer update's), the gradients themselves excluded."""
+    later = set(accumulate)
+    for n in graph.nodes:
+        if any(t in later for t in n.inputs):
+            later.update(n.outputs)
+    return later - set(accumulate)
+
+
+def update_nodes(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
+    """The operators of the optimizer update: those reading a parameter
+    gradient or a value computed from one."""
+    later = set(accumulate)
+    out = set()
+    for n in graph.nodes:
+        if any(t in later for t in n.inputs):
+            later.update(n.outputs)
+            out.add(n.id)
+    return frozenset(out)
 
 
 def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
@@ -567,6 +605,9 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
+    if grad_accum > 1:
+        b.update_nodes = update_nodes(graph, accumulate)
+        b.once = 1.0 / grad_accum
     b.add_input_groups(input_filter)
     b.add_operator_groups()
     if input_filter is not None:

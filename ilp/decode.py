@@ -34,6 +34,9 @@ class PlannedCollective:
     key: tuple = ()    # reshardings: (tensor, source layout, layout after the step)
     group: int = -1    # the ILP group that pays for it
     internal: bool = True   # paid inside the group (not on an edge between groups)
+    # with gradient accumulation: runs once per step (a gradient reduction,
+    # the update's work), its seconds and bytes here per micro-batch
+    per_step: bool = False
 
 
 def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
@@ -45,19 +48,37 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     With ``dedupe`` a resharding step that several readers of one tensor share
     (same tensor, same source layout, same collective, same result layout) is
     listed once: XLA emits one collective for them (common-subexpression
-    elimination), while the ILP's objective charges every reader."""
+    elimination), while the ILP's objective charges every reader.
+
+    With gradient accumulation (``built.grad_accum`` micro-batches a step)
+    what runs once a step is charged ``1 / grad_accum`` of its size, as the
+    ILP charges it: the gradient reductions, the update's own work and what
+    it reads, the new values' reshardings into their inputs' layouts.  Any
+    other read, e.g. of a parameter gathered for the forward, is paid every
+    micro-batch."""
     groups = built.groups
     shape = mm.shape
     spec_of: dict[int, ISpec] = {}
     for g, c in zip(groups, choice):
         spec_of.update(g.specs[c])
     out: list[PlannedCollective] = []
+    accum = built.grad_accum > 1
+    f = 1.0 / built.grad_accum if accum else 1.0
 
-    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool) -> None:
+    def own_once(gid: int) -> bool:
+        """Is group ``gid``'s own communication paid once a step?"""
+        return accum and (gid in built.accumulated or gid in built.per_iteration)
+
+    def add(pc: PlannedCollective, once: bool) -> None:
+        out.append(dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f,
+                                       per_step=True) if once else pc)
+
+    def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool,
+                 once: bool) -> None:
         tt = graph.tensors[t]
         for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
-            out.append(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after),
-                                         gid, internal))
+            add(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after), gid, internal),
+                once)
 
     gt = built.group_of_tensor
     for g, c in zip(groups, choice):
@@ -65,9 +86,9 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             node = graph.nodes[g.root_node]
             s = g.strategies[c]
             if s.comm_bytes:
-                out.append(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
-                                             node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
-                                             (), g.gid, True))
+                add(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
+                                      node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
+                                      (), g.gid, True), own_once(g.gid))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)
@@ -76,11 +97,12 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             out_t = node.outputs[0]
             mp = map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
             where = f"n{nid} {node.primitive} (follower)"
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True)
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True, own_once(g.gid))
             if mp.reduce_axes:
                 sec, b = all_reduce(mm, mp.reduce_axes,
                                     graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                out.append(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True))
+                add(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True),
+                    own_once(g.gid))
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
@@ -88,7 +110,10 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             seen.add((t, req))
             what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
                     if g.root_node is not None else f"read by {g.name}")
-            steps_of(t, spec_of[t], req, what, g.gid, gt[t] == g.gid)
+            internal = gt[t] == g.gid
+            # (between groups: once a step where only the update reads it)
+            once = own_once(g.gid) if internal else accum and (t, req) not in g.steady_reads[c]
+            steps_of(t, spec_of[t], req, what, g.gid, internal, once)
     for o in graph.outputs:
         if o.updates is None or o.tensor not in gt:
             continue
@@ -97,24 +122,21 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             continue
         p = gt[in_t]
         once = len(out)
+        # the new value arrives once per iteration
         steps_of(o.tensor, spec_of[o.tensor], spec_of[in_t], f"update of input {o.updates}",
-                 p, gt[o.tensor] == p)
-        if gt[o.tensor] in built.per_iteration:   # the new value arrives once per iteration
+                 p, gt[o.tensor] == p, accum)
+        if gt[o.tensor] in built.per_iteration:
             out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
-    if built.grad_accum > 1:
-        f = 1.0 / built.grad_accum
-        out = [dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f)
-               if (pc.group in built.accumulated and pc.internal)
-               or pc.group in built.per_iteration
-               or gt.get(pc.tensor) in built.per_iteration else pc for pc in out]
     if dedupe:
+        # (a resharding that both a micro-batch's programs and the update
+        # do runs in each: they are separate programs)
         seen_keys: set[tuple] = set()
         kept = []
         for pc in out:
             if pc.key:
-                if pc.key in seen_keys:
+                if (pc.key, pc.per_step) in seen_keys:
                     continue
-                seen_keys.add(pc.key)
+                seen_keys.add((pc.key, pc.per_step))
             kept.append(pc)
         out = kept
     return out

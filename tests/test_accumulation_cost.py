@@ -1,0 +1,94 @@
+"""Gradient accumulation: what runs every micro-batch is charged every
+micro-batch, what runs once a step once (issues 19 and 23).
+
+The parameters here are pinned split over the data axis (ZeRO-3-like), so
+the forward and backward must gather them (or reshard the activations
+instead) on every micro-batch.  The optimizer update joins each parameter's
+group in the ILP (it follows the parameter), which once made every read of
+the parameter look like the update's and cost ``1 / grad_accum``."""
+from __future__ import annotations
+
+import pytest
+
+import meshplan
+from meshplan.cost_model.mesh import mesh_model
+from meshplan.graph import BATCH, PARAM, strip_markers
+from meshplan.ilp import build_problem, explain, solve
+from meshplan.models import build_model
+from meshplan.plan import LogicalMesh
+from meshplan.trace import trace
+
+ACCUM = 4
+
+
+def _zero3(inp, spec) -> bool:
+    """The batch split along its first dimension, the parameters split along
+    some dimension (the ILP picks which), the optimizer state as it likes."""
+    if inp.role == BATCH:
+        return bool(spec) and spec[0] == (0,) and not any(spec[1:])
+    return any(spec) if inp.role == PARAM else True
+
+
+def _update_nodes(g, grads) -> set[int]:
+    """The operators reading a gradient or a value made from one."""
+    later, out = set(grads), set()
+    for n in g.nodes:
+        if any(t in later for t in n.inputs):
+            later.update(n.outputs)
+            out.add(n.id)
+    return out
+
+
+@pytest.fixture(scope="module")
+def problems():
+    m = build_model("mlp", {"batch": "512", "in_dim": "64", "hidden": "64", "layers": "1"})
+    g = trace(m.train_step, *m.abstract_args)
+    grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
+                      for t in n.inputs)
+    g = strip_markers(g)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    mm = mesh_model(cluster, LogicalMesh(("data",), (8,)))
+    once = build_problem(g, mm, input_filter=_zero3, accumulate=grads, grad_accum=1)
+    accum = build_problem(g, mm, input_filter=_zero3, accumulate=grads, grad_accum=ACCUM)
+    return g, mm, grads, once, accum
+
+
+def test_reads_of_a_parameter_by_the_forward_and_backward_cost_every_micro_batch(problems):
+    g, _, grads, once, accum = problems
+    params = {i.tensor for i in g.inputs if i.role == PARAM}
+    upd = _update_nodes(g, grads)
+    pgroups = {accum.group_of_tensor[t] for t in params}
+    # the trap: the update's operators joined the parameters' groups
+    assert pgroups & accum.per_iteration
+    e1 = {(u, v): b for u, v, _, b in once.edge_costs}
+    checked = 0
+    for u, v, _, b4 in accum.edge_costs:
+        root = accum.groups[v].root_node
+        if u in pgroups and root is not None and root not in upd and e1[u, v].any():
+            assert (b4 == e1[u, v]).all(), accum.groups[v].name   # not divided by ACCUM
+            checked += 1
+    assert checked >= 2      # the forward's and the backward's matmuls read the weight
+
+
+def test_the_chosen_plan_charges_its_parameter_gathers_per_micro_batch(problems):
+    g, mm, grads, once, accum = problems
+    params = {i.tensor for i in g.inputs if i.role == PARAM}
+    choice = solve(accum.problem, backend="highs", time_limit=30).choice
+    per_mb = {(pc.key, pc.where): pc.nbytes for pc in explain(g, mm, once, choice)}
+    got = explain(g, mm, accum, choice)
+    gathers = [pc for pc in got if pc.tensor in params and pc.kind == "all-gather"]
+    assert gathers
+    for pc in gathers:      # the forward's and backward's, every micro-batch
+        assert pc.nbytes == pytest.approx(per_mb[pc.key, pc.where]), pc.where
+        assert not pc.per_step
+    for pc in got:
+        full = per_mb[pc.key, pc.where] if pc.key else None
+        if pc.per_step:
+            # the gradient reductions, the update and the new values' reshardings
+            if full is not None:
+                assert pc.nbytes == pytest.approx(full / ACCUM)
+        elif full is not None:
+            assert pc.nbytes == pytest.approx(full)
+    # the gradient reduction (a reduce-scatter into the split parameters'
+    # layout, or an all-reduce) is still paid once a step
+    assert any(pc.per_step and pc.kind in ("reduce-scatter", "all-reduce") for pc in got)
