@@ -21,7 +21,7 @@ from ..errors import InfeasiblePlanError
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
-from .interleave import CHUNKS, interleave
+from .interleave import CHUNKS, interleave, why_not_interleaved
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import LayerCost, LayerSolver
@@ -186,6 +186,8 @@ class StageCosts:
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
         self.least_unfit_stage: UnfitStage | None = None
+        # why the DP's stages could not run interleaved (the error when only it was asked)
+        self.not_interleaved: str | None = None
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -402,12 +404,18 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
     ``lay`` or one of its :meth:`~LayerProblems.many_stage_views`)."""
     costs = StageCosts(lay, opts, solver)
     found = []
+    priced_all = []
     for view in [lay] + lay.many_stage_views():
         priced = costs if view is lay else StageCosts(view, opts, solver)
+        priced_all.append(priced)
         for schedule in opts.schedules:
             c = _pipeline_for(schedule, view, cluster, opts, solver, priced)
             if c is not None:
                 found.append((c.total_s, len(found), c, priced))
+    if not found and opts.schedules == ("interleaved",):
+        why = next((c.not_interleaved for c in priced_all if c.not_interleaved), None)
+        if why is not None:
+            raise InfeasiblePlanError(f"no interleaved pipeline with {lay.B} micro-batch(es): {why}")
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
@@ -451,6 +459,7 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     chunks = 1
     if schedule == "interleaved":
         # the DP's stages become device groups of virtual stages
+        costs.not_interleaved = why_not_interleaved(len(res.stages), len(lay.groups), lay.B)
         got = interleave(res, lay, costs)
         if got is None:
             return None
