@@ -6,7 +6,6 @@ import dataclasses
 import json
 import pathlib
 
-import jax
 import pytest
 
 import meshplan
@@ -157,3 +156,25 @@ def test_plan_is_costed_from_its_virtual_stages():
     # each group holds both its chunks
     per_group = [sum(s.predicted.memory_bytes for s in plan.stages[g::2]) for g in range(2)]
     assert plan.predicted.peak_memory_bytes == int(max(per_group))
+
+
+def test_timeline_draws_interleaved_as_itself(tmp_path):
+    from meshplan.tools.timeline import breakdown, draw, simulate
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/dgx-a100-x1.json")
+    plan = _plan("gpt", 2, 2, 2, 4, cluster=cluster)
+    blocks = simulate(plan)
+    assert len(blocks) == 2 * 4 * 4
+    for g in range(2):
+        mine = sorted((b for b in blocks if b.stage % 2 == g), key=lambda b: b.start)
+        # one block at a time on a group's devices, in meshplan.schedule's order
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
+        assert [(b.kind, b.stage, b.micro_batch) for b in mine] == \
+            group_order("interleaved", g, 2, 4, 2)
+    end = {(b.kind, b.stage, b.micro_batch): b.end for b in blocks}
+    start = {(b.kind, b.stage, b.micro_batch): b.start for b in blocks}
+    assert all(start["F", k, i] >= end["F", k - 1, i] for k in range(1, 4) for i in range(4))
+    assert all(start["B", k, i] >= end["B", k + 1, i] for k in range(3) for i in range(4))
+    png = tmp_path / "interleaved.png"
+    draw(plan, str(png))
+    assert png.stat().st_size > 1000
+    assert breakdown(plan, blocks).startswith("predicted")
