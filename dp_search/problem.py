@@ -96,7 +96,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     # at least as many layers as a fixed number of stages needs
     need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
     if opts.schedules == ("interleaved",):
-        need *= CHUNKS      # (searched beside others, it takes the layers there are)      # every stage cut into chunks (meshplan.dp_search.interleave)
+        # every stage cut into chunks (.interleave); searched beside other
+        # schedules, interleaved takes the layers there are
+        need *= CHUNKS
     wanted = max(default_layers(g, cluster), need)
     layering = assign_layers(g, opts.num_layers, default_layers=wanted)
     if layering.num_layers < need and opts.num_layers is None:
