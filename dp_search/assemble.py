@@ -172,7 +172,9 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
     if choice.chunks > 1:       # a device group holds all its chunks
-        peak_mem = int(max(group_memory([s.predicted.memory_bytes for s in stages], p)))
+        opts = [choice.options[st.first, st.last, st.submesh, n_stages - k]
+                for k, st in enumerate(res.stages)]
+        peak_mem = int(max(group_memory(opts, p)))
     per_s = 1 / (cluster.num_devices * total * 1e12) if total > 0 else 0.0
     tflops = full.total_flops * per_s
     return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,

@@ -26,7 +26,7 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
 
 # What a searched schedule ("auto") may be; interleaved 1F1B (executed too)
 # is searched when asked for by name.
-AUTO_SCHEDULES = ("1f1b", "gpipe")
+AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved")
 
