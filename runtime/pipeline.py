@@ -23,9 +23,12 @@ dispatches the programs asynchronously in the schedule's order (GPipe: all
 forwards, then all backwards; 1F1B: warm-up forwards, then one forward / one
 backward; interleaved: per device group, Megatron-LM's order over its model
 chunks, :func:`meshplan.schedule.group_order`), keeps a micro-batch's
-activations only until its backward ran, accumulates gradients per stage (the gradient is the mean over micro-batches,
-i.e. the loss is taken to be a mean over the batch), applies each stage's
-update once and returns the outputs as the undecorated step does.
+activations only until its backward ran, accumulates gradients per stage
+(the gradient is the mean over micro-batches, i.e. the loss is taken to be a
+mean over the batch), applies each stage's update once and returns the
+outputs as the undecorated step does.  An interleaved plan's virtual stages
+are stages of their own (programs, meshes, running sums) that share their
+device group's devices (``Stage.device_group``).
 
 Rematerialised stages (``Stage.remat``): the planner costs such a stage as
 keeping only its forward's inputs per micro-batch in flight.  Its backward
