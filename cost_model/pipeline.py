@@ -1,6 +1,6 @@
 """Pipeline cost formulas: what a stage pays to send its activations on, how
 many micro-batches a schedule keeps in flight, and the iteration time of the
-interleaved schedule.  Pure arithmetic on figures the stage DP already has."""
+interleaved schedule from its virtual stages.  Pure arithmetic on figures the stage DP already has."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -36,13 +36,25 @@ def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:
     return min(num_micro_batches, stages_after)
 
 
-def interleaved_iteration_s(latencies: Sequence[float], sends: Sequence[float],
+def interleaved_iteration_s(chunk_latencies: Sequence[float], groups: Sequence[int],
                             num_micro_batches: int) -> float:
-    """Iteration time of interleaved 1F1B with two model chunks per device:
-    the bubble halves and stage-to-stage traffic doubles (``sends``: each
-    stage's per-micro-batch send time, counted once more)."""
-    t_max = max(latencies)
-    return num_micro_batches * t_max + (sum(latencies) - t_max) / 2 + sum(sends)
+    """Iteration time of interleaved 1F1B from its virtual stages' own
+    figures: ``chunk_latencies[k]`` is virtual stage k's forward + backward
+    (its sends included) per micro-batch, run on device group ``groups[k]``.
+    A group spends ``W_g`` (its chunks' sum) per micro-batch; the slowest
+    group paces the steady state and the fill and drain cost the other
+    groups' work divided by the chunks per group ``v``: Narayanan et al.,
+    SC'21 (Megatron-LM), section 2.2.2, bubble ``(p - 1) / v`` of a stage's
+    time against 1F1B's ``p - 1``.  With ``v = 1`` this is 1F1B's
+    ``m t_max + (sum t - t_max)``."""
+    work: dict[int, float] = {}
+    for t, g in zip(chunk_latencies, groups):
+        work[g] = work.get(g, 0.0) + t
+    if not work:
+        return 0.0
+    v = len(chunk_latencies) / len(work)
+    w_max = max(work.values())
+    return num_micro_batches * w_max + (sum(work.values()) - w_max) / v
 
 
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],

@@ -14,6 +14,7 @@ from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts
 from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
 from ..recompute import SELECTIVE
+from .interleave import group_memory
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
 from .stage_dp import StageChoice, Submesh
@@ -112,9 +113,12 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         lay.meshes_of
     res, schedule, B, total = choice.dp, choice.schedule, lay.B, choice.total_s
     pre = dict(graph_prefixes(full))
-    placements = place_stages(submeshes, res.stages, cluster)
-    stages, batch_specs = [], {}
     n_stages = len(res.stages)
+    # interleaved: virtual stage k on the devices of group k % p
+    p = n_stages // choice.chunks
+    placements = place_stages(submeshes, res.stages[:p], cluster)
+    placements = [placements[k % p] for k in range(n_stages)]
+    stages, batch_specs = [], {}
     recomputed = 0.0     # forward FLOPs run again by recomputing stages
     peak_mem = 0
     comm_bytes = 0.0
@@ -163,9 +167,14 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
                                                 int(round(cbytes * B))),
                             constraints=tuple(sorted(constraints.items())),
-                            read_constraints=tuple((t, p, sp) for (t, p), sp in sorted(reads.items()))))
+                            read_constraints=tuple((t, q, sp) for (t, q), sp in sorted(reads.items())),
+                            device_group=k % p if choice.chunks > 1 else -1))
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
+    if choice.chunks > 1:       # a device group holds all its chunks
+        opts = [choice.options[st.first, st.last, st.submesh, n_stages - k]
+                for k, st in enumerate(res.stages)]
+        peak_mem = int(max(group_memory(opts, p)))
     per_s = 1 / (cluster.num_devices * total * 1e12) if total > 0 else 0.0
     tflops = full.total_flops * per_s
     return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,

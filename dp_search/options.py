@@ -6,5 +6,6 @@ from ..methods import AUTO_SCHEDULES
 from ..request import PipelineOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHUNKS = 2      # model chunks per device group in interleaved plans (v; .interleave)
 
-__all__ = ("PipelineOptions", "SCHEDULES", "AUTO_SCHEDULES",)
+__all__ = ("PipelineOptions", "SCHEDULES", "AUTO_SCHEDULES", "CHUNKS",)

@@ -18,7 +18,7 @@ from ..plan import LogicalMesh
 from ..recompute import recomputed_tensors, replay_reads, selective_nodes
 from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
                      group_layers, layer_subgraph, saved_for_backward, unmarked_view)
-from .options import PipelineOptions
+from .options import CHUNKS, PipelineOptions
 from .stage_dp import Submesh, submesh_shapes
 
 
@@ -95,6 +95,10 @@ class LayerProblems:
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> LayerProblems:
     # at least as many layers as a fixed number of stages needs
     need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
+    if opts.schedules == ("interleaved",):
+        # every stage cut into chunks (.interleave); searched beside other
+        # schedules, interleaved takes the layers there are
+        need *= CHUNKS
     wanted = max(default_layers(g, cluster), need)
     layering = assign_layers(g, opts.num_layers, default_layers=wanted)
     if layering.num_layers < need and opts.num_layers is None:

@@ -16,12 +16,12 @@ from typing import Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.overlap import Backward, StageWork, hidden_s
-from ..cost_model.pipeline import (accumulation_s, in_flight, interleaved_iteration_s, shared_compute_iteration_s,
-                                   stage_send_s)
+from ..cost_model.pipeline import accumulation_s, in_flight, shared_compute_iteration_s, stage_send_s
 from ..errors import InfeasiblePlanError
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
+from .interleave import CHUNKS, interleave, why_not_interleaved
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import LayerCost, LayerSolver
@@ -161,6 +161,7 @@ class PipelineChoice:
     schedule: str
     dp: DPResult                                        # stages in layer indices
     options: dict[tuple[int, int, int, int], StageOption]
+    chunks: int = 1     # virtual stages per device group (interleaved: .interleave)
 
 
 # The shares of the budget (1 / each) a layer's parameters and optimizer
@@ -185,6 +186,8 @@ class StageCosts:
         # the least memory of a stage that fits no way (what the error reports)
         self.least_unfit: float | None = None
         self.least_unfit_stage: UnfitStage | None = None
+        # why the DP's stages could not run interleaved (the error when only it was asked)
+        self.not_interleaved: str | None = None
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -238,14 +241,20 @@ class StageCosts:
         return ((gi == 0) == (s == pp) and (gj == last) == (s == 1)
                 and gi >= pp - s and last - gj >= s - 1)
 
-    def best(self, gi: int, gj: int, m: int, s: int, schedule: str) -> StageOption | None:
+    def best(self, gi: int, gj: int, m: int, s: int, schedule: str,
+             keep: int | None = None) -> StageOption | None:
         """The fastest fitting way to run groups ``gi..gj`` as a stage on submesh
-        ``m`` with ``s`` stages from it to the last, or None."""
+        ``m`` with ``s`` stages from it to the last, or None.  ``keep``: the
+        micro-batches it keeps in flight where the schedule's order says
+        (an interleaved plan's virtual stage, :mod:`.interleave`; its layers
+        need not follow ``equal_layers``), else from ``schedule`` and ``s``."""
         lay, opts = self.lay, self.opts
         i, j = lay.groups[gi][0], lay.groups[gj][1]
-        if opts.equal_layers and gj - gi + 1 != len(lay.groups) // opts.num_stages:
+        if keep is None and opts.equal_layers \
+                and gj - gi + 1 != len(lay.groups) // opts.num_stages:
             return None
-        keep = in_flight(schedule, lay.B, s)
+        if keep is None:
+            keep = in_flight(schedule, lay.B, s)
         n = lay.submeshes[m].size
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / n
         if state > lay.budget:
@@ -395,12 +404,18 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
     ``lay`` or one of its :meth:`~LayerProblems.many_stage_views`)."""
     costs = StageCosts(lay, opts, solver)
     found = []
+    priced_all = []
     for view in [lay] + lay.many_stage_views():
         priced = costs if view is lay else StageCosts(view, opts, solver)
+        priced_all.append(priced)
         for schedule in opts.schedules:
             c = _pipeline_for(schedule, view, cluster, opts, solver, priced)
             if c is not None:
                 found.append((c.total_s, len(found), c, priced))
+    if not found and opts.schedules == ("interleaved",):
+        why = next((c.not_interleaved for c in priced_all if c.not_interleaved), None)
+        if why is not None:
+            raise InfeasiblePlanError(f"no interleaved pipeline with {lay.B} micro-batch(es): {why}")
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
@@ -439,18 +454,21 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
     if res is None:
         return None
-    res = replace(res, stages=tuple(replace(st, first=lay.groups[st.first][0],   # groups -> layers
-                                            last=lay.groups[st.last][1]) for st in res.stages))
-    n_st = len(res.stages)
-    if opts.fixed is not None and n_st != opts.fixed[2]:
+    if opts.fixed is not None and len(res.stages) != opts.fixed[2]:
         return None
-    total = res.total_s
+    chunks = 1
     if schedule == "interleaved":
-        if n_st < 2 or any(st.last - st.first < 1 for st in res.stages):
+        # the DP's stages become device groups of virtual stages
+        costs.not_interleaved = why_not_interleaved(len(res.stages), len(lay.groups), lay.B)
+        got = interleave(res, lay, costs)
+        if got is None:
             return None
-        sends = [chosen[st.first, st.last, st.submesh, n_st - k].send_s
-                 for k, st in enumerate(res.stages[:-1])]
-        total = interleaved_iteration_s([st.latency for st in res.stages], sends, lay.B)
+        (res, chosen), chunks = got, CHUNKS
+    else:
+        res = replace(res, stages=tuple(replace(st, first=lay.groups[st.first][0],  # groups -> layers
+                                                last=lay.groups[st.last][1]) for st in res.stages))
+    n_st = len(res.stages)
+    total = res.total_s
     if cluster.device.achieved.shared_host_compute:
         total = shared_compute_iteration_s(
             [st.latency - 2 * lay.dispatch_s for st in res.stages],
@@ -462,7 +480,7 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     else:
         # and each stage's update program, once per iteration
         total += n_st * lay.dispatch_s
-    return PipelineChoice(total, schedule, res, dict(chosen))
+    return PipelineChoice(total, schedule, res, dict(chosen), chunks)
 
 
 class StageMemoryError(InfeasiblePlanError):

@@ -24,8 +24,9 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
     return out
 
 
-# What a searched schedule ("auto") may be: the runtime executes GPipe and
-# 1F1B; interleaved 1F1B is planned only when asked for by name.
+# What a searched schedule ("auto") may be.  Interleaved 1F1B runs too, and
+# is searched when named (alone or in a list): by default its 2p virtual
+# stages would answer stages=N with 2N plan stages on N device groups.
 AUTO_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved")
@@ -148,6 +149,8 @@ class Manual:
                 raise MeshplanError(f"Manual({k}={v!r}): must be a positive integer")
         if self.schedule not in SCHEDULES[1:]:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
+        if self.schedule == "interleaved":
+            _check_interleaved(self, self.pp, self.num_micro_batches, "pp")
         _check_remat(self, (None, True, False, "selective"),
                      "None, 'none', 'selective', 'full', True or False")
         _check_fraction(self)
@@ -202,6 +205,20 @@ def _check_remat(method: Any, allowed: tuple[Any, ...], hint: str) -> None:
         object.__setattr__(method, "remat", REMAT_NAMES[r])
     if method.remat not in allowed:
         raise MeshplanError(f"{type(method).__name__}(remat={r!r}): use {hint}")
+
+
+def _check_interleaved(method: Any, stages: int, mb: Any, what: str) -> None:
+    """Interleaved 1F1B (Megatron-LM's order, meshplan.schedule) needs two or
+    more stages and a multiple of them as micro-batches."""
+    name = type(method).__name__
+    if stages < 2:
+        raise MeshplanError(f"{name}({what}={stages}, schedule='interleaved'): interleaved 1F1B "
+                            f"needs {what} >= 2")
+    counts = (mb,) if isinstance(mb, int) else tuple(mb or ())
+    if counts and all(b % stages for b in counts):
+        raise MeshplanError(f"{name}({what}={stages}, num_micro_batches={mb!r}, "
+                            "schedule='interleaved'): interleaved 1F1B runs a multiple of the "
+                            f"{stages} stages as micro-batches; use e.g. {stages * 2}")
 
 
 def _check_offload(method: Any) -> None:
@@ -280,6 +297,8 @@ class PipeshardParallel:
 
     def request(self, num_devices: int) -> PlanRequest:
         stages = None if self.stages == "auto" else int(self.stages)
+        if self.schedule == "interleaved" and stages is not None:
+            _check_interleaved(self, stages, self.num_micro_batches, "stages")
         if stages is not None and not 1 <= stages <= num_devices:
             raise MeshplanError(f"PipeshardParallel(stages={stages}): a stage needs at least one "
                                 f"device and the cluster has {num_devices}; use 1 to "

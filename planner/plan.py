@@ -193,6 +193,9 @@ class Stage:
     offload: str = "none"
     host_params: tuple[str, ...] = ()
     host_outputs: tuple[str, ...] = ()
+    # interleaved plans: the device group (physical stage) this virtual stage
+    # runs on, stages of one group sharing its devices; -1: its own devices
+    device_group: int = -1
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_KINDS:
@@ -227,6 +230,7 @@ class Stage:
                 "host_memory": {"params": list(self.host_params),
                                 "outputs": list(self.host_outputs)}}
                if self.offload != "none" else {}),
+            **({"device_group": self.device_group} if self.device_group >= 0 else {}),
         }
 
     @classmethod
@@ -248,6 +252,7 @@ class Stage:
             offload=str(d.get("offload", "none")),
             host_params=tuple(str(k) for k in d.get("host_memory", {}).get("params", ())),
             host_outputs=tuple(str(k) for k in d.get("host_memory", {}).get("outputs", ())),
+            device_group=int(d.get("device_group", -1)),
         )
 
 
@@ -322,6 +327,19 @@ class Plan:
     @property
     def logical_mesh(self) -> LogicalMesh:
         return self.stages[0].logical_mesh
+
+    @property
+    def device_groups(self) -> tuple[int, ...]:
+        """The device group of every stage: ``Stage.device_group`` where set
+        (interleaved plans: virtual stage k on group k mod p), else its index."""
+        return tuple(s.device_group if s.device_group >= 0 else k
+                     for k, s in enumerate(self.stages))
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per device group (1 but for interleaved plans)."""
+        groups = len(set(self.device_groups))
+        return len(self.stages) // groups if groups else 1
 
     # ---- JSON -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -413,7 +431,9 @@ class Plan:
             pr = s.predicted
             lines.append(
                 f"  stage {k}: layers {s.layers[0]}..{s.layers[1]}, devices {_ranges(s.devices)} "
-                f"(submesh {s.submesh[0]}x{s.submesh[1]}), mesh {s.logical_mesh}"
+                f"(submesh {s.submesh[0]}x{s.submesh[1]}"
+                f"{f', device group {s.device_group}' if s.device_group >= 0 else ''}), "
+                f"mesh {s.logical_mesh}"
                 f"{_remat_note(s)}; compute {human_time(pr.compute_s)}, "
                 f"comm {human_time(pr.comm_s)}, memory "
                 f"{pr.memory or human_bytes(pr.memory_bytes)}")

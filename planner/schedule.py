@@ -1,11 +1,28 @@
 """Pipeline schedule order, one definition for the planner's drawing
-(:mod:`meshplan.tools.timeline`) and the runtime's driver
-(:mod:`meshplan.runtime.pipeline_driver`).  Pure data, no jax."""
+(:mod:`meshplan.tools.timeline`), its costing of interleaved plans
+(:mod:`meshplan.dp_search.stages`) and the runtime's driver
+(:mod:`meshplan.runtime.pipeline_driver`).  Pure data, no jax.
+
+Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC'21, section 2.2.2): ``p``
+device groups each hold ``v`` model chunks; virtual stage ``k`` (chunk ``k //
+p`` of group ``k % p``) runs on group ``k % p``, so group ``s`` holds stages
+``s, s + p, ...``.  Each group runs forwards in rounds of ``p`` micro-batches
+per chunk, warms up with ``2 (p - s - 1) + (v - 1) p`` forwards, then
+alternates one forward and one backward; the micro-batch count must be a
+multiple of ``p``.  Its bubble is ``(p - 1) / v`` of a stage's time per
+micro-batch, against ``p - 1`` for 1F1B."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Block", "schedule_order"]
+from .errors import MeshplanError
+
+__all__ = ["Block", "schedule_order", "group_order", "max_in_flight", "ScheduleError"]
+
+
+class ScheduleError(MeshplanError, ValueError):
+    """A schedule that cannot run this many micro-batches or stages."""
 
 
 @dataclass(frozen=True)
@@ -35,3 +52,48 @@ def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple
         out.append(("B", b))
         b += 1
     return out
+
+
+def group_order(schedule: str, group: int, groups: int, m: int,
+                chunks: int = 1) -> list[tuple[str, int, int]]:
+    """The (kind, virtual stage, micro-batch) order the devices of ``group``
+    (of ``groups``) run, with ``chunks`` model chunks per group (virtual
+    stage ``k`` on group ``k % groups``).  ``chunks`` 1 is
+    :func:`schedule_order`; more needs ``schedule`` ``"interleaved"``."""
+    if chunks == 1:
+        return [(k, group, i) for k, i in schedule_order(schedule, group, groups, m)]
+    if schedule != "interleaved":
+        raise ScheduleError(f"{chunks} model chunks per device group need the interleaved "
+                            f"schedule, not {schedule!r}")
+    p, v = groups, chunks
+    if m % p:
+        raise ScheduleError(f"interleaved 1F1B runs a multiple of the {p} device groups as "
+                            f"micro-batches, not {m}")
+    total = m * v
+
+    def at(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk * p + group, (k // (p * v)) * p + k % p
+
+    warm = min(2 * (p - group - 1) + (v - 1) * p, total)
+    out = [("F", *at(k, False)) for k in range(warm)]
+    for k in range(total - warm):
+        out.append(("F", *at(warm + k, False)))
+        out.append(("B", *at(k, True)))
+    out += [("B", *at(k, True)) for k in range(total - warm, total)]
+    return out
+
+
+def max_in_flight(schedule: str, groups: int, m: int, chunks: int = 1) -> tuple[int, ...]:
+    """Per virtual stage, the most micro-batches whose forward ran and whose
+    backward did not yet (what it keeps activations for), in the order
+    :func:`group_order` gives."""
+    most = [0] * (groups * chunks)
+    for g in range(groups):
+        now = [0] * (groups * chunks)
+        for kind, k, _ in group_order(schedule, g, groups, m, chunks):
+            now[k] += 1 if kind == "F" else -1
+            most[k] = max(most[k], now[k])
+    return tuple(most)

@@ -1,4 +1,5 @@
-"""Run a multi-stage (pipeline) plan: stages on submeshes, GPipe and 1F1B.
+"""Run a multi-stage (pipeline) plan: stages on submeshes, GPipe, 1F1B and
+interleaved 1F1B (virtual stages sharing their device group's devices).
 
 How a plan becomes programs
 ---------------------------
@@ -20,10 +21,14 @@ constraints) and the apply work of the stage, cut into "levels" where the
 update needs values of another stage (a global gradient norm).  The driver
 dispatches the programs asynchronously in the schedule's order (GPipe: all
 forwards, then all backwards; 1F1B: warm-up forwards, then one forward / one
-backward), keeps a micro-batch's activations only until its backward ran,
-accumulates gradients per stage (the gradient is the mean over micro-batches,
-i.e. the loss is taken to be a mean over the batch), applies each stage's
-update once and returns the outputs as the undecorated step does.
+backward; interleaved: per device group, Megatron-LM's order over its model
+chunks, :func:`meshplan.schedule.group_order`), keeps a micro-batch's
+activations only until its backward ran, accumulates gradients per stage
+(the gradient is the mean over micro-batches, i.e. the loss is taken to be a
+mean over the batch), applies each stage's update once and returns the
+outputs as the undecorated step does.  An interleaved plan's virtual stages
+are stages of their own (programs, meshes, running sums) that share their
+device group's devices (``Stage.device_group``).
 
 Rematerialised stages (``Stage.remat``): the planner costs such a stage as
 keeping only its forward's inputs per micro-batch in flight.  Its backward
@@ -100,7 +105,7 @@ from .shard import FastPathMiss, _signature, build_mesh, stage_devices
 __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
            "SCHEDULES",)
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
@@ -109,6 +114,33 @@ def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
     if not any(s.recompute == SELECTIVE for s in plan.stages) or traced.graph is None:
         return frozenset()
     return selective_nodes(traced.graph, traced.forward)
+
+
+def _device_groups(plan: Plan) -> tuple[int, ...]:
+    """Every stage's device group, checked: stages share devices only as an
+    interleaved plan's virtual stages do (stage k on group k mod p, the
+    stages of a group on the same devices)."""
+    groups = plan.device_groups
+    p = len(set(groups))
+    if plan.schedule == "interleaved" or p != len(groups):
+        if plan.schedule != "interleaved" or groups != tuple(k % p for k in range(len(groups))) \
+                or len(groups) % p or len(groups) == p:
+            raise StalePlanError(
+                f"the plan's device groups {list(groups)} are not an interleaved layout (virtual "
+                f"stage k on group k mod p, two or more chunks per group) under schedule "
+                f"{plan.schedule!r}; re-plan")
+        if plan.num_micro_batches % p:
+            raise StalePlanError(f"interleaved 1F1B runs a multiple of the {p} device groups as "
+                                 f"micro-batches, not {plan.num_micro_batches}; re-plan")
+    owner: dict[int, int] = {}
+    for k, (s, g) in enumerate(zip(plan.stages, groups)):
+        for d in s.devices:
+            if owner.setdefault(d, g) != g:
+                raise StalePlanError(f"stage {k} shares device {d} with a stage of another device "
+                                     "group; re-plan")
+        if set(s.devices) != set(plan.stages[groups.index(g)].devices):
+            raise StalePlanError(f"stage {k} is not on the devices of its device group {g}; re-plan")
+    return groups
 
 
 class PipelineExecutable:
@@ -140,7 +172,7 @@ class PipelineExecutable:
         if plan.schedule not in SCHEDULES:
             raise RuntimeStageError(
                 f"the plan's schedule {plan.schedule!r} cannot be executed by this version "
-                f"(it runs {' and '.join(SCHEDULES)}); re-plan with "
+                f"(it runs {', '.join(SCHEDULES)}); re-plan with "
                 "PipeshardParallel(schedule='1f1b') or schedule='gpipe'")
         layer_of_node = plan.layer_of_node if layer_of_node is None else tuple(layer_of_node)
         if not layer_of_node:
@@ -162,17 +194,14 @@ class PipelineExecutable:
         self.donated = frozenset(i for (a, _), i, b in zip(traced.arg_paths, traced.flat.invars,
                                                              traced.batch_leaves)
                                  if a in self.donate_argnums and not b)
+        self.groups = _device_groups(plan)
         self.meshes = [build_mesh(s.logical_mesh, stage_devices(s, devices)) for s in plan.stages]
-        seen: set[int] = set()
-        for k, s in enumerate(plan.stages):
-            overlap = seen & set(s.devices)
-            if overlap:
-                raise StalePlanError(f"stage {k} shares devices {sorted(overlap)} with an earlier "
-                                     "stage; re-plan")
-            seen |= set(s.devices)
         # [multi-host] every process runs this driver; each dispatches the
         # programs of its own stages and moves values to the others'
         xp = StageTransport(self.meshes) if is_multiprocess() else None
+        if xp is not None and self.plan.chunks > 1:
+            raise RuntimeStageError("interleaved plans run in one process in this version; "
+                                    "re-plan with schedule='1f1b' for several processes")
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
@@ -207,7 +236,7 @@ class PipelineExecutable:
                     "averaged over micro-batches and normalisation uses micro-batch statistics, "
                     "which differs from the undecorated step", stacklevel=3)
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
-        self.wiring = wire(split, flat, self.schedule, m)
+        self.wiring = wire(split, flat, self.schedule, m, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated
         if xp is not None:
             self.donated = frozenset()
@@ -298,7 +327,8 @@ class PipelineExecutable:
         if self._timeline_jobs is not None:
             for w, upto in zip(self._watchers or [], self._timeline_jobs):
                 ends.update(w.wait(step_id, upto))
-        self._timeline = timeline_blocks(events, t_step, ends, self.split, self.p)
+        self._timeline = timeline_blocks(events, t_step, ends, self.split, self.p,
+                                         self.groups)
         return self._timeline
 
     def __repr__(self) -> str:

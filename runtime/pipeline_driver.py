@@ -61,8 +61,9 @@ class Wiring:
     keep: tuple[frozenset[int], ...]              # [remat] per stage, see the module doc
 
 
-def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int) -> Wiring:
-    order = dispatch_order(split, schedule, m)
+def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int,
+         groups: Sequence[int] | None = None) -> Wiring:
+    order = dispatch_order(split, schedule, m, groups)
     update_order = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
     consumers: dict[int, list[tuple]] = defaultdict(list)
     for key, t in split.tasks.items():
@@ -445,22 +446,24 @@ class Watcher:
 
 
 def timeline_blocks(events: Sequence[tuple], t_step: float, ends: dict[int, float],
-                    split: StepSplit, p: int) -> list[Block]:
+                    split: StepSplit, p: int, groups: Sequence[int] | None = None) -> list[Block]:
     """The blocks of one call: ``end`` is when a program's outputs were ready
     (``ends``, by event; else when its dispatch returned); ``start`` is the
-    later of its dispatch, the end of the stage's previous program and the
-    end of the programs it reads from."""
+    later of its dispatch, the end of the previous program on the stage's
+    devices (``groups``: each stage's device group, default its own) and
+    the end of the programs it reads from."""
     blocks: list[Block] = []
-    stage_free = [0.0] * p
+    group = tuple(range(p)) if groups is None else tuple(groups)
+    stage_free = [0.0] * (max(group) + 1)
     end_of: dict[tuple, float] = {}
     for k, (s, i, kind, t0, t1) in enumerate(events):
         end = ends.get(k, t1) - t_step
-        start = max(t0 - t_step, stage_free[s])
+        start = max(t0 - t_step, stage_free[group[s]])
         if kind in ("F", "B"):
             for d in split.deps[(kind, s)]:
                 start = max(start, end_of.get((d[0], d[1], i), 0.0))
         end = max(end, start)
-        stage_free[s] = end
+        stage_free[group[s]] = end
         end_of[(kind, s, i)] = end
         blocks.append(Block(s, i, kind, start, end))
     return blocks

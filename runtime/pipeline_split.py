@@ -59,7 +59,7 @@ import jax
 
 from meshplan.errors import MeshplanError, StalePlanError
 from meshplan.recompute import FULL, NONE, recompute_name
-from meshplan.schedule import schedule_order
+from meshplan.schedule import group_order
 from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit
 
 __all__ = ("Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT",)
@@ -497,30 +497,35 @@ def _check_pipeline(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], producer:
                     f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
 
 
-def dispatch_order(split: StepSplit, schedule: str, m: int) -> list[tuple[str, int, int]]:
+def dispatch_order(split: StepSplit, schedule: str, m: int,
+                   groups: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
     """One global order of (kind, stage, micro-batch) that follows every
-    stage's schedule order and every data dependence."""
-    p = split.num_stages
-    orders = [[(k, i) for k, i in schedule_order(schedule, s, p, m) if (k, s) in split.tasks]
-              for s in range(p)]
+    device group's schedule order and every data dependence.  ``groups``:
+    the device group of every stage (default: its own); an interleaved plan
+    puts virtual stage ``k`` on group ``k % p`` (:func:`meshplan.schedule.group_order`)."""
+    n = split.num_stages
+    groups = tuple(range(n)) if groups is None else tuple(groups)
+    p = len(set(groups))
+    chunks = n // p
+    orders = [[(k, s, i) for k, s, i in group_order(schedule, g, p, m, chunks)
+               if (k, s) in split.tasks] for g in range(p)]
     pos = [0] * p
     done: set[tuple[str, int, int]] = set()
     out: list[tuple[str, int, int]] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
+        for g in range(p):
+            while pos[g] < len(orders[g]):
+                kind, s, i = orders[g][pos[g]]
                 if any((d[0], d[1], i) not in done for d in split.deps[(kind, s)]):
                     break
                 out.append((kind, s, i))
                 done.add((kind, s, i))
-                pos[s] += 1
+                pos[g] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise MeshplanError(f"the {schedule} schedule deadlocks on this step's stage "
                                 "dependencies; re-plan with another schedule")
     return out
-

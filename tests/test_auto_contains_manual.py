@@ -4,8 +4,9 @@ configuration of the grid (dp x tp x pp x micro-batches x remat x schedule,
 those that fit), by the same cost model.
 
 Left out of the grid, because Auto does not search them by design:
-- ``schedule="interleaved"``: Auto searches only the schedules the runtime
-  executes (GPipe, 1F1B; ``Auto(schedule=...)`` can add it);
+- ``schedule="interleaved"``: Auto searches GPipe and 1F1B unless told
+  (``Auto(schedule=(..., "interleaved"))``), and Manual cuts finer layers
+  for its 2 pp chunks (meshplan.dp_search.interleave);
 - a stage of ``dp * tp`` devices that does not tile a host (3 devices on
   hosts of 4): Auto's submeshes never straddle hosts (Alpa's shapes);
 - ``pp`` above the layers Auto's layering has: Manual then cuts finer

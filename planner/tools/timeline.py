@@ -1,11 +1,13 @@
 """The pipeline schedule of a plan, simulated and drawn.
 
 ``simulate(plan)`` lays out every forward and backward block of every
-micro-batch on every stage in the order the schedule runs them (GPipe: all
-forwards, then all backwards; 1F1B: warm-up forwards, then one forward / one
-backward; interleaved is drawn as 1F1B) with each block starting when its
-stage is free and its input has arrived.  ``draw(plan, path)`` saves the
-picture (stages x time).
+micro-batch on every stage in the order the schedule runs them
+(:func:`meshplan.schedule.group_order`, the runtime's order too: GPipe all
+forwards, then all backwards; 1F1B warm-up forwards, then one forward / one
+backward; interleaved 1F1B per device group over its model chunks) with each
+block starting when its devices are free and its input has arrived.
+``draw(plan, path)`` saves the picture (device groups x time; an
+interleaved plan's second chunk is drawn lighter).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import textwrap
 
 from ..plan import Plan
 from ..units import human_time
-from ..schedule import Block, schedule_order
+from ..schedule import Block, group_order, schedule_order
 
 __all__ = ["Block", "schedule_order", "simulate", "draw", "breakdown", "FORWARD_SHARE"]
 
@@ -28,10 +30,13 @@ def stage_latency(stage) -> float:
 
 
 def simulate(plan: Plan) -> list[Block]:
-    p, m = len(plan.stages), plan.num_micro_batches
+    """The plan's blocks (``Block.stage``: the virtual stage) as its schedule runs them."""
+    n, m = len(plan.stages), plan.num_micro_batches
+    groups = plan.device_groups
+    p = len(set(groups))
     t_f = [stage_latency(s) * FORWARD_SHARE for s in plan.stages]
     t_b = [stage_latency(s) * (1 - FORWARD_SHARE) for s in plan.stages]
-    orders = [schedule_order(plan.schedule, k, p, m) for k in range(p)]
+    orders = [group_order(plan.schedule, g, p, m, plan.chunks) for g in range(p)]
     pos = [0] * p
     free = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
@@ -39,21 +44,21 @@ def simulate(plan: Plan) -> list[Block]:
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for k in range(p):
-            while pos[k] < len(orders[k]):
-                kind, i = orders[k][pos[k]]
+        for g in range(p):
+            while pos[g] < len(orders[g]):
+                kind, k, i = orders[g][pos[g]]
                 if kind == "F":
                     dep = done.get(("F", k - 1, i), None) if k > 0 else 0.0
                 else:
-                    dep = done.get(("B", k + 1, i), None) if k < p - 1 else done.get(("F", k, i))
+                    dep = done.get(("B", k + 1, i), None) if k < n - 1 else done.get(("F", k, i))
                 if dep is None:
                     break
-                start = max(free[k], dep)
+                start = max(free[g], dep)
                 end = start + (t_f[k] if kind == "F" else t_b[k])
                 done[(kind, k, i)] = end
-                free[k] = end
+                free[g] = end
                 blocks.append(Block(k, i, kind, start, end))
-                pos[k] += 1
+                pos[g] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
@@ -94,7 +99,8 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
         from ..errors import MeshplanError
         raise MeshplanError("--timeline needs matplotlib: pip install 'meshplan[plot]'") from e
     blocks = simulate(plan)
-    p = len(plan.stages)
+    groups = plan.device_groups
+    p = len(set(groups))
     panels = [(blocks, "time (ms, predicted)")]
     if executed:
         panels.append((list(executed), "time (ms, executed: start of the call = 0)"))
@@ -106,23 +112,28 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
     for ax, (bl, label) in zip(axes[:, 0], panels):
         right = max((x.end for x in bl), default=0.0) * scale
         for b in bl:
-            ax.barh(b.stage, (b.end - b.start) * scale, left=b.start * scale, height=0.8,
-                    color=colors.get(b.kind, "#8c8c8c"), edgecolor="white", linewidth=0.5)
+            row = groups[b.stage]
+            ax.barh(row, (b.end - b.start) * scale, left=b.start * scale, height=0.8,
+                    color=colors.get(b.kind, "#8c8c8c"), edgecolor="white", linewidth=0.5,
+                    alpha=1.0 if b.stage < p else 0.55)
             if (b.end - b.start) * scale > 0.02 * right:
                 text = b.kind if b.micro_batch < 0 else f"{b.kind}{b.micro_batch}"
-                ax.text((b.start + b.end) / 2 * scale, b.stage, text,
+                ax.text((b.start + b.end) / 2 * scale, row, text,
                         ha="center", va="center", fontsize=7, color="white")
         ax.set_yticks(range(p))
-        ax.set_yticklabels([f"stage {k}\n{s.logical_mesh}" for k, s in enumerate(plan.stages)],
-                           fontsize=8)
+        ax.set_yticklabels([f"stage {k}\n{s.logical_mesh}" if plan.chunks == 1 else
+                            f"devices of stages {', '.join(str(j) for j in range(k, len(groups), p))}"
+                            for k, s in enumerate(plan.stages[:p])], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(label)
         kinds = sorted({b.kind for b in bl}, key="FBA".index)
-        ax.legend(handles=[Patch(color=colors.get(k, "#8c8c8c"), label=names.get(k, k))
-                           for k in kinds], fontsize=7, loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
+        handles = [Patch(color=colors.get(k, "#8c8c8c"), label=names.get(k, k)) for k in kinds]
+        if plan.chunks > 1:
+            handles.append(Patch(color="#8c8c8c", alpha=0.55, label="later model chunks (lighter)"))
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     schedule = {"none": "one stage, no pipeline",
-                "interleaved": "interleaved 1F1B (drawn as 1F1B)"}.get(plan.schedule, plan.schedule)
+                "interleaved": f"interleaved 1F1B ({plan.chunks} chunks per device group)"
+                }.get(plan.schedule, plan.schedule)
     axes[0, 0].set_title(f"{plan.function}: {schedule}, {plan.num_micro_batches} micro-batches\n"
                          f"{textwrap.fill(breakdown(plan, blocks), 110)}", fontsize=8)
     fig.tight_layout()
