@@ -54,7 +54,7 @@ def megatron_flops(config: dict) -> float:
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def run_row(name: str, searched: bool) -> dict:
+def run_row(name: str, searched: bool, published_only: bool = False) -> dict:
     info = PRESET_INFO[f"megatron-{name}"]
     m = build_model(f"megatron-{name}")
     batch = m.config["batch"]
@@ -70,21 +70,28 @@ def run_row(name: str, searched: bool) -> dict:
                                                            schedule="1f1b", remat=True),
                            retrace=rt, session=session)
     t1 = time.perf_counter()
+    t_pub = published.predicted.iteration_s
+    row = {
+        "model": f"megatron-{name}", "gpus": gpus,
+        "published (tp,pp,dp,mb)": f"({tp},{pp},{dp},{mb_pub})",
+        "published TFLOP/s": info["tflops_per_gpu"],
+        "meshplan on published config TFLOP/s": round(megatron_flops(m.config) / gpus / t_pub
+                                                      / 1e12, 1),
+        "relative error": round(megatron_flops(m.config) / gpus / t_pub / 1e12
+                                / info["tflops_per_gpu"] - 1, 3),
+        "published config iteration s": round(t_pub, 2),
+    }
+    if published_only:
+        return {**row, "plan seconds": round(t1 - t0, 1)}
     mbs = None if searched else mb_pub
     own = plan_graph(graph, cluster, meshplan.PipeshardParallel(num_micro_batches=mbs,
                                                                 schedule="1f1b"), retrace=rt,
                      session=session)
     t2 = time.perf_counter()
     otp, odp, opp = stage_shape(own)
-    t_pub, t_own = published.predicted.iteration_s, own.predicted.iteration_s
-    predicted = megatron_flops(m.config) / gpus / t_pub / 1e12
+    t_own = own.predicted.iteration_s
     return {
-        "model": f"megatron-{name}", "gpus": gpus,
-        "published (tp,pp,dp,mb)": f"({tp},{pp},{dp},{mb_pub})",
-        "published TFLOP/s": info["tflops_per_gpu"],
-        "meshplan on published config TFLOP/s": round(predicted, 1),
-        "relative error": round(predicted / info["tflops_per_gpu"] - 1, 3),
-        "published config iteration s": round(t_pub, 2),
+        **row,
         "meshplan choice (tp,pp,dp,mb)": f"({otp},{opp},{odp},{own.num_micro_batches})",
         "meshplan choice iteration s": round(t_own, 2),
         "choice speedup": round(t_pub / t_own, 2),
@@ -100,12 +107,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1.7b,3.6b,7.5b,18.4b,39.1b,76.1b,145.6b,310.1b,529.6b,1t")
     ap.add_argument("--micro-batches", choices=["searched", "published"], default="published")
+    ap.add_argument("--published-only", action="store_true",
+                    help="plan the published configurations only (no meshplan choice columns)")
     args = ap.parse_args(argv)
     rows = []
     for name in args.rows.split(","):
         print(f"planning megatron-{name} ...", file=sys.stderr, flush=True)
         try:
-            rows.append(run_row(name, args.micro_batches == "searched"))
+            rows.append(run_row(name, args.micro_batches == "searched", args.published_only))
         except InfeasiblePlanError as e:
             # the row stays in the table: a configuration the cost model
             # believes does not fit is a finding, not a crash
@@ -128,7 +137,7 @@ def main(argv=None) -> int:
     (out / "megatron.md").write_text(
         "# Megatron-LM Table 1 on DGX A100 (predicted by meshplan's cost model)\n\n"
         f"Command: `python benchmarks/megatron.py --rows {args.rows} --micro-batches "
-        f"{args.micro_batches}`\n\n"
+        f"{args.micro_batches}{' --published-only' if args.published_only else ''}`\n\n"
         "Planning only: nothing ran on a GPU.  *published config*: `Manual(dp, tp, pp, mb, "
         "1f1b, remat=True)`, every stage recomputing its activations as Megatron-LM's runs "
         "did; its TFLOP/s per GPU use Megatron-LM's FLOP count for full recomputation, "
