@@ -585,7 +585,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                  if groups[gid].input_index not in host_inputs}
     rows = b.memory_rows(on_device, budget, memory_points)
     if resident_budget is not None:
-        rows.append(MemoryRow(dict(on_device), resident_budget, name="mem_resident_cap"))
+        rows.append(_cap_row(on_device, resident_budget))
     if host_inputs:
         rows.append(MemoryRow(update_point(graph, groups, resident), budget, name="mem_update"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
@@ -596,3 +596,19 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
                  grad_groups, update_groups)
+
+
+def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:
+    return MemoryRow(dict(on_device), cap, name="mem_resident_cap")
+
+
+def with_resident_cap(built: Built, cap: float) -> Built:
+    """What :func:`build_problem` makes with ``resident_budget=cap`` from what
+    it made with the same arguments but no ``resident_budget`` and no
+    ``host_inputs`` (``built``): the cap is one row more, the rest does not
+    depend on it, so a layer solved under several caps is built once."""
+    p = built.problem
+    if any(r.name == "mem_update" for r in p.memory):
+        raise ValueError("with_resident_cap: the problem was built with host inputs")
+    problem = IlpProblem(p.names, p.costs, p.edges, p.memory + [_cap_row(built.resident_rows, cap)])
+    return dataclasses.replace(built, problem=problem)
