@@ -327,29 +327,32 @@ class _Builder:
         out_shape = graph.tensors[out_t].shape
         dtype = node_dtype(graph, node)
         out_bytes = graph.tensors[out_t].nbytes
-        mapped_cache: dict[ISpec, Mapped] = {}
+        # (what a strategy adds depends on its layout of the operand alone:
+        # worked out once per distinct layout, many strategies share one)
+        per_spec: dict[ISpec, tuple] = {}
         for i in range(g.size):
             ms = g.specs[i][main]
-            mp = mapped_cache.get(ms)
-            if mp is None:
-                mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
-            g.specs[i][out_t] = mp.out
-            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
-            t += self._fixed(node, t)
-            steps = self.rs.steps(main, ms, mp.main_req)
-            if mp.reduce_axes:
-                steps = steps + (("all-reduce",) + all_reduce(
-                    mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
-            c_time = sum(x[1] for x in steps)
-            c_bytes = sum(x[2] for x in steps)
+            got = per_spec.get(ms)
+            if got is None:
+                mp = map_through(space, k, ms, shape, out_shape)
+                t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+                t += self._fixed(node, t)
+                steps = self.rs.steps(main, ms, mp.main_req)
+                if mp.reduce_axes:
+                    steps = steps + (("all-reduce",) + all_reduce(
+                        mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+                reads = [(node.inputs[p], req) for p, req in mp.reads
+                         if graph.tensors[node.inputs[p]].shape]
+                got = per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
+                                      sum(x[2] for x in steps), reads)
+            out, t, steps, c_time, c_bytes, reads = got
+            g.specs[i][out_t] = out
             _add_kinds(g.comm_kinds[i], steps)
             g.cost[i] += t + c_time
             g.compute[i] += t
             g.comm[i] += c_time
             g.comm_bytes[i] += c_bytes
-            for p, req in mp.reads:
-                if graph.tensors[node.inputs[p]].shape:
-                    g.reads[i].append((node.inputs[p], req))
+            g.reads[i].extend(reads)
         g.members.append(node.id)
         self.group_of_tensor[out_t] = g.gid
 
