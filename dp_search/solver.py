@@ -15,7 +15,7 @@ from ..cost_model.overlap import Backward
 from ..cost_model.sharding import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
-from ..ilp import IlpCaches, InputLayouts, IntraOpResult, solve_intra_op
+from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -73,21 +73,30 @@ class LayerCost:
         return max(self.activation_bytes - self.selective_kept_bytes, 0.0)
 
 
-def solve_job(job: tuple, caches: IlpCaches | None = None) -> tuple[IntraOpResult | None, float]:
+def solve_job(job: tuple, caches: IlpCaches | None = None
+              ) -> tuple[IntraOpResult | None, float, Built | None]:
     """One layer ILP (run in a worker process when solving in parallel): its
-    result (None: it does not fit) and the seconds it took.  ``caches``: the
-    session's, when solved in its process."""
+    result (None: it does not fit), the seconds it took and, for a problem
+    without a cap that has a plan, the ILP as built (a capped solve of the
+    same layer reuses it: ``base`` in the job).  ``caches``: the session's,
+    when solved in its process."""
     (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
-     options, resident_cap) = job
+     options, resident_cap, base) = job
     t0 = time.perf_counter()
+    keep = base is None and resident_cap is None
     try:
+        if base is None:
+            base = build_intra_op(sub, cluster, mesh, submesh=submesh, memory_budget=budget,
+                                  accumulate=grads, grad_accum=grad_accum, input_filter=filt,
+                                  caches=caches)
         r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
                            time_limit=time_limit, memory_budget=budget,
                            accumulate=grads, grad_accum=grad_accum, input_filter=filt,
-                           options=options, caches=caches, resident_budget=resident_cap)
+                           options=options, caches=caches, resident_budget=resident_cap,
+                           built=base)
     except InfeasiblePlanError:
         r = None
-    return r, time.perf_counter() - t0
+    return r, time.perf_counter() - t0, base if keep and r is not None else None
 
 
 def _ignore_sigint() -> None:
@@ -110,6 +119,10 @@ class LayerSolver:
     ilp_work_s: float = 0.0     # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
     _pool: Any = None
+    # uncapped layer key -> its ILP as built: the capped solves of that layer
+    # add their cap row to it instead of building it again (this search's
+    # current micro-batch count only: the keys hold it)
+    _built: dict = field(default_factory=dict)
 
     @property
     def cache(self) -> dict:
@@ -137,6 +150,8 @@ class LayerSolver:
         ``tighten`` > 1: its parameters and optimizer state may use at most
         1 / tighten of the budget."""
         o = self.options
+        base = (self._built.get(self._key(sub, mesh, submesh, grad_accum)) if tighten > 1
+                else None)
         used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
         filt = o.input_filter
         if isinstance(filt, str):       # "model", or "model+sequence" (sequence parallel)
@@ -146,7 +161,15 @@ class LayerSolver:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,
                 self.cluster.device.memory_bytes * o.memory_fraction / tighten
-                if tighten > 1 else None)
+                if tighten > 1 else None, base)
+
+    def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+                      grad_accum: int, tighten: int) -> bool:
+        """Has the layer no plan under a looser cap (or none)?  Then it has
+        none under ``tighten`` either: a tighter cap only removes plans."""
+        base = self._key(sub, mesh, submesh, grad_accum)
+        return any(self.cache.get(base + ((t,) if t != 1 else ()), 0) is None
+                   for t in range(1, tighten))
 
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
@@ -154,6 +177,9 @@ class LayerSolver:
         them to pay for the workers; :meth:`collect` waits for them.  (Those
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
+        counts = {r[5] for r in requests}
+        # (a new micro-batch count: the problems built for the last are not asked again)
+        self._built = {k: v for k, v in self._built.items() if k[5] in counts}
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
                 selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
@@ -176,7 +202,8 @@ class LayerSolver:
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
                 selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum, tighten)
-            if key not in self.cache and key not in todo:
+            if key not in self.cache and key not in todo \
+                    and not self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten), sub, mesh,
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 2:
@@ -215,10 +242,12 @@ class LayerSolver:
         keys, todo, pending = batch
         t0 = time.perf_counter()
         results = pending.get()
-        for key, (r, took) in zip(keys, results):
+        for key, (r, took, built) in zip(keys, results):
             _, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took
+            if built is not None:
+                self._built[key] = built
             self.cache[key] = (None if r is None else
                                layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
                                                       entering, selective, self.cluster))
@@ -252,10 +281,16 @@ class LayerSolver:
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
+        if tighten > 1 and self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
+            self.hits += 1       # (known from the looser problem's answer)
+            self.cache[key] = None
+            return None
         self.solves += 1
         t0 = time.perf_counter()
-        r, took = solve_job(self._job(sub, mesh, submesh, grads, grad_accum, tighten),
-                            self.session.ilp_caches)
+        r, took, built = solve_job(self._job(sub, mesh, submesh, grads, grad_accum, tighten),
+                                   self.session.ilp_caches)
+        if built is not None:
+            self._built[key] = built
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,

@@ -100,10 +100,11 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     if not latencies:
         return None
     best: DPResult | None = None
+    rows: dict = {}     # (first layer, stages left) -> its stages that fit, for every t_max
     for t_max in (latencies if B > 1 else latencies[-1:]):
         if best is not None and (B - 1) * t_max >= best.total_s:
             break
-        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages, balance)
+        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages, balance, rows)
         if res is None:
             continue
         total, stages = res
@@ -123,10 +124,21 @@ def _reachable(first: int, s: int, min_stages: int, max_stages: int) -> bool:
 
 
 def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
-            c: Callable, min_stages: int = 1, balance: Sequence[float] | None = None
-            ) -> tuple[float, tuple[StageChoice, ...]] | None:
+            c: Callable, min_stages: int = 1, balance: Sequence[float] | None = None,
+            rows: dict | None = None) -> tuple[float, tuple[StageChoice, ...]] | None:
     INF = math.inf
     min_size = min(sizes)
+    rows = {} if rows is None else rows
+
+    def stages_from(k: int, s: int) -> list[tuple[int, int, int, float]]:
+        """(last layer, submesh, its size, latency) of each stage from layer
+        ``k`` with ``s`` stages left that fits, in the DP's order.  (Every
+        one was priced before the first t_max: no new cost is asked.)"""
+        r = rows.get((k, s))
+        if r is None:
+            r = rows[k, s] = [(j, m, size, t) for j in range(k, L - s + 1)
+                              for m, size in enumerate(sizes) if (t := c(k, j, m, s)) is not None]
+        return r
     if balance is None:
         def better(a: tuple, b: tuple) -> bool:
             return a[0] < b[0]
@@ -152,17 +164,17 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
         if s == 0 or d < s * min_size or L - k < s:
             return INF, ()
         best: tuple[float, tuple[StageChoice, ...]] = (INF, ())
-        for j in range(k, L - s + 1):
-            for m, size in enumerate(sizes):
-                if size > d:
-                    continue
-                t = c(k, j, m, s)
-                if t is None or t > t_max:
-                    continue
-                rest, stages = F(s - 1, j + 1, d - size)
-                cand = (t + rest, (StageChoice(k, j, m, t),) + stages)
-                if better(cand, best):
-                    best = cand
+        for j, m, size, t in stages_from(k, s):
+            if size > d or t > t_max:
+                continue
+            rest, stages = F(s - 1, j + 1, d - size)
+            if balance is None:     # (better() on totals alone: no tuple made for a loser)
+                if t + rest < best[0]:
+                    best = (t + rest, (StageChoice(k, j, m, t),) + stages)
+                continue
+            cand = (t + rest, (StageChoice(k, j, m, t),) + stages)
+            if better(cand, best):
+                best = cand
         return best
 
     best: tuple[float, tuple[StageChoice, ...]] = (INF, ())

@@ -339,31 +339,34 @@ class _Builder:
         out_shape = graph.tensors[out_t].shape
         dtype = node_dtype(graph, node)
         out_bytes = graph.tensors[out_t].nbytes
-        mapped_cache: dict[ISpec, Mapped] = {}
+        # (what a strategy adds depends on its layout of the operand alone:
+        # worked out once per distinct layout, many strategies share one)
+        per_spec: dict[ISpec, tuple] = {}
         for i in range(g.size):
             ms = g.specs[i][main]
-            mp = mapped_cache.get(ms)
-            if mp is None:
-                mp = mapped_cache[ms] = map_through(space, k, ms, shape, out_shape)
-            g.specs[i][out_t] = mp.out
-            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
-            t += self._fixed(node, t)
-            steps = self.rs.steps(main, ms, mp.main_req)
-            if mp.reduce_axes:
-                steps = steps + (("all-reduce",) + all_reduce(
-                    mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
-            c_time = sum(x[1] for x in steps)
-            c_bytes = sum(x[2] for x in steps)
+            got = per_spec.get(ms)
+            if got is None:
+                mp = map_through(space, k, ms, shape, out_shape)
+                t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+                t += self._fixed(node, t)
+                steps = self.rs.steps(main, ms, mp.main_req)
+                if mp.reduce_axes:
+                    steps = steps + (("all-reduce",) + all_reduce(
+                        mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+                reads = [(node.inputs[p], req) for p, req in mp.reads
+                         if graph.tensors[node.inputs[p]].shape]
+                got = per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
+                                      sum(x[2] for x in steps), reads)
+            out, t, steps, c_time, c_bytes, reads = got
+            g.specs[i][out_t] = out
             _add_kinds(g.comm_kinds[i], steps)
             g.cost[i] += t + c_time
             g.compute[i] += t
             g.comm[i] += c_time
             g.comm_bytes[i] += c_bytes
-            for p, req in mp.reads:
-                if graph.tensors[node.inputs[p]].shape:
-                    g.reads[i].append((node.inputs[p], req))
-                    if node.id not in self.update_nodes:
-                        g.steady_reads[i].add((node.inputs[p], req))
+            g.reads[i].extend(reads)
+            if node.id not in self.update_nodes:
+                g.steady_reads[i].update(reads)
         g.members.append(node.id)
         self.group_of_tensor[out_t] = g.gid
 
@@ -626,7 +629,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                  if groups[gid].input_index not in host_inputs}
     rows = b.memory_rows(on_device, budget, memory_points)
     if resident_budget is not None:
-        rows.append(MemoryRow(dict(on_device), resident_budget, name="mem_resident_cap"))
+        rows.append(_cap_row(on_device, resident_budget))
     if host_inputs:
         rows.append(MemoryRow(update_point(graph, groups, resident), budget, name="mem_update"))
     # Ties in time go to the layout with less resident memory (1 GiB ~ 1 ns).
@@ -637,3 +640,19 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
                  grad_groups, update_groups)
+
+
+def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:
+    return MemoryRow(dict(on_device), cap, name="mem_resident_cap")
+
+
+def with_resident_cap(built: Built, cap: float) -> Built:
+    """What :func:`build_problem` makes with ``resident_budget=cap`` from what
+    it made with the same arguments but no ``resident_budget`` and no
+    ``host_inputs`` (``built``): the cap is one row more, the rest does not
+    depend on it, so a layer solved under several caps is built once."""
+    p = built.problem
+    if any(r.name == "mem_update" for r in p.memory):
+        raise ValueError("with_resident_cap: the problem was built with host inputs")
+    problem = IlpProblem(p.names, p.costs, p.edges, p.memory + [_cap_row(built.resident_rows, cap)])
+    return dataclasses.replace(built, problem=problem)

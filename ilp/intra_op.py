@@ -18,7 +18,7 @@ from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
 from ..plan import LogicalMesh
-from .build import InputFilter, build_problem, stored_liveness
+from .build import Built, InputFilter, build_problem, stored_liveness, with_resident_cap
 from .caches import IlpCaches
 from .decode import IntraOpResult, decode
 from .options import SolverOptions
@@ -142,24 +142,47 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    options: SolverOptions = SolverOptions(),
                    caches: IlpCaches | None = None,
                    resident_budget: float | None = None,
-                   host_inputs: frozenset[int] = frozenset()) -> IntraOpResult:
+                   host_inputs: frozenset[int] = frozenset(),
+                   built: Built | None = None) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
     ``resident_budget`` bounds the inputs' bytes per device and
     ``host_inputs`` are kept out of the device's memory
     (:func:`meshplan.ilp.build.build_problem`).  The result's peak still
-    counts every input."""
+    counts every input.  ``built``: the problem :func:`build_intra_op` made
+    with these arguments (no ``host_inputs``), reused with
+    ``resident_budget`` added."""
+    mm = mesh_model(cluster, mesh, submesh=submesh)
+    if built is None:
+        built = build_intra_op(graph, cluster, mesh, submesh=submesh,
+                               memory_budget=memory_budget, input_filter=input_filter,
+                               accumulate=accumulate, grad_accum=grad_accum, caches=caches,
+                               resident_budget=resident_budget, host_inputs=host_inputs)
+    elif host_inputs:
+        raise ValueError("solve_intra_op: a prebuilt problem has no host inputs")
+    elif resident_budget is not None:
+        built = with_resident_cap(built, resident_budget)
+    sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
+    return decode(graph, mm, built, sol)
+
+
+def build_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
+                   submesh: tuple[int, int] | None = None, memory_budget: float | None = None,
+                   input_filter: InputFilter | None = None,
+                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
+                   caches: IlpCaches | None = None, resident_budget: float | None = None,
+                   host_inputs: frozenset[int] = frozenset()) -> Built:
+    """The ILP :func:`solve_intra_op` solves with these arguments
+    (InfeasiblePlanError where no layout could fit, before building it)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     err = _too_big(graph, mesh.size, mm.memory_budget if memory_budget is None else memory_budget,
                    host_inputs)
     if err is not None:
         raise err       # (before building an ILP no layout could satisfy)
-    built = build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
-                          accumulate=accumulate, grad_accum=grad_accum, caches=caches,
-                          resident_budget=resident_budget, host_inputs=host_inputs)
-    sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
-    return decode(graph, mm, built, sol)
+    return build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
+                         accumulate=accumulate, grad_accum=grad_accum, caches=caches,
+                         resident_budget=resident_budget, host_inputs=host_inputs)
 
 
 def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
