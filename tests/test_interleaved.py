@@ -52,16 +52,9 @@ SLOW = [("gpt", 2, 2, 2, 4), ("mlp", 2, 2, 2, 8), ("gpt", 2, 2, 2, 8),
         ("mlp", 1, 2, 4, 4), ("mlp", 1, 2, 4, 8), ("gpt", 1, 2, 4, 4), ("gpt", 1, 2, 4, 8)]
 
 
-@pytest.mark.parametrize("name,dp,tp,pp,mb", FAST)
+@pytest.mark.parametrize("name,dp,tp,pp,mb", FAST + [pytest.param(*c, marks=pytest.mark.slow)
+                                                       for c in SLOW])
 def test_interleaved_equals_undecorated_step(name, dp, tp, pp, mb):
-    plan = _plan(name, dp, tp, pp, mb)
-    _check_layout(plan, pp)
-    _check_run(name, plan, pp)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name,dp,tp,pp,mb", SLOW)
-def test_interleaved_equals_undecorated_step_slow(name, dp, tp, pp, mb):
     plan = _plan(name, dp, tp, pp, mb)
     _check_layout(plan, pp)
     _check_run(name, plan, pp)
