@@ -169,8 +169,8 @@ def checkpoint_fences(flat: FlatJaxpr) -> dict[int, tuple[int, ...]]:
     jax lowers such a call with its operands behind one
     ``optimization_barrier`` (``prevent_cse``); a ``lax.scan`` boundary does
     the same for ``prevent_cse=False``.  Inlined and unrolled, neither is
-    left, and XLA would merge the recomputation with the forward's identical
-    values, keeping them alive: the saving gone.  Fencing the operands (the
+    left, and XLA may merge the recomputation with the forward's identical
+    values or run it early, keeping values alive: the saving gone.  Fencing the operands (the
     backward's cotangents among them) puts it back."""
     born = {o: k for k, fe in enumerate(flat.eqns) for o in fe.outvars}
     first: dict[int, int] = {}
