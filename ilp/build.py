@@ -509,7 +509,7 @@ class _Builder:
         of the update (reading a gradient, directly or not)."""
         gt = self.group_of_tensor
         made = frozenset(gt[t] for t in accumulate if t in gt)
-        later = update_tensors(self.graph, accumulate)
+        later = update_nodes(self.graph, accumulate)[1]
         return made, frozenset(gt[t] for t in later if t in gt) - made
 
     # ---- memory rows ------------------------------------------------------------
@@ -545,26 +545,17 @@ class _Builder:
         return rows
 
 
-def update_tensors(graph: Graph, accumulate: frozenset[int]) -> set[int]:
-    """The values computed from the parameter gradients ``accumulate``
-    (the optimizer update's), the gradients themselves excluded."""
+def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[int], set[int]]:
+    """The optimizer update: the operators reading a parameter gradient
+    ``accumulate`` or a value computed from one, and the values they compute
+    (the gradients themselves excluded)."""
     later = set(accumulate)
+    nodes = set()
     for n in graph.nodes:
         if any(t in later for t in n.inputs):
             later.update(n.outputs)
-    return later - set(accumulate)
-
-
-def update_nodes(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
-    """The operators of the optimizer update: those reading a parameter
-    gradient or a value computed from one."""
-    later = set(accumulate)
-    out = set()
-    for n in graph.nodes:
-        if any(t in later for t in n.inputs):
-            later.update(n.outputs)
-            out.add(n.id)
-    return frozenset(out)
+            nodes.add(n.id)
+    return frozenset(nodes), later - set(accumulate)
 
 
 def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
@@ -609,7 +600,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
     if grad_accum > 1:
-        b.update_nodes = update_nodes(graph, accumulate)
+        b.update_nodes = update_nodes(graph, accumulate)[0]
         b.once = 1.0 / grad_accum
     b.add_input_groups(input_filter)
     b.add_operator_groups()
