@@ -99,6 +99,11 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
     return r, time.perf_counter() - t0, base if keep and r is not None else None
 
 
+def _cap_key(tighten: int) -> tuple:
+    """What a layer's cache key adds for its cap (nothing uncapped)."""
+    return (tighten,) if tighten != 1 else ()
+
+
 def _ignore_sigint() -> None:
     """In an ILP worker: Ctrl-C is the parent's to handle (it ends the workers)."""
     import signal
@@ -142,7 +147,7 @@ class LayerSolver:
         links = tuple((l.bandwidth, l.latency, l.local, l.phases) for l in mm.links)
         return (sub.fingerprint, mesh.shape, links, mm.intra, mm.inter,
                 grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
-                o.memory_fraction) + ((tighten,) if tighten != 1 else ())
+                o.memory_fraction) + _cap_key(tighten)
 
     def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
              grads: frozenset[int], grad_accum: int, tighten: int = 1) -> tuple:
@@ -168,8 +173,7 @@ class LayerSolver:
         """Has the layer no plan under a looser cap (or none)?  Then it has
         none under ``tighten`` either: a tighter cap only removes plans."""
         base = self._key(sub, mesh, submesh, grad_accum)
-        return any(self.cache.get(base + ((t,) if t != 1 else ()), 0) is None
-                   for t in range(1, tighten))
+        return any(self.cache.get(base + _cap_key(t), 0) is None for t in range(1, tighten))
 
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
