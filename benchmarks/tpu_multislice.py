@@ -107,7 +107,7 @@ def _off_dcn(step, args, cluster, mesh, time_limit: float) -> str:
     from meshplan.ilp.intra_op import solve_intra_op
     from meshplan.trace import trace
 
-    def off_axis_0(inp, spec) -> bool:
+    def off_axis_0(inp, spec, _) -> bool:
         return inp.role not in (PARAM, OPT_STATE, STATE) or 0 not in [a for d in spec for a in d]
     graph = trace(step, *args, warn=False)
     free, kept = (solve_intra_op(graph, cluster, mesh, input_filter=f, time_limit=time_limit)

@@ -34,7 +34,7 @@ from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialise
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
-from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput
+from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput, Tensor
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
@@ -64,6 +64,12 @@ class Group:
     # per strategy: the (tensor id, layout) reads made by an operator that
     # runs every micro-batch; the other reads are the update's, once a step
     steady_reads: list[set[tuple[int, ISpec]]] = field(default_factory=list)
+    # per strategy: the part of comm / comm_bytes that reduces a parameter
+    # gradient (made by an operator of ``grad_nodes``): with gradient
+    # accumulation it runs once a step; the group's other collectives (e.g.
+    # the input gradient of a matmul whose bias gradient follows it) do not
+    grad_comm: list[float] = field(default_factory=list)
+    grad_comm_bytes: list[float] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -88,6 +94,9 @@ class Built:
     # update (what reads a gradient); cost_model.overlap needs both
     grad_groups: frozenset[int] = frozenset()
     update_groups: frozenset[int] = frozenset()
+    # the operators whose results only feed parameter gradients (their
+    # reductions can wait for the last micro-batch): see gradient_only_nodes
+    grad_nodes: frozenset[int] = frozenset()
 
 
 def follow_input(space, node, graph) -> int | None:
@@ -145,13 +154,14 @@ def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
     return Mapped(main_req, out, reads, red, shards)
 
 
-InputFilter = Callable[[GraphInput, ISpec], bool]
+# (input, a layout on offer, the input's tensor) -> is the layout allowed
+InputFilter = Callable[[GraphInput, ISpec, Tensor], bool]
 
 
 def _restrict(g: Group, ok: list[int]) -> None:
     """Keep only the strategies ``ok`` of group ``g``."""
     for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
-                 "comm_kinds", "steady_reads"):
+                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes"):
         vals = getattr(g, name)
         setattr(g, name, [vals[j] for j in ok])
 
@@ -223,6 +233,7 @@ class _Builder:
     # micro-batches, so what they read between groups costs ``once`` of it
     update_nodes: frozenset[int] = frozenset()
     once: float = 1.0
+    grad_nodes: frozenset[int] = frozenset()
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -231,7 +242,7 @@ class _Builder:
             t = graph.tensors[inp.tensor]
             specs = self.caches.specs(t.shape, shape) or (replicated(len(t.shape)),)
             if input_filter is not None:
-                specs = tuple(s for s in specs if input_filter(inp, s)) or (replicated(len(t.shape)),)
+                specs = tuple(s for s in specs if input_filter(inp, s, t)) or (replicated(len(t.shape)),)
             strategies = [Strategy("in", (), (s,), 0.0, 0.0, 0.0) for s in specs]
             g = Group(len(self.groups), f"in{k}", None, k, strategies)
             g.specs = [{inp.tensor: s} for s in specs]
@@ -241,6 +252,8 @@ class _Builder:
             g.compute = [0.0] * len(specs)
             g.comm = [0.0] * len(specs)
             g.comm_bytes = [0.0] * len(specs)
+            g.grad_comm = [0.0] * len(specs)
+            g.grad_comm_bytes = [0.0] * len(specs)
             g.comm_kinds = [{} for _ in specs]
             self.groups.append(g)
             self.group_of_tensor[inp.tensor] = g.gid
@@ -364,6 +377,9 @@ class _Builder:
             g.compute[i] += t
             g.comm[i] += c_time
             g.comm_bytes[i] += c_bytes
+            if node.id in self.grad_nodes:
+                g.grad_comm[i] += c_time
+                g.grad_comm_bytes[i] += c_bytes
             g.reads[i].extend(reads)
             if node.id not in self.update_nodes:
                 g.steady_reads[i].update(reads)
@@ -391,6 +407,9 @@ class _Builder:
             g.compute.append(s.compute_s + fixed)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
+            grad = node.id in self.grad_nodes
+            g.grad_comm.append(s.comm_s if grad else 0.0)
+            g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
         self.groups.append(g)
         for t in node.outputs:
@@ -477,7 +496,7 @@ class _Builder:
     # ---- gradient accumulation ---------------------------------------------------
     def scale_for_accumulation(self, accumulate: frozenset[int], grad_accum: int
                                ) -> tuple[frozenset[int], frozenset[int]]:
-        """The groups that make parameter gradients communicate once per
+        """The reductions that make parameter gradients run once per
         iteration, not once per micro-batch; the groups of the update (what
         reads a gradient, directly or not) run once per iteration.  (The
         reshardings between groups were weighted as they were added: those
@@ -494,10 +513,10 @@ class _Builder:
         for gid in accumulated:
             g = groups[gid]
             for i in range(g.size):
-                saved = g.comm[i] * (1 - f)
+                saved = g.grad_comm[i] * (1 - f)
                 g.cost[i] -= saved
                 g.comm[i] -= saved
-                g.comm_bytes[i] *= f
+                g.comm_bytes[i] -= g.grad_comm_bytes[i] * (1 - f)
         for gid in per_iteration:
             g = groups[gid]
             for name in ("cost", "compute", "comm", "comm_bytes"):
@@ -558,6 +577,46 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
     return frozenset(nodes), later - set(accumulate)
 
 
+# operators whose result is a gradient's value relaid, recast or scaled, or
+# a sum of contributions: a reduction before them may wait as well
+_GRAD_PASS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze",
+                        "expand_dims", "copy", "copy_p", "neg", "mul", "div", "add_any",
+                        "reduce_precision"})
+
+
+def gradient_only_nodes(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
+    """The operators (outside the update) that make a parameter gradient of
+    ``accumulate``: a weight gradient's matmul, a bias gradient's sum over
+    the tokens, and the casts, reshapes and scalings between them and the
+    gradient.  Their partial sums may be added over the micro-batches and
+    reduced once.  An input gradient's matmul is not one of them: what it
+    makes feeds the rest of the backward, every micro-batch."""
+    if not accumulate:
+        return frozenset()
+    skip = update_nodes(graph, accumulate)[0]
+    readers: dict[int, list] = {}
+    for n in graph.nodes:
+        if n.id not in skip:
+            for t in n.inputs:
+                readers.setdefault(t, []).append(n.id)
+    outputs = {o.tensor for o in graph.outputs}
+    only: set[int] = set(accumulate)
+    nodes: set[int] = set()
+    for n in reversed(graph.nodes):
+        if n.id in skip or not n.outputs or not all(t in only for t in n.outputs):
+            continue
+        nodes.add(n.id)
+        if n.primitive not in _GRAD_PASS:
+            continue
+        shaped = [t for t in n.inputs if graph.tensors[t].shape]
+        if n.primitive in ("mul", "div") and len(shaped) > 1:
+            continue        # (a product with another value, e.g. a mask: not a scaling)
+        for t in shaped:
+            if t not in outputs and all(r in nodes for r in readers.get(t, ())):
+                only.add(t)
+    return frozenset(nodes)
+
+
 def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
                  ) -> dict[int, np.ndarray]:
     """Coefficients of the memory when the update runs with offloaded state:
@@ -587,7 +646,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   caches: IlpCaches | None = None,
                   resident_budget: float | None = None,
                   host_inputs: frozenset[int] = frozenset()) -> Built:
-    """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec)`` may restrict
+    """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec, tensor)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel).
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
     micro-batches their reduction is paid once per iteration, so per
@@ -599,6 +658,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
+    b.grad_nodes = gradient_only_nodes(graph, accumulate)
     if grad_accum > 1:
         b.update_nodes = update_nodes(graph, accumulate)[0]
         b.once = 1.0 / grad_accum
@@ -630,7 +690,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     grad_groups, update_groups = b.gradient_groups(accumulate)
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
-                 grad_groups, update_groups)
+                 grad_groups, update_groups, b.grad_nodes)
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

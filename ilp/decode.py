@@ -37,6 +37,8 @@ class PlannedCollective:
     # with gradient accumulation: runs once per step (a gradient reduction,
     # the update's work), its seconds and bytes here per micro-batch
     per_step: bool = False
+    # reduces a parameter gradient (an operator of Built.grad_nodes)
+    gradient: bool = False
 
 
 def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
@@ -65,20 +67,23 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     accum = built.grad_accum > 1
     f = 1.0 / built.grad_accum if accum else 1.0
 
-    def own_once(gid: int) -> bool:
-        """Is group ``gid``'s own communication paid once a step?"""
-        return accum and (gid in built.accumulated or gid in built.per_iteration)
+    def own_once(gid: int, nid: int | None = None) -> bool:
+        """Is group ``gid``'s own communication (by its operator ``nid``)
+        paid once a step?  The update's all of it; in a group making a
+        gradient, the reductions of the gradient's own operators."""
+        return accum and (gid in built.per_iteration or
+                          (gid in built.accumulated and nid in built.grad_nodes))
 
     def add(pc: PlannedCollective, once: bool) -> None:
         out.append(dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f,
                                        per_step=True) if once else pc)
 
     def steps_of(t: int, src: ISpec, dst: ISpec, where: str, gid: int, internal: bool,
-                 once: bool) -> None:
+                 once: bool, gradient: bool = False) -> None:
         tt = graph.tensors[t]
         for kind, sec, b, after in reshard_steps(mm, tt.shape, tt.nbytes, src, dst):
-            add(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after), gid, internal),
-                once)
+            add(PlannedCollective(kind, sec, b, t, where, (t, src, kind, after), gid, internal,
+                                  gradient=gradient), once)
 
     gt = built.group_of_tensor
     for g, c in zip(groups, choice):
@@ -88,7 +93,8 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             if s.comm_bytes:
                 add(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
                                       node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
-                                      (), g.gid, True), own_once(g.gid))
+                                      (), g.gid, True, gradient=node.id in built.grad_nodes),
+                    own_once(g.gid, node.id))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)
@@ -97,12 +103,14 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             out_t = node.outputs[0]
             mp = map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
             where = f"n{nid} {node.primitive} (follower)"
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True, own_once(g.gid))
+            grad = nid in built.grad_nodes
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True, own_once(g.gid, nid),
+                     grad)
             if mp.reduce_axes:
                 sec, b = all_reduce(mm, mp.reduce_axes,
                                     graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                add(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True),
-                    own_once(g.gid))
+                add(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True,
+                                      gradient=grad), own_once(g.gid, nid))
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
@@ -111,8 +119,10 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
                     if g.root_node is not None else f"read by {g.name}")
             internal = gt[t] == g.gid
-            # (between groups: once a step where only the update reads it)
-            once = own_once(g.gid) if internal else accum and (t, req) not in g.steady_reads[c]
+            # (between groups: once a step where only the update reads it;
+            # inside a group as the ILP charges it: once a step in the update)
+            once = (accum and g.gid in built.per_iteration) if internal \
+                else accum and (t, req) not in g.steady_reads[c]
             steps_of(t, spec_of[t], req, what, g.gid, internal, once)
     for o in graph.outputs:
         if o.updates is None or o.tensor not in gt:
@@ -260,14 +270,14 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
     first operator) as :class:`meshplan.cost_model.overlap.StageWork` takes
     them: ``(compute_s, reduce_s)``, the compute since the previous gradient
     (the first one's includes the forward), then the reduction of a group
-    making a parameter gradient (its own collectives, once per iteration: not
-    divided over the micro-batches); a last pair holds the compute after the
+    making a parameter gradient (the collectives of its gradient operators,
+    once per iteration: not divided over the micro-batches); a last pair holds the compute after the
     last gradient.  The update's compute is left out: it waits for the
     reductions.  Empty when nothing reduces a gradient."""
     reduce: dict[int, float] = {}
     for pc in planned:
-        if pc.group in built.grad_groups and pc.internal:
-            once = built.grad_accum if pc.group in built.accumulated else 1
+        if pc.gradient and pc.group in built.grad_groups and pc.internal:
+            once = built.grad_accum if pc.per_step else 1
             reduce[pc.group] = reduce.get(pc.group, 0.0) + pc.seconds * once
     if not any(reduce.values()):
         return ()

@@ -16,7 +16,7 @@ from ..cost_model.mesh import default_axis_names, mesh_model, mesh_shapes
 from ..cost_model.sharding import ISpec
 from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
-from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput
+from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput, Tensor
 from ..plan import LogicalMesh
 from .build import Built, InputFilter, build_problem, stored_liveness, with_resident_cap
 from .caches import IlpCaches
@@ -38,18 +38,23 @@ class InputLayouts:
     activations a layer gets from another layer ([batch, sequence, ...]
     values, and their gradients) arrive split along the sequence over the
     other axes, so the LayerNorm and residual regions run on sequence shards
-    (the layer's ILP still chooses where to gather)."""
+    (the layer's ILP still chooses where to gather).  Only floating-point
+    values are activations in that sense: token ids or positions handed from
+    one layer to the next ([batch, sequence, 1] indices of the embedding's
+    gather) stay free, or the embedding's gradient would be summed over the
+    whole table on every micro-batch."""
     params: str = "replicated"
     sequence: bool = False
 
-    def __call__(self, inp: GraphInput, spec: ISpec) -> bool:
+    def __call__(self, inp: GraphInput, spec: ISpec, tensor: Tensor | None = None) -> bool:
         axes = [a for d in spec for a in d]
         if inp.role == BATCH:
             # (an input with no split of dimension 0 on offer falls back to
             # replicated: a data axis of size 1, a batch it does not divide)
             return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
         if inp.role not in (PARAM, OPT_STATE, STATE):    # activations from another stage
-            if self.sequence and len(spec) >= 3:
+            floating = tensor is None or str(tensor.dtype).startswith(("float", "bfloat"))
+            if self.sequence and floating and len(spec) >= 3:
                 # (none on offer, as for an odd sequence length: replicated)
                 return spec[0] in ((), (0,)) and bool(spec[1]) and 0 not in spec[1] \
                     and all(not d for d in spec[2:])

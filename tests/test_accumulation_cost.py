@@ -21,7 +21,7 @@ from meshplan.trace import trace
 ACCUM = 4
 
 
-def _zero3(inp, spec) -> bool:
+def _zero3(inp, spec, _) -> bool:
     """The batch split along its first dimension, the parameters split along
     some dimension (the ILP picks which), the optimizer state as it likes."""
     if inp.role == BATCH:
@@ -92,3 +92,55 @@ def test_the_chosen_plan_charges_its_parameter_gathers_per_micro_batch(problems)
     # the gradient reduction (a reduce-scatter into the split parameters'
     # layout, or an all-reduce) is still paid once a step
     assert any(pc.per_step and pc.kind in ("reduce-scatter", "all-reduce") for pc in got)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel():
+    """A 2-layer MLP with bias on 8 devices, the batch whole: the ILP may split
+    the hidden units, so the backward reduces input gradients as well as
+    weight gradients."""
+    m = build_model("mlp", {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"})
+    g = trace(m.train_step, *m.abstract_args)
+    grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
+                      for t in n.inputs)
+    g = strip_markers(g)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    mm = mesh_model(cluster, LogicalMesh(("model",), (8,)))
+    whole = lambda inp, spec, _: inp.role != BATCH or not any(spec)  # noqa: E731
+    once = build_problem(g, mm, input_filter=whole, accumulate=grads, grad_accum=1)
+    accum = build_problem(g, mm, input_filter=whole, accumulate=grads, grad_accum=ACCUM)
+    return g, mm, grads, once, accum
+
+
+def test_only_the_operators_of_parameter_gradients_may_wait_for_the_last_micro_batch(
+        tensor_parallel):
+    g, _, grads, _, accum = tensor_parallel
+    made = {t: n for n in g.nodes for t in n.outputs}
+    # every gradient's maker is a gradient operator; no operator of the
+    # forward is, nor one whose result also feeds the loss or another layer
+    assert all(made[t].id in accum.grad_nodes for t in grads if t in made)
+    dots = [n for n in g.nodes if n.primitive == "dot_general"]
+    weights = [i for i in g.inputs if i.role == PARAM and len(g.tensors[i.tensor].shape) == 2]
+    # one weight-gradient matmul per weight; the forward's and the input
+    # gradients' matmuls are not gradient operators
+    assert len([n for n in dots if n.id in accum.grad_nodes]) == len(weights)
+    assert len(dots) > 2 * len(weights)
+    for nid in accum.grad_nodes:
+        node = g.nodes[nid]
+        # (its results end in gradients only: none is an output but a gradient)
+        assert not (set(node.outputs) & {o.tensor for o in g.outputs}) - grads
+
+
+def test_an_input_gradient_reduction_is_charged_every_micro_batch(tensor_parallel):
+    g, _, grads, once, accum = tensor_parallel
+    checked = 0
+    for g1, g4 in zip(once.groups, accum.groups):
+        if g4.gid not in accum.accumulated:
+            continue
+        for i in range(g4.size):
+            other = g1.comm[i] - g1.grad_comm[i]
+            # the gradient reductions at 1/ACCUM, the rest (an input gradient's
+            # all-reduce in the same group) in full
+            assert g4.comm[i] == pytest.approx(other + g1.grad_comm[i] / ACCUM)
+            checked += other > 0 and g1.grad_comm[i] >= 0
+    assert checked, "no group mixes an input-gradient reduction with a gradient's"
