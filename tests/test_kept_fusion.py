@@ -141,3 +141,18 @@ def test_sequence_parallel_splits_what_a_selective_stage_keeps():
 def test_sequence_parallel_needs_layers_planned_apart():
     with pytest.raises(MeshplanError, match="sequence_parallel"):
         meshplan.Manual(tp=8, sequence_parallel=True).request(8)
+
+
+def test_sequence_parallel_forces_only_floating_activations_split():
+    """Token ids handed from one layer to the next are not activations in
+    Korthikanti's sense: split along the sequence they made the embedding's
+    gradient a partial sum of the whole table on every micro-batch."""
+    from meshplan.graph import GraphInput, Tensor
+    from meshplan.ilp import InputLayouts
+    f = InputLayouts("model", sequence=True)
+    inp = GraphInput(5, -1, "t5", "boundary")
+    seq, whole = ((), (1,), ()), ((), (), ())
+    hidden = Tensor(5, (1, 2048, 64), "bfloat16")
+    ids = Tensor(5, (1, 2048, 1), "int32")
+    assert f(inp, seq, hidden) and not f(inp, whole, hidden)
+    assert f(inp, seq, ids) and f(inp, whole, ids)
