@@ -34,7 +34,8 @@ from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialise
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
-from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput, Tensor
+from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
+                     GraphInput, Tensor)
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
@@ -432,10 +433,14 @@ class _Builder:
     def keep_pinned_reads(self) -> None:
         """(DataParallel's replicated weights and batch-split data, say): the
         operators read them as they are laid out, never through a collective,
-        or the method would quietly become another one."""
+        or the method would quietly become another one.  Activations from
+        another layer are not the method's to pin: sequence parallelism
+        hands them over split along the sequence, and the layer gathers them
+        where its matmuls need them whole (Korthikanti et al. 2022, 4.2.2)."""
         graph, groups = self.graph, self.groups
         pinned = {graph.inputs[g.input_index].tensor: g.specs[0][graph.inputs[g.input_index].tensor]
-                  for g in groups if g.input_index is not None and g.size == 1}
+                  for g in groups if g.input_index is not None and g.size == 1
+                  and graph.inputs[g.input_index].role in _METHOD_ROLES}
         for g in groups:
             if g.input_index is not None or not pinned:
                 continue
@@ -576,6 +581,9 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
             nodes.add(n.id)
     return frozenset(nodes), later - set(accumulate)
 
+
+# the inputs whose layouts a hand-made method decides
+_METHOD_ROLES = frozenset({PARAM, OPT_STATE, STATE, BATCH})
 
 # operators whose result is a gradient's value relaid, recast or scaled, or
 # a sum of contributions: a reduction before them may wait as well
