@@ -30,7 +30,9 @@ def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float,
 
 def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:
     """Micro-batches whose activations a stage keeps at once: GPipe all of
-    them; 1F1B (and interleaved) at most the stages from this one to the last."""
+    them; 1F1B (and interleaved) at most the stages from this one to the last.
+    (ZB-H1 keeps the pipeline's stage count on every stage: the stage DP
+    does not know it, :mod:`meshplan.dp_search.zero_bubble` prices it after.)"""
     if schedule == "gpipe":
         return num_micro_batches
     return min(num_micro_batches, stages_after)
@@ -55,6 +57,33 @@ def interleaved_iteration_s(chunk_latencies: Sequence[float], groups: Sequence[i
     v = len(chunk_latencies) / len(work)
     w_max = max(work.values())
     return num_micro_batches * w_max + (sum(work.values()) - w_max) / v
+
+
+def zb_h1_iteration_s(forward: Sequence[float], backward: Sequence[float],
+                      weight: Sequence[float], num_micro_batches: int) -> float:
+    """Iteration time of ZB-H1 (:func:`meshplan.schedule.schedule_order`)
+    from per stage its forward ``F``, input-gradient ``B`` and weight-gradient
+    ``W`` seconds per micro-batch (sends included where they are paid).
+    Qi et al. (arXiv:2401.10241, section 2.1) give the bubble of equal stages
+    as ``(p - 1)(F + B - W)`` against 1F1B's ``(p - 1)(F + B + W)``: a third of
+    it where the three are equal.  (The issue's ``F + B - 2W`` would make
+    that bubble zero, which is ZB-H2's.)  Per stage other than the slowest:
+    its ``F`` plus the part of its ``B`` that its ``W`` cannot hide; the
+    slowest stage paces the ``m`` micro-batches.  With fewer micro-batches
+    than stages the W's fill nothing: the B chain of the last micro-batch
+    ends the step, ``sum (F + B) + (m - 1) max (F + B) + W`` of the first
+    stage.  Exact for equal stages where ``W <= B`` or ``m >= p`` (checked
+    against an event simulation of the order in tests/test_zero_bubble.py)."""
+    p, m = len(forward), num_micro_batches
+    if p == 0:
+        return 0.0
+    per = [f + b + w for f, b, w in zip(forward, backward, weight)]
+    k = max(range(p), key=per.__getitem__)
+    paced = m * per[k] + sum(forward[s] + backward[s] - min(weight[s], backward[s])
+                             for s in range(p) if s != k)
+    chain = [f + b for f, b in zip(forward, backward)]
+    drained = sum(chain) + (m - 1) * max(chain) + weight[0]
+    return max(paced, drained)
 
 
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],
