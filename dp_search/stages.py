@@ -22,6 +22,7 @@ from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
 from .interleave import CHUNKS, interleave, why_not_interleaved
+from .zero_bubble import ZB_H1, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import LayerCost, LayerSolver
@@ -188,6 +189,7 @@ class StageCosts:
         self.least_unfit_stage: UnfitStage | None = None
         # why the DP's stages could not run interleaved (the error when only it was asked)
         self.not_interleaved: str | None = None
+        self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -416,6 +418,10 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
         why = next((c.not_interleaved for c in priced_all if c.not_interleaved), None)
         if why is not None:
             raise InfeasiblePlanError(f"no interleaved pipeline with {lay.B} micro-batch(es): {why}")
+    if not found and opts.schedules == (ZB_H1,):
+        why = next((c.not_zero_bubble for c in priced_all if c.not_zero_bubble), None)
+        if why is not None:
+            raise InfeasiblePlanError(f"no ZB-H1 pipeline with {lay.B} micro-batch(es): {why}")
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
@@ -464,6 +470,11 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         if got is None:
             return None
         (res, chosen), chunks = got, CHUNKS
+    elif schedule == ZB_H1 and (len(res.stages) > 1 or lay.B > 1):
+        got = zero_bubble(res, lay, costs)
+        if got is None:
+            return None
+        res, chosen = got
     else:
         res = replace(res, stages=tuple(replace(st, first=lay.groups[st.first][0],  # groups -> layers
                                                 last=lay.groups[st.last][1]) for st in res.stages))
