@@ -243,6 +243,13 @@ class StageCosts:
         return ((gi == 0) == (s == pp) and (gj == last) == (s == 1)
                 and gi >= pp - s and last - gj >= s - 1)
 
+    def _stage_count(self) -> int | None:
+        """The plan's number of stages where the request fixes it."""
+        if self.opts.fixed is not None:
+            return self.opts.fixed[2]
+        lay = self.lay
+        return lay.max_stages if lay.max_stages and lay.max_stages == lay.min_stages else None
+
     def best(self, gi: int, gj: int, m: int, s: int, schedule: str,
              keep: int | None = None) -> StageOption | None:
         """The fastest fitting way to run groups ``gi..gj`` as a stage on submesh
@@ -257,6 +264,10 @@ class StageCosts:
             return None
         if keep is None:
             keep = in_flight(schedule, lay.B, s)
+            if schedule == ZB_H1 and self._stage_count() is not None:
+                # every stage keeps p micro-batches (.zero_bubble): where the
+                # count is fixed, the DP sees it too
+                keep = min(lay.B, self._stage_count())
         n = lay.submeshes[m].size
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / n
         if state > lay.budget:
@@ -485,6 +496,13 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
             [st.latency - 2 * lay.dispatch_s for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
             cluster.num_devices, lay.dispatch_s)
+        if schedule == ZB_H1:
+            # a W program's launch is serial on the host too (.zero_bubble
+            # put it in the stage's latency, which the formula shares out)
+            w = [lay.dispatch_s if st.latency != chosen[st.first, st.last, st.submesh, n_st - k]
+                 .latency_s else 0.0 for k, st in enumerate(res.stages)]
+            total += sum(lay.B * x * (1 - lay.submeshes[st.submesh].size / cluster.num_devices)
+                         for x, st in zip(w, res.stages))
     if n_st == 1 and lay.B == 1:
         # one program, once per iteration
         total -= lay.dispatch_s
