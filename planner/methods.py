@@ -27,6 +27,8 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
 # What a searched schedule ("auto") may be.  Interleaved 1F1B runs too, and
 # is searched when named (alone or in a list): by default its 2p virtual
 # stages would answer stages=N with 2N plan stages on N device groups.
+# ZB-H1 too: it runs in one process only, and its costing (dp_search.
+# zero_bubble) has no GPU timing behind it yet.
 AUTO_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")

@@ -89,3 +89,24 @@ def test_timeline_draws_w_blocks(tmp_path):
     png = tmp_path / "zb.png"
     draw(plan, str(png))
     assert png.stat().st_size > 1000
+
+
+def test_backward_parts_of_a_transformer_layer():
+    """The planner's B/W cut (by dependence, as the runtime cuts the
+    programs): a block's backward has both parts; the first layer sends no
+    gradient back; what W still reads after B is part of what is kept."""
+    from meshplan.dp_search.layers import assign_layers
+    from meshplan.dp_search.zero_bubble import backward_parts, kept_parts, w_share
+    from meshplan.trace import trace
+    from meshplan.models import build_model
+    m = build_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
+                            "batch": 8})
+    g = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="gpt")
+    lay = assign_layers(g, None, default_layers=4)
+    f, b, w = backward_parts(g, lay)
+    assert sum(f) + sum(b) + sum(w) == pytest.approx(g.total_flops)
+    assert b[0] == 0.0
+    blocks = [l for l in range(lay.num_layers) if f[l] > 0.2 * max(f)]
+    assert blocks and all(b[l] > 0 and w[l] > 0 for l in blocks)
+    kept = kept_parts(g, lay)
+    assert all(0 < w_share(kept, l, l) < 1 for l in blocks)
