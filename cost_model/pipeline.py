@@ -1,9 +1,13 @@
 """Pipeline cost formulas: what a stage pays to send its activations on, how
 many micro-batches a schedule keeps in flight, and the iteration time of the
-interleaved schedule from its virtual stages.  Pure arithmetic on figures the stage DP already has."""
+interleaved schedule from its virtual stages and of ZB-H1 from its stages'
+forward, input- and weight-gradient parts.  Pure arithmetic on figures the
+stage DP already has."""
 from __future__ import annotations
 
 from typing import Sequence
+
+from ..schedule import schedule_order
 
 
 def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: float) -> float:
@@ -30,7 +34,9 @@ def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float,
 
 def in_flight(schedule: str, num_micro_batches: int, stages_after: int) -> int:
     """Micro-batches whose activations a stage keeps at once: GPipe all of
-    them; 1F1B (and interleaved) at most the stages from this one to the last."""
+    them; 1F1B (and interleaved) at most the stages from this one to the last.
+    (ZB-H1 keeps the pipeline's stage count on every stage: the stage DP
+    does not know it, :mod:`meshplan.dp_search.zero_bubble` prices it after.)"""
     if schedule == "gpipe":
         return num_micro_batches
     return min(num_micro_batches, stages_after)
@@ -55,6 +61,42 @@ def interleaved_iteration_s(chunk_latencies: Sequence[float], groups: Sequence[i
     v = len(chunk_latencies) / len(work)
     w_max = max(work.values())
     return num_micro_batches * w_max + (sum(work.values()) - w_max) / v
+
+
+def zb_h1_iteration_s(forward: Sequence[float], backward: Sequence[float],
+                      weight: Sequence[float], num_micro_batches: int) -> float:
+    """Iteration time of ZB-H1 from per stage its forward ``F``, input-gradient
+    ``B`` and weight-gradient ``W`` seconds per micro-batch (sends included
+    where they are paid): when the last program ends if every stage runs
+    its :func:`meshplan.schedule.schedule_order` back to back, each program
+    starting once its stage is free and its inputs are done (a forward after
+    the stage before's, a ``B`` after the stage after's).  For equal stages
+    with ``W <= B`` and ``m >= p`` this is ``m (F + B + W) + (p - 1)(F + B -
+    W)``: Qi et al. (arXiv:2401.10241, section 2.1) give that bubble against
+    1F1B's ``(p - 1)(F + B + W)``, a third of it where the three are equal
+    (the issue's ``F + B - 2W`` would make it zero, which is ZB-H2's).  Walked
+    rather than a closed form: with unequal stages, and a first stage whose
+    backward stays one program (``W`` 0), which stage's ``W`` hides which
+    wait depends on the figures (a closed form was off by up to 25%)."""
+    p, m = len(forward), num_micro_batches
+    orders = [schedule_order("zb-h1", s, p, m) for s in range(p)]
+    took = {"F": forward, "B": backward, "W": weight}
+    end: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * p, [0] * p
+    left = sum(map(len, orders))
+    while left:
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                kind, i = orders[s][pos[s]]
+                dep = ("F", s - 1, i) if kind == "F" and s else \
+                    ("B", s + 1, i) if kind == "B" and s + 1 < p else None
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[s], end[dep]) if dep is not None else free[s]
+                free[s] = end[(kind, s, i)] = start + took[kind][s]
+                pos[s] += 1
+                left -= 1
+    return max(free, default=0.0)
 
 
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],

@@ -22,6 +22,7 @@ from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
 from .interleave import CHUNKS, interleave, why_not_interleaved
+from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import LayerCost, LayerSolver
@@ -188,6 +189,8 @@ class StageCosts:
         self.least_unfit_stage: UnfitStage | None = None
         # why the DP's stages could not run interleaved (the error when only it was asked)
         self.not_interleaved: str | None = None
+        self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
+        self._zb_kept: tuple[list[float], list[float]] | None = None   # .zero_bubble.kept_parts
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -241,20 +244,43 @@ class StageCosts:
         return ((gi == 0) == (s == pp) and (gj == last) == (s == 1)
                 and gi >= pp - s and last - gj >= s - 1)
 
+    def _stage_count(self) -> int | None:
+        """The plan's number of stages where the request fixes it."""
+        if self.opts.fixed is not None:
+            return self.opts.fixed[2]
+        lay = self.lay
+        return lay.max_stages if lay.max_stages and lay.max_stages == lay.min_stages else None
+
+    def zb_extra(self, first: int, last: int, s: int, p: int) -> float:
+        """[zb-h1] the micro-batches a stage of layers ``first..last`` with
+        ``s`` stages from it to the last keeps past their B, beyond 1F1B's
+        count, as whole micro-batches of its kept activations."""
+        if self._zb_kept is None:
+            self._zb_kept = kept_parts(self.lay.g, self.lay.layering)
+        B = self.lay.B
+        return (min(B, p) - min(B, s)) * w_share(self._zb_kept, first, last)
+
     def best(self, gi: int, gj: int, m: int, s: int, schedule: str,
-             keep: int | None = None) -> StageOption | None:
+             keep: int | None = None, extra: float = 0.0) -> StageOption | None:
         """The fastest fitting way to run groups ``gi..gj`` as a stage on submesh
         ``m`` with ``s`` stages from it to the last, or None.  ``keep``: the
         micro-batches it keeps in flight where the schedule's order says
         (an interleaved plan's virtual stage, :mod:`.interleave`; its layers
-        need not follow ``equal_layers``), else from ``schedule`` and ``s``."""
+        need not follow ``equal_layers``), else from ``schedule`` and ``s``;
+        ``extra``: more kept activations, in micro-batches, where the stage
+        does not recompute (:meth:`zb_extra`)."""
         lay, opts = self.lay, self.opts
         i, j = lay.groups[gi][0], lay.groups[gj][1]
+        extra = float(extra)
         if keep is None and opts.equal_layers \
                 and gj - gi + 1 != len(lay.groups) // opts.num_stages:
             return None
         if keep is None:
             keep = in_flight(schedule, lay.B, s)
+            if schedule == ZB_H1 and self._stage_count() is not None:
+                # ZB-H1 keeps p micro-batches, the later ones past their B
+                # (.zero_bubble): where the count is fixed, the DP sees it too
+                extra = self.zb_extra(i, j, s, self._stage_count())
         n = lay.submeshes[m].size
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / n
         if state > lay.budget:
@@ -277,17 +303,20 @@ class StageCosts:
                 continue
             send, c, ways = priced
             for way, lat, kept, working in ways:
-                mem = c.resident_bytes + keep * kept + working
-                if tighten == 1 and (room[0] is None or lay.budget - keep * kept - working > room[0]):
-                    room[0] = lay.budget - keep * kept - working
+                # (a recomputing stage's backward stays one program: 1F1B's count)
+                n_kept = keep + extra if extra and way == NONE else keep
+                mem = c.resident_bytes + n_kept * kept + working
+                left = lay.budget - n_kept * kept - working
+                if tighten == 1 and (room[0] is None or left > room[0]):
+                    room[0] = left
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(keep, way), way,
+                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(n_kept, way), way,
                                        tighten)
                 if least is None or mem < least:
-                    least, least_way = mem, (c, way)
+                    least, least_way = mem, (c, way, n_kept)
         if best is None and least is not None:
-            c, way = least_way
-            self._unfit(least, c.memory(keep, way), keep, way != NONE, (i, j), n, gi, gj, s)
+            c, way, n_kept = least_way
+            self._unfit(least, c.memory(n_kept, way), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
     def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int
@@ -416,6 +445,10 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
         why = next((c.not_interleaved for c in priced_all if c.not_interleaved), None)
         if why is not None:
             raise InfeasiblePlanError(f"no interleaved pipeline with {lay.B} micro-batch(es): {why}")
+    if not found and opts.schedules == (ZB_H1,):
+        why = next((c.not_zero_bubble for c in priced_all if c.not_zero_bubble), None)
+        if why is not None:
+            raise InfeasiblePlanError(f"no ZB-H1 pipeline with {lay.B} micro-batch(es): {why}")
     if not found:
         exactly = f" of exactly {lay.min_stages} stages" if lay.min_stages > 1 else ""
         need, unfit = costs.least_unfit, costs.least_unfit_stage
@@ -464,6 +497,11 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         if got is None:
             return None
         (res, chosen), chunks = got, CHUNKS
+    elif schedule == ZB_H1 and (len(res.stages) > 1 or lay.B > 1):
+        got = zero_bubble(res, lay, costs)
+        if got is None:
+            return None
+        res, chosen = got
     else:
         res = replace(res, stages=tuple(replace(st, first=lay.groups[st.first][0],  # groups -> layers
                                                 last=lay.groups[st.last][1]) for st in res.stages))
@@ -474,6 +512,13 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
             [st.latency - 2 * lay.dispatch_s for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
             cluster.num_devices, lay.dispatch_s)
+        if schedule == ZB_H1:
+            # a W program's launch is serial on the host too (.zero_bubble
+            # put it in the stage's latency, which the formula shares out)
+            w = [lay.dispatch_s if st.latency != chosen[st.first, st.last, st.submesh, n_st - k]
+                 .latency_s else 0.0 for k, st in enumerate(res.stages)]
+            total += sum(lay.B * x * (1 - lay.submeshes[st.submesh].size / cluster.num_devices)
+                         for x, st in zip(w, res.stages))
     if n_st == 1 and lay.B == 1:
         # one program, once per iteration
         total -= lay.dispatch_s

@@ -409,8 +409,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", dest="micro_batches", metavar="N[,N...]",
                    help="micro-batches: one count, or (auto, pipeshard) the counts to search")
     p.add_argument("--schedule", default="auto", metavar="NAME[,NAME...]",
-                   help="auto, gpipe, 1f1b or interleaved; auto and pipeshard take a list to "
-                        "search")
+                   help="auto, gpipe, 1f1b, interleaved or zb-h1; auto and pipeshard take a "
+                        "list to search")
     p.add_argument("--max-stages", type=_positive(int), dest="max_stages",
                    help="auto, pipeshard: search at most this many pipeline stages")
     p.add_argument("--memory-fraction", type=_fraction, default=0.9, dest="memory_fraction",

@@ -11,7 +11,18 @@ p`` of group ``k % p``) runs on group ``k % p``, so group ``s`` holds stages
 per chunk, warms up with ``2 (p - s - 1) + (v - 1) p`` forwards, then
 alternates one forward and one backward; the micro-batch count must be a
 multiple of ``p``.  Its bubble is ``(p - 1) / v`` of a stage's time per
-micro-batch, against ``p - 1`` for 1F1B."""
+micro-batch, against ``p - 1`` for 1F1B.
+
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24,
+arXiv:2401.10241, section 2.1): a stage's backward is two programs, ``B``
+(the gradient of the stage's inputs, what the stage before waits for) and
+``W`` (the gradients of its parameters).  The order is 1F1B's with ``B`` for
+the backward; a ``W`` runs once the stage holds ``p`` micro-batches (its
+activations live until its ``W``), so stage ``s`` delays ``s`` of them, and
+in the drain every ``B`` is followed by the oldest pending ``W``, the rest
+at the end.  Every stage then keeps at most ``p`` micro-batches, 1F1B's
+largest (its first stage's), and the B chain back through the stages no
+longer waits for the ``W``s."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +42,7 @@ class Block:
     per micro-batch, or ``"A"`` (the update, micro-batch -1) as executed."""
     stage: int
     micro_batch: int
-    kind: str
+    kind: str       # "F", "B", "W" (zb-h1's weight gradients) or "A"
     start: float
     end: float
 
@@ -39,7 +50,10 @@ class Block:
 def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
     """The (kind, micro-batch) order one stage runs: GPipe all forwards then
     all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
-    forward / one backward."""
+    forward / one backward; ZB-H1 1F1B's order with ``("W", i)`` (see the
+    module doc)."""
+    if schedule == "zb-h1":
+        return _zb_h1(stage, stages, m)
     if schedule == "gpipe" or stages == 1:
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     warm = min(stages - stage - 1, m)
@@ -52,6 +66,24 @@ def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple
         out.append(("B", b))
         b += 1
     return out
+
+
+def _zb_h1(stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    warm = min(stages - stage - 1, m)
+    out = [("F", i) for i in range(warm)]
+    f, b, w = warm, 0, 0
+    while b < m:
+        if f < m:
+            out.append(("F", f))
+            f += 1
+        out.append(("B", b))
+        b += 1
+        # a full stage frees the oldest micro-batch before its next forward;
+        # in the drain a W fills the wait for the next B
+        if f - w >= stages or f == m:
+            out.append(("W", w))
+            w += 1
+    return out + [("W", i) for i in range(w, m)]
 
 
 def group_order(schedule: str, group: int, groups: int, m: int,
@@ -89,11 +121,14 @@ def group_order(schedule: str, group: int, groups: int, m: int,
 def max_in_flight(schedule: str, groups: int, m: int, chunks: int = 1) -> tuple[int, ...]:
     """Per virtual stage, the most micro-batches whose forward ran and whose
     backward did not yet (what it keeps activations for), in the order
-    :func:`group_order` gives."""
+    :func:`group_order` gives.  (ZB-H1: until its ``W``, which reads them.)"""
+    done = "W" if schedule == "zb-h1" else "B"
     most = [0] * (groups * chunks)
     for g in range(groups):
         now = [0] * (groups * chunks)
         for kind, k, _ in group_order(schedule, g, groups, m, chunks):
+            if kind not in ("F", done):
+                continue
             now[k] += 1 if kind == "F" else -1
             most[k] = max(most[k], now[k])
     return tuple(most)

@@ -6,9 +6,9 @@ How a plan becomes programs
 The planner traces the step at the *micro-batch* shapes
 (:func:`meshplan.trace.trace_for_run`; the executable is given the
 :class:`~meshplan.traced.TracedStep`) and the step is cut into per-stage
-forward (``F``), backward (``B``) and update (``A``) work by
-:mod:`meshplan.runtime.pipeline_split` (see there for the phases).  The
-modules of this runtime, by role: :mod:`~meshplan.runtime.pipeline_split`
+forward (``F``), backward (``B``; under ZB-H1 cut in two, ``B`` and ``W``)
+and update (``A``) work by :mod:`meshplan.runtime.pipeline_split` (see there
+for the phases).  The modules of this runtime, by role: :mod:`~meshplan.runtime.pipeline_split`
 (the split, pure data), :mod:`~meshplan.runtime.pipeline_programs` (the
 jitted per-stage programs and the layouts of their values),
 :mod:`~meshplan.runtime.pipeline_driver` (the schedule loop of one call and
@@ -22,7 +22,8 @@ update needs values of another stage (a global gradient norm).  The driver
 dispatches the programs asynchronously in the schedule's order (GPipe: all
 forwards, then all backwards; 1F1B: warm-up forwards, then one forward / one
 backward; interleaved: per device group, Megatron-LM's order over its model
-chunks, :func:`meshplan.schedule.group_order`), keeps a micro-batch's
+chunks, :func:`meshplan.schedule.group_order`; ZB-H1: 1F1B's order with the
+weight gradients' ``W`` programs delayed), keeps a micro-batch's
 activations only until its backward ran, accumulates gradients per stage
 (the gradient is the mean over micro-batches, i.e. the loss is taken to be a
 mean over the batch), applies each stage's update once and returns the
@@ -105,7 +106,7 @@ from .shard import FastPathMiss, _signature, build_mesh, stage_devices
 __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
            "SCHEDULES",)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
@@ -199,8 +200,8 @@ class PipelineExecutable:
         # [multi-host] every process runs this driver; each dispatches the
         # programs of its own stages and moves values to the others'
         xp = StageTransport(self.meshes) if is_multiprocess() else None
-        if xp is not None and self.plan.chunks > 1:
-            raise RuntimeStageError("interleaved plans run in one process in this version; "
+        if xp is not None and (self.plan.chunks > 1 or self.schedule == "zb-h1"):
+            raise RuntimeStageError(f"{self.schedule} plans run in one process in this version; "
                                     "re-plan with schedule='1f1b' for several processes")
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
@@ -224,7 +225,8 @@ class PipelineExecutable:
                                         remat=[s.recompute for s in plan.stages],
                                         selective=_selective(traced, plan),
                                         draws=traced.batch_draws,
-                                        draw_eqns=traced.draw_eqns)
+                                        draw_eqns=traced.draw_eqns,
+                                        zero_bubble=self.schedule == "zb-h1")
         if m > 1:
             graph = traced.graph
             state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)
@@ -241,7 +243,10 @@ class PipelineExecutable:
         if xp is not None:
             self.donated = frozenset()
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
-        # data-parallel gradients reduced once per step (see pipeline_partial)
+        # data-parallel gradients reduced once per step (see pipeline_partial;
+        # it rewrites whole backwards, not zb-h1's W programs)
+        if self.schedule == "zb-h1":
+            retrace = None
         self.partial = partial_sums(retrace, traced, plan, self.meshes, split,
                                     closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,

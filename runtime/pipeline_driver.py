@@ -67,7 +67,7 @@ def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int,
     update_order = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
     consumers: dict[int, list[tuple]] = defaultdict(list)
     for key, t in split.tasks.items():
-        if key[0] in ("F", "B"):
+        if key[0] in ("F", "B", "W"):
             for x in t.inputs:
                 consumers[x].append(key)
     # the stages that read every argument leaf (the update reads a
@@ -246,7 +246,9 @@ class StepRun:
         if kind == "F":
             self.in_flight[s] += 1
             self.max_in_flight[s] = max(self.max_in_flight[s], self.in_flight[s])
-        elif ("F", s) in self.split.tasks:
+        elif ("F", s) in self.split.tasks and \
+                kind == ("W" if ("W", s) in self.split.tasks else "B"):
+            # (zb-h1: a micro-batch's activations live until its W)
             self.in_flight[s] -= 1
         self._note(s, i, kind, t0, t1, plain + new)
 
@@ -459,7 +461,7 @@ def timeline_blocks(events: Sequence[tuple], t_step: float, ends: dict[int, floa
     for k, (s, i, kind, t0, t1) in enumerate(events):
         end = ends.get(k, t1) - t_step
         start = max(t0 - t_step, stage_free[group[s]])
-        if kind in ("F", "B"):
+        if kind in ("F", "B", "W"):
             for d in split.deps[(kind, s)]:
                 start = max(start, end_of.get((d[0], d[1], i), 0.0))
         end = max(end, start)

@@ -207,12 +207,13 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
                  in_flight: list[int] | None = None) -> list[StageMemory]:
     """What each stage of ``ex`` keeps on one device during a call.
     ``in_flight``: micro-batches in flight per stage (default the schedule's
-    bound: GPipe all of them, 1F1B ``p - s``; or ``last_stats['max_in_flight']``
+    bound: GPipe all of them, 1F1B ``p - s``, ZB-H1 ``p``; or ``last_stats['max_in_flight']``
     of a call)."""
     flat, lay, split, m, p = ex.flat, ex.layouts, ex.split, ex.m, ex.p
     leaf_ids = set(flat.invars)
     if in_flight is None:
-        in_flight = [m if ex.schedule == "gpipe" else min(m, p - s) for s in range(p)]
+        in_flight = [m if ex.schedule == "gpipe" else min(m, p) if ex.schedule == "zb-h1"
+                     else min(m, p - s) for s in range(p)]
     out = []
     for s in range(p):
         keys = [k for k in compiled.compiled if k[1] == s]
@@ -221,17 +222,23 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
                     and s in ex.wiring.leaf_readers.get(x, ()) and hasattr(flat.avals[x], "shape"))
         # (partial sums: (D, *shape) cut over the data axes, one gradient a device)
         sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
-                   for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B")
+                   for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B", "W")
                              for x in split.tasks[k].accumulate)) if m > 1 else 0
         kept = 0
-        f, b = split.tasks.get(("F", s)), split.tasks.get(("B", s))
-        if f is not None and b is not None:
-            for x, v in zip(b.inputs, compiled.inputs[("B", s)]):
+        seen: set[int] = set()
+        for kind in ("B", "W") if split.tasks.get(("F", s)) is not None else ():
+            b = split.tasks.get((kind, s))
+            if b is None:
+                continue
+            for x, v in zip(b.inputs, compiled.inputs[(kind, s)]):
                 # what the backward reads from this stage's forward (or, remat,
-                # what the forward received and keeps for it)
+                # what the forward received and keeps for it; zb-h1: what B
+                # keeps for W)
                 made = split.producer.get(x)
-                if x not in leaf_ids and made is not None and made[0] == "F" and (
-                        made[1] == s or x in ex.wiring.keep[s]):
+                if x not in leaf_ids and x not in seen and made is not None and (
+                        (made[0] == "F" and (made[1] == s or x in ex.wiring.keep[s]))
+                        or made == ("B", s)):
+                    seen.add(x)
                     kept += _device_bytes(v.shape, v.dtype, v.sharding)
         work = 0
         for k in keys:

@@ -48,6 +48,15 @@ stage (``Stage.recompute``, :mod:`meshplan.recompute`) replays only the
 equations of the selective region (the ``selective`` argument); the values
 its replay reads from the rest of its forward are outputs of the forward,
 kept like any other value the backward reads.
+
+Zero bubble (``zero_bubble``, the ZB-H1 schedule): a stage's backward task
+is cut by dependence into ``B``, the equations the values other stages read
+need (the gradient of the stage's inputs), and ``W`` (key ``("W", s)``), the
+rest (its parameters' gradients and their running sums).  What ``W`` reads
+of ``B``'s equations becomes an output of ``B``, kept until ``W`` runs like
+any activation; ``W`` reads the forward's values itself.  A stage whose
+backward sends nothing back (the first) or replays its forward
+(recomputation) keeps one backward task.
 """
 from __future__ import annotations
 
@@ -76,7 +85,7 @@ MEAN, LAST, CONCAT = "mean", "last", "concat"
 class Task:
     """One program: the equations of one stage in one phase (``level`` orders
     the apply programs of a step)."""
-    kind: str                     # "F", "B", "A" or "R" (draws over the batch)
+    kind: str                     # "F", "B", "W" (zb-h1), "A" or "R" (draws over the batch)
     stage: int
     level: int = 0
     eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
@@ -92,7 +101,8 @@ class Task:
         return (self.kind, self.stage) if self.kind != "A" else ("A", self.stage, self.level)
 
     def name(self) -> str:
-        what = {"F": "forward", "B": "backward", "A": "update", "R": "random draws"}[self.kind]
+        what = {"F": "forward", "B": "backward", "W": "weight gradients", "A": "update",
+                "R": "random draws"}[self.kind]
         lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
         return f"stage {self.stage} {what}{lvl}"
 
@@ -122,7 +132,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                num_micro_batches: int, concat_outputs: Sequence[int] = (),
                remat: Sequence[bool | str] = (), selective: frozenset[int] = frozenset(),
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
-               draw_eqns: Sequence[tuple[int, Any]] = ()) -> StepSplit:
+               draw_eqns: Sequence[tuple[int, Any]] = (),
+               zero_bubble: bool = False) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
@@ -130,7 +141,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     doc); default none.  ``selective``: the equations a selective stage may
     replay.  ``draws``: the random draws over the batch
     (``TracedStep.batch_draws``) and ``draw_eqns`` their per-example
-    ancestors at the full batch (``TracedStep.draw_eqns``)."""
+    ancestors at the full batch (``TracedStep.draw_eqns``).  ``zero_bubble``:
+    cut the backwards into B and W (see the module doc)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     phase = _phases(flat.eqns, flow, forward)
@@ -146,6 +158,10 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective)
     deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing)
     _check_pipeline(tasks, flat.eqns, producer, deps)
+    if zero_bubble:
+        _split_weight_gradients(tasks, flat.eqns, producer, needed_by, flow.const_ids)
+        deps = {key: {producer[x] for x in t.inputs if _c_phase(producer.get(x))}
+                for key, t in tasks.items() if _c_phase(key)}
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
     return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
                      flow.alias, flow.batch_ids, deps, moved, drawn,
@@ -365,7 +381,7 @@ def _wire_inputs(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn],
 
 
 def _c_phase(key: tuple | None) -> bool:
-    return key is not None and key[0] in ("F", "B")
+    return key is not None and key[0] in ("F", "B", "W")
 
 
 def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tuple],
@@ -495,6 +511,53 @@ def _check_pipeline(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], producer:
                     f"the plan's layering does not fit a pipeline: {tasks[key].name()} "
                     f"(operation {k}, {eqns[k].eqn.primitive.name}) reads a value of "
                     f"{tasks[d].name()}; re-plan with other layer cuts (mark_pipeline_boundary)")
+
+
+def _split_weight_gradients(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn],
+                            producer: dict[int, tuple], needed_by: dict[int, set[tuple]],
+                            const_ids: set[int]) -> None:
+    """[zero bubble] every stage's backward cut into B and W (module doc)."""
+    for key in [k for k in tasks if k[0] == "B"]:
+        t = tasks[key]
+        sent = {o for o in t.outputs
+                if any(c != key and c[0] in ("F", "B") for c in needed_by.get(o, ()))}
+        if not sent or t.replay:
+            continue
+        # B: the equations what other stages read depends on
+        need, mine = set(sent), set()
+        for k in reversed(t.eqns):
+            if any(o in need for o in eqns[k].outvars):
+                mine.add(k)
+                need.update(x for x in eqns[k].invars if isinstance(x, int))
+        rest = [k for k in t.eqns if k not in mine]
+        if not rest:
+            continue
+        b_eqns = [k for k in t.eqns if k in mine]
+        made_b = {o for k in b_eqns for o in eqns[k].outvars}
+        made_w = {o for k in rest for o in eqns[k].outvars}
+        w_in: list[int] = []
+        for k in rest:
+            for x in eqns[k].invars:
+                if isinstance(x, int) and x not in made_w and x not in const_ids \
+                        and x not in w_in:
+                    w_in.append(x)
+        b_read = {x for k in b_eqns for x in eqns[k].invars if isinstance(x, int)}
+        w = Task("W", key[1], 0, rest, tuple(w_in),
+                 tuple(o for o in t.outputs if o in made_w),
+                 tuple(o for o in t.accumulate if o in made_w))
+        kept = [x for x in w_in if x in made_b]
+        t.eqns = b_eqns
+        t.outputs = tuple(dict.fromkeys([o for o in t.outputs if o in made_b] + kept))
+        t.accumulate = tuple(o for o in t.accumulate if o in made_b)
+        for x in t.inputs:
+            if x not in b_read:
+                needed_by[x].discard(key)
+        t.inputs = tuple(x for x in t.inputs if x in b_read)
+        for o in made_w:
+            producer[o] = w.key
+        for x in w_in:
+            needed_by[x].add(w.key)
+        tasks[w.key] = w
 
 
 def dispatch_order(split: StepSplit, schedule: str, m: int,

@@ -4,8 +4,9 @@
 micro-batch on every stage in the order the schedule runs them
 (:func:`meshplan.schedule.group_order`, the runtime's order too: GPipe all
 forwards, then all backwards; 1F1B warm-up forwards, then one forward / one
-backward; interleaved 1F1B per device group over its model chunks) with each
-block starting when its devices are free and its input has arrived.
+backward; interleaved 1F1B per device group over its model chunks; ZB-H1
+with its weight-gradient ``W`` blocks) with each block starting when its
+devices are free and its input has arrived.
 ``draw(plan, path)`` saves the picture (device groups x time; an
 interleaved plan's second chunk is drawn lighter).
 """
@@ -36,6 +37,12 @@ def simulate(plan: Plan) -> list[Block]:
     p = len(set(groups))
     t_f = [stage_latency(s) * FORWARD_SHARE for s in plan.stages]
     t_b = [stage_latency(s) * (1 - FORWARD_SHARE) for s in plan.stages]
+    t_w = [0.0] * n
+    if plan.schedule == "zb-h1":
+        # the backward's two halves (input and weight gradients: a matmul
+        # each); the first stage's backward stays one program (no W)
+        t_w = [0.0] + [t / 2 for t in t_b[1:]]
+        t_b = t_b[:1] + [t / 2 for t in t_b[1:]]
     orders = [group_order(plan.schedule, g, p, m, plan.chunks) for g in range(p)]
     pos = [0] * p
     free = [0.0] * p
@@ -49,15 +56,18 @@ def simulate(plan: Plan) -> list[Block]:
                 kind, k, i = orders[g][pos[g]]
                 if kind == "F":
                     dep = done.get(("F", k - 1, i), None) if k > 0 else 0.0
+                elif kind == "W":
+                    dep = done.get(("B", k, i))
                 else:
                     dep = done.get(("B", k + 1, i), None) if k < n - 1 else done.get(("F", k, i))
                 if dep is None:
                     break
                 start = max(free[g], dep)
-                end = start + (t_f[k] if kind == "F" else t_b[k])
+                end = start + {"F": t_f, "B": t_b, "W": t_w}[kind][k]
                 done[(kind, k, i)] = end
                 free[g] = end
-                blocks.append(Block(k, i, kind, start, end))
+                if kind != "W" or t_w[k]:
+                    blocks.append(Block(k, i, kind, start, end))
                 pos[g] += 1
                 remaining -= 1
                 progressed = True
@@ -80,7 +90,8 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     if abs(rest) > 1e-4 * plan.predicted.iteration_s:
         model = ("the shared-compute formula (the devices share one host)"
                  if a.shared_host_compute else "the interleaved formula"
-                 if plan.schedule == "interleaved" else "the stage search's formula")
+                 if plan.schedule == "interleaved" else "the ZB-H1 walk of the stages' FLOP "
+                 "shares" if plan.schedule == "zb-h1" else "the stage search's formula")
         text += (f" {'+' if rest > 0 else '-'} {human_time(abs(rest))} by which {model} "
                  "differs from this simulated schedule")
     return text
@@ -107,8 +118,11 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, (0.6 * p + 1.5) * len(panels)),
                              squeeze=False)
     scale = 1e3
-    colors = {"F": "#4c72b0", "B": "#dd8452", "A": "#55a868"}
-    names = {"F": "forward", "B": "backward (recomputation included)", "A": "update"}
+    colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#c44e52", "A": "#55a868"}
+    names = {"F": "forward", "B": "backward (recomputation included)",
+             "W": "weight gradients (zb-h1)", "A": "update"}
+    if plan.schedule == "zb-h1":
+        names["B"] = "input gradients (the first stage: its whole backward)"
     for ax, (bl, label) in zip(axes[:, 0], panels):
         right = max((x.end for x in bl), default=0.0) * scale
         for b in bl:
@@ -126,14 +140,14 @@ def draw(plan: Plan, path: str, executed: list[Block] | None = None) -> list[Blo
                             for k, s in enumerate(plan.stages[:p])], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(label)
-        kinds = sorted({b.kind for b in bl}, key="FBA".index)
+        kinds = sorted({b.kind for b in bl}, key=lambda k: "FBWA".find(k))
         handles = [Patch(color=colors.get(k, "#8c8c8c"), label=names.get(k, k)) for k in kinds]
         if plan.chunks > 1:
             handles.append(Patch(color="#8c8c8c", alpha=0.55, label="later model chunks (lighter)"))
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     schedule = {"none": "one stage, no pipeline",
-                "interleaved": f"interleaved 1F1B ({plan.chunks} chunks per device group)"
-                }.get(plan.schedule, plan.schedule)
+                "interleaved": f"interleaved 1F1B ({plan.chunks} chunks per device group)",
+                "zb-h1": "zero-bubble ZB-H1 (Qi et al. 2023)"}.get(plan.schedule, plan.schedule)
     axes[0, 0].set_title(f"{plan.function}: {schedule}, {plan.num_micro_batches} micro-batches\n"
                          f"{textwrap.fill(breakdown(plan, blocks), 110)}", fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,134 @@
+"""ZB-H1 pipelines, priced after the stage DP (as :mod:`.interleave` prices
+interleaved ones).
+
+The DP's stages are kept (it priced them with 1F1B's in-flight counts, or
+where the request fixes the stage count with ZB-H1's); ZB-H1 keeps ``min(B,
+p)`` micro-batches on every stage (:func:`meshplan.schedule.max_in_flight`),
+stage ``s`` from the last ``min(B, s)`` of them whole as 1F1B does and the
+others only with what their ``W`` still reads (:func:`kept_parts`: the
+driver frees the rest after their ``B``), so each stage is priced again and
+the plan is dropped where one no longer fits.  Each stage's latency is cut into its
+forward ``F``, input-gradient ``B`` and weight-gradient ``W`` by the FLOPs
+of those parts of its layers (:func:`backward_parts`: by dependence, as the
+runtime cuts the programs, :mod:`meshplan.runtime.pipeline_split`), and the
+iteration time is :func:`meshplan.cost_model.pipeline.zb_h1_iteration_s`.
+The first stage sends no gradient back: the runtime keeps its backward one
+program, so its ``W`` is 0 and its ``B`` the whole backward; so does a stage
+that recomputes its forward.  Every other stage launches one program more
+per micro-batch (its ``W``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..cost_model.pipeline import zb_h1_iteration_s
+from ..graph import GRAD_BOUNDARY, Graph
+from .layers import Layering
+from .problem import LayerProblems
+from .stage_dp import DPResult, StageChoice
+
+__all__ = ("ZB_H1", "backward_parts", "zero_bubble")
+
+ZB_H1 = "zb-h1"
+
+
+def _input_gradient_nodes(g: Graph, layering: Layering) -> tuple[list[bool], int]:
+    """Per node: does a lower layer's backward read it (directly or through
+    other such backward operations of its layer)?  And where the backward
+    ends (the first gradient marker)."""
+    L, layer, fwd = layering.num_layers, layering.layer_of_node, layering.forward
+    end = min((n.id for n in g.nodes if n.primitive == GRAD_BOUNDARY), default=len(g.nodes))
+    users = g.consumers
+    down = [False] * len(g.nodes)
+    for n in reversed(g.nodes[:end]):
+        l = layer[n.id]
+        if fwd[n.id] or not 0 <= l < L:
+            continue
+        down[n.id] = any(not fwd[c] and c < end
+                         and (layer[c] < l or (layer[c] == l and down[c]))
+                         for t in n.outputs for c in users.get(t, ()))
+    return down, end
+
+
+def backward_parts(g: Graph, layering: Layering) -> tuple[list[float], list[float], list[float]]:
+    """Per layer the FLOPs of its forward, of its input gradient (the
+    backward operations some lower layer's backward reads, directly or
+    through other such operations of the layer) and of the rest of its
+    backward (the parameters' gradients).  Operations after the gradients
+    (the update) count with the rest."""
+    L, layer, fwd = layering.num_layers, layering.layer_of_node, layering.forward
+    down, _ = _input_gradient_nodes(g, layering)
+    f, b, w = [0.0] * L, [0.0] * L, [0.0] * L
+    for n in g.nodes:
+        l = layer[n.id]
+        if 0 <= l < L:
+            (f if fwd[n.id] else b if down[n.id] else w)[l] += n.flops
+    return f, b, w
+
+
+def kept_parts(g: Graph, layering: Layering) -> tuple[list[float], list[float]]:
+    """Per layer the bytes one micro-batch keeps for its backward (forward
+    values its backward reads) and those it still keeps once B ran (what W
+    reads: forward values and B's results).  After its B a micro-batch
+    holds only the second (the driver frees what nothing else reads)."""
+    L, layer, fwd = layering.num_layers, layering.layer_of_node, layering.forward
+    down, end = _input_gradient_nodes(g, layering)
+    made = g.producer
+    kept: list[set[int]] = [set() for _ in range(L)]
+    after_b: list[set[int]] = [set() for _ in range(L)]
+    for n in g.nodes[:end]:
+        l = layer[n.id]
+        if fwd[n.id] or not 0 <= l < L:
+            continue
+        for t in n.inputs:
+            k = made.get(t)
+            if k is None:
+                continue        # parameters and batch pieces: not per micro-batch
+            if fwd[k]:
+                kept[l].add(t)
+            if not down[n.id] and (fwd[k] or down[k]):
+                after_b[l].add(t)
+    size = [sum(g.tensors[t].nbytes for t in ts) for ts in kept]
+    return size, [sum(g.tensors[t].nbytes for t in ts) for ts in after_b]
+
+
+def w_share(kept: tuple[list[float], list[float]], first: int, last: int) -> float:
+    """Of what layers ``first..last`` keep per micro-batch, the share kept
+    from their B until their W (at most all of it)."""
+    full = sum(kept[0][first:last + 1])
+    return min(1.0, sum(kept[1][first:last + 1]) / full) if full > 0 else 0.0
+
+
+def zero_bubble(res: DPResult, lay: LayerProblems, costs: Any
+                ) -> tuple[DPResult, dict[tuple[int, int, int, int], Any]] | None:
+    """The ZB-H1 pipeline of the DP's stages ``res`` (in layer-group
+    indices): a :class:`DPResult` in layer indices with the ZB-H1 iteration
+    time, and the stages' options keyed as the DP's; None where a stage
+    does not fit with ZB-H1's micro-batches in flight
+    (``costs.not_zero_bubble`` says which)."""
+    p, B = len(res.stages), lay.B
+    f_l, b_l, w_l = backward_parts(lay.g, lay.layering)
+    stages, options = [], {}
+    fs, bs, ws = [], [], []
+    for k, st in enumerate(res.stages):
+        i, j = lay.groups[st.first][0], lay.groups[st.last][1]
+        o = costs.best(st.first, st.last, st.submesh, p - k, ZB_H1, keep=min(B, p - k),
+                       extra=costs.zb_extra(i, j, p - k, p))
+        if o is None:
+            costs.not_zero_bubble = (f"stage {k} (layers {i}..{j}) does not fit with the "
+                                     f"{min(B, p)} micro-batches in flight that ZB-H1 keeps on "
+                                     "every stage")
+            return None
+        fwd, inp, rest = sum(f_l[i:j + 1]), sum(b_l[i:j + 1]), sum(w_l[i:j + 1])
+        whole = k == 0 or o.remat       # (the runtime keeps these backwards one program)
+        if whole:
+            inp, rest = inp + rest, 0.0
+        lat = o.latency_s + (0.0 if whole else lay.dispatch_s)
+        total = fwd + inp + rest
+        share = (fwd / total, inp / total, rest / total) if total > 0 else (0.5, 0.5, 0.0)
+        fs.append(lat * share[0])
+        bs.append(lat * share[1])
+        ws.append(lat * share[2])
+        stages.append(StageChoice(i, j, st.submesh, lat))
+        options[i, j, st.submesh, p - k] = o
+    total_s = zb_h1_iteration_s(fs, bs, ws, B)
+    return DPResult(total_s, tuple(stages), max(s.latency for s in stages)), options
