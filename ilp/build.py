@@ -391,7 +391,11 @@ class _Builder:
             g.compute.append(s.compute_s + fixed)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
-            g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
+            kinds: dict[str, float] = {}
+            for kind, _, nbytes in s.parts or ((s.collective or "all-reduce", 0.0, s.comm_bytes),):
+                if nbytes:
+                    kinds[kind] = kinds.get(kind, 0.0) + nbytes
+            g.comm_kinds.append(kinds)
         self.groups.append(g)
         for t in node.outputs:
             self.group_of_tensor[t] = g.gid
