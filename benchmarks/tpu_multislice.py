@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Mesh axes on TPU pods: ICI or DCN",
         "",
-        f"Command: `python benchmarks/tpu_multislice.py --out benchmarks/results/"
-        f"tpu_multislice.md`. Models: builtin gpt {GPT}; MaxText's 16B decoder "
+        "Command: `python benchmarks/tpu_multislice.py"
+        + (f" --time-limit {args.time_limit:g}" if args.time_limit != 60.0 else "")
+        + f" --out benchmarks/results/tpu_multislice.md`. Models: builtin gpt {GPT}; "
+        "MaxText's 16B decoder "
         "(benchmarks/_maxtext_decoder.py: 32 layers x 4096, mlp 28672, seq 2048, per-chip "
         "batch 6, full recomputation, AdamW; maxtext_tpu.py's configuration); method "
         "ShardParallel on the mesh "

@@ -411,7 +411,11 @@ class _Builder:
             grad = node.id in self.grad_nodes
             g.grad_comm.append(s.comm_s if grad else 0.0)
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
-            g.comm_kinds.append({s.collective or "all-reduce": s.comm_bytes} if s.comm_bytes else {})
+            kinds: dict[str, float] = {}
+            for kind, _, nbytes in s.parts or ((s.collective or "all-reduce", 0.0, s.comm_bytes),):
+                if nbytes:
+                    kinds[kind] = kinds.get(kind, 0.0) + nbytes
+            g.comm_kinds.append(kinds)
         self.groups.append(g)
         for t in node.outputs:
             self.group_of_tensor[t] = g.gid

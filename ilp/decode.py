@@ -90,11 +90,14 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
         if g.root_node is not None:
             node = graph.nodes[g.root_node]
             s = g.strategies[c]
-            if s.comm_bytes:
-                add(PlannedCollective(s.collective or "all-reduce", s.comm_s, s.comm_bytes,
-                                      node.outputs[0], f"n{node.id} {node.primitive} [{s.name}]",
-                                      (), g.gid, True, gradient=node.id in built.grad_nodes),
-                    own_once(g.gid, node.id))
+            grad = node.id in built.grad_nodes
+            for kind, sec, nbytes in s.parts or ((s.collective or "all-reduce", s.comm_s,
+                                                  s.comm_bytes),):
+                if nbytes:
+                    add(PlannedCollective(kind, sec, nbytes, node.outputs[0],
+                                          f"n{node.id} {node.primitive} [{s.name}]",
+                                          (), g.gid, True, gradient=grad),
+                        own_once(g.gid, node.id))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)

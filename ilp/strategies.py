@@ -29,6 +29,8 @@ class Strategy:
     comm_s: float
     comm_bytes: float
     collective: str = ""      # the HLO kind of the collective in comm_*, if any
+    # (kind, seconds, bytes) of each collective where comm_* adds up several
+    parts: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def cost(self) -> float:
@@ -98,7 +100,7 @@ def _spec(labels: Sequence[int], per_label: dict[int, tuple[int, ...]]) -> ISpec
 
 
 def _name(assign: Sequence[tuple[int, int | None]], space: OpSpace, axis_names,
-          rs_dim: int | None) -> str:
+          rs_dim: int | None, rs_axes: tuple[int, ...] = ()) -> str:
     parts = []
     out0 = space.out_labels[0] if space.out_labels else ()
     for a, lab in assign:
@@ -107,7 +109,8 @@ def _name(assign: Sequence[tuple[int, int | None]], space: OpSpace, axis_names,
         if lab in out0:
             parts.append(f"{axis_names[a]}:o{out0.index(lab)}")
         elif lab in space.reduce:
-            parts.append(f"{axis_names[a]}:sum" + (f">rs{rs_dim}" if rs_dim is not None else ""))
+            rs = rs_dim is not None and (not rs_axes or a in rs_axes)
+            parts.append(f"{axis_names[a]}:sum" + (f">rs{rs_dim}" if rs else ""))
         else:
             for k, ls in enumerate(space.in_labels):
                 if ls is not None and lab in ls:
@@ -142,34 +145,72 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
                               _out_elements(graph, node, num_shards(out_specs[0], shape))
                               if out_specs else 0.0, _out_side(graph, node))
         assign = list(zip(axes, choice))
-        variants: list[tuple[tuple[ISpec, ...], float, float, int | None, str]] = []
+        variants: list[Variant] = []
         if red_axes:
             t_c = sum(all_reduce(mm, red_axes, b)[0] for b in local_out)
             b_c = sum(all_reduce(mm, red_axes, b)[1] for b in local_out)
-            variants.append((out_specs, t_c, b_c, None, "all-reduce"))
+            variants.append((out_specs, t_c, b_c, None, "all-reduce", (), ()))
             if space.reduce_scatter and len(out_specs) == 1:
-                n_red = math.prod(shape[a] for a in red_axes)
-                for d, (dim_axes, size) in enumerate(zip(out_specs[0], out_shapes[0])):
-                    if dim_axes or size % n_red or space.out_labels[0][d] in space.blocked:
-                        continue
-                    spec = tuple(red_axes if k == d else x for k, x in enumerate(out_specs[0]))
-                    t_rs, b_rs = reduce_scatter(mm, red_axes, local_out[0])
-                    variants.append(((spec,), t_rs, b_rs, d, reduce_scatter_kind(mm)))
+                variants += _scatter_variants(mm, space, red_axes, out_specs[0], out_shapes[0],
+                                              local_out[0])
         else:
-            variants.append((out_specs, 0.0, 0.0, None, ""))
+            variants.append((out_specs, 0.0, 0.0, None, "", (), ()))
         each = [all_reduce(mm, per_label[l], b) for l, b in space.reduce_each_step
                 if l in per_label]
         if each:        # (inside a loop: on top of any variant's own collective)
             t_e, b_e = sum(c[0] for c in each), sum(c[1] for c in each)
-            variants = [(o, t + t_e, b + b_e, rs, kind or "all-reduce")
-                        for o, t, b, rs, kind in variants]
-        for o_specs, t_c, b_c, rs, kind in variants:
+            variants = [(o, t + t_e, b + b_e, rs, kind or "all-reduce", ax,
+                         parts + (("all-reduce", t_e, b_e),) if parts else ())
+                        for o, t, b, rs, kind, ax, parts in variants]
+        for o_specs, t_c, b_c, rs, kind, rs_axes, parts in variants:
             key = (in_specs, o_specs)
-            strat = Strategy(_name(assign, space, mm.mesh.axes, rs), in_specs, o_specs,
-                             t_comp, t_c, b_c, kind)
+            strat = Strategy(_name(assign, space, mm.mesh.axes, rs, rs_axes), in_specs, o_specs,
+                             t_comp, t_c, b_c, kind, parts)
             if key not in seen or strat.cost < seen[key].cost:
                 seen[key] = strat
     return list(seen.values())
+
+
+# (result layouts, comm seconds, comm bytes, reduce-scattered dimension, HLO
+# kind, the axes reduce-scattered when only some are, collectives when several)
+Variant = tuple[tuple[ISpec, ...], float, float, "int | None", str, tuple[int, ...],
+                tuple[tuple[str, float, float], ...]]
+
+
+def _scatter_variants(mm: MeshModel, space: OpSpace, red_axes: tuple[int, ...], out: ISpec,
+                      out_shape: tuple[int, ...], nbytes: float) -> list[Variant]:
+    """The partial sums over ``red_axes`` reduce-scattered onto a free result
+    dimension: over all of them, or (with a native reduce-scatter) over some
+    of them followed by an all-reduce of the shard over the rest, leaving the
+    result replicated over those.  The second is how a data-parallel gradient
+    is reduced where the weight is sharded over another axis (FSDP x DP: a
+    reduce-scatter on the fast links, an all-reduce of 1/n of the bytes on the
+    slow ones, e.g. DCN between TPU slices); XLA's AllReduceSplitter
+    (xla/service/all_reduce_splitter.h) rewrites an all-reduce followed by a
+    dynamic slice into this pair."""
+    shape = mm.shape
+    subsets = [red_axes]
+    if mm.native_reduce_scatter and len(red_axes) > 1:
+        subsets += [c for r in range(1, len(red_axes))
+                    for c in itertools.combinations(red_axes, r)]
+    out_v: list[Variant] = []
+    for d, (dim_axes, size) in enumerate(zip(out, out_shape)):
+        if dim_axes or space.out_labels[0][d] in space.blocked:
+            continue
+        for part in subsets:
+            n_part = math.prod(shape[a] for a in part)
+            if size % n_part:
+                continue
+            spec = tuple(part if k == d else x for k, x in enumerate(out))
+            t_rs, b_rs = reduce_scatter(mm, part, nbytes)
+            if part == red_axes:
+                out_v.append(((spec,), t_rs, b_rs, d, reduce_scatter_kind(mm), (), ()))
+                continue
+            rest = tuple(a for a in red_axes if a not in part)
+            t_ar, b_ar = all_reduce(mm, rest, nbytes / n_part)
+            out_v.append(((spec,), t_rs + t_ar, b_rs + b_ar, d, reduce_scatter_kind(mm), part,
+                          ((reduce_scatter_kind(mm), t_rs, b_rs), ("all-reduce", t_ar, b_ar))))
+    return out_v
 
 
 MAX_STRATEGIES = 64

@@ -292,6 +292,78 @@ def test_a_two_slice_plan_puts_only_data_parallelism_across_slices():
     assert weights and not any(across & axes_of(spec) for _, spec in weights)
 
 
+def _mlp_step():
+    """A float32-weight, bfloat16-compute MLP step with AdamW: ``wi`` is read
+    once (its forward), ``wo`` twice (forward and the input's gradient)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    f32, bf = jnp.float32, jnp.bfloat16
+    params = {"wi": jax.ShapeDtypeStruct((4096, 28672), f32),
+              "wo": jax.ShapeDtypeStruct((28672, 4096), f32)}
+    tx = optax.adamw(1e-4)
+
+    def loss(p, x):
+        h = jax.nn.silu(x @ p["wi"].astype(bf))
+        return jnp.mean(jnp.square((h @ p["wo"].astype(bf)).astype(f32)))
+
+    def step(state, x):
+        g = jax.grad(loss)(state["params"], x)
+        u, opt = tx.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt": opt}
+    state = {"params": params, "opt": jax.eval_shape(tx.init, params)}
+    return step, state, jax.ShapeDtypeStruct((3072, 2048, 4096), bf)
+
+
+def test_a_weight_gradient_reduce_scatters_on_ici_and_all_reduces_its_shard_over_dcn():
+    """FSDP over a slice's chips x data parallelism over slices: the weight
+    gradient's partial sums are reduce-scattered over ICI, then the 1/256
+    shard is all-reduced over DCN, landing in the weight's own layout (sharded
+    over ICI only).  Without this pair the only scatter was over both axes
+    (slice-major), which leaves the gradient split across slices."""
+    from meshplan.ilp.strategies import node_strategies
+    from meshplan.trace import trace
+    step, state, x = _mlp_step()
+    graph = trace(step, state, x, warn=False)
+    cluster = load_cluster(TPU / "tpu-v5e-256-x2.json")
+    mm = mesh_model(cluster, LogicalMesh(("x", "y"), (2, 256)))
+    # the gradient of wo: h (batch, seq, mlp) x dy (batch, seq, emb) -> (mlp, emb)
+    (node,) = [n for n in graph.nodes if n.primitive == "dot_general"
+               and graph.tensors[n.outputs[0]].shape == (28672, 4096)]
+    nbytes = graph.tensors[node.outputs[0]].nbytes
+    dp = [s for s in node_strategies(graph, node, mm)
+          if s.in_specs[0][0] == (0, 1) and s.out_specs == (((1,), ()),)]
+    assert dp, "no strategy reduces over both axes into the ICI-only layout"
+    best = min(dp, key=lambda s: s.comm_s)
+    rs, ar = C.reduce_scatter(mm, (1,), nbytes), C.all_reduce(mm, (0,), nbytes / 256)
+    assert [p[0] for p in best.parts] == ["reduce-scatter", "all-reduce"]
+    assert best.comm_s == pytest.approx(rs[0] + ar[0])
+    assert best.comm_bytes == pytest.approx(nbytes / 256 * 2)
+    # over DCN: a 2-ring all-reduce of the shard at the chip's share of its
+    # host's NICs (2 x 100 Gbit/s over 8 chips), 20 us a step
+    per_chip = 25e9 / 8
+    assert ar[0] == pytest.approx(2 * (2e-5 + nbytes / 256 / 2 / per_chip)
+                                  + cluster.device.achieved.kernel_launch_s)
+
+
+def test_a_weight_read_twice_stays_off_the_slice_axis():
+    """Sharding a weight over the slices too costs a DCN phase (1/512 of it)
+    in every gather and in the gradient's reduce-scatter; keeping it to ICI
+    costs one all-reduce of its 1/256 gradient shard over DCN (two such
+    phases).  A weight gathered twice (forward and backward) is cheaper kept
+    off the slice axis; the planner must see that option."""
+    from meshplan.graph import OPT_STATE, PARAM
+    from meshplan.ilp.intra_op import solve_intra_op
+    from meshplan.trace import trace
+    step, state, x = _mlp_step()
+    graph = trace(step, state, x, warn=False)
+    cluster = load_cluster(TPU / "tpu-v5e-256-x2.json")
+    r = solve_intra_op(graph, cluster, LogicalMesh(("x", "y"), (2, 256)), time_limit=60)
+    wo = [s for i, s in zip(graph.inputs, r.input_specs) if i.role in (PARAM, OPT_STATE)
+          and graph.tensors[i.tensor].shape == (28672, 4096)]
+    assert len(wo) == 3 and all(s == ("y", None) for s in wo), wo
+
+
 def test_pipeline_stages_may_be_whole_slices():
     from meshplan.models import build_model
     m = build_model("gpt", {"layers": "4", "hidden": "64", "heads": "2", "seq_len": "32",
