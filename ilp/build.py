@@ -96,8 +96,13 @@ class Built:
     grad_groups: frozenset[int] = frozenset()
     update_groups: frozenset[int] = frozenset()
     # the operators whose results only feed parameter gradients (their
-    # reductions can wait for the last micro-batch): see gradient_only_nodes
+    # reductions can wait for the last micro-batch): see gradient_only
     grad_nodes: frozenset[int] = frozenset()
+    # their results and what they pass a gradient through (see gradient_only)
+    grad_tensors: frozenset[int] = frozenset()
+    # the mesh axes whose gradient sums the runtime keeps apart until the last
+    # micro-batch (those the batch is split over); None: any
+    defer_axes: frozenset[int] | None = None
 
 
 def follow_input(space, node, graph) -> int | None:
@@ -235,6 +240,11 @@ class _Builder:
     update_nodes: frozenset[int] = frozenset()
     once: float = 1.0
     grad_nodes: frozenset[int] = frozenset()
+    # their results and what they pass a gradient through (see gradient_only)
+    grad_tensors: frozenset[int] = frozenset()
+    # the mesh axes whose gradient sums the runtime keeps apart until the last
+    # micro-batch (those the batch is split over); None: any
+    defer_axes: frozenset[int] | None = None
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -356,6 +366,7 @@ class _Builder:
         # (what a strategy adds depends on its layout of the operand alone:
         # worked out once per distinct layout, many strategies share one)
         per_spec: dict[ISpec, tuple] = {}
+        mp_axes: dict[ISpec, frozenset[int]] = {}
         for i in range(g.size):
             ms = g.specs[i][main]
             got = per_spec.get(ms)
@@ -371,6 +382,7 @@ class _Builder:
                          if graph.tensors[node.inputs[p]].shape]
                 got = per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
                                       sum(x[2] for x in steps), reads)
+                mp_axes[ms] = frozenset(mp.reduce_axes)
             out, t, steps, c_time, c_bytes, reads = got
             g.specs[i][out_t] = out
             _add_kinds(g.comm_kinds[i], steps)
@@ -378,12 +390,12 @@ class _Builder:
             g.compute[i] += t
             g.comm[i] += c_time
             g.comm_bytes[i] += c_bytes
-            if node.id in self.grad_nodes:
+            if node.id in self.grad_nodes and deferrable(mp_axes[ms], self.defer_axes):
                 g.grad_comm[i] += c_time
                 g.grad_comm_bytes[i] += c_bytes
             g.reads[i].extend(reads)
             if node.id not in self.update_nodes:
-                g.steady_reads[i].update(reads)
+                g.steady_reads[i].update(self._steady(node, reads))
         g.members.append(node.id)
         self.group_of_tensor[out_t] = g.gid
 
@@ -403,12 +415,13 @@ class _Builder:
             fixed = self._fixed(node, s.compute_s)
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
-            g.steady_reads.append(set(g.reads[-1]) if steady else set())
+            g.steady_reads.append(self._steady(node, g.reads[-1]) if steady else set())
             g.cost.append(s.cost + fixed)
             g.compute.append(s.compute_s + fixed)
             g.comm.append(s.comm_s)
             g.comm_bytes.append(s.comm_bytes)
-            grad = node.id in self.grad_nodes
+            grad = node.id in self.grad_nodes and deferrable(
+                summed_axes(s.name, self.mm.mesh.axes), self.defer_axes)
             g.grad_comm.append(s.comm_s if grad else 0.0)
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             kinds: dict[str, float] = {}
@@ -419,6 +432,14 @@ class _Builder:
         self.groups.append(g)
         for t in node.outputs:
             self.group_of_tensor[t] = g.gid
+
+    def _steady(self, node, reads) -> set[tuple[int, ISpec]]:
+        """Of ``node``'s ``reads``, those paid every micro-batch: not a
+        gradient operator's reads of a gradient's value (summed over the
+        micro-batches first, resharded once a step)."""
+        if node.id not in self.grad_nodes:
+            return set(reads)
+        return {r for r in reads if r[0] not in self.grad_tensors}
 
     def _fixed(self, node, roofline_s: float) -> float:
         """Launch and floor of the kernels ``node`` launches (0 for none),
@@ -467,6 +488,9 @@ class _Builder:
                 g.cost[j] += c
                 g.comm[j] += c
                 g.comm_bytes[j] += b
+                if t in self.grad_tensors:      # (a gradient's, on its way to the update)
+                    g.grad_comm[j] += c
+                    g.grad_comm_bytes[j] += b
                 _add_kinds(g.comm_kinds[j], steps)
             return
         if (h.gid, g.gid) not in self.edge_acc:
@@ -589,22 +613,39 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
 # the inputs whose layouts a hand-made method decides
 _METHOD_ROLES = frozenset({PARAM, OPT_STATE, STATE, BATCH})
 
-# operators whose result is a gradient's value relaid, recast or scaled, or
-# a sum of contributions: a reduction before them may wait as well
+# operators whose result is a gradient's value relaid, recast or scaled, a
+# sum of contributions or of its elements (a bias gradient summed over the
+# batch, then over the sequence): a reduction before them may wait as well
 _GRAD_PASS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze",
                         "expand_dims", "copy", "copy_p", "neg", "mul", "div", "add_any",
-                        "reduce_precision"})
+                        "reduce_precision", "reduce_sum"})
 
 
-def gradient_only_nodes(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
+def summed_axes(name: str, axis_names) -> frozenset[int]:
+    """The mesh axes a strategy named ``name`` (ilp.strategies) sums over."""
+    return frozenset(axis_names.index(part.split(":")[0]) for part in name.split()
+                     if ":" in part and part.split(":")[1].startswith("sum"))
+
+
+def deferrable(axes: frozenset[int], defer_axes: frozenset[int] | None) -> bool:
+    """May a gradient's sum over ``axes`` wait for the last micro-batch?  Only
+    over the axes the runtime keeps partial sums on
+    (runtime.pipeline_partial: the data-parallel ones)."""
+    return defer_axes is None or axes <= defer_axes
+
+
+def gradient_only(graph: Graph, accumulate: frozenset[int]
+                  ) -> tuple[frozenset[int], frozenset[int]]:
     """The operators (outside the update) that make a parameter gradient of
     ``accumulate``: a weight gradient's matmul, a bias gradient's sum over
     the tokens, and the casts, reshapes and scalings between them and the
     gradient.  Their partial sums may be added over the micro-batches and
     reduced once.  An input gradient's matmul is not one of them: what it
-    makes feeds the rest of the backward, every micro-batch."""
+    makes feeds the rest of the backward, every micro-batch.  Also the
+    values between them and the gradients (a resharding of those is part of
+    the gradient's reduction).  ``(operators, values)``."""
     if not accumulate:
-        return frozenset()
+        return frozenset(), frozenset()
     skip = update_nodes(graph, accumulate)[0]
     readers: dict[int, list] = {}
     for n in graph.nodes:
@@ -626,7 +667,7 @@ def gradient_only_nodes(graph: Graph, accumulate: frozenset[int]) -> frozenset[i
         for t in shaped:
             if t not in outputs and all(r in nodes for r in readers.get(t, ())):
                 only.add(t)
-    return frozenset(nodes)
+    return frozenset(nodes), frozenset(only)
 
 
 def update_point(graph: Graph, groups: list[Group], resident: dict[int, np.ndarray]
@@ -670,7 +711,11 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
-    b.grad_nodes = gradient_only_nodes(graph, accumulate)
+    b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate)
+    # (a hand-made method splits the batch over axis 0 only: the runtime's
+    # partial gradient sums cover that axis, not the tensor-parallel ones)
+    batch_axes = getattr(input_filter, "batch_axes", None)
+    b.defer_axes = None if batch_axes is None else frozenset(batch_axes)
     if grad_accum > 1:
         b.update_nodes = update_nodes(graph, accumulate)[0]
         b.once = 1.0 / grad_accum
@@ -702,7 +747,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     grad_groups, update_groups = b.gradient_groups(accumulate)
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
-                 grad_groups, update_groups, b.grad_nodes)
+                 grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes)
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

@@ -18,7 +18,7 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
-from .build import Built, follow_input, map_through, stored_liveness
+from .build import Built, deferrable, follow_input, map_through, stored_liveness, summed_axes
 from .strategies import node_space
 from .problem import Solution
 
@@ -67,12 +67,15 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     accum = built.grad_accum > 1
     f = 1.0 / built.grad_accum if accum else 1.0
 
-    def own_once(gid: int, nid: int | None = None) -> bool:
-        """Is group ``gid``'s own communication (by its operator ``nid``)
-        paid once a step?  The update's all of it; in a group making a
-        gradient, the reductions of the gradient's own operators."""
+    def own_once(gid: int, nid: int | None = None, axes: frozenset[int] = frozenset()
+                 ) -> bool:
+        """Is group ``gid``'s own communication (by its operator ``nid``,
+        summing over mesh ``axes``) paid once a step?  The update's all of
+        it; in a group making a gradient, the reductions of the gradient's
+        own operators over the axes the runtime defers."""
         return accum and (gid in built.per_iteration or
-                          (gid in built.accumulated and nid in built.grad_nodes))
+                          (gid in built.accumulated and nid in built.grad_nodes
+                           and deferrable(axes, built.defer_axes)))
 
     def add(pc: PlannedCollective, once: bool) -> None:
         out.append(dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f,
@@ -91,13 +94,14 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             node = graph.nodes[g.root_node]
             s = g.strategies[c]
             grad = node.id in built.grad_nodes
+            axes = summed_axes(s.name, mm.mesh.axes)
             for kind, sec, nbytes in s.parts or ((s.collective or "all-reduce", s.comm_s,
                                                   s.comm_bytes),):
                 if nbytes:
                     add(PlannedCollective(kind, sec, nbytes, node.outputs[0],
                                           f"n{node.id} {node.primitive} [{s.name}]",
                                           (), g.gid, True, gradient=grad),
-                        own_once(g.gid, node.id))
+                        own_once(g.gid, node.id, axes))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)
@@ -107,13 +111,14 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             mp = map_through(space, k, spec_of[main], shape, graph.tensors[out_t].shape)
             where = f"n{nid} {node.primitive} (follower)"
             grad = nid in built.grad_nodes
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True, own_once(g.gid, nid),
-                     grad)
+            axes = frozenset(mp.reduce_axes)
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True,
+                     own_once(g.gid, nid, axes), grad)
             if mp.reduce_axes:
                 sec, b = all_reduce(mm, mp.reduce_axes,
                                     graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
                 add(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True,
-                                      gradient=grad), own_once(g.gid, nid))
+                                      gradient=grad), own_once(g.gid, nid, axes))
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
@@ -124,8 +129,9 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             internal = gt[t] == g.gid
             # (between groups: once a step where only the update reads it;
             # inside a group as the ILP charges it: once a step in the update)
-            once = (accum and g.gid in built.per_iteration) if internal \
-                else accum and (t, req) not in g.steady_reads[c]
+            once = (accum and (g.gid in built.per_iteration or
+                               (g.gid in built.accumulated and t in built.grad_tensors))
+                    if internal else accum and (t, req) not in g.steady_reads[c])
             steps_of(t, spec_of[t], req, what, g.gid, internal, once)
     for o in graph.outputs:
         if o.updates is None or o.tensor not in gt:

@@ -45,6 +45,7 @@ class InputLayouts:
     whole table on every micro-batch."""
     params: str = "replicated"
     sequence: bool = False
+    batch_axes: tuple[int, ...] = (0,)      # (where __call__ puts the batch)
 
     def __call__(self, inp: GraphInput, spec: ISpec, tensor: Tensor | None = None) -> bool:
         axes = [a for d in spec for a in d]

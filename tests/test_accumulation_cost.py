@@ -144,3 +144,37 @@ def test_an_input_gradient_reduction_is_charged_every_micro_batch(tensor_paralle
             assert g4.comm[i] == pytest.approx(other + g1.grad_comm[i] / ACCUM)
             checked += other > 0 and g1.grad_comm[i] >= 0
     assert checked, "no group mixes an input-gradient reduction with a gradient's"
+
+
+def test_only_sums_over_the_batch_axes_wait_for_the_last_micro_batch():
+    """The runtime keeps partial gradient sums over the axes the batch is
+    split on (runtime.pipeline_partial), not over a tensor-parallel axis: a
+    weight gradient summed over ``model`` (tokens split there) is reduced
+    every micro-batch, and the ILP charges it so."""
+    from meshplan.ilp import InputLayouts
+    from meshplan.ilp.build import summed_axes
+    m = build_model("mlp", {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"})
+    g = trace(m.train_step, *m.abstract_args)
+    grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
+                      for t in n.inputs)
+    g = strip_markers(g)
+    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    mm = mesh_model(cluster, LogicalMesh(("data", "model"), (2, 4)))
+    f = InputLayouts("model")
+    once = build_problem(g, mm, input_filter=f, accumulate=grads, grad_accum=1)
+    accum = build_problem(g, mm, input_filter=f, accumulate=grads, grad_accum=ACCUM)
+    kinds = set()
+    for g1, g4 in zip(once.groups, accum.groups):
+        if g4.root_node not in accum.grad_nodes:
+            continue
+        for i, s in enumerate(g4.strategies):
+            axes = summed_axes(s.name, mm.mesh.axes)
+            if not s.comm_s or not axes:
+                continue
+            if axes <= {0}:
+                assert g4.grad_comm[i] == pytest.approx(s.comm_s)
+            else:
+                assert g4.grad_comm[i] == 0.0
+                assert g4.comm[i] == pytest.approx(g1.comm[i])   # not divided
+            kinds.add(axes <= {0})
+    assert kinds == {True, False}
