@@ -20,6 +20,10 @@ class ReshardMemo:
     """The resharding memo of one mesh model."""
     # (shape, nbytes, source, destination) -> reshard_steps(...)
     steps: dict[tuple, tuple] = field(default_factory=dict)
+    # (source, destination) -> reshard_moves(...): the steps for any size
+    moves: dict[tuple, tuple] = field(default_factory=dict)
+    # (kind, axes, bytes) -> (seconds, bytes) of one collective of a resharding
+    collectives: dict[tuple, tuple] = field(default_factory=dict)
     # (shape, nbytes, sources, destination) -> (seconds, bytes) per source
     columns: dict[tuple, tuple] = field(default_factory=dict)
 
