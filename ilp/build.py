@@ -169,6 +169,7 @@ class _Resharding:
     graph: Graph
     mm: MeshModel
     memo: ReshardMemo
+    moves: dict           # (source, destination) -> reshard_moves(...) on this mesh shape
     # this build's: tensor id -> (shape, bytes), the memo keys' part for it
     _tkey: dict[int, tuple] = field(default_factory=dict)
     # this build's: (writer group, tensor id, layout read) -> column (a
@@ -191,9 +192,9 @@ class _Resharding:
         hit = self.memo.steps.get(key)
         if hit is None:
             # (what moves depends on the layouts alone: found once for every size)
-            moves = self.memo.moves.get((src, dst))
+            moves = self.moves.get((src, dst))
             if moves is None:
-                moves = self.memo.moves[src, dst] = reshard_moves(self.mm.shape, src, dst)
+                moves = self.moves[src, dst] = reshard_moves(self.mm.shape, src, dst)
             hit = self.memo.steps[key] = price_moves(self.mm, key[1], moves,
                                                      self.memo.collectives)
         return hit
@@ -639,7 +640,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
     memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
-    b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
+    b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
+                                                caches.moves(mm.shape)))
     if grad_accum > 1:
         b.update_nodes = update_nodes(graph, accumulate)[0]
         b.once = 1.0 / grad_accum

@@ -138,8 +138,9 @@ def test_memo_tables_change_no_number(graphs, model, cluster, mesh):
     g, grads = graphs[model]
     mm = mesh_model(cluster, mesh)
     forgetful = IlpCaches()
-    forgetful._reshard[mm] = ReshardMemo(steps=_Forgetful(), moves=_Forgetful(),
-                                         columns=_Forgetful(), collectives=_Forgetful())
+    forgetful._reshard[mm] = ReshardMemo(steps=_Forgetful(), columns=_Forgetful(),
+                                         collectives=_Forgetful())
+    forgetful._moves[mesh.shape] = _Forgetful()
     plain = _problem(build_problem(g, mm, accumulate=grads, grad_accum=2, caches=forgetful))
     assert _problem(build_problem(g, mm, accumulate=grads, grad_accum=2)) == plain
     warm = IlpCaches()
