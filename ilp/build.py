@@ -37,6 +37,7 @@ from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, re
 from ..graph import CONST, IDENTITY_MARKERS, LITERAL, PARAM, Graph, GraphInput
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
+from .rules import OpSpace
 from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
 
 
@@ -244,7 +245,7 @@ class _Builder:
     update_nodes: frozenset[int] = frozenset()
     once: float = 1.0
     # an operator's signature (what its OpSpace depends on) -> the OpSpace
-    _spaces: dict[tuple, object] = field(default_factory=dict)
+    _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
     # (signature, followed operand, its layout) -> map_through(...) on this mesh
     _mapped: dict[tuple, Mapped] = field(default_factory=dict)
 
