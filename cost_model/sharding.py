@@ -91,32 +91,74 @@ def reshard_steps(mm: MeshModel, shape: Sequence[int], nbytes: int, src: ISpec,
     """
     if src == dst:
         return ()
+    return price_moves(mm, nbytes, reshard_moves(mm.shape, src, dst))
+
+
+# A step of a resharding before the tensor's size is known: the collective
+# ``kind`` over mesh ``axes`` on (the tensor's bytes / ``divisor``) bytes per
+# device, and the layout after it.
+Move = tuple[str, tuple[int, ...], int, ISpec]
+# the moves, and whether the steps that move nothing are left out once priced
+Moves = tuple[tuple[Move, ...], bool]
+
+
+def reshard_moves(mesh_shape: tuple[int, ...], src: ISpec, dst: ISpec) -> Moves:
+    """The steps of :func:`reshard_steps` from ``src`` to ``dst`` with their
+    sizes as fractions of the tensor's: the same for every tensor of that
+    rank on that mesh shape (:func:`price_moves` prices them)."""
+    if src == dst:
+        return (), False
     every = tuple(sorted({a for d in src for a in d} | {a for d in dst for a in d}))
     # 1. containment: no data has to be merged, at most moved between devices
-    contained = _contained(mm, nbytes, src, dst, every)
+    contained = _contained(mesh_shape, src, dst, every)
     if contained is not None:
-        return contained
+        return contained, False
     mv = _Moves.of(src, dst)
     # 2. the cases XLA handles by gathering the whole tensor
     if mv.gathers_whole():
-        return _replicate(mm, src, nbytes)
-    return _step_by_step(mm, nbytes, src, dst, mv, every)
+        return _replicate(mesh_shape, src), True
+    return _step_by_step(mesh_shape, src, dst, mv, every), True
+
+
+def _priced(mm: MeshModel, kind: str, axes: tuple[int, ...], nbytes: float) -> Cost:
+    if kind == "all-gather":
+        return all_gather(mm, axes, nbytes)
+    if kind == "all-to-all":
+        return all_to_all(mm, axes, nbytes)
+    return collective_permute(mm, axes, nbytes)
+
+
+def price_moves(mm: MeshModel, nbytes: float, moves: Moves, memo: dict | None = None
+                ) -> tuple[tuple[str, float, float, ISpec], ...]:
+    """The steps :func:`reshard_steps` gives for a tensor of ``nbytes`` from
+    its :func:`reshard_moves` on ``mm``'s shape.  ``memo``: the collectives
+    priced so far on ``mm``, ``(kind, axes, bytes) -> (seconds, bytes)``,
+    filled in (None: none kept)."""
+    found, drop_empty = moves
+    steps = []
+    for kind, axes, divisor, after in found:
+        key = (kind, axes, nbytes / divisor)
+        cost = memo.get(key) if memo is not None else None
+        if cost is None:
+            cost = _priced(mm, *key)
+            if memo is not None:
+                memo[key] = cost
+        steps.append((kind,) + cost + (after,))
+    return tuple(s for s in steps if s[2] > 0 or s[1] > 0) if drop_empty else tuple(steps)
 
 
 def _ways(mesh_shape: Sequence[int], axes) -> int:
     return math.prod(mesh_shape[a] for a in axes)
 
 
-def _contained(mm: MeshModel, nbytes: float, src: ISpec, dst: ISpec, every: tuple[int, ...]):
-    """The steps when every block a device needs lies inside one block of
+def _contained(shp: tuple[int, ...], src: ISpec, dst: ISpec, every: tuple[int, ...]):
+    """The moves when every block a device needs lies inside one block of
     ``src`` (none, or one collective-permute); None when it does not."""
-    shp = mm.shape
     if not all(_ways(shp, dst[d]) % _ways(shp, src[d]) == 0 for d in range(len(src))):
         return None
     if all(tuple(dst[d][:len(src[d])]) == tuple(src[d]) for d in range(len(src))):
         return ()
-    b = nbytes / num_shards(dst, shp)
-    return (("collective-permute",) + collective_permute(mm, every, b) + (tuple(dst),),)
+    return (("collective-permute", every, num_shards(dst, shp), tuple(dst)),)
 
 
 @dataclass(frozen=True)
@@ -203,8 +245,8 @@ def _late_axes(mv: _Moves, cur: list[list[int]]) -> tuple[list[int], bool]:
     return late, reorder
 
 
-def _gather_dropped(mm: MeshModel, nbytes: float, mv: _Moves, lay: _Layout, late: list[int],
-                    every: tuple[int, ...], steps: list) -> None:
+def _gather_dropped(mv: _Moves, lay: _Layout, late: list[int], every: tuple[int, ...],
+                    steps: list) -> None:
     """Step 5: all-gather the dropped axes, one dimension at a time from the last."""
     cur, shp = lay.cur, lay.shp
     for d in reversed(range(len(mv.src))):
@@ -216,56 +258,50 @@ def _gather_dropped(mm: MeshModel, nbytes: float, mv: _Moves, lay: _Layout, late
         if not keep and coarser and _ways(shp, drop) % _ways(shp, coarser) == 0:
             # a coarser split by other axes: permute the blocks, then gather
             # only within the new blocks
-            steps.append(("collective-permute",)
-                         + collective_permute(mm, every, nbytes / lay.shards()) + (lay.spec(),))
+            steps.append(("collective-permute", every, lay.shards(), lay.spec()))
             cur[d] = list(coarser)
             for a in coarser:
                 late.remove(a)
-            steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / lay.shards())
-                         + (lay.spec(),))
+            steps.append(("all-gather", tuple(sorted(drop)), lay.shards(), lay.spec()))
             continue
         if cur[d][len(cur[d]) - len(drop):] != drop:
             # the kept axes are not the major part: reorder the blocks first
-            steps.append(("collective-permute",)
-                         + collective_permute(mm, every, nbytes / lay.shards()) + (lay.spec(),))
+            steps.append(("collective-permute", every, lay.shards(), lay.spec()))
             cur[d] = keep + drop
         for a in drop:
             cur[d].remove(a)
-        steps.append(("all-gather",) + all_gather(mm, tuple(sorted(drop)), nbytes / lay.shards())
-                     + (lay.spec(),))
+        steps.append(("all-gather", tuple(sorted(drop)), lay.shards(), lay.spec()))
 
 
-def _step_by_step(mm: MeshModel, nbytes: float, src: ISpec, dst: ISpec, mv: _Moves,
-                  every: tuple[int, ...]) -> tuple[tuple[str, float, float, ISpec], ...]:
+def _step_by_step(shp: tuple[int, ...], src: ISpec, dst: ISpec, mv: _Moves,
+                  every: tuple[int, ...]) -> tuple[Move, ...]:
     """Steps 3 to 8 of :func:`reshard_steps`: slices, all-to-alls, gathers, permutes."""
-    shp = mm.shape
-    steps: list[tuple[str, float, float, ISpec]] = []
+    steps: list[Move] = []
     lay = _Layout(shp, [list(d) for d in src])
     cur = lay.cur
     late, reorder = _late_axes(mv, cur)
     # 4. axes moving into a dimension that loses none: all-to-all first, on
     #    the still finely split tensor (the shard count stays)
     early = [] if mv.dropped else list(mv.moved)
-    _all_to_alls(mm, early, mv.src_dim, mv.dst_dim, cur, nbytes, steps, lay.spec, lay.shards)
-    _gather_dropped(mm, nbytes, mv, lay, late, every, steps)
+    _all_to_alls(early, mv.src_dim, mv.dst_dim, cur, steps, lay.spec, lay.shards)
+    _gather_dropped(mv, lay, late, every, steps)
     # 6. the other moved axes, after the gathers that make room for them
-    _all_to_alls(mm, [a for a in mv.moved if a not in early], mv.src_dim, mv.dst_dim, cur, nbytes,
+    _all_to_alls([a for a in mv.moved if a not in early], mv.src_dim, mv.dst_dim, cur,
                  steps, lay.spec, lay.shards)
     # 7. the remaining new axes are local slices
     for a in late:
         cur[mv.dst_dim[a]].append(a)
     # 8. axes of a dimension in another order than wanted: permute the blocks
     if lay.spec() != tuple(dst) or reorder:
-        b = nbytes / num_shards(dst, shp)
+        divisor = num_shards(dst, shp)
         lay.cur = [list(d) for d in dst]
-        steps.append(("collective-permute",) + collective_permute(mm, every, b) + (lay.spec(),))
-    return tuple(s for s in steps if s[2] > 0 or s[1] > 0)
+        steps.append(("collective-permute", every, divisor, lay.spec()))
+    return tuple(steps)
 
 
-def _replicate(mm: MeshModel, src: ISpec, nbytes: float):
+def _replicate(shp: tuple[int, ...], src: ISpec) -> tuple[Move, ...]:
     """XLA's fallback: gather the tensor whole, one dimension at a time from
     the last (the slicing that follows is local)."""
-    shp = mm.shape
     cur = [list(d) for d in src]
     steps = []
     for d in reversed(range(len(src))):
@@ -275,11 +311,11 @@ def _replicate(mm: MeshModel, src: ISpec, nbytes: float):
         cur[d] = []
         left = math.prod(shp[a] for x in cur for a in x)
         after = tuple(tuple(x) for x in cur)
-        steps.append(("all-gather",) + all_gather(mm, axes, nbytes / left) + (after,))
-    return tuple(s for s in steps if s[2] > 0 or s[1] > 0)
+        steps.append(("all-gather", axes, left, after))
+    return tuple(steps)
 
 
-def _all_to_alls(mm, axes, src_dim, dst_dim, cur, nbytes, steps, spec, shards) -> None:
+def _all_to_alls(axes, src_dim, dst_dim, cur, steps, spec, shards) -> None:
     """Move ``axes`` to their new dimensions: one all-to-all for a batch of
     axes none of which moves into a dimension another one leaves (XLA moves
     those together), a new batch otherwise.  The shard count stays."""
@@ -294,8 +330,7 @@ def _all_to_alls(mm, axes, src_dim, dst_dim, cur, nbytes, steps, spec, shards) -
             # a split moving as a whole keeps its order
             cur[src_dim[a]].remove(a)
             cur[dst_dim[a]].append(a)
-        steps.append(("all-to-all",) + all_to_all(mm, tuple(sorted(batch)), nbytes / shards())
-                     + (spec(),))
+        steps.append(("all-to-all", tuple(sorted(batch)), shards(), spec()))
 
 
 def spec_names(spec: ISpec, axis_names: Sequence[str]):

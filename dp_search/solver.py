@@ -99,6 +99,25 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
     return r, time.perf_counter() - t0, base if keep and r is not None else None
 
 
+def solve_jobs(jobs: list[tuple]) -> list[tuple]:
+    """:func:`solve_job` on each of ``jobs`` in turn (in a worker process):
+    they share one :class:`IlpCaches`, so jobs on one mesh shape find each
+    resharding's moves once."""
+    caches = IlpCaches()
+    return [solve_job(job, caches) for job in jobs]
+
+
+def batches(keys: list[tuple], mesh_of: dict, workers: int) -> list[list[tuple]]:
+    """``keys`` in batches for :func:`solve_jobs`: those on one mesh shape
+    together, at most a quarter of one worker's share in a batch (so the
+    workers still take turns evenly)."""
+    most = max(1, -(-len(keys) // (4 * workers)))
+    by_shape: dict[tuple, list[tuple]] = {}
+    for k in keys:
+        by_shape.setdefault(mesh_of[k].shape, []).append(k)
+    return [same[i:i + most] for same in by_shape.values() for i in range(0, len(same), most)]
+
+
 def _cap_key(tighten: int) -> tuple:
     """What a layer's cache key adds for its cap (nothing uncapped)."""
     return (tighten,) if tighten != 1 else ()
@@ -192,9 +211,14 @@ class LayerSolver:
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
-        keys = list(todo)
-        return keys, todo, self._workers().map_async(solve_job, [todo[k][0] for k in keys],
-                                                     chunksize=1)
+        return self._send(todo)
+
+    def _send(self, todo: dict[tuple, tuple]) -> tuple:
+        """Start the jobs of ``todo`` in the workers, in batches by mesh shape."""
+        parts = batches(list(todo), {k: v[2] for k, v in todo.items()}, self.workers)
+        pending = self._workers().map_async(
+            solve_jobs, [[todo[k][0] for k in part] for part in parts], chunksize=1)
+        return list(todo), todo, (parts, pending)
 
     def prefetch(self, requests: list[tuple], tighten: int) -> None:
         """Solve the distinct uncached layer ILPs of ``requests`` (arguments
@@ -212,9 +236,7 @@ class LayerSolver:
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 2:
             return
-        keys = list(todo)
-        self.collect((keys, todo, self._workers().map_async(
-            solve_job, [todo[k][0] for k in keys], chunksize=1)))
+        self.collect(self._send(todo))
 
     def _workers(self) -> Any:
         """The pool of ILP worker processes (started on first use)."""
@@ -243,10 +265,11 @@ class LayerSolver:
         """Wait for a :meth:`submit` and keep its layer costs."""
         if batch is None:
             return
-        keys, todo, pending = batch
+        keys, todo, (parts, pending) = batch
         t0 = time.perf_counter()
-        results = pending.get()
-        for key, (r, took, built) in zip(keys, results):
+        got = {k: res for part, out in zip(parts, pending.get()) for k, res in zip(part, out)}
+        for key in keys:        # (in the order asked, as one by one)
+            r, took, built = got[key]
             _, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took

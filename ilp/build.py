@@ -33,11 +33,12 @@ from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialise
                                  materialised_results)
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
-from ..cost_model.sharding import ISpec, num_shards, replicated, reshard_steps
+from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
 from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
                      GraphInput, Tensor)
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
+from .rules import OpSpace
 from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
 
 
@@ -185,16 +186,34 @@ class _Resharding:
     graph: Graph
     mm: MeshModel
     memo: ReshardMemo
+    moves: dict           # (source, destination) -> reshard_moves(...) on this mesh shape
+    # this build's: tensor id -> (shape, bytes), the memo keys' part for it
+    _tkey: dict[int, tuple] = field(default_factory=dict)
+    # this build's: (writer group, tensor id, layout read) -> column (a
+    # group's layouts no longer change once the reads are costed)
+    _cols: dict[tuple[int, int, ISpec], tuple[np.ndarray, np.ndarray]] = \
+        field(default_factory=dict)
+
+    def _key(self, t: int) -> tuple:
+        k = self._tkey.get(t)
+        if k is None:
+            tt = self.graph.tensors[t]
+            k = self._tkey[t] = (tt.shape, tt.nbytes)
+        return k
 
     def steps(self, t: int, src: ISpec, dst: ISpec) -> tuple:
         """(kind, seconds, bytes, layout after) steps of a resharding of tensor ``t``."""
         if src == dst:
             return ()
-        tt = self.graph.tensors[t]
-        key = (tt.shape, tt.nbytes, src, dst)     # shared by the tensors of every layer
+        key = self._key(t) + (src, dst)     # shared by the tensors of every layer
         hit = self.memo.steps.get(key)
         if hit is None:
-            hit = self.memo.steps[key] = reshard_steps(self.mm, tt.shape, tt.nbytes, src, dst)
+            # (what moves depends on the layouts alone: found once for every size)
+            moves = self.moves.get((src, dst))
+            if moves is None:
+                moves = self.moves[src, dst] = reshard_moves(self.mm.shape, src, dst)
+            hit = self.memo.steps[key] = price_moves(self.mm, key[1], moves,
+                                                     self.memo.collectives)
         return hit
 
     def cost(self, t: int, src: ISpec, dst: ISpec) -> tuple[float, float]:
@@ -206,17 +225,19 @@ class _Resharding:
 
     def column(self, h: Group, t: int, req: ISpec) -> tuple[np.ndarray, np.ndarray]:
         """Seconds and bytes of resharding ``t`` from each strategy of ``h`` to ``req``."""
-        tt = self.graph.tensors[t]
+        local = (h.gid, t, req)
+        hit = self._cols.get(local)
+        if hit is not None:
+            return hit
         srcs = tuple(sp[t] for sp in h.specs)
-        key = (tt.shape, tt.nbytes, srcs, req)
+        key = self._key(t) + (srcs, req)
         hit = self.memo.columns.get(key)
         if hit is None:
-            sec = np.zeros(len(srcs))
-            byt = np.zeros(len(srcs))
-            for i, src in enumerate(srcs):
-                c, b = self.cost(t, src, req)
-                sec[i], byt[i] = c, b
-            hit = self.memo.columns[key] = (sec, byt)
+            # (many strategies share a layout of t: each distinct one costed once)
+            per = {src: self.cost(t, src, req) for src in dict.fromkeys(srcs)}
+            hit = self.memo.columns[key] = (np.array([per[s][0] for s in srcs], dtype=float),
+                                            np.array([per[s][1] for s in srcs], dtype=float))
+        self._cols[local] = hit
         return hit
 
 
@@ -245,6 +266,22 @@ class _Builder:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
+    # an operator's signature (what its OpSpace depends on) -> the OpSpace
+    _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
+    # (signature, followed operand, its layout) -> map_through(...) on this mesh
+    _mapped: dict[tuple, Mapped] = field(default_factory=dict)
+
+    def _signature(self, node) -> tuple:
+        tensors = self.graph.tensors
+        return (node.primitive, tuple(tensors[t].shape for t in node.inputs),
+                tuple(tensors[t].shape for t in node.outputs), node.params)
+
+    def _space(self, node):
+        """:func:`node_space`, once per signature (a layer repeats its operators)."""
+        sig = self._signature(node)
+        if sig not in self._spaces:
+            self._spaces[sig] = node_space(self.graph, node)
+        return self._spaces[sig]
 
     # ---- placeholders for inputs -----------------------------------------
     def add_input_groups(self, input_filter: InputFilter | None) -> None:
@@ -283,7 +320,7 @@ class _Builder:
                 node = self._pass_through(node)
                 if node is None:
                     continue
-            space = node_space(graph, node)
+            space = self._space(node)
             moved = traffic.get(node.id, node.bytes_accessed)
             if space is not None and space.independent:
                 node = self._components(node, space, moved)
@@ -363,39 +400,47 @@ class _Builder:
         out_shape = graph.tensors[out_t].shape
         dtype = node_dtype(graph, node)
         out_bytes = graph.tensors[out_t].nbytes
+        sig = self._signature(node) + (k,)
         # (what a strategy adds depends on its layout of the operand alone:
         # worked out once per distinct layout, many strategies share one)
+        layouts = [sp[main] for sp in g.specs]
         per_spec: dict[ISpec, tuple] = {}
-        mp_axes: dict[ISpec, frozenset[int]] = {}
-        for i in range(g.size):
-            ms = g.specs[i][main]
-            got = per_spec.get(ms)
-            if got is None:
-                mp = map_through(space, k, ms, shape, out_shape)
-                t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
-                t += self._fixed(node, t)
-                steps = self.rs.steps(main, ms, mp.main_req)
-                if mp.reduce_axes:
-                    steps = steps + (("all-reduce",) + all_reduce(
-                        mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
-                reads = [(node.inputs[p], req) for p, req in mp.reads
-                         if graph.tensors[node.inputs[p]].shape]
-                got = per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
-                                      sum(x[2] for x in steps), reads)
-                mp_axes[ms] = frozenset(mp.reduce_axes)
-            out, t, steps, c_time, c_bytes, reads = got
-            g.specs[i][out_t] = out
-            _add_kinds(g.comm_kinds[i], steps)
-            g.cost[i] += t + c_time
-            g.compute[i] += t
-            g.comm[i] += c_time
-            g.comm_bytes[i] += c_bytes
-            if node.id in self.grad_nodes and deferrable(mp_axes[ms], self.defer_axes):
-                g.grad_comm[i] += c_time
-                g.grad_comm_bytes[i] += c_bytes
-            g.reads[i].extend(reads)
-            if node.id not in self.update_nodes:
-                g.steady_reads[i].update(self._steady(node, reads))
+        axes: dict[ISpec, frozenset[int]] = {}     # (the axes the follower sums over)
+        for ms in dict.fromkeys(layouts):
+            mp = self._mapped.get(sig + (ms,))
+            if mp is None:
+                mp = self._mapped[sig + (ms,)] = map_through(space, k, ms, shape, out_shape)
+            axes[ms] = frozenset(mp.reduce_axes)
+            t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
+            t += self._fixed(node, t)
+            steps = self.rs.steps(main, ms, mp.main_req)
+            if mp.reduce_axes:
+                steps = steps + (("all-reduce",) + all_reduce(
+                    mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+            reads = [(node.inputs[p], req) for p, req in mp.reads
+                     if graph.tensors[node.inputs[p]].shape]
+            per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
+                            sum(x[2] for x in steps), reads)
+        got = [per_spec[ms] for ms in layouts]
+        for sp, row in zip(g.specs, got):
+            sp[out_t] = row[0]
+        g.cost[:] = [c + (row[1] + row[3]) for c, row in zip(g.cost, got)]
+        g.compute[:] = [c + row[1] for c, row in zip(g.compute, got)]
+        g.comm[:] = [c + row[3] for c, row in zip(g.comm, got)]
+        g.comm_bytes[:] = [c + row[4] for c, row in zip(g.comm_bytes, got)]
+        if node.id in self.grad_nodes:
+            for i, ms in enumerate(layouts):
+                if deferrable(axes[ms], self.defer_axes):
+                    g.grad_comm[i] += got[i][3]
+                    g.grad_comm_bytes[i] += got[i][4]
+        steady = node.id not in self.update_nodes
+        for i, row in enumerate(got):
+            if row[2]:
+                _add_kinds(g.comm_kinds[i], row[2])
+            if row[5]:
+                g.reads[i].extend(row[5])
+                if steady:
+                    g.steady_reads[i].update(self._steady(node, row[5]))
         g.members.append(node.id)
         self.group_of_tensor[out_t] = g.gid
 
@@ -710,7 +755,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
     memory between steps (meshplan.offload), left out of the memory rows."""
     caches = IlpCaches() if caches is None else caches
-    b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm)))
+    b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
+                                                caches.moves(mm.shape)))
     b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
     # partial gradient sums cover that axis, not the tensor-parallel ones)

@@ -20,6 +20,8 @@ class ReshardMemo:
     """The resharding memo of one mesh model."""
     # (shape, nbytes, source, destination) -> reshard_steps(...)
     steps: dict[tuple, tuple] = field(default_factory=dict)
+    # (kind, axes, bytes) -> (seconds, bytes) of one collective of a resharding
+    collectives: dict[tuple, tuple] = field(default_factory=dict)
     # (shape, nbytes, sources, destination) -> (seconds, bytes) per source
     columns: dict[tuple, tuple] = field(default_factory=dict)
 
@@ -33,11 +35,18 @@ class IlpCaches:
     max_meshes: int = 64
     _reshard: dict[MeshModel, ReshardMemo] = field(default_factory=dict, repr=False)
     _specs: dict[tuple, tuple[ISpec, ...]] = field(default_factory=dict, repr=False)
+    # mesh shape -> {(source, destination) -> reshard_moves(...)}: the steps of
+    # a resharding for any size, on any mesh model of that shape
+    _moves: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
 
     def reshard(self, mm: MeshModel) -> ReshardMemo:
         if mm not in self._reshard and len(self._reshard) >= self.max_meshes:
             self._reshard.clear()
         return self._reshard.setdefault(mm, ReshardMemo())
+
+    def moves(self, mesh_shape: tuple[int, ...]) -> dict:
+        """The resharding moves found so far on meshes of ``mesh_shape``."""
+        return self._moves.setdefault(mesh_shape, {})
 
     def specs(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[ISpec, ...]:
         """:func:`~meshplan.cost_model.sharding.enumerate_specs`, remembered."""
