@@ -19,6 +19,7 @@ from meshplan.plan import LogicalMesh
 from meshplan.trace import trace
 
 ACCUM = 4
+TWO_LAYERS = {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"}
 
 
 def _zero3(inp, spec, _) -> bool:
@@ -39,18 +40,25 @@ def _update_nodes(g, grads) -> set[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def problems():
-    m = build_model("mlp", {"batch": "512", "in_dim": "64", "hidden": "64", "layers": "1"})
+def _built(config: dict, mesh: LogicalMesh, input_filter):
+    """An MLP's step on ``mesh`` of a DGX A100, its gradients, and its ILP
+    built for one micro-batch and for ACCUM."""
+    m = build_model("mlp", config)
     g = trace(m.train_step, *m.abstract_args)
     grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
                       for t in n.inputs)
     g = strip_markers(g)
     cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
-    mm = mesh_model(cluster, LogicalMesh(("data",), (8,)))
-    once = build_problem(g, mm, input_filter=_zero3, accumulate=grads, grad_accum=1)
-    accum = build_problem(g, mm, input_filter=_zero3, accumulate=grads, grad_accum=ACCUM)
+    mm = mesh_model(cluster, mesh)
+    once = build_problem(g, mm, input_filter=input_filter, accumulate=grads, grad_accum=1)
+    accum = build_problem(g, mm, input_filter=input_filter, accumulate=grads, grad_accum=ACCUM)
     return g, mm, grads, once, accum
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return _built({"batch": "512", "in_dim": "64", "hidden": "64", "layers": "1"},
+                  LogicalMesh(("data",), (8,)), _zero3)
 
 
 def test_reads_of_a_parameter_by_the_forward_and_backward_cost_every_micro_batch(problems):
@@ -99,17 +107,8 @@ def tensor_parallel():
     """A 2-layer MLP with bias on 8 devices, the batch whole: the ILP may split
     the hidden units, so the backward reduces input gradients as well as
     weight gradients."""
-    m = build_model("mlp", {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"})
-    g = trace(m.train_step, *m.abstract_args)
-    grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
-                      for t in n.inputs)
-    g = strip_markers(g)
-    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
-    mm = mesh_model(cluster, LogicalMesh(("model",), (8,)))
     whole = lambda inp, spec, _: inp.role != BATCH or not any(spec)  # noqa: E731
-    once = build_problem(g, mm, input_filter=whole, accumulate=grads, grad_accum=1)
-    accum = build_problem(g, mm, input_filter=whole, accumulate=grads, grad_accum=ACCUM)
-    return g, mm, grads, once, accum
+    return _built(TWO_LAYERS, LogicalMesh(("model",), (8,)), whole)
 
 
 def test_only_the_operators_of_parameter_gradients_may_wait_for_the_last_micro_batch(
@@ -153,16 +152,8 @@ def test_only_sums_over_the_batch_axes_wait_for_the_last_micro_batch():
     every micro-batch, and the ILP charges it so."""
     from meshplan.ilp import InputLayouts
     from meshplan.ilp.build import summed_axes
-    m = build_model("mlp", {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"})
-    g = trace(m.train_step, *m.abstract_args)
-    grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
-                      for t in n.inputs)
-    g = strip_markers(g)
-    cluster = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
-    mm = mesh_model(cluster, LogicalMesh(("data", "model"), (2, 4)))
-    f = InputLayouts("model")
-    once = build_problem(g, mm, input_filter=f, accumulate=grads, grad_accum=1)
-    accum = build_problem(g, mm, input_filter=f, accumulate=grads, grad_accum=ACCUM)
+    _, mm, _, once, accum = _built(TWO_LAYERS, LogicalMesh(("data", "model"), (2, 4)),
+                                   InputLayouts("model"))
     kinds = set()
     for g1, g4 in zip(once.groups, accum.groups):
         if g4.root_node not in accum.grad_nodes:
