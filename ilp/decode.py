@@ -18,7 +18,8 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
-from .build import Built, deferrable, follow_input, map_through, stored_liveness, summed_axes
+from .accumulation import deferrable, summed_axes
+from .build import Built, follow_input, map_through, stored_liveness
 from .strategies import node_space
 from .problem import Solution
 
@@ -128,7 +129,8 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
                     if g.root_node is not None else f"read by {g.name}")
             internal = gt[t] == g.gid
             # (between groups: once a step where only the update reads it;
-            # inside a group as the ILP charges it: once a step in the update)
+            # inside a group as the ILP charges it: once a step in the update
+            # and for a gradient's value on its way to the update)
             once = (accum and (g.gid in built.per_iteration or
                                (g.gid in built.accumulated and t in built.grad_tensors))
                     if internal else accum and (t, req) not in g.steady_reads[c])
@@ -280,8 +282,8 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
     them: ``(compute_s, reduce_s)``, the compute since the previous gradient
     (the first one's includes the forward), then the reduction of a group
     making a parameter gradient (the collectives of its gradient operators,
-    once per iteration: not divided over the micro-batches); a last pair holds the compute after the
-    last gradient.  The update's compute is left out: it waits for the
+    once per iteration: not divided over the micro-batches); a last pair
+    holds the compute after the last gradient.  The update's compute is left out: it waits for the
     reductions.  Empty when nothing reduces a gradient."""
     reduce: dict[int, float] = {}
     for pc in planned:

@@ -151,7 +151,7 @@ def test_only_sums_over_the_batch_axes_wait_for_the_last_micro_batch():
     weight gradient summed over ``model`` (tokens split there) is reduced
     every micro-batch, and the ILP charges it so."""
     from meshplan.ilp import InputLayouts
-    from meshplan.ilp.build import summed_axes
+    from meshplan.ilp.accumulation import summed_axes
     _, mm, _, once, accum = _built(TWO_LAYERS, LogicalMesh(("data", "model"), (2, 4)),
                                    InputLayouts("model"))
     kinds = set()
