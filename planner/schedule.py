@@ -52,23 +52,9 @@ def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple
     all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
     forward / one backward; ZB-H1 1F1B's order with ``("W", i)`` (see the
     module doc)."""
-    if schedule == "zb-h1":
-        return _zb_h1(stage, stages, m)
-    if schedule == "gpipe" or stages == 1:
+    if schedule == "gpipe" or (stages == 1 and schedule != "zb-h1"):
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(stages - stage - 1, m)
-    out = [("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while b < m:
-        if f < m:
-            out.append(("F", f))
-            f += 1
-        out.append(("B", b))
-        b += 1
-    return out
-
-
-def _zb_h1(stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    split = schedule == "zb-h1"
     warm = min(stages - stage - 1, m)
     out = [("F", i) for i in range(warm)]
     f, b, w = warm, 0, 0
@@ -78,12 +64,12 @@ def _zb_h1(stage: int, stages: int, m: int) -> list[tuple[str, int]]:
             f += 1
         out.append(("B", b))
         b += 1
-        # a full stage frees the oldest micro-batch before its next forward;
-        # in the drain a W fills the wait for the next B
-        if f - w >= stages or f == m:
+        # ZB-H1: a full stage frees the oldest micro-batch before its next
+        # forward; in the drain a W fills the wait for the next B
+        if split and (f - w >= stages or f == m):
             out.append(("W", w))
             w += 1
-    return out + [("W", i) for i in range(w, m)]
+    return out + [("W", i) for i in range(w, m)] if split else out
 
 
 def group_order(schedule: str, group: int, groups: int, m: int,
