@@ -120,6 +120,18 @@ def reshard_moves(mesh_shape: tuple[int, ...], src: ISpec, dst: ISpec) -> Moves:
     return _step_by_step(mesh_shape, src, dst, mv, every), True
 
 
+def gathers_whole(mesh_shape: tuple[int, ...], src: ISpec, dst: ISpec) -> bool:
+    """Whether :func:`reshard_moves` prices ``src`` -> ``dst`` as XLA's fallback:
+    gather the tensor whole, then slice (the runtime then constrains the
+    replicated layout in between, :mod:`meshplan.runtime.reads`)."""
+    if src == dst:
+        return False
+    every = tuple(sorted({a for d in src for a in d} | {a for d in dst for a in d}))
+    if _contained(mesh_shape, src, dst, every) is not None:
+        return False
+    return _Moves.of(src, dst).gathers_whole()
+
+
 def _priced(mm: MeshModel, kind: str, axes: tuple[int, ...], nbytes: float) -> Cost:
     if kind == "all-gather":
         return all_gather(mm, axes, nbytes)

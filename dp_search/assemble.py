@@ -150,7 +150,11 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 reads.setdefault((ids.get(t, t), pos), spec)
             for inp, spec in zip(subs[l].inputs, lc.result.input_specs):
                 if inp.role in (BOUNDARY, BATCH) and g.tensors[inp.tensor].shape:
-                    constraints.setdefault(inp.tensor, spec)
+                    made = constraints.setdefault(inp.tensor, spec)
+                    if made != spec:
+                        # made in an earlier layer of this stage in another
+                        # layout: this layer's readers take it as priced
+                        _read_as(subs[l], inp.tensor, spec, reads)
                 if inp.role == BOUNDARY:
                     continue
                 key = pre.get(inp.argnum, "") + inp.path
@@ -188,3 +192,14 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 notes=(f"{layering.num_layers} layers "
                        f"({'user marks' if layering.marked else 'clustered'})",),
                 layer_of_node=layering.layer_of_node if n_stages > 1 or B > 1 else ())
+
+
+def _read_as(layer: Graph, tensor: int, spec: tuple, reads: dict[tuple[int, int], tuple]) -> None:
+    """Every reader of ``tensor`` in ``layer`` takes it in ``spec``: the layer
+    boundary's resharding, which the stage DP priced from the producing
+    layer's layout (without it XLA's propagation picks its own way)."""
+    for n in layer.nodes:
+        if n.outputs:
+            for pos, t in enumerate(n.inputs):
+                if t == tensor:
+                    reads.setdefault((n.outputs[0], pos), spec)

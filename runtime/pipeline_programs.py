@@ -23,6 +23,7 @@ from meshplan.errors import StalePlanError
 from meshplan.plan import Plan
 from meshplan.traced import FlatJaxpr, TracedStep
 
+from .reads import read_layouts
 from .pipeline_partial import PartialSums, acc_sharding, partial_program
 from .pipeline_split import StepSplit, Task
 from .shard import check_spec, make_evaluator, to_partition_spec
@@ -86,10 +87,8 @@ class StageLayouts:
                 continue
             check_spec(spec, aval.shape, st.logical_mesh, f"stage {s} constraint on tensor t{tid}")
             cons[tid] = NamedSharding(mesh, to_partition_spec(spec))
-        reads: dict[int, list[tuple[int, NamedSharding]]] = {}
-        for tid, pos, spec in getattr(st, "read_constraints", ()):
-            if tid in flat.avals:
-                reads.setdefault(tid, []).append((pos, NamedSharding(mesh, to_partition_spec(spec))))
+        reads = {tid: [(pos, NamedSharding(mesh, to_partition_spec(spec))) for pos, spec in steps]
+                 for tid, steps in read_layouts(st, flat).items()}
         return cons, reads
 
     def arg(self, i: int, s: int) -> NamedSharding:

@@ -37,6 +37,7 @@ from meshplan.shardings import (arg_specs, build_mesh, check_spec, shape_of as _
                                 stage_devices, to_partition_spec)
 from meshplan.traced import FlatJaxpr, Lit, TracedStep, signature
 
+from .reads import read_layouts
 from .remat import Replay
 from .multihost import (BatchAssembler, is_local_batch_leaf, check_mesh_spans_processes,
                         global_view, is_multiprocess, place_global)
@@ -454,11 +455,8 @@ class ShardExecutable:
             check_spec(spec, aval.shape, logical, f"constraint on tensor t{tid}")
             constraints[tid] = named(to_partition_spec(spec))
 
-        reads: dict[int, list[tuple[int, NamedSharding]]] = {}
-        for tid, pos, spec in self.stage.read_constraints:
-            if tid not in flat.avals:
-                continue
-            reads.setdefault(tid, []).append((pos, named(to_partition_spec(spec))))
+        reads = {tid: [(pos, named(to_partition_spec(spec))) for pos, spec in steps]
+                 for tid, steps in read_layouts(self.stage, flat).items()}
 
         out_table = dict(self.stage.outputs)
         host_out = frozenset(self.stage.host_outputs) if host is not None else frozenset()

@@ -76,7 +76,9 @@ def _same(a: dict[str, str], b: dict[str, str], what: str) -> None:
 
 
 def test_plan_json_is_byte_identical_across_runs_and_hash_seeds() -> None:
-    procs = {seed: _plans_in_subprocess(seed) for seed in ("0", "4242")}
+    # one other process with a fixed hash seed: this one's seed is random, so
+    # the two differ (a second subprocess doubled the test's time on 2 cores)
+    procs = {seed: _plans_in_subprocess(seed) for seed in ("4242",)}
     try:
         first = _plans_here()
         second = _plans_here()
