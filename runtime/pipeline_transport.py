@@ -38,9 +38,11 @@ and a transfer through it hangs), so both processes call one jitted
 ``shard_map`` with a ``ppermute`` over a mesh of the two stages' devices: a
 ``pipe`` axis of size 2 stacked on the stages' mesh axes.  Its input is one
 global array built with ``jax.make_array_from_single_device_arrays`` from the
-sender's shards (the value laid out as the receiver wants it) and zeros on the
-receiver's devices; after the permute the receiver rebuilds the value on its
-own stage from its local shards.  Each device sends only its own shard.  Two
+sender's shards (the value laid out as the receiver wants it, further split
+over the axes that replicate it there: :func:`send_once_hop`) and zeros on
+the receiver's devices; after the permute the receiver rebuilds the value on
+its own stage from its local shards and all-gathers it into its layout.  Each
+device sends only its own shard, so each distinct piece crosses once.  Two
 stages of different mesh shapes send the whole value from one device of the
 sender to one of the receiver, which then lays it out locally.  The CPU client
 launches the collectives of a process one at a time in dispatch order, so
@@ -225,10 +227,10 @@ class SendOnce:
             # each piece one whole shard of a sender device: copied as it is
             there = NamedSharding(cur.mesh, hop.spec)
             if not cur.is_equivalent_to(there, v.ndim):
-                on_sender = self._gather_to(there)
-        return on_sender, hop, self._gather_to(target)
+                on_sender = self.gather_to(there)
+        return on_sender, hop, self.gather_to(target)
 
-    def _gather_to(self, sharding: NamedSharding) -> Any:
+    def gather_to(self, sharding: NamedSharding) -> Any:
         """A jitted identity onto ``sharding``: XLA's resharding collectives
         on that mesh's devices (an all-gather after a send-once hop)."""
         fn = self._gathers.get(sharding)
@@ -365,6 +367,7 @@ class StageTransport:
         self.local = [p == me for p in self.process_of]
         self._fns: dict[tuple, tuple[Mesh, Any]] = {}
         self._zeros: dict[tuple, jax.Array] = {}
+        self.cross = SendOnce()          # (its gathers on the receiver)
         self.moves = 0                   # (tests) transfers this process took part in
 
     # ---- which stage a value lives on --------------------------------------
@@ -424,7 +427,7 @@ class StageTransport:
                 f"a value of dtype {dtype} crosses from pipeline stage {r} to stage {s}, on "
                 "another process; typed PRNG keys cannot cross processes in this version: keep "
                 "them as key data (jax.random.key_data) in the step")
-        mesh_a, mesh_b, spec = self._layout(r, s, target, len(shape))
+        mesh_a, mesh_b, spec = self._layout(r, s, target, shape)
         pipe_mesh, fn = self._fn(mesh_a, mesh_b, spec)
         sharding = NamedSharding(pipe_mesh, spec)
         order = sharding.addressable_devices_indices_map(shape)
@@ -446,18 +449,23 @@ class StageTransport:
         dst = NamedSharding(mesh_b, spec)
         y = jax.make_array_from_single_device_arrays(
             shape, dst, [got[d] for d in dst.addressable_devices_indices_map(shape)])
+        if same_mesh(mesh_b, target.mesh) and not dst.is_equivalent_to(target, len(shape)):
+            return self.cross.gather_to(target)(y)      # send-once: gather on the receiver
         return place(y, target)
 
-    def _layout(self, r: int, s: int, target: NamedSharding, ndim: int
+    def _layout(self, r: int, s: int, target: NamedSharding, shape: tuple[int, ...]
                 ) -> tuple[Mesh, Mesh, PartitionSpec]:
         """(sender mesh, receiver mesh, spec): the stages' meshes and the
-        target's spec where the two meshes have one shape and axis names;
-        else one device of each, the value whole."""
+        target's spec, its replicated axes splitting the value further
+        (:func:`send_once_hop`: each piece crosses once), where the two meshes
+        have one shape and axis names; else one device of each, the value
+        whole."""
         a, b = self.meshes[r], self.meshes[s]
         if a.devices.shape == b.devices.shape and tuple(a.axis_names) == tuple(b.axis_names) \
                 and same_mesh(target.mesh, b):
-            spec = tuple(target.spec) + (None,) * (ndim - len(target.spec))
-            return a, b, PartitionSpec(*spec)
+            spec = tuple(target.spec) + (None,) * (len(shape) - len(target.spec))
+            hop = send_once_hop(NamedSharding(b, PartitionSpec(*spec)), shape)
+            return a, b, PartitionSpec(*hop.spec)
         one_a = _one_device_mesh(a.devices.flat[0])
         one_b = _one_device_mesh(b.devices.flat[0])
         return one_a, one_b, PartitionSpec()
