@@ -14,20 +14,34 @@ hide under compute (:mod:`meshplan.cost_model.overlap`), so the iteration time
 moves by far less than the send time.
 
     python benchmarks/send_once.py [--cases gpt-1.3b:64:dgx-a100-x2:4:2:2:8,...]
+
+``--driver``: instead, what the runtime's send-once costs the Python driver
+on 8 fake CPU devices: the built-in mlp under Manual(dp=2, tp=2, pp=2), the
+median wall time of one call's dispatch (it returns before the devices
+finish) and of a call ended by ``block_until_ready``, sending once
+(a slice on the sender, a put, an all-gather on the receiver: three
+dispatches) and per replica (one put), interleaved call by call.
+
+    python benchmarks/send_once.py --driver [--calls 30]
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import pathlib
+import statistics
 import sys
 import time
 
-import meshplan
-from meshplan.api import plan_graph, retracer
-from meshplan.dp_search import Session
-from meshplan.dp_search import stages as stage_costs
-from meshplan.models import build_model
-from meshplan.trace import trace
+importlib.import_module("_fake_devices")    # before jax: 8 fake CPU devices for --driver
+import jax  # noqa: E402
+
+import meshplan  # noqa: E402
+from meshplan.api import plan_graph, retracer  # noqa: E402
+from meshplan.dp_search import Session  # noqa: E402
+from meshplan.dp_search import stages as stage_costs  # noqa: E402
+from meshplan.models import build_model  # noqa: E402
+from meshplan.trace import trace  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # model:batch:cluster:dp:tp:pp:micro-batches (pp 0: PipeshardParallel searches
@@ -77,10 +91,46 @@ def run_case(spec: str) -> dict:
     return row
 
 
+def driver(calls: int) -> None:
+    from meshplan.runtime.pipeline_transport import SendOnce
+    m = build_model("mlp", {"optimizer": "sgd", "layers": "4"})
+    state, batch = jax.device_get(m.init(0))
+    plan = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(
+        dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b"))
+    route = SendOnce._route
+    steps, states = {}, {}
+    for col in ("per replica", "send once"):
+        SendOnce._route = route if col == "send once" else (lambda self, v, target: None)
+        steps[col] = meshplan.parallelize(m.train_step, plan=plan)
+        states[col] = state
+        for _ in range(3):      # compile, and warm every route
+            states[col] = steps[col](states[col], batch)[0]
+    SendOnce._route = route
+    times = {c: ([], []) for c in steps}
+    for _ in range(calls):
+        for col, step in steps.items():
+            jax.block_until_ready(states[col])
+            t0 = time.perf_counter()
+            states[col] = step(states[col], batch)[0]
+            t1 = time.perf_counter()
+            jax.block_until_ready(states[col])
+            times[col][0].append(t1 - t0)
+            times[col][1].append(time.perf_counter() - t0)
+    print("| sends | dispatch (ms) | step (ms) |")
+    print("|---|---:|---:|")
+    for col, (d, w) in times.items():
+        print(f"| {col} | {statistics.median(d) * 1e3:.3f} | {statistics.median(w) * 1e3:.3f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args(argv)
+    if args.driver:
+        driver(args.calls)
+        return 0
     rows = []
     for spec in args.cases.split(","):
         print(f"planning {spec} ...", file=sys.stderr, flush=True)
