@@ -175,8 +175,12 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         budget=cluster.device.memory_bytes * opts.memory_fraction,
         p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
                 if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
-        p2p_lat=(cluster.inter_host if cluster.num_hosts > 1 else cluster.intra_host).latency_s,
-        fast_bw=cluster.intra_host.achieved_bandwidth, fast_lat=cluster.intra_host.latency_s,
+        # inside one host the send stays priced by bandwidth alone, as before:
+        # the link is the gather's own, so sending once saves nothing there,
+        # and its microseconds of latency would only tip the cut of tiny models
+        p2p_lat=cluster.inter_host.latency_s if cluster.num_hosts > 1 else 0.0,
+        fast_bw=cluster.intra_host.achieved_bandwidth,
+        fast_lat=cluster.intra_host.latency_s if cluster.num_hosts > 1 else 0.0,
         dispatch_s=cluster.device.achieved.program_dispatch_s,
         memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
                    * cluster.device.achieved.memory_efficiency),
