@@ -8,15 +8,24 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..schedule import schedule_order
+from .cross_mesh import cross_mesh_cost
 
 
-def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: float) -> float:
-    """Seconds a stage spends per micro-batch sending ``cut_bytes`` of
-    activations on and receiving their gradients: every one of its
-    ``devices`` sends what it holds of them over its share of the links
-    (``p2p_bw`` bytes/s; a value replicated over r devices goes r times,
-    ``replication``), all devices in parallel."""
-    return 2 * cut_bytes * replication / (devices * p2p_bw)
+def stage_send_s(cut_bytes: float, replication: float, devices: int, p2p_bw: float,
+                 p2p_lat: float = 0.0, fast_bw: float | None = None,
+                 fast_lat: float = 0.0) -> float:
+    """Seconds a stage of ``devices`` spends per micro-batch sending
+    ``cut_bytes`` of activations on and receiving their gradients back, each
+    a cross-mesh transfer (:func:`.cross_mesh.cross_mesh_cost`): every
+    distinct byte once over the slow link (``p2p_bw``, ``p2p_lat``: one
+    device's share of the links between the stages), then an all-gather over
+    the ``replication`` devices holding each byte, on the fast links
+    (``fast_bw``, ``fast_lat``; default the slow ones).  The stage DP knows
+    only the sender's layout: the receiver is taken to hold the value as the
+    sender does, on as many devices (exact for the gradient coming back)."""
+    one = cross_mesh_cost(cut_bytes, devices, devices, replication, p2p_bw, p2p_lat,
+                          p2p_bw if fast_bw is None else fast_bw, fast_lat)
+    return 2 * one.seconds
 
 
 def accumulation_s(grad_bytes: float, num_micro_batches: int, memory_bw: float,

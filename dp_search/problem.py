@@ -46,6 +46,10 @@ class LayerProblems:
     min_stages: int                 # PipeshardParallel(stages=N): exactly N
     budget: float
     p2p_bw: float                   # one device's share of the links between stages (bytes/s)
+    p2p_lat: float                  # their latency (s)
+    # the links inside a host: where a receiver all-gathers what crossed once
+    fast_bw: float
+    fast_lat: float
     dispatch_s: float               # launching one compiled program (ClusterSpec achieved)
     memory_bw: float                # a device's achieved memory bandwidth (bytes/s)
     accumulate_passes: int          # passes over the gradients per accumulation (cost_model)
@@ -171,6 +175,12 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         budget=cluster.device.memory_bytes * opts.memory_fraction,
         p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
                 if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
+        # inside one host the send stays priced by bandwidth alone, as before:
+        # the link is the gather's own, so sending once saves nothing there,
+        # and its microseconds of latency would only tip the cut of tiny models
+        p2p_lat=cluster.inter_host.latency_s if cluster.num_hosts > 1 else 0.0,
+        fast_bw=cluster.intra_host.achieved_bandwidth,
+        fast_lat=cluster.intra_host.latency_s if cluster.num_hosts > 1 else 0.0,
         dispatch_s=cluster.device.achieved.program_dispatch_s,
         memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
                    * cluster.device.achieved.memory_efficiency),

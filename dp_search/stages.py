@@ -208,9 +208,13 @@ class StageCosts:
         lay = self.lay
         if j == lay.layering.num_layers - 1:
             return 0.0
-        return stage_send_s(lay.layering.cut_bytes[j],
-                            self.layer(j, m, k, tighten).send_replication,
-                            lay.submeshes[m].size, lay.p2p_bw)
+        sub = lay.submeshes[m]
+        r = self.layer(j, m, k, tighten).send_replication
+        # a replica group wider than a host gathers over the slow links too
+        fast = (lay.fast_bw, lay.fast_lat) if r <= sub.devices_per_host else \
+            (lay.p2p_bw, lay.p2p_lat)
+        return stage_send_s(lay.layering.cut_bytes[j], r, sub.size, lay.p2p_bw, lay.p2p_lat,
+                            *fast)
 
     def groups(self, m: int, k: int, tighten: int = 1) -> list[GroupCost | None]:
         """Per group of layers on mesh ``k`` of submesh ``m``: its cost, or None

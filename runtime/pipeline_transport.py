@@ -8,6 +8,18 @@ crashed on the cached second call of a program given an array of another
 submesh.  Batch arguments are cut into micro-batches on the stages that read
 them.
 
+Send once, gather on the receiver (Alpa's cross-mesh resharding, Zheng et
+al., OSDI'22, section 6): where the receiver's layout replicates the value
+over some of its mesh axes, the value does not cross once per replica.  It
+crosses in :func:`send_once_hop`'s layout, those axes splitting it further,
+so each distinct piece lands on one receiver device; a jitted identity on the
+receiver's mesh then all-gathers the pieces into the planned layout over the
+receiver's own (fast) links.  Where the two stages' meshes have the same axis
+names and shape, the value is first laid out that way on the sender (a local
+slice where the sender holds it replicated too), so that every piece is one
+whole shard of a sender device and the copy moves it as it is.
+:func:`moved_bytes` counts what lands on devices that did not hold it.
+
 Across processes
 ----------------
 Stages on different ``jax.distributed`` processes, values moved between
@@ -26,9 +38,11 @@ and a transfer through it hangs), so both processes call one jitted
 ``shard_map`` with a ``ppermute`` over a mesh of the two stages' devices: a
 ``pipe`` axis of size 2 stacked on the stages' mesh axes.  Its input is one
 global array built with ``jax.make_array_from_single_device_arrays`` from the
-sender's shards (the value laid out as the receiver wants it) and zeros on the
-receiver's devices; after the permute the receiver rebuilds the value on its
-own stage from its local shards.  Each device sends only its own shard.  Two
+sender's shards (the value laid out as the receiver wants it, further split
+over the axes that replicate it there: :func:`send_once_hop`) and zeros on
+the receiver's devices; after the permute the receiver rebuilds the value on
+its own stage from its local shards and all-gathers it into its layout.  Each
+device sends only its own shard, so each distinct piece crosses once.  Two
 stages of different mesh shapes send the whole value from one device of the
 sender to one of the receiver, which then lays it out locally.  The CPU client
 launches the collectives of a process one at a time in dispatch order, so
@@ -44,6 +58,7 @@ the others; :func:`meshplan.runtime.to_host` reads it in every process.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -59,7 +74,7 @@ from .pipeline_split import CONCAT, StepSplit
 from .shard import place
 
 __all__ = ("Transfers", "StageTransport", "same_mesh", "stage_processes", "place",
-           "concat",)
+           "concat", "SendOnce", "send_once_hop", "moved_bytes")
 
 PIPE_AXIS = "meshplan_pipe"
 
@@ -85,14 +100,16 @@ class Transfers:
         self.xp = xp
         self.local = list(xp.local) if xp is not None else [True] * len(self.meshes)
         self.leaf_readers = leaf_readers
+        self.cross = SendOnce()
 
     def send(self, v: Any, x: int, s: int) -> Any:
-        """``v`` onto stage ``s``: unchanged if it already lives there, else one
-        explicit ``device_put`` onto the receiving stage's sharding."""
+        """``v`` onto stage ``s``: unchanged if it already lives there, else
+        explicitly onto the receiving stage's sharding, each distinct piece
+        crossing once (:class:`SendOnce`)."""
         cur = getattr(v, "sharding", None)
         if isinstance(cur, NamedSharding) and cur.mesh == self.meshes[s]:
             return v
-        return jax.device_put(v, self.layouts.send(v, x, s))
+        return self.cross.put(v, self.layouts.send(v, x, s))
 
     def split_batch(self, x: Any, i: int, s: int) -> list[Any]:
         """Batch argument leaf ``i`` on stage ``s``, one piece per micro-batch."""
@@ -172,6 +189,56 @@ class Transfers:
         return xp.remote(r, shape, dtype, spec)
 
 
+class SendOnce:
+    """Puts values onto another submesh's sharding, each distinct piece
+    crossing once and all-gathered on the receiver (see the module doc).
+    Keeps the routes and gather programs it made."""
+
+    def __init__(self) -> None:
+        self._routes: dict[tuple, tuple | None] = {}
+        self._gathers: dict[NamedSharding, Any] = {}     # sharding -> jitted identity
+
+    def put(self, v: Any, target: NamedSharding) -> Any:
+        """``v`` (an array of another mesh) on ``target``."""
+        key = (target, tuple(getattr(v, "shape", ())), getattr(v, "sharding", None))
+        if key not in self._routes:
+            self._routes[key] = self._route(v, target)
+        route = self._routes[key]
+        if route is None:
+            return jax.device_put(v, target)
+        on_sender, hop, gather = route
+        if on_sender is not None:
+            v = on_sender(v)
+        return gather(jax.device_put(v, hop))
+
+    def _route(self, v: Any, target: NamedSharding) -> tuple | None:
+        """(reshard on the sender or None, the layout the value crosses in,
+        the gather on the receiver), or None where a plain put sends no
+        more (nothing replicated, or nothing a replicated axis divides)."""
+        if not isinstance(v, jax.Array) or jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
+            return None
+        hop = send_once_hop(target, v.shape)
+        if hop is target:
+            return None
+        cur = v.sharding
+        on_sender = None
+        if isinstance(cur, NamedSharding) and tuple(cur.mesh.axis_names) == \
+                tuple(hop.mesh.axis_names) and cur.mesh.devices.shape == hop.mesh.devices.shape:
+            # each piece one whole shard of a sender device: copied as it is
+            there = NamedSharding(cur.mesh, hop.spec)
+            if not cur.is_equivalent_to(there, v.ndim):
+                on_sender = self.gather_to(there)
+        return on_sender, hop, self.gather_to(target)
+
+    def gather_to(self, sharding: NamedSharding) -> Any:
+        """A jitted identity onto ``sharding``: XLA's resharding collectives
+        on that mesh's devices (an all-gather after a send-once hop)."""
+        fn = self._gathers.get(sharding)
+        if fn is None:
+            fn = self._gathers[sharding] = jax.jit(_identity, out_shardings=sharding)
+        return fn
+
+
 def _global_batch(x: Any) -> Any:
     """[multi-host] a batch leaf's global value on host, in every process
     (a collective): process-local rows stacked in process order."""
@@ -180,6 +247,69 @@ def _global_batch(x: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     if is_global_array(x):
         return to_host(x)
+    return x
+
+
+def send_once_hop(target: NamedSharding, shape: Sequence[int]) -> NamedSharding:
+    """The layout a value crosses to ``target``'s mesh in: ``target``'s, each
+    mesh axis that replicates it further splitting the first dimension it
+    divides (after that dimension's own axes), so that every distinct piece
+    lands on one device; ``target`` itself where no axis can."""
+    mesh, ndim = target.mesh, len(shape)
+    spec = tuple(target.spec)
+    if len(spec) > ndim or any(d is not None and not isinstance(d, (str, tuple, list))
+                               for d in spec) or getattr(target.spec, "unreduced", None):
+        return target
+    dims = [list(_names(d)) for d in spec + (None,) * (ndim - len(spec))]
+    used = {a for d in dims for a in d}
+    added = False
+    for a in mesh.axis_names:
+        if a in used or mesh.shape[a] == 1:
+            continue
+        for dim in range(ndim):     # the leading dimension first: contiguous pieces
+            ways = math.prod(mesh.shape[b] for b in dims[dim]) * mesh.shape[a]
+            if shape[dim] % ways == 0:
+                dims[dim].append(a)
+                added = True
+                break
+    if not added:
+        return target
+    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
+    return NamedSharding(mesh, PartitionSpec(*entries), memory_kind=target.memory_kind)
+
+
+def _names(d: Any) -> tuple[str, ...]:
+    if d is None:
+        return ()
+    return (d,) if isinstance(d, str) else tuple(d)
+
+
+def moved_bytes(src: Any, dst: Any, shape: Sequence[int], itemsize: int) -> int:
+    """Bytes a move from sharding ``src`` to sharding ``dst`` of a value of
+    ``shape`` lands on devices that did not hold them: each ``dst`` device's
+    shard less its overlap with what the device held under ``src``."""
+    shape = tuple(shape)
+    had = {d: _box(i, shape) for d, i in src.devices_indices_map(shape).items()}
+    total = 0
+    for d, idx in dst.devices_indices_map(shape).items():
+        want = _box(idx, shape)
+        total += math.prod(b - a for a, b in want)
+        if d in had:
+            total -= math.prod(max(0, min(b, y) - max(a, x))
+                               for (a, b), (x, y) in zip(want, had[d]))
+    return total * itemsize
+
+
+def _box(idx: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A shard's index as (start, stop) per dimension."""
+    out = []
+    for sl, n in zip(idx, shape):
+        a, b, _ = sl.indices(n)
+        out.append((a, b))
+    return out
+
+
+def _identity(x: Any) -> Any:
     return x
 
 
@@ -237,6 +367,7 @@ class StageTransport:
         self.local = [p == me for p in self.process_of]
         self._fns: dict[tuple, tuple[Mesh, Any]] = {}
         self._zeros: dict[tuple, jax.Array] = {}
+        self.cross = SendOnce()          # (its gathers on the receiver)
         self.moves = 0                   # (tests) transfers this process took part in
 
     # ---- which stage a value lives on --------------------------------------
@@ -296,7 +427,7 @@ class StageTransport:
                 f"a value of dtype {dtype} crosses from pipeline stage {r} to stage {s}, on "
                 "another process; typed PRNG keys cannot cross processes in this version: keep "
                 "them as key data (jax.random.key_data) in the step")
-        mesh_a, mesh_b, spec = self._layout(r, s, target, len(shape))
+        mesh_a, mesh_b, spec = self._layout(r, s, target, shape)
         pipe_mesh, fn = self._fn(mesh_a, mesh_b, spec)
         sharding = NamedSharding(pipe_mesh, spec)
         order = sharding.addressable_devices_indices_map(shape)
@@ -318,18 +449,23 @@ class StageTransport:
         dst = NamedSharding(mesh_b, spec)
         y = jax.make_array_from_single_device_arrays(
             shape, dst, [got[d] for d in dst.addressable_devices_indices_map(shape)])
+        if same_mesh(mesh_b, target.mesh) and not dst.is_equivalent_to(target, len(shape)):
+            return self.cross.gather_to(target)(y)      # send-once: gather on the receiver
         return place(y, target)
 
-    def _layout(self, r: int, s: int, target: NamedSharding, ndim: int
+    def _layout(self, r: int, s: int, target: NamedSharding, shape: tuple[int, ...]
                 ) -> tuple[Mesh, Mesh, PartitionSpec]:
         """(sender mesh, receiver mesh, spec): the stages' meshes and the
-        target's spec where the two meshes have one shape and axis names;
-        else one device of each, the value whole."""
+        target's spec, its replicated axes splitting the value further
+        (:func:`send_once_hop`: each piece crosses once), where the two meshes
+        have one shape and axis names; else one device of each, the value
+        whole."""
         a, b = self.meshes[r], self.meshes[s]
         if a.devices.shape == b.devices.shape and tuple(a.axis_names) == tuple(b.axis_names) \
                 and same_mesh(target.mesh, b):
-            spec = tuple(target.spec) + (None,) * (ndim - len(target.spec))
-            return a, b, PartitionSpec(*spec)
+            spec = tuple(target.spec) + (None,) * (len(shape) - len(target.spec))
+            hop = send_once_hop(NamedSharding(b, PartitionSpec(*spec)), shape)
+            return a, b, PartitionSpec(*hop.spec)
         one_a = _one_device_mesh(a.devices.flat[0])
         one_b = _one_device_mesh(b.devices.flat[0])
         return one_a, one_b, PartitionSpec()

@@ -117,7 +117,9 @@ def _check_transport(nproc: int) -> dict:
     c = build_mesh(LogicalMesh(("data",), (n,)), devices[n:2 * n])
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     result = {}
+    # (same-shape-replicated: sent once, split over "model", gathered on the receiver)
     for name, meshes, spec in [("same-shape", (a, b), P("data", "model")),
+                               ("same-shape-replicated", (a, b), P("data", None)),
                                ("other-shape", (a, c), P("data", None))]:
         xp = StageTransport(meshes)
         target = NamedSharding(meshes[1], spec)
