@@ -217,6 +217,10 @@ class SendOnce:
         more (nothing replicated, or nothing a replicated axis divides)."""
         if not isinstance(v, jax.Array) or jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
             return None
+        if one_host(v.sharding.device_set | target.device_set):
+            # all links are the host's own: three dispatches where a put
+            # moves the same bytes (as the stage DP prices it inside a host)
+            return None
         hop = send_once_hop(target, v.shape)
         if hop is target:
             return None
@@ -237,6 +241,11 @@ class SendOnce:
         if fn is None:
             fn = self._gathers[sharding] = jax.jit(_identity, out_shardings=sharding)
         return fn
+
+
+def one_host(devices: Any) -> bool:
+    """Do ``devices`` all belong to one process (one host: no slow link)?"""
+    return len({d.process_index for d in devices}) == 1
 
 
 def _global_batch(x: Any) -> Any:

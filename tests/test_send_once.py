@@ -21,6 +21,11 @@ def _mesh(ids, shape=(2, 2), names=("data", "model")):
 SENDER, RECEIVER = (0, 1, 2, 3), (4, 5, 6, 7)
 
 
+def _two_hosts(monkeypatch):
+    """The 8 fake devices are one process: let the stages count as two hosts."""
+    monkeypatch.setattr(pt, "one_host", lambda devices: False)
+
+
 class Recorder:
     """jax.device_put, counting the bytes each put lands on devices outside
     the stage that held the value (what crosses between the stages)."""
@@ -52,6 +57,7 @@ def test_a_value_replicated_twice_on_the_receiver_crosses_once(monkeypatch):
     assert moved_bytes(v.sharding, hop, x.shape, 4) == x.nbytes
     assert moved_bytes(hop, target, x.shape, 4) == x.nbytes
 
+    _two_hosts(monkeypatch)
     rec = Recorder(monkeypatch)
     got = SendOnce().put(v, target)
     assert rec.crossed == [x.nbytes]                   # one put across, the value once
@@ -63,7 +69,18 @@ def test_a_value_replicated_twice_on_the_receiver_crosses_once(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
 
 
-def test_sender_of_another_mesh_shape_and_a_split_target():
+def test_on_one_host_a_value_is_put_as_it_is(monkeypatch):
+    # all links are the host's own: the hop and gather would move the same bytes
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    v = jax.device_put(x, NamedSharding(_mesh(SENDER), P("data", None)))
+    target = NamedSharding(_mesh(RECEIVER), P("data", None))
+    rec = Recorder(monkeypatch)
+    got = SendOnce().put(v, target)
+    assert rec.crossed == [2 * x.nbytes] and got.sharding == target
+
+
+def test_sender_of_another_mesh_shape_and_a_split_target(monkeypatch):
+    _two_hosts(monkeypatch)
     x = np.arange(4 * 8 * 2, dtype=np.float32).reshape(4, 8, 2)
     v = jax.device_put(x, NamedSharding(_mesh((0, 1), (2,), ("x",)), P(None, "x")))
     # split over "model", replicated over "data": the hop splits dimension 0
@@ -102,6 +119,7 @@ def test_pipeline_equals_the_per_replica_path_bit_for_bit(name, monkeypatch):
     assert len(plan.stages) == 2
 
     def run():
+        _two_hosts(monkeypatch)
         rec = Recorder(monkeypatch)
         step = meshplan.parallelize(m.train_step, plan=plan)
         out = jax.device_get(step(state, batch))
