@@ -65,7 +65,9 @@ class InputLayouts:
         if self.params == "sharded":
             return 0 in axes
         if self.params == "model":
-            return 0 not in axes
+            # (Megatron's tensor parallelism splits every weight matrix over
+            # the model axes; vectors (biases, LayerNorm) may stay whole)
+            return 0 not in axes and (bool(axes) or len(spec) < 2)
         raise ValueError(f"InputLayouts(params={self.params!r})")
 
 
