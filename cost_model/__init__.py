@@ -7,8 +7,8 @@ Which communication runs under compute is stated once, in :mod:`.overlap`.
 from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from .compute import compute_time
 from .mesh import AxisLink, MeshModel, default_axis_names, mesh_model, mesh_shapes
-from .sharding import (ISpec, divides, enumerate_specs, local_shape, num_shards, replicated,
-                       reshard_cost, spec_from_names, spec_names)
+from ..layout_moves import ISpec, num_shards, spec_from_names
+from .sharding import divides, enumerate_specs, local_shape, replicated, reshard_cost, spec_names
 
 __all__ = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "compute_time",
            "AxisLink", "MeshModel", "default_axis_names", "mesh_model", "mesh_shapes",

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
 from ..cost_model.torus import device_order
-from ..cost_model.sharding import spec_from_names
+from ..layout_moves import spec_from_names
 from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts

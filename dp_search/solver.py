@@ -12,7 +12,7 @@ from ..cost_model.compute import compute_time
 from ..cost_model.fusion import fused_bytes
 from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
-from ..cost_model.sharding import num_shards, spec_from_names
+from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op

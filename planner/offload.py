@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .cluster import ClusterSpec
-from .cost_model.sharding import num_shards, spec_from_names
+from .layout_moves import num_shards, spec_from_names
 from .errors import InfeasiblePlanError, MeshplanError
 from .graph import BATCH, OPT_STATE, PARAM, Graph
 from .plan import MemoryBreakdown, Plan, PlanPredicted

@@ -4,7 +4,7 @@
 position, layout): the operands the plan reshards before an operator reads
 them.  The runtime constrains each such operand to that layout.  Where the
 cost model prices the move as XLA's fallback, gathering the tensor whole and
-slicing it (:func:`meshplan.cost_model.sharding.gathers_whole`: an axis
+slicing it (:func:`meshplan.layout_moves.gathers_whole`: an axis
 leaving a dimension that loses another one, several dimensions merging into
 one), the operand is first constrained replicated.  XLA's partitioner then
 runs the same all-gathers and slice as priced, as asked, instead of reaching
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from meshplan.cost_model.sharding import gathers_whole, spec_from_names
+from meshplan.layout_moves import gathers_whole, spec_from_names
 from meshplan.specs import Spec
 from meshplan.traced import FlatJaxpr
 

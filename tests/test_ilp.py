@@ -8,7 +8,7 @@ import pytest
 
 import meshplan
 from meshplan.cost_model.mesh import mesh_model
-from meshplan.cost_model.sharding import spec_from_names
+from meshplan.layout_moves import spec_from_names
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import OPT_STATE, PARAM
 from meshplan.ilp import best_intra_op, build_problem, candidate_meshes, solve_intra_op

@@ -24,6 +24,7 @@ LAYER_OF = {
     "recompute": "types",       # the recomputation choices and the selective region
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
+    "layout_moves": "types",    # where mesh axes go in a resharding (cost model and runtime)
     "tpu": "types",             # TPU slices of a cluster file (cluster.py reads them)
     # a plan bound to jax devices (Mesh, NamedSharding): Plan.shardings and the
     # runtime build meshes and specs the same way
@@ -205,6 +206,8 @@ RUNTIME_ALLOWED = {"meshplan.plan", "meshplan.graph", "meshplan.traced", "meshpl
            "meshplan.errors", "meshplan.cluster",
            # meshes and specs of a plan: the runtime and Plan.shardings share them
            "meshplan.shardings", "meshplan.specs",
+           # whether a move gathers the tensor whole: priced and run the same way
+           "meshplan.layout_moves",
            # what a selective stage replays: defined once for planner and runtime
            "meshplan.recompute"}
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import meshplan
-from meshplan.cost_model.sharding import spec_from_names
+from meshplan.layout_moves import spec_from_names
 from meshplan.graph import OPT_STATE, PARAM
 from meshplan.ilp import peak_parts
 from meshplan.models import build_model
