@@ -28,22 +28,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pathlib
 import statistics
-import sys
 import time
 
 importlib.import_module("_fake_devices")    # before jax: 8 fake CPU devices for --driver
 import jax  # noqa: E402
 
 import meshplan  # noqa: E402
-from meshplan.api import plan_graph, retracer  # noqa: E402
-from meshplan.dp_search import Session  # noqa: E402
 from meshplan.dp_search import stages as stage_costs  # noqa: E402
 from meshplan.models import build_model  # noqa: E402
-from meshplan.trace import trace  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cases import Case, print_table  # noqa: E402
+
 # model:batch:cluster:dp:tp:pp:micro-batches (pp 0: PipeshardParallel searches
 # stages on whole hosts, tp within a host)
 CASES = ("gpt-1.3b:64:dgx-a100-x2:4:2:2:8,gpt-1.3b:64:dgx-a100-x2:2:4:2:8,"
@@ -57,11 +53,7 @@ def per_replica_send_s(cut_bytes, replication, devices, p2p_bw, *_):
 
 def run_case(spec: str) -> dict:
     name, batch, cluster_name, dp, tp, pp, mb = spec.split(":")
-    m = build_model(name, {"batch": batch})
-    cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"{cluster_name}.json")
-    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
-    session = Session.from_env()
+    case = Case.of(name, batch, cluster_name)
     if int(pp):
         method = meshplan.Manual(dp=int(dp), tp=int(tp), pp=int(pp), num_micro_batches=int(mb))
         label = f"Manual(dp={dp}, tp={tp}, pp={pp})"
@@ -80,7 +72,7 @@ def run_case(spec: str) -> dict:
 
         stage_costs.stage_send_s, stage_costs.StageCosts.send_s = price, spy
         try:
-            plan = plan_graph(graph, cluster, method, retrace=rt, session=session)
+            plan = case.plan(method)
         finally:
             stage_costs.stage_send_s, stage_costs.StageCosts.send_s = real, real_send
         shape = " + ".join(f"{len(s.devices)}{tuple(s.logical_mesh.shape)}" for s in plan.stages)
@@ -135,15 +127,7 @@ def main(argv=None) -> int:
     if args.driver:
         driver(args.calls)
         return 0
-    rows = []
-    for spec in args.cases.split(","):
-        print(f"planning {spec} ...", file=sys.stderr, flush=True)
-        rows.append(run_case(spec))
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print_table(args.cases, run_case)
     return 0
 
 

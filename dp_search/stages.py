@@ -441,8 +441,9 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
     for view in [lay] + lay.many_stage_views():
         priced = costs if view is lay else StageCosts(view, opts, solver)
         priced_all.append(priced)
+        dps: dict[str, tuple] = {}      # the stage DPs run on this view, by _dp_kind
         for schedule in opts.schedules:
-            c = _pipeline_for(schedule, view, cluster, opts, solver, priced)
+            c = _pipeline_for(schedule, view, cluster, opts, solver, priced, dps)
             if c is not None:
                 found.append((c.total_s, len(found), c, priced))
     if not found and opts.schedules == ("interleaved",):
@@ -467,28 +468,37 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
                                f"micro-batch(es){': ' + detail if detail else ''}", detail, unfit,
                                budget_bytes=int(lay.budget),
                                needed_bytes=None if need is None else int(need))
-    _, _, choice, priced = min(found)      # (the first of equals: the groups' DP)
+    # the first of equals (the groups' DP, then the order schedules are named
+    # in): a schedule later in the list must be faster by more than rounding
+    fastest = min(t for t, _, _, _ in found)
+    _, _, choice, priced = next(f for f in found if f[0] <= fastest * (1 + 1e-9))
     return choice, priced
 
 
+def _dp_kind(schedule: str, costs: "StageCosts") -> str:
+    """The stage DP ``schedule`` prices its stages with.  Interleaved 1F1B
+    and ZB-H1 start from 1F1B's cut (:mod:`.interleave`, :mod:`.zero_bubble`
+    rework it after) and keep what it keeps, unless the stage count is fixed,
+    where ZB-H1's DP sees its extra kept micro-batches."""
+    if schedule == "interleaved" or (schedule == ZB_H1 and costs._stage_count() is None):
+        return "1f1b"
+    return schedule
+
+
 def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
-                  opts: PipelineOptions, solver: LayerSolver, costs: StageCosts
-                  ) -> PipelineChoice | None:
-    chosen: dict[tuple[int, int, int, int], StageOption] = {}
-
-    def stage_cost(gi: int, gj: int, m: int, s: int) -> float | None:
-        best = costs.best(gi, gj, m, s, schedule)
-        if best is None:
-            return None
-        chosen[lay.groups[gi][0], lay.groups[gj][1], m, s] = best
-        return best.latency_s
-
-    t0, ilp0 = time.perf_counter(), solver.ilp_s
-    res = stage_dp(len(lay.groups), lay.submeshes, cluster.num_devices, lay.B, stage_cost,
-                   max_stages=lay.max_stages, min_stages=lay.min_stages,
-                   balance=[sum(lay.layering.flops[g[0]:g[1] + 1]) for g in lay.groups]
-                   if lay.exact_stages else None)
-    solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
+                  opts: PipelineOptions, solver: LayerSolver, costs: StageCosts,
+                  dps: dict[str, tuple] | None = None) -> PipelineChoice | None:
+    """``schedule``'s pipeline on ``lay``, or None; ``dps``: the stage DPs
+    already run on ``lay`` by :func:`_dp_kind` (filled in), so that the
+    schedules sharing 1F1B's cut run its DP once."""
+    kind = _dp_kind(schedule, costs)
+    if dps is not None and kind in dps:
+        res, shared = dps[kind]
+        chosen = dict(shared)
+    else:
+        res, chosen = _stage_dp(kind, lay, cluster, solver, costs)
+        if dps is not None:
+            dps[kind] = (res, dict(chosen))
     if res is None:
         return None
     if opts.fixed is not None and len(res.stages) != opts.fixed[2]:
@@ -530,6 +540,29 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         # and each stage's update program, once per iteration
         total += n_st * lay.dispatch_s
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)
+
+
+def _stage_dp(schedule: str, lay: LayerProblems, cluster: ClusterSpec, solver: LayerSolver,
+              costs: StageCosts
+              ) -> tuple[DPResult | None, dict[tuple[int, int, int, int], StageOption]]:
+    """Alpa's stage-submesh DP over ``lay``'s groups priced for ``schedule``:
+    its result (None: no assignment fits) and the stage options it priced."""
+    chosen: dict[tuple[int, int, int, int], StageOption] = {}
+
+    def stage_cost(gi: int, gj: int, m: int, s: int) -> float | None:
+        best = costs.best(gi, gj, m, s, schedule)
+        if best is None:
+            return None
+        chosen[lay.groups[gi][0], lay.groups[gj][1], m, s] = best
+        return best.latency_s
+
+    t0, ilp0 = time.perf_counter(), solver.ilp_s
+    res = stage_dp(len(lay.groups), lay.submeshes, cluster.num_devices, lay.B, stage_cost,
+                   max_stages=lay.max_stages, min_stages=lay.min_stages,
+                   balance=[sum(lay.layering.flops[g[0]:g[1] + 1]) for g in lay.groups]
+                   if lay.exact_stages else None)
+    solver.dp_s += time.perf_counter() - t0 - (solver.ilp_s - ilp0)
+    return res, chosen
 
 
 class StageMemoryError(InfeasiblePlanError):

@@ -6,7 +6,7 @@ Plain frozen data; each lowers itself once into a :class:`PlanRequest`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import MeshplanError
@@ -24,12 +24,14 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
     return out
 
 
-# What a searched schedule ("auto") may be.  Interleaved 1F1B runs too, and
-# is searched when named (alone or in a list): by default its 2p virtual
-# stages would answer stages=N with 2N plan stages on N device groups.
-# ZB-H1 too: it runs in one process only, and its costing (dp_search.
-# zero_bubble) has no GPU timing behind it yet.
-AUTO_SCHEDULES = ("1f1b", "gpipe")
+# What a searched schedule ("auto") may be: every schedule the runtime runs.
+# The first of equally fast ones wins, so 1F1B where nothing else gains.
+# Interleaved 1F1B answers a fixed stage count N with N device groups of
+# virtual stages, so it is searched by default only where the count is; a
+# run of several processes searches the first two (:func:`for_processes`).
+AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+# what the runtime runs across processes in this version
+MULTI_PROCESS_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -258,13 +260,24 @@ def _controls(method: Any) -> None:
         raise MeshplanError(f"{name}(tp_within_host={method.tp_within_host!r}): use True or False")
 
 
+def for_processes(method: Any, count: int) -> Any:
+    """``method`` for a run of ``count`` processes: a searched schedule keeps
+    to what the runtime runs across processes (a named one is refused there
+    by the runtime, with what to change)."""
+    if count > 1 and getattr(method, "schedule", None) == "auto":
+        return replace(method, schedule=MULTI_PROCESS_SCHEDULES)
+    return method
+
+
 def _pipeline_options(method: Any, **more: Any) -> PipelineOptions:
     """The search controls of ``method`` as the inter-operator search takes them."""
     mb = method.num_micro_batches
     sched = method.schedule
+    searched = AUTO_SCHEDULES if more.get("num_stages") is None else \
+        tuple(s for s in AUTO_SCHEDULES if s != "interleaved")
     return PipelineOptions(
         num_micro_batches=None if mb is None else (mb,) if isinstance(mb, int) else mb,
-        schedules=AUTO_SCHEDULES if sched == "auto" else (sched,) if isinstance(sched, str)
+        schedules=searched if sched == "auto" else (sched,) if isinstance(sched, str)
         else sched,
         max_stages=method.max_stages, memory_fraction=float(method.memory_fraction),
         tp_within_host=method.tp_within_host, time_limit=method.time_limit,
