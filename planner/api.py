@@ -14,7 +14,7 @@ from .cluster import ClusterSpec
 from .dp_search import Session
 from .errors import MeshplanError, StalePlanError
 from .graph import Graph, batch_shaped_draws
-from .methods import Method, ShardParallel, for_processes, normalize_argnums
+from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
 from .recompute import NONE
 from .planning import TracedFunction, plan_function, plan_step, trace_function
@@ -161,9 +161,8 @@ class Parallelized:
                     f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
         else:
-            # [multi-host] only the schedules the runtime runs across processes
-            method = for_processes(self.method, jax.process_count())
-            p = plan_function(traced, self.cluster or ClusterSpec.local(), method, session).plan
+            p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
+                              session).plan
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
         executable = self._executable(p, traced)

@@ -6,7 +6,7 @@ Plain frozen data; each lowers itself once into a :class:`PlanRequest`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshplanError
@@ -27,11 +27,8 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
 # What a searched schedule ("auto") may be: every schedule the runtime runs.
 # The first of equally fast ones wins, so 1F1B where nothing else gains.
 # Interleaved 1F1B answers a fixed stage count N with N device groups of
-# virtual stages, so it is searched by default only where the count is; a
-# run of several processes searches the first two (:func:`for_processes`).
+# virtual stages, so it is searched by default only where the count is.
 AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
-# what the runtime runs across processes in this version
-MULTI_PROCESS_SCHEDULES = ("1f1b", "gpipe")
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -258,15 +255,6 @@ def _controls(method: Any) -> None:
     _check_fraction(method)
     if not isinstance(method.tp_within_host, bool):
         raise MeshplanError(f"{name}(tp_within_host={method.tp_within_host!r}): use True or False")
-
-
-def for_processes(method: Any, count: int) -> Any:
-    """``method`` for a run of ``count`` processes: a searched schedule keeps
-    to what the runtime runs across processes (a named one is refused there
-    by the runtime, with what to change)."""
-    if count > 1 and getattr(method, "schedule", None) == "auto":
-        return replace(method, schedule=MULTI_PROCESS_SCHEDULES)
-    return method
 
 
 def _pipeline_options(method: Any, **more: Any) -> PipelineOptions:

@@ -200,9 +200,6 @@ class PipelineExecutable:
         # [multi-host] every process runs this driver; each dispatches the
         # programs of its own stages and moves values to the others'
         xp = StageTransport(self.meshes) if is_multiprocess() else None
-        if xp is not None and (self.plan.chunks > 1 or self.schedule == "zb-h1"):
-            raise RuntimeStageError(f"{self.schedule} plans run in one process in this version; "
-                                    "re-plan with schedule='1f1b' for several processes")
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)

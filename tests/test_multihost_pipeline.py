@@ -24,7 +24,7 @@ from multihost_worker import save_data  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_pipeline_worker.py"
 NPROC, LOCAL_DEVICES, STEPS = 2, 4, 3
-TIMEOUT_S = 150          # the whole run of both workers
+TIMEOUT_S = 300          # the whole run of both workers
 GRACE_S = 10             # for a worker whose peer failed
 RTOL = 1e-5
 FLOOR = 1e-3             # parameters near zero are judged against this scale
@@ -48,6 +48,15 @@ CASES = [
      # cross-mesh cost), Manual's cut falls after layer 0 on this cluster: a
      # stage of the first layer alone has nothing of its forward to replay
      "replays": [False, True]},
+    # ZB-H1: each stage's backward cut into B and W, the W programs run
+    # where 1F1B idles, in the same global order in both processes
+    {"label": "gpt-zb-h1", "model": "gpt", "config": GPT,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 4, "schedule": "zb-h1"}},
+    # interleaved 1F1B: 4 virtual stages on the 2 processes' device groups,
+    # chunk k on process k mod 2, so values cross processes 3 times each way
+    {"label": "mlp-interleaved", "model": "mlp", "config": MLP,
+     "manual": {"dp": 2, "tp": 2, "pp": 2, "num_micro_batches": 2, "schedule": "interleaved"},
+     "stages": 4},
     # blocks in a lax.scan over stacked parameters, unrolled by the planner:
     # each process holds the layers of its stage, the state kept per layer
     {"label": "gpt-scan-1f1b", "model": "gpt",
@@ -81,13 +90,15 @@ def test_two_stage_pipeline_on_two_processes_matches_one_process_reference(
         label = case["label"]
         runs = [s["cases"][label] for s in summaries]
         assert runs[0]["plan_sha"] == runs[1]["plan_sha"], label
-        assert runs[0]["stages"] == 2
-        assert runs[0]["replays"] == case.get("replays", case.get("remat", [False, False])), \
+        n = runs[0]["stages"]
+        assert n == case.get("stages", 2), (label, n)
+        assert runs[0]["replays"] == case.get("replays", case.get("remat", [False] * n)), \
             (label, runs[0])
-        # one stage per process: the plan's device ids follow the processes
-        assert runs[0]["stage_processes"] == [[0], [1]], runs[0]
+        # one stage (interleaved: every other virtual stage) per process: the
+        # plan's device ids follow the processes
+        assert runs[0]["stage_processes"] == [[k % NPROC] for k in range(n)], runs[0]
         for pid, run in enumerate(runs):
-            assert run["local_stages"] == [pid], (label, pid)
+            assert run["local_stages"] == list(range(pid, n, NPROC)), (label, pid)
             assert run["cross_process_moves"] > 0, (label, pid)
             # each parameter's data lives on the process of its stage only
             assert run["params_here"] + run["params_elsewhere"] == run["params"], (label, pid)

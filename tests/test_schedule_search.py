@@ -1,8 +1,8 @@
 """The schedule search: by default Auto and PipeshardParallel search every
-schedule the runtime runs (GPipe, 1F1B, interleaved 1F1B, ZB-H1), and the
-searched plan is the fastest of the plans each schedule gives when named
-alone.  A fixed stage count leaves interleaved out unless named; a run of
-several processes searches only what runs there."""
+schedule the runtime runs (GPipe, 1F1B, interleaved 1F1B, ZB-H1, in one
+process or several: tests/test_multihost_pipeline.py), and the searched plan
+is the fastest of the plans each schedule gives when named alone.  A fixed
+stage count leaves interleaved out unless named."""
 from __future__ import annotations
 
 import pathlib
@@ -12,7 +12,7 @@ import pytest
 import meshplan
 from meshplan.cluster import load_cluster
 from meshplan.errors import InfeasiblePlanError
-from meshplan.methods import AUTO_SCHEDULES, MULTI_PROCESS_SCHEDULES, for_processes
+from meshplan.methods import AUTO_SCHEDULES
 from meshplan.models import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,15 +61,3 @@ def test_exact_stage_counts_search_interleaved_only_when_named():
     named = meshplan.PipeshardParallel(stages=2, schedule=("1f1b", "interleaved"),
                                        num_micro_batches=4).request(8)
     assert named.pipeline.schedules == ("1f1b", "interleaved")
-
-
-def test_several_processes_search_what_runs_across_processes():
-    auto = meshplan.Auto()
-    assert for_processes(auto, 1) is auto
-    two = for_processes(auto, 2)
-    assert two.schedule == MULTI_PROCESS_SCHEDULES
-    assert two.request(16).pipeline.schedules == MULTI_PROCESS_SCHEDULES
-    # a named schedule is the user's: the runtime refuses it with what to change
-    named = meshplan.PipeshardParallel(schedule="zb-h1")
-    assert for_processes(named, 2) is named
-    assert for_processes(meshplan.ShardParallel(), 2) == meshplan.ShardParallel()
