@@ -2,6 +2,7 @@
 for a cluster file, and a Markdown table of one row per case."""
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 from typing import Callable, NamedTuple
@@ -48,3 +49,12 @@ def print_table(cases: str, run_case: Callable[[str], dict]) -> None:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+def main(doc: str, cases: str, run_case: Callable[[str], dict], argv=None) -> int:
+    """A schedule benchmark's command line: ``--cases`` (default ``cases``)
+    planned by ``run_case`` and printed by :func:`print_table`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cases", default=cases)
+    print_table(ap.parse_args(argv).cases, run_case)
+    return 0

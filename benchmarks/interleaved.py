@@ -16,12 +16,11 @@ session, so the layer ILPs are solved once per case.
 """
 from __future__ import annotations
 
-import argparse
 
 import meshplan
 from meshplan.errors import InfeasiblePlanError
 
-from _cases import Case, print_table
+from _cases import Case, main
 
 # model:batch:cluster:stages:micro-batches
 CASES = "gpt-350m:256:dgx-a100-x1:4:4,gpt-350m:256:dgx-a100-x1:4:8,gpt-350m:256:dgx-a100-x1:2:2"
@@ -45,12 +44,5 @@ def run_case(spec: str) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=CASES)
-    print_table(ap.parse_args(argv).cases, run_case)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__doc__, CASES, run_case))

@@ -13,13 +13,12 @@ case, so the layer ILPs are solved once for both searches.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import meshplan
 from meshplan.units import human_bytes
 
-from _cases import Case, print_table
+from _cases import Case, main
 from plan_quality import describe
 
 # model:batch:cluster
@@ -46,12 +45,5 @@ def run_case(spec: str) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=CASES)
-    print_table(ap.parse_args(argv).cases, run_case)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__doc__, CASES, run_case))

@@ -16,14 +16,13 @@ FLOPs).  Planning shares one session, so the layer ILPs are solved once per case
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import meshplan
 from meshplan.errors import InfeasiblePlanError
 from meshplan.units import human_bytes
 
-from _cases import Case, print_table
+from _cases import Case, main
 
 # model:batch:cluster:stages:micro-batches
 CASES = "gpt-350m:256:dgx-a100-x1:4:4,gpt-350m:256:dgx-a100-x1:4:8,gpt-350m:256:dgx-a100-x1:2:8"
@@ -50,12 +49,5 @@ def run_case(spec: str) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=CASES)
-    print_table(ap.parse_args(argv).cases, run_case)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__doc__, CASES, run_case))
