@@ -487,18 +487,15 @@ def _dp_kind(schedule: str, costs: "StageCosts") -> str:
 
 def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
                   opts: PipelineOptions, solver: LayerSolver, costs: StageCosts,
-                  dps: dict[str, tuple] | None = None) -> PipelineChoice | None:
+                  dps: dict[str, tuple]) -> PipelineChoice | None:
     """``schedule``'s pipeline on ``lay``, or None; ``dps``: the stage DPs
     already run on ``lay`` by :func:`_dp_kind` (filled in), so that the
     schedules sharing 1F1B's cut run its DP once."""
     kind = _dp_kind(schedule, costs)
-    if dps is not None and kind in dps:
-        res, shared = dps[kind]
-        chosen = dict(shared)
-    else:
-        res, chosen = _stage_dp(kind, lay, cluster, solver, costs)
-        if dps is not None:
-            dps[kind] = (res, dict(chosen))
+    if kind not in dps:
+        dps[kind] = _stage_dp(kind, lay, cluster, solver, costs)
+    res, shared = dps[kind]
+    chosen = dict(shared)      # (interleave and zero_bubble give their own)
     if res is None:
         return None
     if opts.fixed is not None and len(res.stages) != opts.fixed[2]:
