@@ -18,11 +18,13 @@ searched), as Alpa's intra-op-only runs do; --no-grad-accum turns that off.
 
     python benchmarks/plan_quality.py [--suite gpt,moe,wresnet] [--max-gpus 64]
         [--rows gpt-350m,moe-380m@8] [--skip-grid] [--grid-micro-batches 1,2,4,8,16,32,64]
-        [--no-grad-accum] [--out DIR] [--resume]
+        [--no-grad-accum] [--out DIR] [--resume [--replan auto,...]]
 
 Rows run smallest cluster first and the files are rewritten after every row.
 --resume keeps the rows of DIR/plan_quality.csv that have no planner error and
-plans only the others (delete a row from the CSV to plan it again).
+plans only the others (delete a row from the CSV to plan it again); with
+--replan, the named methods of every kept row are planned again and the other
+columns kept (after a change that moves only those methods' plans).
 Writes benchmarks/results/plan_quality.{csv,md,png}.  Planning only: the
 figures are TFLOP/s per GPU predicted by meshplan's cost model.  Set
 MESHPLAN_WORKERS to bound the processes that solve layer ILPs.
@@ -216,7 +218,10 @@ METHOD_FNS = {"auto": m_auto, "data": m_data, "zero3": m_zero3, "intra": m_intra
 
 # -- rows -------------------------------------------------------------------------
 
-def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int]) -> dict:
+def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int],
+            kept: dict | None = None) -> dict:
+    """Plan ``methods`` for one row; ``kept``: the earlier run's row, whose
+    other columns stay as they were."""
     cluster = cluster_for(gpus)
     m = build_model(name)
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
@@ -224,7 +229,7 @@ def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int]) -> d
     rt = functools.lru_cache(maxsize=None)(
         retracer(m.train_step, m.abstract_args, m.batch_argnums, name))
     layers = m.config["layers"]
-    row = {"model": name, "gpus": gpus, "cluster": cluster.name}
+    row = dict(kept or {"model": name, "gpus": gpus, "cluster": cluster.name})
     session = Session.from_env()     # layer ILPs shared by the methods of this row
     for meth in methods:
         print(f"  {name} on {gpus} GPU(s): {meth} ...", file=sys.stderr, flush=True)
@@ -239,8 +244,8 @@ def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int]) -> d
             traceback.print_exc()
             row[meth], row[f"{meth} plan"] = "ERROR", f"{type(e).__name__}: {e}"
         row[f"{meth} s"] = round(time.perf_counter() - t0, 1)
-    if "auto" in methods:
-        row["auto best"] = auto_is_best(row, methods)
+    if "auto" in row:
+        row["auto best"] = auto_is_best(row, [m for m in METHODS if m in row])
     return row
 
 
@@ -297,9 +302,13 @@ def read_rows(path: pathlib.Path) -> dict[tuple[str, int], dict]:
 
 
 def write_results(rows: list[dict], methods, command: str, mbs,
-                  planned: int, out: pathlib.Path = RESULTS) -> None:
+                  planned: int, out: pathlib.Path = RESULTS, replan: tuple[str, ...] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    wall_s = sum(value(r.get(f"{m} s")) for r in rows for m in methods)
+    wall_s = sum(value(r.get(f"{m} s")) for r in rows for m in (replan or methods))
+    run = (f"Run of {time.strftime('%Y-%m-%d')}: {wall_s / 60:.1f} min of planning (the sum of "
+           "the per-method times below)" if not replan else
+           f"Columns {', '.join(replan)} planned again on {time.strftime('%Y-%m-%d')} "
+           f"({wall_s / 60:.1f} min of planning), the others kept from the earlier run's CSV")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "plan_quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, restval="")
@@ -316,9 +325,7 @@ def write_results(rows: list[dict], methods, command: str, mbs,
         "",
         f"Reproduce: `{command}`",
         "",
-        f"Run of {time.strftime('%Y-%m-%d')}: {wall_s / 60:.1f} min of planning (the "
-        "sum of the per-method times below) on the shared "
-        "2-core machine" + ("." if len(rows) == planned else
+        run + " on the shared 2-core machine" + ("." if len(rows) == planned else
                             f", stopped after {len(rows)} of the {planned} rows it plans.") +
         "  Cluster: AWS p3.16xlarge (8 V100 16 GB per host, NVLink inside a "
         "host, 25 Gbit/s between hosts); below 8 GPUs one host with fewer GPUs.  Figures: "
@@ -428,7 +435,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of OUT/plan_quality.csv without planner errors")
+    ap.add_argument("--replan", default="",
+                    help="with --resume: methods planned again in the kept rows")
     args = ap.parse_args(argv)
+    replan = tuple(m for m in args.replan.split(",") if m)
+    if replan and (not args.resume or not set(replan) <= set(METHODS)):
+        ap.error(f"--replan takes --resume and methods among {', '.join(METHODS)}")
     global GRAD_ACCUM
     GRAD_ACCUM = not args.no_grad_accum
     methods = tuple(m for m in METHODS if not (args.skip_grid and m == "grid"))
@@ -441,15 +453,20 @@ def main(argv=None) -> int:
     for name, gpus in selected:
         old = earlier.get((name, gpus))
         if old and all(m in old and old[m] != "ERROR" for m in methods):
-            print(f"kept {name} on {gpus} GPU(s) from the earlier run", file=sys.stderr)
-            rows.append(old)
-            continue
-        print(f"planning {name} on {gpus} GPU(s) ...", file=sys.stderr, flush=True)
-        rows.append(run_row(name, gpus, methods, mbs))
+            if not replan:
+                print(f"kept {name} on {gpus} GPU(s) from the earlier run", file=sys.stderr)
+                rows.append(old)
+                continue
+            print(f"planning {'/'.join(replan)} of {name} on {gpus} GPU(s) again ...",
+                  file=sys.stderr, flush=True)
+            rows.append(run_row(name, gpus, replan, mbs, kept=old))
+        else:
+            print(f"planning {name} on {gpus} GPU(s) ...", file=sys.stderr, flush=True)
+            rows.append(run_row(name, gpus, methods, mbs))
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         # written after every row: a long run interrupted keeps what it has
-        write_results(rows, methods, command.strip(), mbs, len(selected), out)
-    write_results(rows, methods, command.strip(), mbs, len(selected), out)
+        write_results(rows, methods, command.strip(), mbs, len(selected), out, replan)
+    write_results(rows, methods, command.strip(), mbs, len(selected), out, replan)
     print(md_table(rows, ["model", "gpus", *methods] + (["auto best"] if "auto" in methods else [])))
     return 0
 
