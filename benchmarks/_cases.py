@@ -29,7 +29,7 @@ class Case(NamedTuple):
         m = build_model(name, {"batch": batch})
         cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"{cluster_name}.json")
         graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
-        rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
+        rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name, graph=graph)
         return cls(graph, cluster, rt, Session.from_env())
 
     def plan(self, method) -> meshplan.Plan:

@@ -55,7 +55,7 @@ def run_row(name: str, auto: bool) -> dict:
     session = Session.from_env()      # the plans share their layer costs
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name, graph=graph)
     # micro-batches of one sequence (the paper's 175B..1T rows; for 22B see the notes)
     row = {"model": name, "gpus": gpus, "(tp,pp,mb)": f"({tp},{pp},{batch})"}
     for remat, pub in (("full", pub_full), ("selective", pub_sel)):

@@ -64,7 +64,7 @@ def run_row(name: str, searched: bool, published_only: bool = False) -> dict:
     session = Session.from_env()      # the two plans share their layer costs
     t0 = time.perf_counter()
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name)
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, name, graph=graph)
     published = plan_graph(graph, cluster, meshplan.Manual(dp=dp, tp=tp, pp=pp,
                                                            num_micro_batches=mb_pub,
                                                            schedule="1f1b", remat=True),

@@ -225,9 +225,10 @@ def run_row(name: str, gpus: int, methods: tuple[str, ...], mbs: list[int],
     cluster = cluster_for(gpus)
     m = build_model(name)
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name=name)
-    # traces of the step split into micro-batches, shared by all methods
+    # the step split into micro-batches (rewritten from `graph` where that is
+    # proven exact, as `meshplan plan` does), shared by all methods
     rt = functools.lru_cache(maxsize=None)(
-        retracer(m.train_step, m.abstract_args, m.batch_argnums, name))
+        retracer(m.train_step, m.abstract_args, m.batch_argnums, name, graph=graph))
     layers = m.config["layers"]
     row = dict(kept or {"model": name, "gpus": gpus, "cluster": cluster.name})
     session = Session.from_env()     # layer ILPs shared by the methods of this row
