@@ -113,6 +113,7 @@ def test_micro_batch_counts_include_the_divisors_hand_plans_use():
     assert _micro_batch_candidates(1024, None) == [1, 2, 4, 8, 16, 32, 64]
 
 
+@pytest.mark.slow      # (plans a 32-stage hand plan and Auto on 512 GPUs: ~50 s)
 def test_more_stages_than_layer_groups_contain_the_hand_plan():
     """A hand plan with more stages (32) than the search's 16 layer groups is
     inside the search: Auto is no slower than it."""
