@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from ..flops import BARRIERS, ELEMENTWISE, RANDOM
+from ..flops import BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, window_free_dims
 from .loops import loop_classes
 
 Shape = tuple[int, ...]
@@ -171,25 +171,13 @@ def along_axis_rule(param: str) -> Rule:
     return rule
 
 
-def _window_free(params, rank: int) -> list[int]:
-    """Dimensions a window op leaves alone: window 1, stride 1, no padding or
-    dilation; split there, each device pools its own slice."""
-    ones = (1,) * rank
-    win = tuple(params["window_dimensions"])
-    stride = tuple(params.get("window_strides") or ones)
-    pad = tuple(tuple(p) for p in (params.get("padding") or ((0, 0),) * rank))
-    base = tuple(params.get("base_dilation") or ones)
-    return [d for d in range(rank)
-            if win[d] == 1 and stride[d] == 1 and pad[d] == (0, 0) and base[d] == 1]
-
-
 def reduce_window_rule(ins, outs, params) -> OpSpace:
     """reduce_window (pooling), select_and_gather_add, and select_and_scatter_add
     (max pooling's transpose: pooled source, operand and operand-shaped
     result): the operands (init values are scalars) and results share the
     dimensions the window leaves alone."""
     rank = len(outs[0])
-    free = _window_free(params, rank)
+    free = window_free_dims(params, rank)
     L = _Labels()
     shared = {d: L.new(outs[0][d]) for d in free}
     def labels(shape):
@@ -522,12 +510,7 @@ def _rules() -> Mapping[str, Rule]:
         "cumlogsumexp": along_axis_rule("axis"),
         "sort": along_axis_rule("dimension"),
         "top_k": top_k_rule,
-        "reduce_window_sum": reduce_window_rule,
-        "reduce_window_max": reduce_window_rule,
-        "reduce_window_min": reduce_window_rule,
-        "reduce_window": reduce_window_rule,
-        "select_and_gather_add": reduce_window_rule,
-        "select_and_scatter_add": reduce_window_rule,
+        **{p: reduce_window_rule for p in WINDOWED},
         "transpose": transpose_rule,
         "broadcast_in_dim": broadcast_rule,
         "reshape": reshape_rule,

@@ -9,7 +9,7 @@ elementwise estimate and the tracer records a warning.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .graph import IDENTITY_MARKERS
 
@@ -93,6 +93,23 @@ def sort_flops(ins, outs, params) -> float:
     dim = params.get("dimension", -1)
     k = ins[0][dim] if ins and ins[0] else 1
     return float(n * max(math.log2(max(k, 2)), 1.0))
+
+
+# window ops: pooling and max pooling's transposes
+WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min",
+                      "reduce_window", "select_and_scatter_add", "select_and_gather_add"})
+
+
+def window_free_dims(params: Mapping[str, Any], rank: int) -> list[int]:
+    """Dimensions a window op leaves alone: window 1, stride 1, no padding or
+    dilation; split there, each device pools its own slice."""
+    ones = (1,) * rank
+    win = tuple(params["window_dimensions"])
+    stride = tuple(params.get("window_strides") or ones)
+    pad = tuple(tuple(p) for p in (params.get("padding") or ((0, 0),) * rank))
+    base = tuple(params.get("base_dilation") or ones)
+    return [d for d in range(rank)
+            if win[d] == 1 and stride[d] == 1 and pad[d] == (0, 0) and base[d] == 1]
 
 
 FLOP_RULES: dict[str, FlopRule] = {

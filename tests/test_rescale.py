@@ -28,6 +28,8 @@ SMALL = {
     "moe": {},
     "moe-groups": {"expert_group_size": 16, "batch": 16},
     "wresnet": {},
+    # (the ImageNet stem's max pooling and its transpose)
+    "wresnet-pool": {"image_size": 64, "layers": 4, "num_stages": 1, "base_width": 4},
 }
 
 

@@ -378,6 +378,8 @@ class _Solver:
                     else:
                         self.same(a, d, outs[0], d)
             self.fixed(outs[0], axis)
+        elif p in flop_rules.WINDOWED:
+            self.window(n)
         elif p == "sort":
             for t in ins[1:] + outs:
                 self.all_same(ins[0], t)
@@ -385,6 +387,23 @@ class _Solver:
             # no rule here: nothing it touches may scale (control flow,
             # random draws, windows, primitives met nowhere yet)
             for t in ins + outs:
+                self.fixed(t)
+
+    def window(self, n: Node) -> None:
+        """Pooling and its transposes: operands (init values are scalars) and
+        results share the dimensions the window leaves alone; the rest keep
+        their size."""
+        rank = self.rank(n.outputs[0])
+        free = set(flop_rules.window_free_dims(dict(n.params), rank))
+        arrays = [t for t in n.inputs + n.outputs if self.rank(t) == rank]
+        for d in range(rank):
+            for t in arrays:
+                if d in free:
+                    self.same(arrays[0], d, t, d)
+                else:
+                    self.fixed(t, d)
+        for t in n.inputs:
+            if self.rank(t) != rank:
                 self.fixed(t)
 
     def all_same(self, a: int, b: int, ones: bool = False) -> None:
