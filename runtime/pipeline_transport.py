@@ -19,6 +19,10 @@ names and shape, the value is first laid out that way on the sender (a local
 slice where the sender holds it replicated too), so that every piece is one
 whole shard of a sender device and the copy moves it as it is.
 :func:`moved_bytes` counts what lands on devices that did not hold it.
+Within one host a put moves the same bytes, except where the sender holds
+not every piece the receiver's layout wants: jax then copies the value
+through host memory, waiting for it; there it crosses in its own layout,
+shard by shard, and is gathered on the receiver (:meth:`SendOnce._local`).
 
 Across processes
 ----------------
@@ -117,10 +121,11 @@ class Transfers:
         mb, m = self.mb, self.m
         if m == 1:
             return [place(x, sh)]
+        # (one put of all the pieces: one dispatch's overhead)
         if not isinstance(x, jax.Array):
             x = np.asarray(x)
-            return [jax.device_put(x[k * mb:(k + 1) * mb], sh) for k in range(m)]
-        return [jax.device_put(piece, sh) for piece in _split_rows(x, m)]
+            return jax.device_put([x[k * mb:(k + 1) * mb] for k in range(m)], sh)
+        return jax.device_put(_split_rows(x, m), sh)
 
     # ---- multi-host ---------------------------------------------------------
     def arguments(self, given: dict[int, Any], placed: dict[tuple[int, int], Any]
@@ -218,21 +223,31 @@ class SendOnce:
         if not isinstance(v, jax.Array) or jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
             return None
         if one_host(v.sharding.device_set | target.device_set):
-            # all links are the host's own: three dispatches where a put
-            # moves the same bytes (as the stage DP prices it inside a host)
-            return None
+            # all links are the host's own: a put moves the same bytes as
+            # three dispatches would (as the stage DP prices it inside a
+            # host), where the sender holds every piece the receiver wants
+            return None if _holds(v.sharding, target, v.shape) else self._local(v, target)
         hop = send_once_hop(target, v.shape)
         if hop is target:
             return None
         cur = v.sharding
         on_sender = None
-        if isinstance(cur, NamedSharding) and tuple(cur.mesh.axis_names) == \
-                tuple(hop.mesh.axis_names) and cur.mesh.devices.shape == hop.mesh.devices.shape:
+        if isinstance(cur, NamedSharding) and same_shape(cur.mesh, hop.mesh):
             # each piece one whole shard of a sender device: copied as it is
             there = NamedSharding(cur.mesh, hop.spec)
             if not cur.is_equivalent_to(there, v.ndim):
                 on_sender = self.gather_to(there)
         return on_sender, hop, self.gather_to(target)
+
+    def _local(self, v: jax.Array, target: NamedSharding) -> tuple | None:
+        """[one host] where a put would copy ``v`` through host memory (and
+        wait for it): it crosses in its own layout onto the receiver's mesh
+        of the same shape, shard by shard, and is gathered there."""
+        cur = v.sharding
+        if not isinstance(cur, NamedSharding) or not same_shape(cur.mesh, target.mesh):
+            return None
+        hop = NamedSharding(target.mesh, cur.spec, memory_kind=target.memory_kind)
+        return None, hop, self.gather_to(target)
 
     def gather_to(self, sharding: NamedSharding) -> Any:
         """A jitted identity onto ``sharding``: XLA's resharding collectives
@@ -241,6 +256,19 @@ class SendOnce:
         if fn is None:
             fn = self._gathers[sharding] = jax.jit(_identity, out_shardings=sharding)
         return fn
+
+
+def _holds(src: Any, dst: Any, shape: Sequence[int]) -> bool:
+    """Does some device of ``src`` hold each piece a device of ``dst`` wants
+    (so that a put copies whole shards, device to device)?"""
+    shape = tuple(shape)
+    had = {tuple(_box(i, shape)) for i in src.devices_indices_map(shape).values()}
+    return all(tuple(_box(i, shape)) in had for i in dst.devices_indices_map(shape).values())
+
+
+def same_shape(a: Mesh, b: Mesh) -> bool:
+    """Meshes of the same axis names and shape (a spec of one fits the other)."""
+    return tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape
 
 
 def one_host(devices: Any) -> bool:
@@ -346,8 +374,7 @@ def same_mesh(a: Mesh, b: Mesh) -> bool:
     """The same devices in the same grid with the same axis names."""
     if a is b:
         return True
-    return (tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape
-            and all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat)))
+    return same_shape(a, b) and all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat))
 
 
 def stage_processes(meshes: Sequence[Mesh]) -> list[int]:
@@ -470,8 +497,7 @@ class StageTransport:
         have one shape and axis names; else one device of each, the value
         whole."""
         a, b = self.meshes[r], self.meshes[s]
-        if a.devices.shape == b.devices.shape and tuple(a.axis_names) == tuple(b.axis_names) \
-                and same_mesh(target.mesh, b):
+        if same_shape(a, b) and same_mesh(target.mesh, b):
             spec = tuple(target.spec) + (None,) * (len(shape) - len(target.spec))
             hop = send_once_hop(NamedSharding(b, PartitionSpec(*spec)), shape)
             return a, b, PartitionSpec(*hop.spec)
