@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..contributions import summing_adds
 from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, Graph,
                      GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, strip_markers)
 
@@ -298,11 +299,17 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     # gradient of a layer's output converted back to its input's dtype) runs
     # in that layer: the narrower value crosses, and the layer above stays
     # identical to the other blocks.
+    # (Not a contribution to a gradient summed from several layers: that sum
+    # runs once a step, so the wide value crosses once a step, and the
+    # contribution is summed over the micro-batches at full width where it
+    # is made: meshplan.contributions.)
     end = min((n.id for n in graph.nodes if n.primitive == GRAD_BOUNDARY), default=len(layer))
+    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], GRAD_BOUNDARY)
     for nid in sorted((x for x in loose if x < end), reverse=True):
         n = graph.nodes[nid]
         if (n.primitive != "convert_element_type" or len(n.inputs) != 1 or len(n.outputs) != 1
-                or graph.tensors[n.outputs[0]].nbytes <= graph.tensors[n.inputs[0]].nbytes):
+                or graph.tensors[n.outputs[0]].nbytes <= graph.tensors[n.inputs[0]].nbytes
+                or all(c in sums for c in graph.consumers.get(n.outputs[0], ()))):
             continue
         users = {layer[c] for t in n.outputs for c in graph.consumers.get(t, ())
                  if graph.nodes[c].primitive not in IDENTITY_MARKERS}
@@ -452,6 +459,9 @@ def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[
     parameter's layer.  A bias gradient sums the gradient arriving from the
     layer above and reads no activation, so the operand rule would place it
     (and the Adam moments updated from it) one layer too high."""
+    # (a sum of several uses' contributions moves, each contribution stays
+    # with its use: meshplan.contributions sums them once a step)
+    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], marker.primitive)
     for g, o, p in zip(marker.inputs, marker.outputs, gradient_parameters(graph, marker)):
         if p is None or p not in tensor_layer:
             continue
@@ -470,7 +480,11 @@ def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[
             layer[q] = lp
             for t in graph.nodes[q].outputs:
                 tensor_layer[t] = lp
-            stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs)
+            if q not in sums:
+                stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs)
+            else:
+                stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs
+                             if graph.producer.get(t) in sums)
 
 
 def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cluster import ClusterSpec
+from ..contributions import once_a_step
 from ..cost_model import default_axis_names
 from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
@@ -161,7 +162,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     return LayerProblems(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
         fwd_flops=fwd_flops,
-        grads=frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs),
+        grads=_gradients(g, layering),
         saved=saved,
         crossing=crossing_values(g, layering, subs, view),
         entering=entering_values(g, layering, subs, view),
@@ -245,3 +246,13 @@ def stage_meshes(cluster: ClusterSpec, sub: Submesh, fixed, data_only: bool = Fa
         meshes = within_host(meshes, sub.hosts, sub.devices_per_host)
     return meshes
 
+
+def _gradients(g: Graph, layering: Layering) -> frozenset[int]:
+    """What the layer ILPs may sum over the micro-batches and reduce once a
+    step: the parameter gradients, and the contributions of several layers
+    to one gradient, which the runtime sums once a step
+    (:mod:`meshplan.contributions`)."""
+    marked = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    _, contributions = once_a_step([(n.primitive, n.inputs, n.outputs) for n in g.nodes],
+                                   layering.layer_of_node, GRAD_BOUNDARY)
+    return marked | contributions

@@ -176,7 +176,8 @@ class LayerSolver:
         o = self.options
         base = (self._built.get(self._key(sub, mesh, submesh, grad_accum)) if tighten > 1
                 else None)
-        used = frozenset(t for n in sub.nodes for t in n.inputs) & grads
+        # (a gradient, or a contribution to one the layer sends on)
+        used = frozenset(t for n in sub.nodes for t in n.inputs + n.outputs) & grads
         filt = o.input_filter
         if isinstance(filt, str):       # "model", or "model+sequence" (sequence parallel)
             mode, _, seq = filt.partition("+")

@@ -66,6 +66,7 @@ from typing import Any, Sequence
 
 import jax
 
+from meshplan.contributions import once_a_step
 from meshplan.errors import MeshplanError, StalePlanError
 from meshplan.recompute import FULL, NONE, recompute_name
 from meshplan.schedule import group_order
@@ -145,18 +146,24 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     cut the backwards into B and W (see the module doc)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
-    phase = _phases(flat.eqns, flow, forward)
+    # a gradient summed from several layers' contributions: summed once a step
+    once, _ = once_a_step([(fe.eqn.primitive.name, [x for x in fe.invars if isinstance(x, int)],
+                            fe.outvars) for fe in flat.eqns], layer_of_node, GRAD_BOUNDARY)
+    phase = _phases(flat.eqns, flow, forward, once)
     drawn = {k: (d, tuple(full)) for k, d, full in draws
              if num_micro_batches > 1 and phase[k] in ("F", "B")}
     for k in drawn:
         phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
-    tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn)
+    tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn, flow.alias)
     _draw_keys(tasks, flat, flow)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
+    for o, i in flow.alias.items():      # (a gradient an update program sums)
+        if producer.get(i, ("",))[0] == "A":
+            needed_by[i].update(needed_by.get(o, ()))
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective)
-    deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing)
+    deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     if zero_bubble:
         _split_weight_gradients(tasks, flat.eqns, producer, needed_by, flow.const_ids)
@@ -238,10 +245,13 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) ->
     return _Flow(producer_eqn, const_ids, is_const, bdep, after, markers, alias, batch_ids)
 
 
-def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool]) -> list[str]:
+def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
+            once: frozenset[int] = frozenset()) -> list[str]:
     """The phase of every equation (see the module doc): the C phase holds
     the ancestors of the gradients and of everything batch-dependent that
-    does not come after the gradients."""
+    does not come after the gradients.  ``once``: sums of gradient
+    contributions (:func:`meshplan.contributions.once_a_step`), run in the
+    update; their operands are the C phase's results instead."""
     n = len(eqns)
     markers, after = flow.markers, flow.after
     need: set[int] = set()
@@ -256,6 +266,9 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool]) -> li
         fe = eqns[k]
         if k in markers or flow.is_const[k]:
             continue
+        if k in once:
+            need.update(x for x in fe.invars if isinstance(x, int))
+            continue
         if any(o in need for o in fe.outvars):
             if any(o in after for o in fe.outvars):
                 raise MeshplanError(
@@ -269,7 +282,7 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool]) -> li
             phase.append("M")
         elif flow.is_const[k]:
             phase.append("K")
-        elif in_c[k]:
+        elif in_c[k] and k not in once:
             phase.append("F" if forward[k] else "B")
         else:
             phase.append("A")
@@ -306,16 +319,24 @@ def _keep_pipeline(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[in
 
 
 def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
-           producer_eqn: dict[int, int]) -> tuple[dict[tuple, Task], dict[int, tuple]]:
+           producer_eqn: dict[int, int], alias: dict[int, int] | None = None
+           ) -> tuple[dict[tuple, Task], dict[int, tuple]]:
     """(tasks, id -> key of the task making it).  Apply levels: a stage's
     update work is cut where it needs a value computed by another stage's
-    update work."""
+    update work, or a gradient an update program sums (the update reads the
+    marker's output, which the driver finds under the marker's input)."""
     level_of_id: dict[int, int] = {}
     tasks: dict[tuple, Task] = {}
     producer: dict[int, tuple] = {}
     for k, fe in enumerate(eqns):
         ph, s = phase[k], eqn_stage[k]
-        if ph in ("K", "M"):
+        if ph == "M":
+            for o in fe.outvars:
+                i = (alias or {}).get(o)
+                if i in level_of_id:
+                    level_of_id[o] = level_of_id[i] + 1
+            continue
+        if ph == "K":
             continue
         if ph == "A":
             lvl = 0
@@ -462,12 +483,13 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
 
 
 def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[int, tuple],
-                      needed_by: dict[int, set[tuple]], crossing: dict[int, str]
-                      ) -> dict[tuple, set[tuple]]:
+                      needed_by: dict[int, set[tuple]], crossing: dict[int, str],
+                      alias: dict[int, int] | None = None) -> dict[tuple, set[tuple]]:
     """Set every task's outputs and running sums; returns, per C task, the C
     tasks it reads from (within one micro-batch)."""
     eqns = flat.eqns
     out_ids = [x for x in flat.outvars if isinstance(x, int)]
+    out_ids += [(alias or {})[x] for x in out_ids if x in (alias or {})]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
         if key[0] == "R":       # the draws alone (their keys are the others' own)

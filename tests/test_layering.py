@@ -22,6 +22,7 @@ LAYER_OF = {
     "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
     "alternatives": "types",    # what --explain records in a plan
     "recompute": "types",       # the recomputation choices and the selective region
+    "contributions": "types",   # gradient sums run once a step (planner and runtime)
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
     "layout_moves": "types",    # where mesh axes go in a resharding (cost model and runtime)
@@ -209,7 +210,9 @@ RUNTIME_ALLOWED = {"meshplan.plan", "meshplan.graph", "meshplan.traced", "meshpl
            # whether a move gathers the tensor whole: priced and run the same way
            "meshplan.layout_moves",
            # what a selective stage replays: defined once for planner and runtime
-           "meshplan.recompute"}
+           "meshplan.recompute",
+           # which gradient sums run once a step: the same for planner and runtime
+           "meshplan.contributions"}
 
 
 def _meshplan_imports(path: pathlib.Path):

@@ -469,3 +469,26 @@ def test_one_stage_with_micro_batches_accumulates_gradients_as_planned():
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-3 * max(np.linalg.norm(b), 1)
+
+
+def test_a_tied_embedding_gradient_is_summed_once_a_step():
+    # gpt ties its output projection to the token embedding: the gradient is
+    # the sum of the lookup's contribution (first stage) and the projection's
+    # (last stage).  Each stage sums its own over the micro-batches and the
+    # update adds the two once a step (meshplan.contributions), so no
+    # backward sends a (vocab, hidden) value to another every micro-batch.
+    plan = _plan("gpt", 4, 1, 2, 4, "1f1b")
+    step, state, losses = _run("gpt", plan)
+    ex = step._fast[1]
+    split, flat = ex.split, ex.flat
+    vocab, hidden = int(CONFIGS["gpt"]["vocab"]), int(CONFIGS["gpt"]["hidden"])
+    shape = lambda x: tuple(getattr(flat.avals.get(x), "shape", ()))  # noqa: E731
+    sums = [k for k, fe in enumerate(flat.eqns) if fe.eqn.primitive.name == "add_any"
+            and shape(fe.outvars[0]) == (vocab, hidden)]
+    assert sums and all(split.eqn_phase[k] == "A" for k in sums)
+    for key, t in split.tasks.items():
+        if key[0] in ("F", "B"):
+            assert not any(shape(x) == (vocab, hidden) for x in t.outputs), t.name()
+    last = split.tasks[("B", len(plan.stages) - 1)]
+    assert any(shape(x) == (vocab, hidden) for x in last.accumulate)
+    _assert_close(state, losses, "gpt")
