@@ -1,7 +1,5 @@
 """Gradients summed from several layers' contributions are summed once a step
 (meshplan.contributions): the definition, the plan's charge and the run."""
-import pytest
-
 from meshplan.contributions import once_a_step, summing_adds
 
 M = "marker"
