@@ -24,8 +24,12 @@ so that a stage whose backward reduces its gradients itself (as before) can
 sit beside one that keeps partial sums.  A stage does that where its
 backward's equations differ between the two traces (jax traces some
 operations otherwise at a batch of one), or an output is not cut along the
-batch (e.g. a tied weight's gradient sent to another stage); running sums
-made by a forward program are reduced there, as before.
+batch (a whole value sent to another backward); running sums made by a
+forward program are reduced there, as before.  An input the plan lays out
+whole over the data axes is cut where it enters (a local slice), and a
+running sum the plan cuts over them is kept whole per data shard like the
+others and cut once a step by the means program: the communication the plan
+charges, with more memory than it counts for that sum.
 :func:`partial_sums` gives None when no stage qualifies, or for one
 micro-batch, no common data axes, or a batch that does not divide.
 """
@@ -161,18 +165,17 @@ def _task_dims(t: Task, big: FlatJaxpr, flat: FlatJaxpr, d: int, eqn_ids: Sequen
 def _data_parallel(t: Task, dims: Mapping[int, int], axes: Sequence[str],
                    layout: Callable[[int], NamedSharding | None]) -> bool:
     """Does the plan run backward ``t`` data-parallel over ``axes``: every
-    value cut along the batch planned cut over them there, and no running
-    sum planned cut over them (its partial sums would outgrow the plan)?"""
+    value cut along the batch planned cut over them there (an input planned
+    whole is cut where it enters: a local slice)?  (A running sum planned
+    cut over them is kept whole per data shard, like the others, and cut
+    once a step where the means program reduces it.)"""
     for x, d in dims.items():
         sh = layout(x)
         entry = tuple(sh.spec)[d] if sh is not None and d < len(sh.spec) else None
         got = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if got[:len(axes)] != tuple(axes):
-            return False
-    for x in t.accumulate:
-        sh = layout(x)
-        if sh is not None and any(a in (e if isinstance(e, (list, tuple)) else (e,))
-                                  for e in sh.spec for a in axes):
+        whole = sh is not None and not any(
+            a in (e if isinstance(e, (list, tuple)) else (e,)) for e in sh.spec for a in axes)
+        if got[:len(axes)] != tuple(axes) and not (x in t.inputs and whole):
             return False
     return True
 

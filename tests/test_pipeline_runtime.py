@@ -477,7 +477,7 @@ def test_a_tied_embedding_gradient_is_summed_once_a_step():
     # (last stage).  Each stage sums its own over the micro-batches and the
     # update adds the two once a step (meshplan.contributions), so no
     # backward sends a (vocab, hidden) value to another every micro-batch.
-    plan = _plan("gpt", 4, 1, 2, 4, "1f1b")
+    plan = _plan("gpt", 4, 1, 2, 2, "1f1b")
     step, state, losses = _run("gpt", plan)
     ex = step._fast[1]
     split, flat = ex.split, ex.flat

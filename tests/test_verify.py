@@ -72,3 +72,16 @@ def test_pipeline_rows_compare_each_stage():
         assert r.predicted_comm_bytes > 0
         assert abs(r.comm_rel_error) <= 0.01, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
     assert "| mlp | 4x(2x1) mb2 gpipe | 3 |" in pipeline_table(rows)
+
+
+def test_a_tied_embedding_gradient_is_reduced_once_a_step_at_the_last_stage():
+    # gpt's output projection is its token embedding: the last stage sums its
+    # contribution to that gradient over the micro-batches (planned cut over
+    # the data axis, kept whole per data shard) and reduces it once a step,
+    # as the plan charges (meshplan.contributions, runtime.pipeline_partial)
+    from meshplan.tools.verify import verify_pipeline
+
+    rows = verify_pipeline("gpt", 2, 1, 4, 2, "gpipe")
+    last = rows[-1]
+    assert last.predicted_comm_bytes > 0
+    assert abs(last.comm_rel_error) <= 0.01, (last.predicted_comm_bytes, last.actual_by_kind)
