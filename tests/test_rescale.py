@@ -27,10 +27,15 @@ SMALL = {
     "gpt-bf16": {"compute_dtype": "bfloat16"},
     "moe": {},
     "moe-groups": {"expert_group_size": 16, "batch": 16},
+    # (expert groups of two sequences, as the Alpa presets' 2048 tokens of
+    # 1024: a reshape splits the batch in two)
+    "moe-pairs": {"expert_group_size": 64, "batch": 32},
     "wresnet": {},
     # (the ImageNet stem's max pooling and its transpose)
     "wresnet-pool": {"image_size": 64, "layers": 4, "num_stages": 1, "base_width": 4},
 }
+# the factor a reshape splits the batch by (1 where none does)
+SPLIT = {"moe-pairs": 2}
 
 
 def _traced(step, args, batch_argnums=(1,), name="step"):
@@ -64,8 +69,23 @@ def test_rewritten_graph_equals_a_trace_for_built_in_models(label):
     rewritten, traced, _ = r.counts()
     assert traced >= 1 and rewritten + traced == len(counts)
     # the first count is the probe; after it, every count whose micro-batch
-    # keeps more than one example is rewritten
-    assert rewritten == sum(1 for b in counts[1:] if batch // b > 1), r.dims
+    # keeps more than one example (two or more groups of them where the
+    # batch is split) is rewritten
+    g = SPLIT.get(label, 1)
+    assert r.dims.groups == ((g,) if g > 1 else ()), r.dims
+    assert rewritten == sum(1 for b in counts[1:] if (batch // b) % g == 0
+                            and batch // b // g > 1), r.dims
+    if g > 1:
+        assert rewritten >= 1
+
+
+def test_the_moe_presets_are_rewritten():
+    # expert groups of 2048 tokens, two sequences of 1024: at 2 micro-batches
+    # the probe, then rewritten
+    m = build_model("moe-380m")
+    t, real = _traced(m.train_step, m.abstract_args, m.batch_argnums, "moe-380m")
+    r = _check_all_counts(t, real, (2, 4, 8))
+    assert r.counts()[:2] == (2, 1) and r.dims.groups == (2,), r
 
 
 FUZZ = settings(max_examples=8, deadline=None, derandomize=True, database=None,
@@ -81,16 +101,16 @@ def test_rewritten_graph_equals_a_trace_for_fuzzed_models(desc, batch):
     _check_all_counts(t, real, [b for b in (2, 3, 4, 6, 12) if batch % b == 0])
 
 
-def _small_batch_step(body):
+def _small_batch_step(body, x=(16, 8)):
     def step(w, x):
         loss, g = meshplan.value_and_grad(lambda w: body(w, x))(w)
         return w - 0.1 * g, {"loss": loss}
-    return step, (jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                  jax.ShapeDtypeStruct((16, 8), jnp.float32))
+    return step, (jax.ShapeDtypeStruct((x[-1], x[-1]), jnp.float32),
+                  jax.ShapeDtypeStruct(x, jnp.float32))
 
 
-def _all_traced(body, counts=(2, 4, 8)) -> str:
-    step, args = _small_batch_step(body)
+def _all_traced(body, counts=(2, 4, 8), x=(16, 8)) -> str:
+    step, args = _small_batch_step(body, x)
     t, real = _traced(step, args)
     r = _check_all_counts(t, real, counts)
     assert r.counts()[0] == 0, r
@@ -98,8 +118,42 @@ def _all_traced(body, counts=(2, 4, 8)) -> str:
 
 
 def test_a_reshape_that_splits_the_batch_is_traced():
-    why = _all_traced(lambda w, x: jnp.sum((x.reshape(2, -1, 8) @ w) ** 2))
+    # 16 x 6 -> 3 x 32: no dimension holds two or more batch indices
+    why = _all_traced(lambda w, x: jnp.sum((x @ w) ** 2) + jnp.sum(x.reshape(3, -1) ** 2),
+                      x=(16, 6))
     assert "splits the batch" in why
+    # 16 x 8 -> 4 x 4 x 8: read as 4 groups of 4 examples, but the step
+    # keeps 4 chunks whatever the batch; the probe tells them apart
+    why = _all_traced(lambda w, x: jnp.sum((x.reshape(4, -1, 8) @ w) ** 2))
+    assert "differs from the trace" in why
+
+
+def _pairs(w, x):
+    """Two examples to a row and back, as MoE expert groups of two sequences."""
+    b, s, h = x.shape
+    y = jnp.tanh(x.reshape(b // 2, 2 * s, h) @ w)
+    return jnp.sum((y.reshape(b, s, h) * x) ** 2)
+
+
+def test_a_reshape_that_groups_examples_in_pairs_is_rewritten():
+    step, args = _small_batch_step(_pairs, x=(12, 4, 8))
+    t, real = _traced(step, args)
+    # 6 examples a micro-batch (the probe), 4 (rewritten), 3 (odd: the trace
+    # fails, as must the count), 2 (one pair: traced)
+    r = _check_all_counts(t, real, (2, 3, 4, 6))
+    assert [(B, how) for B, how, _ in r.log] == [(2, "traced"), (3, "rewritten"), (6, "traced")]
+    assert r.dims.groups == (2,), r.dims
+    assert rescale_batch(t.graph, 4, r.dims) is None      # (3 examples: no whole pairs)
+
+
+def test_a_probe_too_fine_for_the_pairs_is_taken_again():
+    # the search's order, the most micro-batches first: the probe of one
+    # pair cannot check the rewrite, the next count that fits probes again
+    step, args = _small_batch_step(_pairs, x=(16, 4, 8))
+    t, real = _traced(step, args)
+    r = _check_all_counts(t, real, (8, 4, 2))
+    assert [(B, how) for B, how, _ in r.log] == [(8, "traced"), (4, "traced"),
+                                                 (2, "rewritten")], r
 
 
 def test_python_branching_on_the_batch_size_is_caught_by_the_probe():

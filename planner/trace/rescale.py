@@ -17,6 +17,13 @@ rule cannot follow, a made dimension linked to nothing, a dimension that
 would shrink to 1, where jax's own tracing special-cases shapes) means "not
 provably exact": :func:`rescale_batch` returns None and the caller traces.
 
+A reshape may split the batch index ``b = q * g + r`` so that one dimension
+holds ``q`` (``batch / g`` values) and the remainder ``r`` goes with the
+dimensions minor to it (MoE expert groups spanning ``g`` sequences); the
+merge back is a reshape too.  Such a dimension is rewritten only at
+micro-batch sizes that ``g`` divides into more than one ``q`` (other counts
+are traced).
+
 :class:`Rescaling` is what the search calls: it traces the first count asked
 for (the probe), which settles the dimensions linked to nothing (a broadcast
 of zeros no operator reads) and which the rewrite must reproduce exactly, so
@@ -32,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .. import flops as flop_rules
 from ..graph import BATCH, IDENTITY_MARKERS, INTERMEDIATE, Graph, Node, Tensor
@@ -40,11 +47,13 @@ from .tracer import _with_fingerprint
 
 __all__ = ["Rescaling", "BatchDims", "batch_dims", "rescale_batch", "graph_difference"]
 
-# dimension labels: FIXED (never scales), or a scaled label ``(outer, inner)``:
-# the dimension is ``outer * batch * inner`` elements, the batch index major
-# to ``inner`` (UNKNOWN_SPLIT: only the size is known)
+# dimension labels: FIXED (never scales), or a scaled label ``(outer, inner, g)``:
+# the dimension is ``outer * (batch // g) * inner`` elements, the batch index
+# divided by ``g`` major to ``inner`` (the remainder is minor to it, in
+# ``inner`` or later dimensions; ``(None, None, g)``: only the size is known,
+# UNKNOWN_SPLIT where two layouts met)
 FIXED = "fixed"
-UNKNOWN_SPLIT = (None, None)
+UNKNOWN_SPLIT = (None, None, 1)
 # one output per operand, of the operand's shape
 _IDENTITIES = IDENTITY_MARKERS | {"optimization_barrier"}
 _UNARY_SAME = frozenset({"stop_gradient", "copy", "copy_p", "cumsum", "cumprod", "cummax",
@@ -55,6 +64,16 @@ _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "r
 
 class _Ambiguous(Exception):
     """The rewrite cannot be proven exact: trace instead."""
+
+
+class _Unfit(_Ambiguous):
+    """The probe's micro-batches are too few for the batch's ``groups``:
+    nothing to check the rewrite against (a probe at another count may)."""
+
+    def __init__(self, micro: int, groups: tuple[int, ...]) -> None:
+        super().__init__(f"the probe's micro-batches of {micro} do not split into two or more "
+                         f"groups of {list(groups)}")
+        self.groups = groups
 
 
 class Rescaling:
@@ -73,19 +92,26 @@ class Rescaling:
         self.probe: tuple[int, Graph] | None = None
         self.dims: BatchDims | None = None          # after the probe, once a second count comes
         self.log: list[tuple[int, str, float]] = []
+        # (what a probe must fit: the groups a reshape splits the batch into)
+        self.split = BatchDims(0)
 
     def __call__(self, B: int) -> Graph:
         t0 = time.perf_counter()
+        batch = _batch_size(self.graph)
         if self.dims is None and self.probe is not None:
             # (analysed only when a second count comes: one count, as a
             # Manual plan asks, is the probe alone)
             self.dims = batch_dims(self.graph, probe=self.probe)
+            if self.dims.why and not self.dims.fits(batch // self.probe[0]):
+                # the probe's micro-batches are too few for the batch's
+                # groups: a later count that fits them probes again
+                self.split, self.dims, self.probe = self.dims, None, None
         g = rescale_batch(self.graph, B, self.dims) if self.dims is not None else None
         how = "rewritten"
         if g is None:
             how = "traced"
             g = self.trace(B)
-            if self.probe is None and _batch_size(self.graph) // B > 1:
+            if self.probe is None and batch and self.split.fits(batch // B):
                 # (a probe with micro-batches of one would settle nothing:
                 # jax leaves out broadcasts to shapes of ones)
                 self.probe = (B, g)
@@ -101,22 +127,32 @@ class Rescaling:
 
     def __repr__(self) -> str:
         r, t, _ = self.counts()
-        why = f", not rewritable: {self.dims.why}" if self.dims is not None and self.dims.why else ""
+        dims = self.dims or self.split      # (the last probe's, where one was too fine)
+        why = f", not rewritable: {dims.why}" if dims.why else ""
         return f"Rescaling({self.graph.name}: {r} rewritten, {t} traced{why})"
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchDims:
     """Which dimensions of a Graph scale with its batch: per tensor, per
-    dimension, None (fixed) or ``(outer, inner)`` (see the module doc); or
-    ``why`` the Graph cannot be rewritten."""
+    dimension, None (fixed) or ``(outer, inner, g)`` (see the labels above);
+    or ``why`` the Graph cannot be rewritten.  ``groups``: the factors ``g``
+    above 1 that a reshape splits the batch by (known even with ``why``
+    where the analysis got that far)."""
     batch: int
-    scaled: tuple[tuple[tuple[int, int] | None, ...], ...] = ()
+    scaled: tuple[tuple[tuple[int, int, int] | None, ...], ...] = ()
     why: str = ""
+    groups: tuple[int, ...] = ()
+
+    def fits(self, micro: int) -> bool:
+        """Whether micro-batches of ``micro`` examples may be rewritten: more
+        than one, and two or more of every group."""
+        return micro > 1 and all(micro % g == 0 and micro // g > 1 for g in self.groups)
 
     def __repr__(self) -> str:
         n = sum(d is not None for dims in self.scaled for d in dims)
-        return (f"BatchDims(batch={self.batch}, {n} scaled dimensions)" if not self.why
+        split = f", the batch split by {list(self.groups)}" if self.groups else ""
+        return (f"BatchDims(batch={self.batch}, {n} scaled dimensions{split})" if not self.why
                 else f"BatchDims(batch={self.batch}, not rewritable: {self.why})")
 
 
@@ -129,15 +165,25 @@ def batch_dims(graph: Graph, probe: tuple[int, Graph] | None = None) -> BatchDim
     if not batch:
         return BatchDims(0, why="no single batch size")
     try:
-        dims = BatchDims(batch, _Solver(graph, batch).solve(probe))
+        scaled = _Solver(graph, batch).solve(probe)
+        dims = BatchDims(batch, scaled, groups=_groups(d for dims in scaled for d in dims))
         if probe is not None:
             B, traced = probe
+            if not dims.fits(batch // B):
+                raise _Unfit(batch // B, dims.groups)
             why = graph_difference(_rewrite(graph, dims, batch // B), traced)
             if why:
                 raise _Ambiguous(f"the rewrite at {B} micro-batches differs from the trace: {why}")
         return dims
+    except _Unfit as e:
+        return BatchDims(batch, why=str(e), groups=e.groups)
     except _Ambiguous as e:
         return BatchDims(batch, why=str(e))
+
+
+def _groups(labels: Iterable[Any]) -> tuple[int, ...]:
+    """The factors above 1 that ``labels`` split the batch by."""
+    return tuple(sorted({d[2] for d in labels if isinstance(d, tuple) and d[2] > 1}))
 
 
 def _batch_size(graph: Graph) -> int:
@@ -243,18 +289,23 @@ class _Solver:
 
     # ---- the constraints ---------------------------------------------------
     def solve(self, probe: tuple[int, Graph] | None
-              ) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
+              ) -> tuple[tuple[tuple[int, int, int] | None, ...], ...]:
         g = self.g
         for t in g.tensors:
             if t.kind != INTERMEDIATE:
                 self.fixed(t.id)
         for i in g.inputs:
             if i.role == BATCH and g.tensors[i.tensor].shape:
-                self.label[self.find(self.var(i.tensor, 0))] = (1, 1)
+                self.label[self.find(self.var(i.tensor, 0))] = (1, 1, 1)
         for n in g.nodes:
             self.node(n)
         self.settle()
         if probe is not None:
+            # (a probe too fine for a split of the batch may trace to other
+            # operators: say so before comparing)
+            groups = _groups(self.label[r] for r in range(len(self.label)) if self.parent[r] == r)
+            if not BatchDims(self.batch, groups=groups).fits(self.batch // probe[0]):
+                raise _Unfit(self.batch // probe[0], groups)
             self.from_probe(*probe)
             self.settle()
         out = []
@@ -280,7 +331,8 @@ class _Solver:
     def from_probe(self, B: int, traced: Graph) -> None:
         """Settle the dimensions still free by ``traced`` (the step at ``B``
         micro-batches): one that kept its size is fixed; one divided by ``B``
-        scales if nothing reads it; anything else, or other operators, is
+        scales if nothing reads it (by the size alone: at micro-batch sizes
+        that make it a whole number); anything else, or other operators, is
         not rewritable."""
         g = self.g
         if len(traced.tensors) != len(g.tensors) or len(traced.nodes) != len(g.nodes) or any(
@@ -303,9 +355,11 @@ class _Solver:
             size = self.size[r]
             if probe_sizes == {size}:
                 self.label[r] = FIXED
-            elif probe_sizes == {size // B} and size % self.batch == 0 and r not in read:
-                # (a value nothing reads: a broadcast of zeros jax made and dropped)
-                self.label[r] = UNKNOWN_SPLIT
+            elif size % B == 0 and probe_sizes == {size // B} and r not in read:
+                # (a value nothing reads: a broadcast of zeros jax made and
+                # dropped; size * micro / batch elements, so micro-batches
+                # must be a multiple of what that fraction's denominator is)
+                self.label[r] = (None, None, self.batch // math.gcd(self.batch, size))
             else:
                 raise _Ambiguous(f"a dimension of {size} elements made by the step is "
                                  f"{sorted(probe_sizes)} with {B} micro-batches and tied to no "
@@ -499,8 +553,10 @@ class _Solver:
     def reshape(self, n: Node) -> bool:
         """Pass a scaled dimension through a reshape (either way); True if
         any label changed.  The batch index keeps its place in the row-major
-        order: with ``outer`` elements major to it and ``inner`` minor on one
-        side, the other side's dimension that holds it has the same."""
+        order: with ``outer`` elements major to it and ``minor`` minor on one
+        side, the other side's dimension that holds it is the one whose
+        major dimensions fit in ``outer`` (see :func:`_holder`); nothing
+        else scales on either side."""
         a, b = n.inputs[0], n.outputs[0]
         sa, sb = self.scaled_dims(a), self.scaled_dims(b)
         if len(sa) > 1 or len(sb) > 1:
@@ -509,16 +565,16 @@ class _Solver:
             return False
         src, dst, k = (a, b, sa[0]) if sa else (b, a, sb[0])
         shape_src, shape_dst = self.g.tensors[src].shape, self.g.tensors[dst].shape
-        o, i = self.label[self.find(self.var(src, k))]
+        o, i, g = self.label[self.find(self.var(src, k))]
         if o is None:
             raise _Ambiguous("a reshape of a batch dimension of unknown layout")
         outer = math.prod(shape_src[:k]) * o
-        inner = i * math.prod(shape_src[k + 1:])
-        j = _holder(shape_dst, outer, self.batch, inner)
-        if j is None:
+        minor = i * math.prod(shape_src[k + 1:])
+        held = _holder(shape_dst, outer, minor, self.batch, g)
+        if held is None:
             raise _Ambiguous(f"a reshape {shape_src} -> {shape_dst} splits the batch")
-        o2, i2 = outer // math.prod(shape_dst[:j]), inner // math.prod(shape_dst[j + 1:])
-        changed = self.set(self.var(dst, j), (o2, i2))
+        j, label = held
+        changed = self.set(self.var(dst, j), label)
         for t, keep in ((src, k), (dst, j)):
             for d in range(self.rank(t)):
                 if d != keep:
@@ -537,18 +593,37 @@ def _merge(x: Any, y: Any, size: int) -> Any:
         return x
     if x == FIXED or y == FIXED:
         raise _Ambiguous(f"a dimension of {size} elements both scales with the batch and does not")
+    if x[2] != 1 or y[2] != 1:
+        # (UNKNOWN_SPLIT would drop the micro-batch sizes its groups need)
+        raise _Ambiguous(f"a dimension of {size} elements holds a split batch in two layouts")
     return UNKNOWN_SPLIT        # (two layouts of the same size)
 
 
-def _holder(shape: tuple[int, ...], outer: int, batch: int, inner: int) -> int | None:
-    """The dimension of ``shape`` that holds the batch index with ``outer``
-    elements major and ``inner`` minor to it (at most one can: the products
-    grow), or None if the batch is split over dimensions."""
+def _holder(shape: tuple[int, ...], outer: int, minor: int, batch: int, g: int
+            ) -> tuple[int, tuple[int, int, int]] | None:
+    """The dimension of ``shape`` that holds the batch index of the row-major
+    layout ``[outer][batch // g][minor]``, and its label; None if none does.
+
+    It is the one whose major dimensions fit in ``outer``; it holds the
+    batch index divided by the least further factor ``g2`` that lets the
+    dimensions minor to it fit in ``g2 * minor`` (1 where they fit in
+    ``minor``), which must divide the batch and leave at least two values.
+    At most one dimension can: it has at least ``2 * outer / before``
+    elements, so the next ``before`` no longer divides ``outer``."""
     for j, size in enumerate(shape):
         before, after = math.prod(shape[:j]), math.prod(shape[j + 1:])
-        if outer % before == 0 and inner % after == 0 \
-                and size == (outer // before) * batch * (inner // after):
-            return j
+        if outer % before:
+            break
+        g2 = after // math.gcd(after, minor)
+        if (batch // g) % g2 or batch // (g * g2) < 2:
+            continue
+        o, i, split = outer // before, g2 * minor // after, g * g2
+        # (a remainder merged back: the batch index whole again, as the
+        # dimension it was split from)
+        common = math.gcd(split, i)
+        i, split = i // common, split // common
+        if size == o * (batch // split) * i:
+            return j, (o, i, split)
     return None
 
 
@@ -572,10 +647,13 @@ def _rewrite(graph: Graph, dims: BatchDims, micro: int) -> Graph:
         for d, s in zip(t.shape, scaled):
             if s is None:
                 shape.append(d)
-            elif s == UNKNOWN_SPLIT:
-                shape.append(d // dims.batch * micro)
             else:
-                shape.append(s[0] * micro * s[1])
+                o, i, g = s
+                if micro % g or (g > 1 and micro // g < 2):
+                    raise _Ambiguous(f"micro-batches of {micro} do not split into two or more "
+                                     f"groups of {g}")
+                # (a layout unknown: only the size, a multiple of batch / g)
+                shape.append(d * micro // dims.batch if o is None else o * (micro // g) * i)
         if any(x <= 1 for x, s in zip(shape, scaled) if s is not None):
             # (jax's tracing special-cases dimensions of 1: broadcasts and
             # reshapes that become identities are left out)
