@@ -231,9 +231,13 @@ def get_cluster(args: argparse.Namespace) -> tuple[Any, str]:
     t = time.perf_counter()
     # the full calibration even with --quick: quick sizes are too small to
     # reach the devices' speed, and the predictions would mean little
-    cluster = calibrate().cluster
+    cal = calibrate()
+    cluster = cal.cluster
     how = (f"calibrated in this run with `meshplan calibrate`'s defaults in "
            f"{time.perf_counter() - t:.0f} s")
+    for w in cal.warnings:      # (a figure taken on a busy host: the table says so)
+        print(f"warning: {w}", file=sys.stderr)
+        how += f"; **calibration warning**: {w}"
     if args.save_cluster:
         pathlib.Path(args.save_cluster).write_text(cluster.to_json() + "\n")
         how += f", saved to `{args.save_cluster}`"

@@ -360,6 +360,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     _write_text(args.out, result.cluster.to_json() + "\n")
     print(result.cluster.describe())
     print(f"cluster written to {args.out}")
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 

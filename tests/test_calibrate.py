@@ -132,3 +132,31 @@ def test_kernel_seconds_take_out_the_dispatch_of_long_calls_only():
     assert C.kernel_seconds(1.5e-3, 0.1e-3) == pytest.approx(1.4e-3)
     # a call under twice the dispatch is mostly fixed cost: kept whole
     assert C.kernel_seconds(0.15e-3, 0.1e-3) == pytest.approx(0.15e-3)
+
+
+def test_a_calibration_that_cannot_trust_its_figures_says_so():
+    assert C.unsteady(1e-3, 1.2e-3) is None and C.unsteady(1.2e-3, 1e-3) is None
+    w = C.unsteady(1e-3, 2.2e-3)
+    assert "1 ms at the start and 2.2 ms at the end" in w and "quiet machine" in w
+    assert C.unsteady(2.2e-3, 1e-3) is not None      # (faster at the end: also changed)
+    assert C.busy(0.5, 2) is None and C.busy(0.0, 0) is None
+    assert "load average 3.00 on 2 CPUs" in C.busy(3.0, 2)
+
+
+def test_the_matmul_is_timed_again_and_the_faster_kept(monkeypatch):
+    # a host that slows down halfway: every later timing of a matmul takes 3x
+    calls = []
+
+    def timer(fn):
+        calls.append(1)
+        return 1e-3 * (3 if len(calls) > 40 else 1)
+
+    monkeypatch.setattr(C, "_host_load", lambda: (0.0, 2))
+    cal = C.calibrate(name="fake", options=C.Options.quick(), timer=timer)
+    assert len(calls) > 40
+    assert any("at the start and" in w for w in cal.warnings), cal.warnings
+    assert "Warning: the same float32 matmul" in cal.cluster.description
+    n = C.Options.quick().matmul_max_n
+    assert dict(cal.cluster.device.peak_flops)["float32"] == pytest.approx(2 * n ** 3 / 1e-3)
+    steady = C.calibrate(name="fake", options=C.Options.quick(), timer=lambda fn: 1e-3)
+    assert not [w for w in steady.warnings if "at the start" in w]

@@ -25,6 +25,13 @@ so devices that share chips or cores -- the fake CPU devices of
   cost model uses,
   t = 2(n-1) alpha + 2(n-1)/n S / B, so alpha = a / 2(n-1), B = 2(n-1) / (n b).
 
+A calibration on a busy host measures the other work as much as the devices
+(a shared machine's figures halved within a day).  So it checks itself: a
+load average over half the CPUs before it starts, or the float32 matmul
+timed again at the end more than 25% off its first time, gives a warning
+(``Calibration.warnings``; the CLI prints them, the cluster's description
+records them), and the faster of the two matmul times is kept.
+
 Every time is the median of several timed runs after a warm-up run, each run
 ended by ``block_until_ready``.  The timer is injectable (``timer(fn)`` runs
 ``fn`` once and returns seconds) so tests can drive the arithmetic with
@@ -95,6 +102,9 @@ class Measurement:
 class Calibration:
     cluster: ClusterSpec
     measurements: tuple[Measurement, ...]
+    # what makes the figures doubtful (a busy host, a speed that changed
+    # while measuring): one line each, for the user to act on
+    warnings: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +148,33 @@ def fixed_costs(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     either negative makes it zero."""
     a, b = fit_line(points)
     return max(a, 0.0), max(b, 0.0)
+
+
+# first and last timing of the same matmul further apart than this: the
+# host's speed changed while it was measured (other work came or went)
+STEADY_WITHIN = 0.25
+
+
+def unsteady(first_s: float, again_s: float, within: float = STEADY_WITHIN) -> str | None:
+    """A warning if one matmul timed at the start (``first_s``) and again at
+    the end (``again_s``) of a calibration differs by more than ``within``."""
+    slow, fast = max(first_s, again_s), min(first_s, again_s)
+    if fast > 0 and slow / fast - 1 > within:
+        return (f"the same float32 matmul took {first_s * 1e3:.3g} ms at the start and "
+                f"{again_s * 1e3:.3g} ms at the end: the host's speed changed while it was "
+                "measured (other work running?); the faster is kept; calibrate again on a "
+                "quiet machine")
+    return None
+
+
+def busy(load: float, cpus: int) -> str | None:
+    """A warning if the host's load average (``load`` runnable tasks over the
+    last minute) is over half its ``cpus`` before calibrating: devices that
+    share cores with other work measure slow."""
+    if cpus > 0 and load > cpus / 2:
+        return (f"the host was busy before calibrating (load average {load:.2f} on {cpus} "
+                "CPUs): figures measured now may be low; calibrate again on a quiet machine")
+    return None
 
 
 # a device whose throughput with every device busy is below this fraction of
@@ -313,6 +350,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     kind = str(getattr(dev0, "device_kind", "") or platform).strip()
     measurements: list[Measurement] = []
     how: list[str] = []
+    warnings = [w for w in (busy(*_host_load()),) if w]
 
     # fixed costs first: the rates below are of kernels, without their dispatch
     achieved = _measure_fixed_costs(mesh, devices, opts, timer, reporter, measurements, how)
@@ -321,6 +359,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how, dispatch)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
+    warnings += _recheck(mesh, opts, timer, reporter, measurements, how, flops, dispatch)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
@@ -332,7 +371,8 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         f"Measured by `meshplan calibrate{' --quick' if opts.quick_mode else ''}` on {now} "
         f"with jax {jax.__version__}{jaxlib_version}: {hosts} host(s) x {per_host} "
         f"{kind!r} ({platform}) device(s), all devices measured at once. "
-        + ". ".join(how) + ".")
+        + ". ".join(how) + "."
+        + "".join(f" Warning: {w}." for w in warnings))
     spec = ClusterSpec(
         name=name or f"calibrated-{platform}-{hosts}x{per_host}", num_hosts=hosts,
         devices_per_host=per_host,
@@ -342,7 +382,38 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
         intra_host=links["intra_host"], inter_host=links["inter_host"],
         description=description,
         sources=(f"meshplan calibrate, {now}, jax {jax.__version__}",))
-    return Calibration(cluster=spec, measurements=tuple(measurements))
+    return Calibration(cluster=spec, measurements=tuple(measurements), warnings=tuple(warnings))
+
+
+def _host_load() -> tuple[float, int]:
+    """(1-minute load average, usable CPUs); (0, 0) where the OS has none."""
+    import os
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 0
+    try:
+        return os.getloadavg()[0], cpus
+    except (AttributeError, OSError):
+        return 0.0, 0
+
+
+def _recheck(mesh, opts: Options, timer: Timer, reporter, measurements: list, how: list,
+             flops: dict[str, float], dispatch_s: float) -> list[str]:
+    """Time the float32 matmul once more at the end: a warning where the
+    host's speed changed meanwhile (the faster figure is kept in ``flops``)."""
+    first = next((m for m in measurements if m.what == "matmul float32"), None)
+    if first is None:
+        return []
+    with reporter.step("calibrate: matmul float32 again"):
+        again = median_time(_matmul_fn(mesh, "float32")(first.size), timer, opts.repeats,
+                            opts.warmup)
+    how.append(f"the float32 matmul timed again at the end: {again * 1e3:.3g} ms "
+               f"({first.seconds * 1e3:.3g} ms at the start)")
+    flops["float32"] = max(flops["float32"],
+                           matmul_flops(first.size, kernel_seconds(again, dispatch_s)))
+    w = unsteady(first.seconds, again)
+    return [w] if w else []
 
 
 def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
