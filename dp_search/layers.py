@@ -235,6 +235,8 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
         cuts, marked = cluster_forward(flops, cut, L, cands), bool(marks)
     L = len(cuts) + 1
     layer = [-1] * len(graph.nodes)
+    # sums of several uses' contributions to a gradient (meshplan.contributions)
+    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], GRAD_BOUNDARY)
     cur, ci = 0, 0
     for k, nid in enumerate(fwd_ids):
         layer[nid] = cur
@@ -290,7 +292,7 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
             for i, o in zip(n.inputs, n.outputs):
                 tensor_layer[o] = tensor_layer.get(i, layer[n.id])
         if n.primitive == GRAD_BOUNDARY:
-            _place_gradients(graph, n, layer, tensor_layer, loose)
+            _place_gradients(graph, n, layer, tensor_layer, loose, sums)
     # ... such nodes run where their first consumer runs
     for n in reversed(pending):
         users = [layer[c] for t in n.outputs for c in graph.consumers.get(t, ()) if layer[c] >= 0]
@@ -304,7 +306,6 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     # contribution is summed over the micro-batches at full width where it
     # is made: meshplan.contributions.)
     end = min((n.id for n in graph.nodes if n.primitive == GRAD_BOUNDARY), default=len(layer))
-    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], GRAD_BOUNDARY)
     for nid in sorted((x for x in loose if x < end), reverse=True):
         n = graph.nodes[nid]
         if (n.primitive != "convert_element_type" or len(n.inputs) != 1 or len(n.outputs) != 1
@@ -454,14 +455,13 @@ def _parameters_by_flow(graph: Graph, marker) -> list[int] | None:
 
 
 def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[int, int],
-                     loose: set[int]) -> None:
+                     loose: set[int], sums: frozenset[int] = frozenset()) -> None:
     """Put each marked gradient, and the work that only makes it, on its
     parameter's layer.  A bias gradient sums the gradient arriving from the
     layer above and reads no activation, so the operand rule would place it
-    (and the Adam moments updated from it) one layer too high."""
-    # (a sum of several uses' contributions moves, each contribution stays
-    # with its use: meshplan.contributions sums them once a step)
-    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], marker.primitive)
+    (and the Adam moments updated from it) one layer too high.  A sum of
+    several uses' contributions (``sums``) moves, but each contribution
+    stays with its use: meshplan.contributions sums them once a step."""
     for g, o, p in zip(marker.inputs, marker.outputs, gradient_parameters(graph, marker)):
         if p is None or p not in tensor_layer:
             continue
@@ -480,11 +480,8 @@ def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[
             layer[q] = lp
             for t in graph.nodes[q].outputs:
                 tensor_layer[t] = lp
-            if q not in sums:
-                stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs)
-            else:
-                stack.extend(graph.producer.get(t) for t in graph.nodes[q].inputs
-                             if graph.producer.get(t) in sums)
+            makers = (graph.producer.get(t) for t in graph.nodes[q].inputs)
+            stack.extend(m for m in makers if q not in sums or m in sums)
 
 
 def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,

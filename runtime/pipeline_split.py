@@ -23,8 +23,11 @@ Every equation then gets a *phase*:
   the user's or the one :mod:`meshplan.trace.micro` put on a step without)
   and everything else that reads the batch;
 * ``A`` (apply): what runs once per step after the micro-batches: the
-  equations downstream of the gradients (the optimizer update) and those that
-  read only state (a step counter);
+  equations downstream of the gradients (the optimizer update), those that
+  read only state (a step counter), and the sums of a gradient's
+  contributions from several layers (a tied embedding's; each contribution
+  is summed over the micro-batches where it is made:
+  :mod:`meshplan.contributions`);
 * values made from constants alone (masks, iotas) are recomputed by every
   program that reads them instead of being sent between stages;
 * ``R`` (draw): a random draw over the batch (``TracedStep.batch_draws``, a
