@@ -9,9 +9,10 @@ reduction of it cannot wait for the last micro-batch.
 
 The sum is linear, so summing each contribution over the micro-batches and
 adding the sums once a step gives the same gradient (up to rounding order).
-Megatron-LM does the same with its tied embedding: each end of the pipeline
-accumulates its own copy's gradient, and the two are all-reduced once per
-iteration (Narayanan et al., SC'21, section 2).
+Megatron-LM does the same with its tied embedding: the first and the last
+pipeline stage each keep a copy of the word embedding, accumulate its
+gradient over the micro-batches, and all-reduce the two copies' gradients
+once per iteration (Megatron-LM's pipeline-parallel GPT).
 
 :func:`once_a_step` is the one definition, over the operators of the step
 traced at micro-batch size: the planner (the layer ILPs' gradients:
