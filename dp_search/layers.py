@@ -46,7 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..contributions import summing_adds
+from ..contributions import graph_ops, summing_adds
 from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, Graph,
                      GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, strip_markers)
 
@@ -236,7 +236,7 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     L = len(cuts) + 1
     layer = [-1] * len(graph.nodes)
     # sums of several uses' contributions to a gradient (meshplan.contributions)
-    sums = summing_adds([(n.primitive, n.inputs, n.outputs) for n in graph.nodes], GRAD_BOUNDARY)
+    sums = summing_adds(graph_ops(graph), GRAD_BOUNDARY)
     cur, ci = 0, 0
     for k, nid in enumerate(fwd_ids):
         layer[nid] = cur

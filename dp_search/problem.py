@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cluster import ClusterSpec
-from ..contributions import once_a_step
+from ..contributions import graph_ops, once_a_step
 from ..cost_model import default_axis_names
 from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
@@ -253,6 +253,5 @@ def _gradients(g: Graph, layering: Layering) -> frozenset[int]:
     to one gradient, which the runtime sums once a step
     (:mod:`meshplan.contributions`)."""
     marked = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
-    _, contributions = once_a_step([(n.primitive, n.inputs, n.outputs) for n in g.nodes],
-                                   layering.layer_of_node, GRAD_BOUNDARY)
+    _, contributions = once_a_step(graph_ops(g), layering.layer_of_node, GRAD_BOUNDARY)
     return marked | contributions

@@ -24,9 +24,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["once_a_step", "summing_adds"]
+from .graph import Graph
+
+__all__ = ["once_a_step", "summing_adds", "graph_ops"]
 
 Op = tuple[str, Sequence[int], Sequence[int]]      # (primitive, input ids, output ids)
+
+
+def graph_ops(graph: Graph) -> list[Op]:
+    """A Graph's operators as the functions below read them."""
+    return [(n.primitive, n.inputs, n.outputs) for n in graph.nodes]
 
 
 def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str

@@ -249,7 +249,7 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) ->
 
 
 def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
-            once: frozenset[int] = frozenset()) -> list[str]:
+            once: frozenset[int]) -> list[str]:
     """The phase of every equation (see the module doc): the C phase holds
     the ancestors of the gradients and of everything batch-dependent that
     does not come after the gradients.  ``once``: sums of gradient
@@ -322,7 +322,7 @@ def _keep_pipeline(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[in
 
 
 def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
-           producer_eqn: dict[int, int], alias: dict[int, int] | None = None
+           producer_eqn: dict[int, int], alias: dict[int, int]
            ) -> tuple[dict[tuple, Task], dict[int, tuple]]:
     """(tasks, id -> key of the task making it).  Apply levels: a stage's
     update work is cut where it needs a value computed by another stage's
@@ -335,7 +335,7 @@ def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
         ph, s = phase[k], eqn_stage[k]
         if ph == "M":
             for o in fe.outvars:
-                i = (alias or {}).get(o)
+                i = alias.get(o)
                 if i in level_of_id:
                     level_of_id[o] = level_of_id[i] + 1
             continue
@@ -487,12 +487,12 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
 
 def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[int, tuple],
                       needed_by: dict[int, set[tuple]], crossing: dict[int, str],
-                      alias: dict[int, int] | None = None) -> dict[tuple, set[tuple]]:
+                      alias: dict[int, int]) -> dict[tuple, set[tuple]]:
     """Set every task's outputs and running sums; returns, per C task, the C
     tasks it reads from (within one micro-batch)."""
     eqns = flat.eqns
     out_ids = [x for x in flat.outvars if isinstance(x, int)]
-    out_ids += [(alias or {})[x] for x in out_ids if x in (alias or {})]
+    out_ids += [alias[x] for x in out_ids if x in alias]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
         if key[0] == "R":       # the draws alone (their keys are the others' own)
