@@ -109,6 +109,15 @@ __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "s
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
+def _quick_key(leaf: Any) -> Any:
+    """What jit's dispatch would tell apart about ``leaf``, cheaply: its
+    type, shape, dtype and weak type (a cache key in front of the full
+    signature, not a substitute)."""
+    # (typed PRNG key arrays are jax.Arrays without a weak type)
+    return (type(leaf), getattr(leaf, "shape", None), getattr(leaf, "dtype", None),
+            getattr(leaf, "weak_type", None))
+
+
 def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
     """The equations a selective stage replays (the step's graph numbers its
     nodes as the flat equations), or none when no stage is selective."""
@@ -203,6 +212,7 @@ class PipelineExecutable:
         self._sig = _signature(tuple(args))
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
+        self._quick: tuple | None = None
         self._build(layer_of_node, xp, retrace)
         self.last_stats: dict[str, Any] = {}
         self._steps = 0
@@ -265,8 +275,13 @@ class PipelineExecutable:
         leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
         if treedef != self._treedef or len(leaves) != self._nleaves:
             raise FastPathMiss("another argument structure")
-        if _signature(self._view(tuple(args))) != self._sig:
-            raise FastPathMiss("another signature")
+        # (the leaves' avals as the last call that matched saw them: the
+        # full signature, dtype names and all, only when they differ)
+        quick = tuple(map(_quick_key, leaves))
+        if quick != self._quick:
+            if _signature(self._view(tuple(args))) != self._sig:
+                raise FastPathMiss("another signature")
+            self._quick = quick
         return self._run(tuple(args), leaves)
 
     def _view(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

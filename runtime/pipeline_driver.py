@@ -40,7 +40,7 @@ from meshplan.schedule import Block
 from meshplan.traced import FlatJaxpr, Lit
 
 from .pipeline_split import CONCAT, LAST, StepSplit, dispatch_order
-from .pipeline_transport import concat, place
+from .pipeline_transport import concat
 
 if TYPE_CHECKING:
     from .pipeline import PipelineExecutable
@@ -261,11 +261,13 @@ class StepRun:
         if i in self.tr.layouts.is_batch:
             pieces = self.mb_cache.get((i, s))
             if pieces is None:
-                pieces = self.mb_cache[(i, s)] = self.tr.split_batch(self.leaf_of[i], i, s)
+                for j, got in self.tr.split_batches(self.leaf_of, i, s).items():
+                    self.mb_cache[(j, s)] = got
+                pieces = self.mb_cache[(i, s)]
             return pieces[mb]
         v = self.placed.get((i, s))
         if v is None:
-            v = self.placed[(i, s)] = place(self.leaf_of[i], self.tr.layouts.arg(i, s))
+            v = self.placed[(i, s)] = self.tr.place_arg(self.leaf_of[i], i, s)
         return v
 
     def _take(self, x: int, mb: int, n: int = 1) -> Any:

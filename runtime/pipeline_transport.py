@@ -105,6 +105,10 @@ class Transfers:
         self.local = list(xp.local) if xp is not None else [True] * len(self.meshes)
         self.leaf_readers = leaf_readers
         self.cross = SendOnce()
+        self._in_place: dict[tuple[int, int], Any] = {}  # (leaf, stage) -> sharding found in place
+        # the batch leaves each stage reads
+        self._batch_on = [sorted(i for i in layouts.is_batch if s in leaf_readers.get(i, ()))
+                          for s in range(len(self.meshes))]
 
     def send(self, v: Any, x: int, s: int) -> Any:
         """``v`` onto stage ``s``: unchanged if it already lives there, else
@@ -115,17 +119,40 @@ class Transfers:
             return v
         return self.cross.put(v, self.layouts.send(v, x, s))
 
-    def split_batch(self, x: Any, i: int, s: int) -> list[Any]:
-        """Batch argument leaf ``i`` on stage ``s``, one piece per micro-batch."""
-        sh = self.layouts.arg(i, s)
+    def place_arg(self, x: Any, i: int, s: int) -> Any:
+        """Argument leaf ``i`` on stage ``s``.  A leaf whose sharding is the
+        very object one of an earlier call had when it was found in place
+        there (jit gives its outputs the same objects call after call) is
+        passed through without comparing shardings again."""
+        cur = getattr(x, "sharding", None)
+        if cur is not None and self._in_place.get((i, s)) is cur:
+            return x
+        v = place(x, self.layouts.arg(i, s))
+        if v is x and cur is not None:
+            self._in_place[(i, s)] = cur
+        return v
+
+    def split_batches(self, leaf_of: Mapping[int, Any], i: int, s: int) -> dict[int, list[Any]]:
+        """Batch argument leaf ``i`` and every other one stage ``s`` reads
+        (``leaf_of``: id -> leaf) on stage ``s``, one piece per micro-batch.
+        The leaves on the host cross in one put, all their pieces together
+        (one dispatch's overhead)."""
+        out: dict[int, list[Any]] = {}
+        host: list[tuple[int, list[Any], NamedSharding]] = []
         mb, m = self.mb, self.m
-        if m == 1:
-            return [place(x, sh)]
-        # (one put of all the pieces: one dispatch's overhead)
-        if not isinstance(x, jax.Array):
-            x = np.asarray(x)
-            return jax.device_put([x[k * mb:(k + 1) * mb] for k in range(m)], sh)
-        return jax.device_put(_split_rows(x, m), sh)
+        for i in self._batch_on[s] if i in self._batch_on[s] else [i]:
+            x, sh = leaf_of[i], self.layouts.arg(i, s)
+            if isinstance(x, jax.Array):
+                out[i] = [place(x, sh)] if m == 1 else jax.device_put(_split_rows(x, m), sh)
+            else:
+                x = np.asarray(x)
+                host.append((i, [x[k * mb:(k + 1) * mb] for k in range(m)] if m > 1 else [x], sh))
+        if host:
+            flat = jax.device_put([p for _, pieces, _ in host for p in pieces],
+                                  [sh for _, pieces, sh in host for _ in pieces])
+            for k, (i, _, _) in enumerate(host):
+                out[i] = flat[k * m:(k + 1) * m]
+        return out
 
     # ---- multi-host ---------------------------------------------------------
     def arguments(self, given: dict[int, Any], placed: dict[tuple[int, int], Any]
@@ -206,15 +233,35 @@ class SendOnce:
     def put(self, v: Any, target: NamedSharding) -> Any:
         """``v`` (an array of another mesh) on ``target``."""
         key = (target, tuple(getattr(v, "shape", ())), getattr(v, "sharding", None))
-        if key not in self._routes:
-            self._routes[key] = self._route(v, target)
-        route = self._routes[key]
-        if route is None:
-            return jax.device_put(v, target)
-        on_sender, hop, gather = route
+        route = self._routes.get(key, _NO_ROUTE)
+        if route is _NO_ROUTE:
+            route = self._routes[key] = self._with_copy(v, self._route(v, target), target)
+        on_sender, dest, gather, devices = route
         if on_sender is not None:
             v = on_sender(v)
-        return gather(jax.device_put(v, hop))
+        v = cross(v, dest, devices)
+        return v if gather is None else gather(v)
+
+    @staticmethod
+    def _with_copy(v: Any, route: tuple | None, target: NamedSharding) -> tuple:
+        """``route`` as (reshard on the sender or None, where the value is put,
+        the gather on the receiver or None, the receiver's devices where the
+        put copies shard k of the sender to device k of the receiver, else
+        None).  Such a put is what ``jax.device_put`` does for it, called
+        without its dispatch (about a third of a small pipeline's driver time
+        went there)."""
+        on_sender, dest, gather = (None, target, None) if route is None else route
+        src = getattr(v, "sharding", None)
+        if on_sender is not None:
+            # (the sender lays it out as it crosses: in the hop's spec)
+            src = NamedSharding(src.mesh, dest.spec) if isinstance(src, NamedSharding) else None
+        devices = None
+        if (_COPY is not None and isinstance(v, jax.Array) and src is not None
+                and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
+                and _one_to_one(src, dest, v.shape)):
+            devices = getattr(getattr(dest, "_internal_device_list", None),
+                              "addressable_device_list", None)
+        return on_sender, dest, gather, devices
 
     def _route(self, v: Any, target: NamedSharding) -> tuple | None:
         """(reshard on the sender or None, the layout the value crosses in,
@@ -256,6 +303,46 @@ class SendOnce:
         if fn is None:
             fn = self._gathers[sharding] = jax.jit(_identity, out_shardings=sharding)
         return fn
+
+
+def _copier() -> tuple[Any, Any] | None:
+    """xla_client's batched shard copy, the call ``jax.device_put`` ends in
+    for an array whose shards map one to one onto the target's devices, and
+    its reuse-input semantics; None where this jax has no such call."""
+    try:
+        from jax._src.lib import xla_client as xc
+        return xc.batched_copy_array_to_devices_with_sharding, xc.ArrayCopySemantics.REUSE_INPUT
+    except (ImportError, AttributeError):
+        return None
+
+
+_COPY = _copier()
+_NO_ROUTE = object()
+
+
+def cross(v: Any, dest: NamedSharding, devices: Any = None) -> Any:
+    """``v`` put on ``dest``: with ``devices`` (``dest``'s, where shard k of
+    ``v`` is what device k wants: :func:`_one_to_one`) a copy of the shards
+    as they are, else ``jax.device_put``."""
+    if devices is not None and _COPY is not None:
+        try:
+            return _COPY[0]([v], [devices], [dest], [_COPY[1]])[0]
+        except TypeError:       # (another jax's signature: the put does it)
+            pass
+    return jax.device_put(v, dest)
+
+
+def _one_to_one(src: Any, dst: Any, shape: Sequence[int]) -> bool:
+    """Does the k-th device of ``src`` hold exactly what the k-th device of
+    ``dst`` wants, for every k, in the same memory (jax's own test for
+    copying shards as they are)?"""
+    if getattr(src, "memory_kind", None) != getattr(dst, "memory_kind", None) or \
+            not (src.is_fully_addressable and dst.is_fully_addressable):
+        return False
+    shape = tuple(shape)
+    a = list(src.addressable_devices_indices_map(shape).values())
+    b = list(dst.addressable_devices_indices_map(shape).values())
+    return len(a) == len(b) and all(_box(i, shape) == _box(j, shape) for i, j in zip(a, b))
 
 
 def _holds(src: Any, dst: Any, shape: Sequence[int]) -> bool:

@@ -492,3 +492,24 @@ def test_a_tied_embedding_gradient_is_summed_once_a_step():
     last = split.tasks[("B", len(plan.stages) - 1)]
     assert any(shape(x) == (vocab, hidden) for x in last.accumulate)
     _assert_close(state, losses, "gpt")
+
+
+def test_the_fast_path_checks_every_call_against_the_built_signature():
+    """call_fast keys its signature check on the leaves' avals: the same
+    shapes and dtypes run (the state fed back, a host batch again); another
+    dtype in the batch or in the state misses (the parallelized step then
+    plans again), and the first signature runs again after it."""
+    from meshplan.runtime import FastPathMiss
+    m, state, batch = _model("mlp")
+    plan = _plan("mlp", 2, 2, 2, 2, "1f1b")
+    ex = _pipeline_executable(m.train_step, plan, (state, batch))
+    for _ in range(2):
+        state, _ = ex.call_fast((state, batch))
+    with pytest.raises(FastPathMiss, match="signature"):
+        ex.call_fast((state, jax.tree.map(lambda a: a.astype(np.float16), batch)))
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    other = jax.tree_util.tree_unflatten(tree, [leaves[0].astype(jnp.float16)] + leaves[1:])
+    with pytest.raises(FastPathMiss, match="signature"):
+        ex.call_fast((other, batch))
+    state, metrics = ex.call_fast((state, batch))
+    assert np.isfinite(float(metrics["loss"]))

@@ -27,14 +27,15 @@ def _two_hosts(monkeypatch):
 
 
 class Recorder:
-    """jax.device_put, counting the bytes each put lands on devices outside
-    the stage that held the value (what crosses between the stages)."""
+    """The transport's put (``pipeline_transport.cross``), counting the bytes
+    each put lands on devices outside the stage that held the value (what
+    crosses between the stages)."""
 
     def __init__(self, monkeypatch):
         self.crossed, self.values = [], []     # bytes landed, the values' own bytes
-        real = jax.device_put
+        real = pt.cross
 
-        def put(x, sharding=None, *a, **k):
+        def put(x, sharding, *a, **k):
             src = getattr(x, "sharding", None)
             if isinstance(x, jax.Array) and isinstance(sharding, NamedSharding) \
                     and src is not None and not (src.device_set & sharding.device_set):
@@ -42,7 +43,7 @@ class Recorder:
                 self.values.append(x.nbytes)
             return real(x, sharding, *a, **k)
 
-        monkeypatch.setattr(jax, "device_put", put)
+        monkeypatch.setattr(pt, "cross", put)
 
 
 def test_a_value_replicated_twice_on_the_receiver_crosses_once(monkeypatch):
@@ -62,7 +63,7 @@ def test_a_value_replicated_twice_on_the_receiver_crosses_once(monkeypatch):
     got = SendOnce().put(v, target)
     assert rec.crossed == [x.nbytes]                   # one put across, the value once
     assert got.sharding == target
-    plain = jax.device_put(v, target)
+    plain = pt.cross(v, target)
     assert rec.crossed[-1] == 2 * x.nbytes             # (the old path, for contrast)
     for a, b in zip(got.addressable_shards, plain.addressable_shards):
         assert a.device == b.device and a.index == b.index
@@ -137,3 +138,27 @@ def test_pipeline_equals_the_per_replica_path_bit_for_bit(name, monkeypatch):
     print(name, "bytes across stages, send-once", new_bytes, "per replica", old_bytes)
     assert 0 < new_bytes < old_bytes
     assert new_bytes == distinct        # every byte of every value crossed once
+
+
+def test_a_put_of_whole_shards_copies_them_as_device_put_would():
+    """Within a host, where shard k of the sender is what device k of the
+    receiver wants, the transport copies the shards itself (jax.device_put's
+    last step, without its dispatch); elsewhere it calls jax.device_put."""
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    # (the second crosses in the sender's layout and is gathered on the
+    # receiver; the third comes from a mesh of another shape)
+    for have, want, copied in ((P("data", None), P("data", None), True),
+                               (P("data", None), P(None, "model"), True),
+                               (P("data"), P(None, "model"), False)):
+        sender = _mesh(SENDER, *(((4,), ("data",)) if len(have) == 1 else ()))
+        v = jax.device_put(x, NamedSharding(sender, have))
+        target = NamedSharding(_mesh(RECEIVER), want)
+        send = SendOnce()
+        got = send.put(v, target)
+        (route,) = send._routes.values()
+        assert (route[3] is not None) == copied, (have, want)
+        ref = jax.device_put(v, target)
+        assert got.sharding == target and got.committed
+        for a, b in zip(got.addressable_shards, ref.addressable_shards):
+            assert a.device == b.device and a.index == b.index
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
