@@ -1,8 +1,9 @@
 """Moving values between pipeline stages.
 
 Within one process (:class:`Transfers`): a value crosses to another stage
-only through an explicit ``jax.device_put`` onto a ``NamedSharding`` of the
-receiving stage's mesh (its planned layout there; see
+only through an explicit put (:func:`cross`: ``jax.device_put``, or the
+shard copy it ends in where shard k of the sender is what device k of the
+receiver wants) onto a ``NamedSharding`` of the receiving stage's mesh (its planned layout there; see
 :class:`~meshplan.runtime.pipeline_programs.StageLayouts`): jax 0.10.2
 crashed on the cached second call of a program given an array of another
 submesh.  Batch arguments are cut into micro-batches on the stages that read
