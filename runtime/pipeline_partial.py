@@ -21,9 +21,12 @@ the means' ``1 / (m * D)`` undoes it (the runtime already takes the loss to
 be a mean over the batch), and a backward multiplies the cotangents it
 receives from another backward by ``D`` and divides those it sends by ``D``,
 so that a stage whose backward reduces its gradients itself (as before) can
-sit beside one that keeps partial sums.  A stage does that where its
-backward's equations differ between the two traces (jax traces some
-operations otherwise at a batch of one), or an output is not cut along the
+sit beside one that keeps partial sums.  The two traces are matched
+equation by equation (:func:`align`): at a batch of one jax adds a
+broadcast here and drops a sum over the batch there, and a reshape may
+drop the batch dimension of size one (such a value is reshaped where it
+enters or leaves the backward).  A stage reduces its gradients itself where
+its backward's values cannot be matched, or an output is not cut along the
 batch (a whole value sent to another backward); running sums made by a
 forward program are reduced there, as before.  An input the plan lays out
 whole over the data axes is cut where it enters (a local slice), and a
@@ -36,6 +39,7 @@ micro-batch, no common data axes, or a batch that does not divide.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -60,6 +64,10 @@ class PartialSums:
     stages: frozenset[int]      # the stages whose backward keeps partial gradients
     ids: frozenset[int]         # their running sums
     batch_dim: Mapping[int, int]    # value id -> its batch dimension (values cut by D)
+    # stage -> its backward's equations in ``flat``; value id of the step ->
+    # its id in ``flat`` (the identity where the two traces agree)
+    eqns: Mapping[int, tuple[int, ...]]
+    value: Mapping[int, int]
 
     def spec_at(self, x: int, ndim: int) -> PartitionSpec:
         """``x``'s spec over the manual axes: cut along its batch dimension,
@@ -118,40 +126,115 @@ def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep
     except MeshplanError:
         return None
     big, flat = traced.flat, small.flat
-    if big.invars != flat.invars or len(big.eqns) != len(flat.eqns):
+    aligned = align(big, flat)
+    if aligned is None:
         return None
-    stages, ids, batch_dim = set(), set(), {}
+    eqn, value = aligned
+    stages, ids, batch_dim, eqns = set(), set(), {}, {}
     for key, t in split.tasks.items():
         if key[0] != "B" or not t.accumulate:
             continue
-        dims = _task_dims(t, big, flat, d, closure(
-            dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)), split, big), split.producer)
+        mine = _small_eqns(t, closure(dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)),
+                                      split, big), flat, eqn, value)
+        dims = None if mine is None else _task_dims(t, big, flat, d, value, split.producer)
         if dims is not None and _data_parallel(t, dims, axes, lambda x: layout(x, key[1])):
             stages.add(key[1])
             ids.update(t.accumulate)
             batch_dim.update(dims)
+            eqns[key[1]] = mine
     if not stages:
         return None
-    return PartialSums(tuple(axes), d, flat, frozenset(stages), frozenset(ids), batch_dim)
+    return PartialSums(tuple(axes), d, flat, frozenset(stages), frozenset(ids), batch_dim,
+                       eqns, value)
 
 
-def _task_dims(t: Task, big: FlatJaxpr, flat: FlatJaxpr, d: int, eqn_ids: Sequence[int],
+def align(big: FlatJaxpr, small: FlatJaxpr) -> tuple[dict[int, int], dict[int, int]] | None:
+    """Equations and values of ``big`` (the step's trace) matched with those
+    of ``small`` (its trace at a smaller batch): (equation index -> index,
+    value id -> id), or None where they cannot be matched.  jax traces a few
+    operations otherwise where a batch dimension has size one (a broadcast
+    more, a sum over the batch less), so the two are matched as sequences of
+    primitives, values through the matched equations' results and operands;
+    a match of another dtype gives None (shapes are the callers' to check)."""
+    if big.invars != small.invars:
+        return None
+    if len(big.eqns) == len(small.eqns) and all(
+            x.eqn.primitive == y.eqn.primitive and x.outvars == y.outvars
+            for x, y in zip(big.eqns, small.eqns)):
+        ids = {x for fe in big.eqns for x in fe.outvars} | set(big.invars) | set(big.constvars)
+        return {k: k for k in range(len(big.eqns))}, {x: x for x in ids}
+
+    def sig(fe: Any, avals: Mapping[int, Any]) -> tuple:
+        return (fe.eqn.primitive.name,
+                tuple(len(getattr(avals.get(v), "shape", ())) if isinstance(v, int) else None
+                      for v in fe.invars),
+                tuple(len(getattr(avals.get(v), "shape", ())) for v in fe.outvars))
+
+    blocks = difflib.SequenceMatcher(None, [sig(e, big.avals) for e in big.eqns],
+                                     [sig(e, small.avals) for e in small.eqns], autojunk=False)
+    eqn = {}
+    for tag, i1, i2, j1, j2 in blocks.get_opcodes():
+        # (a run of the same primitives whose ranks differ, e.g. a reshape
+        # that drops a batch dimension of size one, is matched one to one too)
+        if tag == "equal" or (tag == "replace" and [e.eqn.primitive for e in big.eqns[i1:i2]]
+                              == [e.eqn.primitive for e in small.eqns[j1:j2]]):
+            eqn.update(zip(range(i1, i2), range(j1, j2)))
+    value = {x: x for x in big.invars}
+    for k, j in eqn.items():
+        value.update(zip(big.eqns[k].outvars, small.eqns[j].outvars))
+    # a value whose maker has no match (a sum over the batch the smaller
+    # trace does without) is named by what its matched readers read; a value
+    # matched already and read through an added broadcast keeps its match
+    for k, j in eqn.items():
+        for a, b in zip(big.eqns[k].invars, small.eqns[j].invars):
+            if isinstance(a, int) and isinstance(b, int):
+                value.setdefault(a, b)
+    if any(getattr(big.avals.get(a), "dtype", None) != getattr(small.avals.get(b), "dtype", None)
+           for a, b in value.items()):
+        return None
+    return eqn, value
+
+
+def _small_eqns(t: Task, eqn_ids: Sequence[int], small: FlatJaxpr, eqn: Mapping[int, int],
+                value: Mapping[int, int]) -> tuple[int, ...] | None:
+    """Backward ``t``'s equations (``eqn_ids`` of the step's trace) in the
+    smaller trace: the matched ones and the unmatched ones they read (the
+    broadcasts jax adds at a batch of one); None where a boundary value has
+    no match, or the equations read a value neither they nor ``t``'s inputs
+    make."""
+    bounds = list(t.inputs) + list(t.outputs) + list(t.accumulate)
+    if any(x not in value for x in bounds):
+        return None
+    matched = set(eqn.values())
+    own = {eqn[k] for k in eqn_ids if k in eqn}
+    producer = {o: j for j, fe in enumerate(small.eqns) for o in fe.outvars}
+    stack = [x for j in own for x in small.eqns[j].invars if isinstance(x, int)]
+    stack += [value[x] for x in bounds]
+    inputs = {value[x] for x in t.inputs}
+    while stack:
+        j = producer.get(stack.pop())
+        if j is not None and j not in matched and j not in own:
+            own.add(j)
+            stack.extend(x for x in small.eqns[j].invars if isinstance(x, int))
+    made = inputs | set(small.invars) | set(small.constvars) | {
+        o for j in own for o in small.eqns[j].outvars}
+    if any(x not in made for j in own for x in small.eqns[j].invars if isinstance(x, int)) or \
+            any(value[x] not in made for x in list(t.outputs) + list(t.accumulate)):
+        return None
+    return tuple(sorted(own))
+
+
+def _task_dims(t: Task, big: FlatJaxpr, flat: FlatJaxpr, d: int, value: Mapping[int, int],
                producer: Mapping[int, tuple]) -> dict[int, int] | None:
     """The batch dimension of every input and output of backward ``t`` cut
-    by ``d``, or None where its equations differ between the traces, an
-    output is not cut along the batch (a gradient sent to another stage, a
-    value reduced over the batch), an input from another backward is not
-    either, or a value is cut otherwise."""
-    for k in eqn_ids:
-        x, y = big.eqns[k], flat.eqns[k]
-        if (x.eqn.primitive != y.eqn.primitive or x.outvars != y.outvars
-                or [v for v in x.invars if isinstance(v, int)]
-                != [v for v in y.invars if isinstance(v, int)]):
-            return None
+    by ``d`` (``value``: its ids in ``flat``), or None where an output is not
+    cut along the batch (a gradient sent to another stage, a value reduced
+    over the batch), an input from another backward is not either, or a
+    value is cut otherwise."""
     acc = set(t.accumulate)
     dims = {}
     for x in list(t.inputs) + list(t.outputs):
-        dim = _cut(big.avals.get(x), flat.avals.get(x), d)
+        dim = _cut(big.avals.get(x), flat.avals.get(value[x]), d)
         sent = x in t.outputs or producer.get(x, ("",))[0] == "B"
         if dim is False or (x in t.outputs and x in acc) or (sent and dim is None):
             # (what backwards pass each other must be per-row cotangents: a
@@ -182,18 +265,32 @@ def _data_parallel(t: Task, dims: Mapping[int, int], axes: Sequence[str],
 
 def _cut(big: Any, small: Any, d: int) -> int | None | bool:
     """The one dimension along which ``small`` is ``big`` cut by ``d``; None
-    if they have one shape; False otherwise."""
+    if they have one shape; False otherwise.  ``small`` may also lack
+    dimensions of size one the cut leaves (jax drops a batch dimension of
+    size one in some reshapes): the program reshapes those values."""
     bs, ss = getattr(big, "shape", None), getattr(small, "shape", None)
     if bs is None or ss is None:
         return None if bs == ss else False
     if len(bs) != len(ss):
-        return False
+        dims = [i for i, n in enumerate(bs) if n % d == 0 and [
+            k for k in bs[:i] + (n // d,) + bs[i + 1:] if k != 1] == [k for k in ss if k != 1]]
+        return dims[0] if len(dims) == 1 else False
     diff = [i for i, (p, q) in enumerate(zip(bs, ss)) if p != q]
     if not diff:
         return None
     if len(diff) == 1 and bs[diff[0]] == d * ss[diff[0]]:
         return diff[0]
     return False
+
+
+def _rank(aval: Any) -> int:
+    return len(getattr(aval, "shape", ()))
+
+
+def _per_shard(shape: Sequence[int], dim: int | None, d: int) -> tuple[int, ...]:
+    """``shape`` with its batch dimension ``dim`` cut by ``d`` (one shard's)."""
+    shape = tuple(shape)
+    return shape if dim is None else shape[:dim] + (shape[dim] // d,) + shape[dim + 1:]
 
 
 def _inexact(x: Any) -> bool:
@@ -222,24 +319,35 @@ def acc_sharding(ps: PartialSums, planned: NamedSharding) -> NamedSharding:
 
 
 def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
-                    closure: Callable[..., list[int]], sub_of: Callable[..., FlatJaxpr]
-                    ) -> Callable[..., Any]:
+                    sub_of: Callable[..., FlatJaxpr]) -> Callable[..., Any]:
     """The backward ``task`` as a function of (inputs, running sums) that
     keeps each device's partial gradients (see the module doc)."""
     s = task.stage
     mesh = layouts.meshes[s]
-    eqn_ids = closure(dataclasses.replace(task, eqns=sorted(task.replay + task.eqns)), split,
-                      ps.flat)
+    v = ps.value
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
-    sub = sub_of(ps.flat, eqn_ids, task.inputs, outs)
-    # inside, the data axes are manual: the plan's layouts without them
-    cons = {t: strip_axes(sh.spec, ps.axes) for t, sh in layouts.constraints[s].items()}
-    reads = {t: [(p, strip_axes(sh.spec, ps.axes)) for p, sh in rs]
-             for t, rs in layouts.reads[s].items()}
+    sub = sub_of(ps.flat, list(ps.eqns[s]), [v[x] for x in task.inputs], [v[x] for x in outs])
+    # inside, the data axes are manual: the plan's layouts without them (its
+    # values and readers named by their ids in the smaller trace)
+    # (a value the smaller trace holds at another rank keeps no constraint)
+    small, big = ps.flat.avals, layouts.flat.avals
+
+    by_small = {e.outvars[0]: e for k in ps.eqns[s] for e in ps.flat.eqns[k:k + 1] if e.outvars}
+    by_big = {e.outvars[0]: e for e in layouts.flat.eqns if e.outvars}
+
+    def operand_rank(by: Mapping[int, Any], avals: Mapping[int, Any], first: int, p: int) -> int:
+        fe = by.get(first)
+        x = fe.invars[p] if fe is not None and p < len(fe.invars) else None
+        return _rank(avals.get(x)) if isinstance(x, int) else -1
+
+    cons = {v[t]: strip_axes(sh.spec, ps.axes) for t, sh in layouts.constraints[s].items()
+            if t in v and _rank(small.get(v[t])) == _rank(big.get(t))}
+    reads = {v[t]: [(p, strip_axes(sh.spec, ps.axes)) for p, sh in rs
+                    if operand_rank(by_small, small, v[t], p) == operand_rank(by_big, big, t, p)]
+             for t, rs in layouts.reads[s].items() if t in v}
     evaluate = make_evaluator(sub, cons, reads)
     n_in, n_out = len(task.inputs), len(task.outputs)
     acc_pos = [outs.index(x) for x in task.accumulate]
-    big = layouts.flat.avals
     lead = PartitionSpec(ps._entry())
     in_specs = tuple([ps.spec_at(x, len(getattr(big[x], "shape", ()))) for x in task.inputs]
                      + [lead] * len(task.accumulate))
@@ -251,11 +359,19 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     # and leave at it: this trace's are d times as large (see the module doc)
     scaled = [split.producer.get(x, ("",))[0] == "B" for x in task.inputs]
 
+    # (values whose smaller trace dropped a dimension of size one: reshaped
+    # on the way in and out, see _cut)
+    in_shape = [tuple(small[v[x]].shape) if hasattr(small[v[x]], "shape") else None
+                for x in task.inputs]
+    out_shape = [_per_shard(big[x].shape, ps.batch_dim.get(x), d) for x in task.outputs]
+
     def local(*xs: Any) -> tuple[list[Any], list[Any]]:
         ins = [x * d if sc and _inexact(x) else x for x, sc in zip(xs[:n_in], scaled)]
+        ins = [x if n is None or x.shape == n else x.reshape(n) for x, n in zip(ins, in_shape)]
         vals = evaluate(*ins)
         new = [a + vals[p][None] for a, p in zip(xs[n_in:], acc_pos)]
-        return [v / d if _inexact(v) else v for v in vals[:n_out]], new
+        outs = [v / d if _inexact(v) else v for v in vals[:n_out]]
+        return [o if o.shape == n else o.reshape(n) for o, n in zip(outs, out_shape)], new
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=set(ps.axes), check_vma=False)

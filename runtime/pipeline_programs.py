@@ -297,7 +297,7 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
              donate: tuple[int, ...] = (), partial: PartialSums | None = None) -> Program:
     s = task.stage
     if partial is not None and task.kind == "B" and s in partial.stages:
-        local = partial_program(task, split, layouts, partial, closure_eqns, _sub)
+        local = partial_program(task, split, layouts, partial, _sub)
         acc_sh = [acc_sharding(partial, layouts.acc(x, s)) for x in task.accumulate]
 
         def backward(*xs: Any) -> tuple[list[Any], list[Any]]:
