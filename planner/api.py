@@ -192,6 +192,7 @@ class Parallelized:
             return PipelineExecutable(step, p, abstract, traced=run,
                                       retrace=functools.partial(trace_for_run, step, abstract,
                                                                 batch_argnums),
+                                      fused=fused_replay(run, p.schedule),
                                       layer_of_node=_layer_of_node(p, run),
                                       donate_argnums=self._donate(graph))
         # (one stage: the planner's own trace, which the plan's tensor ids name)
@@ -317,3 +318,22 @@ def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = Non
     if fn is None:
         return wrap
     return wrap(fn)
+
+
+def fused_replay(traced: TracedStep, schedule: str) -> frozenset[int]:
+    """[pipeline] The forward equations a stage recomputing nothing replays
+    in its backward: the element-wise ones whose results XLA would make again
+    inside the backward's fusions were the step one program (what
+    :func:`meshplan.cost_model.fusion.kept_after_fusion` does not keep, as
+    the planner's activation memory counts).  None under ZB-H1, whose weight
+    gradients are cut from backwards that replay nothing."""
+    from meshplan.cost_model.fusion import RECOMPUTABLE, kept_after_fusion
+    g = traced.graph
+    if g is None or schedule == "zb-h1":
+        return frozenset()
+    fwd = traced.forward
+    reads = {t for n in g.nodes if not fwd[n.id] for t in n.inputs
+             if g.producer.get(t) is not None and fwd[g.producer[t]]}
+    kept = kept_after_fusion(g, fwd, reads)
+    return frozenset(n.id for n in g.nodes if fwd[n.id] and n.primitive in RECOMPUTABLE
+                     and not any(o in kept for o in n.outputs))

@@ -169,13 +169,18 @@ class PipelineExecutable:
     (``trace_for_run`` bound to ``fn`` and ``args``); with it, data-parallel
     stages keep partial gradient sums reduced once per step
     (:mod:`.pipeline_partial`), without it they reduce every micro-batch.
+    ``fused``: the forward equations a stage recomputing nothing replays in
+    its backward (the element-wise chains XLA would fuse there in one
+    program; see :func:`~meshplan.runtime.pipeline_split.split_step`); with
+    none, the backward reads every forward value it uses.
     """
 
     def __init__(self, fn: Any, plan: Plan, args: Sequence[Any], *, traced: TracedStep,
                  layer_of_node: Sequence[int] | None = None,
                  devices: Sequence[jax.Device] | None = None,
                  timeline: bool = True, donate_argnums: Sequence[int] = (),
-                 retrace: Callable[[int], TracedStep] | None = None) -> None:
+                 retrace: Callable[[int], TracedStep] | None = None,
+                 fused: frozenset[int] = frozenset()) -> None:
         if len(plan.stages) < 2 and plan.num_micro_batches < 2:
             raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
                                     "micro-batches; use ShardExecutable for one program")
@@ -213,7 +218,7 @@ class PipelineExecutable:
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
         self._quick: tuple | None = None
-        self._build(layer_of_node, xp, retrace)
+        self._build(layer_of_node, xp, retrace, fused)
         self.last_stats: dict[str, Any] = {}
         self._steps = 0
         self._events: tuple | None = None
@@ -223,7 +228,7 @@ class PipelineExecutable:
 
     # ---- building ---------------------------------------------------------
     def _build(self, layer_of_node: Sequence[int], xp: StageTransport | None,
-               retrace: Callable[[int], TracedStep] | None) -> None:
+               retrace: Callable[[int], TracedStep] | None, fused: frozenset[int]) -> None:
         traced, plan, m, flat = self.traced, self.plan, self.m, self.flat
         batch_ids = [i for i, b in zip(flat.invars, traced.batch_leaves) if b]
         self.split = split = split_step(flat, traced.forward, layer_of_node,
@@ -231,6 +236,7 @@ class PipelineExecutable:
                                         traced.concat_outputs,
                                         remat=[s.recompute for s in plan.stages],
                                         selective=_selective(traced, plan),
+                                        fused=fused,
                                         draws=traced.batch_draws,
                                         draw_eqns=traced.draw_eqns,
                                         zero_bubble=self.schedule == "zb-h1")

@@ -50,7 +50,12 @@ backward itself reads stay inputs of the backward as before.  A *selective*
 stage (``Stage.recompute``, :mod:`meshplan.recompute`) replays only the
 equations of the selective region (the ``selective`` argument); the values
 its replay reads from the rest of its forward are outputs of the forward,
-kept like any other value the backward reads.
+kept like any other value the backward reads.  A stage that recomputes
+nothing still replays the element-wise chains XLA would fuse into its
+backward had the step been one program (the ``fused`` argument:
+:func:`meshplan.cost_model.fusion.kept_after_fusion`'s complement): the
+forward keeps what the cost model's activation memory counts, not every
+value of the chain the backward reads.
 
 Zero bubble (``zero_bubble``, the ZB-H1 schedule): a stage's backward task
 is cut by dependence into ``B``, the equations the values other stages read
@@ -135,6 +140,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                stage_layers: Sequence[tuple[int, int]], batch_ids: Sequence[int],
                num_micro_batches: int, concat_outputs: Sequence[int] = (),
                remat: Sequence[bool | str] = (), selective: frozenset[int] = frozenset(),
+               fused: frozenset[int] = frozenset(),
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
                draw_eqns: Sequence[tuple[int, Any]] = (),
                zero_bubble: bool = False) -> StepSplit:
@@ -142,7 +148,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
     recomputes its forward (a bool, or none/selective/full; see the module
-    doc); default none.  ``selective``: the equations a selective stage may
+    doc); default none.  ``fused``: the equations a stage recomputing nothing
+    replays (see the module doc).  ``selective``: the equations a selective stage may
     replay.  ``draws``: the random draws over the batch
     (``TracedStep.batch_draws``) and ``draw_eqns`` their per-example
     ancestors at the full batch (``TracedStep.draw_eqns``).  ``zero_bubble``:
@@ -165,7 +172,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         if producer.get(i, ("",))[0] == "A":
             needed_by[i].update(needed_by.get(o, ()))
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
-    _replay_forwards(tasks, flat.eqns, remat, needed_by, selective)
+    _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused)
     deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     if zero_bubble:
@@ -448,22 +455,24 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
 
 
 def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: Sequence[bool | str],
-                     needed_by: dict[int, set[tuple]], selective: frozenset[int] = frozenset()
-                     ) -> None:
+                     needed_by: dict[int, set[tuple]], selective: frozenset[int] = frozenset(),
+                     fused: frozenset[int] = frozenset()) -> None:
     """[remat] a backward replays its stage's forward (full), or the selective
-    region's part of it, from the values that forward read or made."""
-    for s, r in enumerate(remat):
-        r = recompute_name(r)
+    region's part of it, or (no recomputation) the element-wise chains of
+    ``fused``, from the values that forward read or made."""
+    for s in sorted({key[1] for key in tasks if key[0] == "B"}):
+        r = recompute_name(remat[s] if s < len(remat) else NONE)
         f, b = tasks.get(("F", s)), tasks.get(("B", s))
-        if r == NONE or f is None or b is None:
+        if f is None or b is None or (r == NONE and not fused):
             continue
+        again_ok = fused if r == NONE else selective
         made = {o for k in f.eqns for o in eqns[k].outvars}
         want = {x for x in b.inputs if x in made}
         if not want:
             continue
         replay: set[int] = set()
         for k in reversed(f.eqns):
-            if (r == FULL or k in selective) and any(o in want for o in eqns[k].outvars):
+            if (r == FULL or k in again_ok) and any(o in want for o in eqns[k].outvars):
                 replay.add(k)
                 want.update(x for x in eqns[k].invars if isinstance(x, int))
         if not replay:

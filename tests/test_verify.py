@@ -85,3 +85,10 @@ def test_a_tied_embedding_gradient_is_reduced_once_a_step_at_the_last_stage():
     last = rows[-1]
     assert last.predicted_comm_bytes > 0
     assert abs(last.comm_rel_error) <= 0.01, (last.predicted_comm_bytes, last.actual_by_kind)
+    # and each stage keeps between its forward and backward what the plan's
+    # activation memory counts: the backward makes again the element-wise
+    # chains XLA would fuse into it in one program (api.fused_replay)
+    for r in rows:
+        kept, planned = dict(r.memory_parts)["activations"], dict(r.predicted_memory_parts)
+        assert abs(kept - planned["activations"]) <= 0.01 * planned["activations"] + 1024, \
+            (r.stage, kept, planned)

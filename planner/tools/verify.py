@@ -228,6 +228,8 @@ class PipelineVerifyRow(_Errors):
     predicted_memory_bytes: int
     actual_memory_bytes: int
     memory_parts: tuple[tuple[str, int], ...]           # state/running_sums/activations/programs
+    # the plan's parts (params/grads/optimizer/activations/temporaries)
+    predicted_memory_parts: tuple[tuple[str, int], ...] = ()
 
 
 def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: int,
@@ -270,7 +272,8 @@ def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: i
             predicted_memory_bytes=int(st.predicted.memory_bytes),
             actual_memory_bytes=int(mem.total),
             memory_parts=tuple((k, v) for k, v in mem.to_dict().items()
-                               if k not in ("stage", "total"))))
+                               if k not in ("stage", "total")),
+            predicted_memory_parts=st.predicted.memory.parts() if st.predicted.memory else ()))
     return rows
 
 
