@@ -328,11 +328,11 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
     sub = sub_of(ps.flat, list(ps.eqns[s]), [v[x] for x in task.inputs], [v[x] for x in outs])
     # inside, the data axes are manual: the plan's layouts without them (its
-    # values and readers named by their ids in the smaller trace)
-    # (a value the smaller trace holds at another rank keeps no constraint)
+    # values and readers named by their ids in the smaller trace; a value the
+    # smaller trace holds at another rank keeps no constraint)
     small, big = ps.flat.avals, layouts.flat.avals
-
-    by_small = {e.outvars[0]: e for k in ps.eqns[s] for e in ps.flat.eqns[k:k + 1] if e.outvars}
+    by_small = {ps.flat.eqns[k].outvars[0]: ps.flat.eqns[k] for k in ps.eqns[s]
+                if ps.flat.eqns[k].outvars}
     by_big = {e.outvars[0]: e for e in layouts.flat.eqns if e.outvars}
 
     def operand_rank(by: Mapping[int, Any], avals: Mapping[int, Any], first: int, p: int) -> int:
