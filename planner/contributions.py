@@ -48,7 +48,7 @@ def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str
     an operator and those operators lie in at least two layers."""
     made_by = {o: k for k, (_, _, outs) in enumerate(ops) for o in outs}
     readers = _readers(ops)
-    summing = summing_adds(ops, marker)
+    summing = summing_adds(ops, marker, readers)
     moved: set[int] = set()
     leaves: set[int] = set()
     for k in sorted(summing, reverse=True):
@@ -72,10 +72,12 @@ def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str
     return frozenset(moved), frozenset(leaves)
 
 
-def summing_adds(ops: Sequence[Op], marker: str) -> frozenset[int]:
+def summing_adds(ops: Sequence[Op], marker: str,
+                 readers: dict[int, list[int]] | None = None) -> frozenset[int]:
     """The ``add_any`` operators whose result only the ``marker`` or other
-    such adds read: sums of contributions to a gradient."""
-    readers = _readers(ops)
+    such adds read: sums of contributions to a gradient.  ``readers``: value
+    id -> the operators reading it, when the caller has it already."""
+    readers = _readers(ops) if readers is None else readers
     summing: set[int] = set()
     for k in range(len(ops) - 1, -1, -1):     # (readers come later: one sweep)
         prim, _, outs = ops[k]
