@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM
-from ..graph import CONST, LITERAL, OPT_STATE, PARAM, STATE, Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
 # reduction's producers into its kernel, and on GPU the normalisation
@@ -176,7 +176,7 @@ def kept_after_fusion(graph: Graph, forward: Sequence[bool], reads: Iterable[int
     own = set(range(len(nodes))) if members is None else set(members)
     free = {i.tensor for i in graph.inputs if i.role in (PARAM, OPT_STATE, STATE)}
     free |= graph.constant_tensors
-    free |= {t.id for t in graph.tensors if t is not None and t.kind in (CONST, LITERAL)}
+    free |= graph.folded_tensors
     outputs = {o.tensor for o in graph.outputs}
 
     def in_memory(t: int) -> bool:

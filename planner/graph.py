@@ -151,6 +151,11 @@ class Graph:
         return frozenset(t for nid in self.constant_nodes for t in self.nodes[nid].outputs)
 
     @functools.cached_property
+    def folded_tensors(self) -> frozenset[int]:
+        """Constants and literals of the step (tensors of kind CONST or LITERAL)."""
+        return frozenset(t.id for t in self.tensors if t is not None and t.kind in (CONST, LITERAL))
+
+    @functools.cached_property
     def constant_nodes(self) -> frozenset[int]:
         """The nodes that make :attr:`constant_tensors` (their operands are
         literals, constants or other constant values)."""
