@@ -130,12 +130,13 @@ def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep
     if aligned is None:
         return None
     eqn, value = aligned
+    made_by = {o: j for j, fe in enumerate(flat.eqns) for o in fe.outvars}
     stages, ids, batch_dim, eqns = set(), set(), {}, {}
     for key, t in split.tasks.items():
         if key[0] != "B" or not t.accumulate:
             continue
         mine = _small_eqns(t, closure(dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)),
-                                      split, big), flat, eqn, value)
+                                      split, big), flat, eqn, value, made_by)
         dims = None if mine is None else _task_dims(t, big, flat, d, value, split.producer)
         if dims is not None and _data_parallel(t, dims, axes, lambda x: layout(x, key[1])):
             stages.add(key[1])
@@ -196,18 +197,18 @@ def align(big: FlatJaxpr, small: FlatJaxpr) -> tuple[dict[int, int], dict[int, i
 
 
 def _small_eqns(t: Task, eqn_ids: Sequence[int], small: FlatJaxpr, eqn: Mapping[int, int],
-                value: Mapping[int, int]) -> tuple[int, ...] | None:
+                value: Mapping[int, int], producer: Mapping[int, int]
+                ) -> tuple[int, ...] | None:
     """Backward ``t``'s equations (``eqn_ids`` of the step's trace) in the
     smaller trace: the matched ones and the unmatched ones they read (the
     broadcasts jax adds at a batch of one); None where a boundary value has
     no match, or the equations read a value neither they nor ``t``'s inputs
-    make."""
+    make.  ``producer``: value id -> the equation of ``small`` making it."""
     bounds = list(t.inputs) + list(t.outputs) + list(t.accumulate)
     if any(x not in value for x in bounds):
         return None
     matched = set(eqn.values())
     own = {eqn[k] for k in eqn_ids if k in eqn}
-    producer = {o: j for j, fe in enumerate(small.eqns) for o in fe.outvars}
     stack = [x for j in own for x in small.eqns[j].invars if isinstance(x, int)]
     stack += [value[x] for x in bounds]
     inputs = {value[x] for x in t.inputs}
