@@ -16,6 +16,7 @@ from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
+from ..ilp.accumulation import gradient_only, summed_axes
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -271,14 +272,15 @@ class LayerSolver:
         got = {k: res for part, out in zip(parts, pending.get()) for k, res in zip(part, out)}
         for key in keys:        # (in the order asked, as one by one)
             r, took, built = got[key]
-            _, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
+            job, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took
             if built is not None:
                 self._built[key] = built
             self.cache[key] = (None if r is None else
                                layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                      entering, selective, self.cluster))
+                                                      entering, selective, self.cluster,
+                                                      *_accumulating(job)))
         self.ilp_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
@@ -315,14 +317,15 @@ class LayerSolver:
             return None
         self.solves += 1
         t0 = time.perf_counter()
-        r, took, built = solve_job(self._job(sub, mesh, submesh, grads, grad_accum, tighten),
-                                   self.session.ilp_caches)
+        job = self._job(sub, mesh, submesh, grads, grad_accum, tighten)
+        r, took, built = solve_job(job, self.session.ilp_caches)
         if built is not None:
             self._built[key] = built
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
-                                                  entering, selective, self.cluster))
+                                                  entering, selective, self.cluster,
+                                                  *_accumulating(job)))
         self.ilp_s += time.perf_counter() - t0
         return self.cache[key]
 
@@ -338,28 +341,41 @@ class LayerSolver:
                            ilp_work_s=self.ilp_work_s, dp_s=self.dp_s, workers=self.workers)
 
 
+def _accumulating(job: tuple) -> tuple[frozenset[int], int]:
+    """(the gradients the layer makes, micro-batches) of a :meth:`LayerSolver._job`."""
+    return job[7], job[8]
+
+
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
                 saved: frozenset[int], crossing: frozenset[int],
                 entering: frozenset[int] | None = None,
                 selective: tuple[frozenset[int], frozenset[int]] | None = None,
-                cluster: ClusterSpec | None = None) -> LayerCost:
+                cluster: ClusterSpec | None = None, accumulate: frozenset[int] = frozenset(),
+                grad_accum: int = 1) -> LayerCost:
     """The layer's cost from its ILP.  ``entering``: the forward values of
     other layers it reads, what recomputation keeps per micro-batch (None:
     every boundary input).  ``selective``: the values selective recomputation
     makes again (their makers' time is priced on ``cluster``'s device) and
-    what it keeps per micro-batch instead of ``saved``."""
+    what it keeps per micro-batch instead of ``saved``.  ``accumulate``: the
+    parameter gradients the layer makes, summed over ``grad_accum``
+    micro-batches."""
     specs = dict(r.constraints)
     resident = boundary = grads = optimizer = 0.0
+    # With several micro-batches a gradient's running sum waits unreduced
+    # over the axes its makers sum over (reduced once a step): whole along them
+    waiting = _waiting_axes(sub, r, mesh, accumulate) if grad_accum > 1 else frozenset()
 
-    def local(t: int, spec) -> float:
-        return sub.tensors[t].nbytes / num_shards(spec_from_names(spec, mesh.axes), mesh.shape)
+    def local(t: int, spec, skip: frozenset[int] = frozenset()) -> float:
+        cut = tuple(tuple(a for a in d if a not in skip)
+                    for d in spec_from_names(spec, mesh.axes))
+        return sub.tensors[t].nbytes / num_shards(cut, mesh.shape)
 
     for inp, spec in zip(sub.inputs, r.input_specs):
         specs[inp.tensor] = spec
         if inp.role in (PARAM, OPT_STATE, STATE):
             resident += local(inp.tensor, spec)
         if inp.role == PARAM:
-            grads += local(inp.tensor, spec)
+            grads += local(inp.tensor, spec, waiting)
         elif inp.role == OPT_STATE:
             optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
@@ -382,6 +398,18 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
                      canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
                      sel_kept if again else None)
+
+
+def _waiting_axes(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
+                  accumulate: frozenset[int]) -> frozenset[int]:
+    """The mesh axes the layer's gradient-making operators sum over in the
+    chosen strategies (their partial sums are added over the micro-batches
+    and reduced once a step: runtime.pipeline_partial keeps them whole)."""
+    if not accumulate:
+        return frozenset()
+    chosen = dict(r.strategies)
+    made = gradient_only(sub, accumulate)[0]
+    return frozenset(a for n in made if n in chosen for a in summed_axes(chosen[n], mesh.axes))
 
 
 def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,

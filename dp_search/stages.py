@@ -112,19 +112,30 @@ class GroupCost:
             return self.selective_time_s, self.selective_saved_bytes, self.selective_transient_bytes
         return self.time_s, self.saved_bytes, self.transient_bytes
 
-    def memory(self, keep: int, remat: bool | str) -> MemoryBreakdown:
+    def memory(self, keep: int, remat: bool | str, one_program: bool = False) -> MemoryBreakdown:
         """The stage's memory per device with ``keep`` micro-batches in flight:
         resident state, plus what each micro-batch in flight keeps (its
         saved values; with full remat its inputs; with selective remat its
         saved values but the attention region's), plus one layer's working
-        set (its temporaries, or with remat its whole forward again).  The
-        gradients are counted in that working set (at most all of it).
+        set (its temporaries, or with remat its whole forward again), plus
+        the parameter gradients (:meth:`held_grads`).
         ``remat``: a bool (True: full) or a :data:`meshplan.recompute.RECOMPUTE` name."""
         _, kept, working = self.way(recompute_name(remat))
-        total = self.resident_bytes + keep * kept + working
+        held = self.held_grads(one_program)
+        total = self.resident_bytes + held + keep * kept + working
         return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
                                   optimizer=self.optimizer_bytes,
-                                  grads=min(self.grad_bytes, working), activations=keep * kept)
+                                  grads=held or min(self.grad_bytes, working),
+                                  activations=keep * kept)
+
+    def held_grads(self, one_program: bool) -> float:
+        """The gradient bytes held beside the working set.  A pipeline's
+        stage holds them all step: the running sums over the micro-batches,
+        or with one micro-batch what its backward program hands the update
+        program.  In one program (one stage, one micro-batch) XLA may update
+        a parameter as soon as its gradient is made: counted only inside
+        one layer's working set."""
+        return 0.0 if one_program else self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,7 @@ class StageCosts:
                 # (.zero_bubble): where the count is fixed, the DP sees it too
                 extra = self.zb_extra(i, j, s, self._stage_count())
         n = lay.submeshes[m].size
+        whole = lay.B == 1 and i == 0 and j == lay.layering.num_layers - 1   # one program
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / n
         if state > lay.budget:
             # its state alone, split evenly over the devices, cannot fit
@@ -306,21 +318,22 @@ class StageCosts:
             if priced is None:
                 continue
             send, c, ways = priced
+            held = c.held_grads(whole)
             for way, lat, kept, working in ways:
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and way == NONE else keep
-                mem = c.resident_bytes + n_kept * kept + working
-                left = lay.budget - n_kept * kept - working
+                mem = c.resident_bytes + held + n_kept * kept + working
+                left = lay.budget - held - n_kept * kept - working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(n_kept, way), way,
-                                       tighten)
+                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(n_kept, way, whole),
+                                       way, tighten)
                 if least is None or mem < least:
                     least, least_way = mem, (c, way, n_kept)
         if best is None and least is not None:
             c, way, n_kept = least_way
-            self._unfit(least, c.memory(n_kept, way), keep, way != NONE, (i, j), n, gi, gj, s)
+            self._unfit(least, c.memory(n_kept, way, whole), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
     def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int

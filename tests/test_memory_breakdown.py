@@ -190,3 +190,20 @@ def test_a_layer_that_fits_no_sharding_is_named_as_the_cause():
     assert ("some layer of every candidate stage has no sharding within the budget of "
             "83.9 KiB per device (1e-06 x 80.0 GiB) even on its own" in text), text
     assert "recomputation is off" in text
+
+
+def test_a_pipeline_stage_holds_its_gradients_beside_its_working_set():
+    """Running gradient sums (or the gradients a backward program hands the
+    update program) live all step, so they add to one layer's working set;
+    in one program they are counted inside it, as XLA may update each
+    parameter as soon as its gradient is made."""
+    from meshplan.dp_search.stages import GroupCost
+    c = GroupCost(time_s=1.0, resident_bytes=300.0, saved_bytes=40.0, transient_bytes=50.0,
+                  remat_time_s=1.3, boundary_bytes=10.0, activation_bytes=90.0,
+                  grad_bytes=100.0, optimizer_bytes=200.0)
+    staged = c.memory(keep=2, remat=False)
+    assert staged.to_dict() == {"params": 100, "grads": 100, "optimizer": 200,
+                                "activations": 80, "temporaries": 50}
+    assert staged.total == 300 + 100 + 2 * 40 + 50
+    alone = c.memory(keep=1, remat=False, one_program=True)
+    assert alone.total == 300 + 40 + 50 and alone.grads == 50     # (inside the working set)
