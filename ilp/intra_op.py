@@ -71,6 +71,21 @@ class InputLayouts:
         raise ValueError(f"InputLayouts(params={self.params!r})")
 
 
+@dataclass(frozen=True)
+class EachMicroBatch:
+    """An input filter that leaves every layout free but lets no gradient
+    sum wait for the step's last micro-batch (``batch_axes`` empty, see
+    :func:`meshplan.ilp.accumulation.deferrable`): each micro-batch's
+    gradients are reduced as they are made, ZeRO-2's way, so the running
+    sums keep their parameters' layout: less memory than sums kept whole
+    per data shard, for more communication.  The searched methods' pass
+    where memory binds (``Plan.reduce_grads_each_micro_batch``)."""
+    batch_axes: tuple[int, ...] = ()
+
+    def __call__(self, inp: GraphInput, spec: ISpec, tensor: Tensor | None = None) -> bool:
+        return True
+
+
 def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
                      cluster: ClusterSpec | None = None,
                      submesh: tuple[int, int] | None = None) -> list[LogicalMesh]:

@@ -287,6 +287,9 @@ class Plan:
     # an ILP behind this plan stopped at its time limit (its best incumbent
     # was used): why two runs may differ; in the JSON only when true
     ilp_time_limit_hit: bool = False
+    # the data-parallel gradient sums are reduced every micro-batch (ZeRO-2's
+    # way: less memory) rather than once a step; in the JSON only when true
+    reduce_grads_each_micro_batch: bool = False
 
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
@@ -361,6 +364,8 @@ class Plan:
             **({"alternatives": [a.to_dict() for a in self.alternatives]}
                if self.alternatives else {}),
             **({"ilp_time_limit_hit": True} if self.ilp_time_limit_hit else {}),
+            **({"reduce_grads_each_micro_batch": True} if self.reduce_grads_each_micro_batch
+               else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -392,6 +397,7 @@ class Plan:
                 layer_of_node=_unrle(d.get("layer_of_node", [])),
                 alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
                 ilp_time_limit_hit=bool(d.get("ilp_time_limit_hit", False)),
+                reduce_grads_each_micro_batch=bool(d.get("reduce_grads_each_micro_batch", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):

@@ -23,6 +23,8 @@ from .one_stage import plan_one_stage
 from .graph import IDENTITY_MARKERS, Graph
 from .methods import Method
 from .plan import Plan
+from .ilp import EachMicroBatch
+from .recompute import NONE
 from .request import PlanRequest
 from .trace import issue_warnings, trace_both
 from .trace.tracer import trace_micro
@@ -171,8 +173,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         # (offloading is planned for one stage: the whole-graph ILP's path)
         return Planned(plan_one_stage(graph, cluster, replace(request, pipeline=None), session))
     try:
-        p, stats = search_pipeline(graph, cluster, request.pipeline, method_name=request.method,
-                                   retrace=retrace, session=session, by_stage_count=explain)
+        p, stats = _searched(graph, cluster, request, retrace, session, explain)
     except InfeasiblePlanError as e:
         # no plan fits: one stage with the optimizer state in host memory may
         if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
@@ -196,3 +197,49 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)
+
+
+EACH_MICRO_BATCH_NOTE = (
+    "the data-parallel gradient sums are reduced every micro-batch, not once a step: memory "
+    "binds, and running sums in the parameters' layout fit a faster plan than sums kept "
+    "whole per data shard")
+
+
+def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
+              retrace: Callable[[int], Graph] | None, session: Session,
+              explain: bool) -> tuple[Plan, SearchStats]:
+    """The inter-operator search.  For a searched method where memory binds
+    (no plan fits, or a stage recomputes), the search again with every
+    gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`):
+    the faster plan (the first on a tie).  A hand-made method's layouts
+    stay as they are."""
+    opts = request.pipeline
+
+    def run(o) -> tuple[Plan, SearchStats]:
+        return search_pipeline(graph, cluster, o, method_name=request.method, retrace=retrace,
+                               session=session, by_stage_count=explain)
+
+    def eager(p: Plan) -> Plan:
+        return replace(p, notes=p.notes + (EACH_MICRO_BATCH_NOTE,),
+                       reduce_grads_each_micro_batch=True)
+
+    if opts.input_filter is not None or opts.fixed is not None:
+        return run(opts)
+    second = replace(opts, input_filter=EachMicroBatch())
+    try:
+        first = run(opts)
+    except InfeasiblePlanError as e:
+        try:
+            p, stats = run(second)
+        except InfeasiblePlanError:
+            raise e from None
+        return (eager(p) if p.num_micro_batches > 1 else p), stats
+    if all(s.recompute == NONE for s in first[0].stages):
+        return first        # (memory does not bind)
+    try:
+        p, stats = run(second)
+    except InfeasiblePlanError:
+        return first
+    if p.num_micro_batches > 1 and p.predicted.iteration_s < first[0].predicted.iteration_s:
+        return eager(p), stats
+    return first

@@ -31,10 +31,11 @@ batch (a whole value sent to another backward); running sums made by a
 forward program are reduced there, as before.  An input the plan lays out
 whole over the data axes is cut where it enters (a local slice), and a
 running sum the plan cuts over them is kept whole per data shard like the
-others and cut once a step by the means program: the communication the plan
-charges, with more memory than it counts for that sum.
-:func:`partial_sums` gives None when no stage qualifies, or for one
-micro-batch, no common data axes, or a batch that does not divide.
+others and cut once a step by the means program: the communication and the
+memory the plan charges (dp_search.solver counts such sums whole).
+:func:`partial_sums` gives None when no stage qualifies, for a plan that
+reduces its gradients every micro-batch, or for one micro-batch, no common
+data axes, or a batch that does not divide.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep
     ``closure(task, split, flat)``: the equations a task's program replays;
     ``layout(x, s)``: value ``x``'s planned layout on stage ``s``, if any."""
     m = int(plan.num_micro_batches)
-    if retrace is None:
+    if retrace is None or plan.reduce_grads_each_micro_batch:
         return None
     axes = _data_axes(plan)
     if m < 2 or axes is None:

@@ -1,0 +1,139 @@
+"""Where memory binds, the searched methods also try reducing every gradient
+each micro-batch (ZeRO-2's way): running sums in the parameters' layout
+instead of whole per data shard.  The runtime then keeps no partial sums, and
+the plan charges what runs."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import meshplan
+import meshplan.planning as planning
+from meshplan.dp_search import Session, search_pipeline
+from meshplan.errors import InfeasiblePlanError
+from meshplan.ilp import EachMicroBatch
+from meshplan.models import build_model
+from meshplan.runtime import hlo
+
+GPT = {"optimizer": "sgd"}
+
+
+@pytest.fixture(scope="module")
+def gpt_searched():
+    """gpt's two-stage, four-micro-batch plan searched both ways, and what ran it."""
+    m = build_model("gpt", GPT)
+    session = Session.from_env()
+    traced = planning.trace_function(m.train_step, m.abstract_args, tuple(m.batch_argnums),
+                                     "gpt", session)
+    cluster = meshplan.ClusterSpec.local()
+    opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=4).request(8).pipeline
+    plans = {}
+    for filt in (None, EachMicroBatch()):
+        p, _ = search_pipeline(traced.graph, cluster, dataclasses.replace(opts, input_filter=filt),
+                               method_name="pipeshard", retrace=traced.retrace, session=session)
+        plans[filt is not None] = p
+    return m, plans
+
+
+def _scripted(monkeypatch, base, first, second):
+    """search_pipeline answering ``first`` for the plain pass and ``second``
+    for the each-micro-batch pass (a Plan: ``base`` with these (recompute,
+    seconds); None: no plan fits); returns the filters it was asked with."""
+    asked = []
+
+    def answer(spec):
+        if spec is None:
+            raise InfeasiblePlanError("no plan fits (scripted)")
+        recompute, seconds = spec
+        return dataclasses.replace(
+            base, stages=tuple(dataclasses.replace(s, recompute=recompute, remat=recompute != "none")
+                               for s in base.stages),
+            predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), None
+
+    def fake(graph, cluster, opts, **kw):
+        asked.append(opts.input_filter)
+        return answer(second if isinstance(opts.input_filter, EachMicroBatch) else first)
+
+    monkeypatch.setattr(planning, "search_pipeline", fake)
+    return asked
+
+
+def _plan(method=None):
+    m = build_model("gpt", GPT)
+    return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.ClusterSpec.local(),
+                         method=method or meshplan.PipeshardParallel(num_micro_batches=4))
+
+
+def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, gpt_searched):
+    base = gpt_searched[1][False]
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5))
+    p = _plan()
+    assert len(asked) == 2 and p.reduce_grads_each_micro_batch
+    assert p.predicted.iteration_s == 1.5 and planning.EACH_MICRO_BATCH_NOTE in p.notes
+    # slower: the first plan stays
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 2.5))
+    p = _plan()
+    assert len(asked) == 2 and not p.reduce_grads_each_micro_batch and p.predicted.iteration_s == 2.0
+
+
+def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched):
+    base = gpt_searched[1][False]
+    asked = _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0))
+    assert not _plan().reduce_grads_each_micro_batch and asked == [None]
+    # nothing fits the plain way: the other way's plan
+    asked = _scripted(monkeypatch, base, None, ("selective", 3.0))
+    assert _plan().reduce_grads_each_micro_batch and len(asked) == 2
+    # nothing fits either way: the plain search's error
+    _scripted(monkeypatch, base, None, None)
+    with pytest.raises(InfeasiblePlanError, match="scripted"):
+        _plan()
+    # a hand-made method's layouts stay as they are
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.0))
+    _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
+    assert len(asked) == 1 and not isinstance(asked[0], EachMicroBatch)
+
+
+def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
+    m, plans = gpt_searched
+    plan = dataclasses.replace(plans[True], reduce_grads_each_micro_batch=True)
+    assert meshplan.Plan.from_json(plan.to_json()) == plan
+    state, batch = jax.device_get(m.init(0))
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    ref = jax.jit(m.train_step)
+    got, want = state, state
+    for _ in range(2):
+        got, metrics = step(got, batch)
+        want, ref_metrics = ref(want, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
+                    jax.tree_util.tree_leaves(jax.device_get(want))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+    assert step._fast[1].partial is None        # (no sums kept whole per data shard)
+    # each stage's collectives, as compiled, are what the plan charges
+    compiled = meshplan.parallelize(m.train_step, plan=plan).lower(*m.abstract_args).compile()
+    for s, st in enumerate(plan.stages):
+        actual = sum(compiled.runs(key) * hlo.collective_bytes(co.as_text())
+                     for key, co in compiled.stage(s).items())
+        assert abs(actual - st.predicted.comm_bytes) <= 0.1 * st.predicted.comm_bytes, (s, actual)
+    # and the running sums are counted in the parameters' layout: no more
+    # gradient bytes than parameter bytes (sums kept whole per data shard
+    # may count more)
+    for st in plan.stages:
+        assert st.predicted.memory.grads <= st.predicted.memory.params
+
+
+def test_the_runtime_keeps_no_partial_sums_for_such_a_plan():
+    # (a Manual plan whose data-parallel sums the runtime keeps whole per
+    # shard, marked as reducing them each micro-batch: the backwards reduce them)
+    m = build_model("gpt", GPT)
+    state, batch = jax.device_get(m.init(0))
+    plan = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(
+        dp=2, tp=2, pp=2, num_micro_batches=4))
+    for flag in (False, True):
+        step = meshplan.parallelize(
+            m.train_step, plan=dataclasses.replace(plan, reduce_grads_each_micro_batch=flag))
+        _, metrics = step(state, batch)
+        _, ref = jax.jit(m.train_step)(state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref["loss"]), rtol=1e-5)
+        assert (step._fast[1].partial is None) == flag
