@@ -215,10 +215,9 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     """The inter-operator search.  For a searched method, the search again
     with every gradient reduced each micro-batch
     (:class:`meshplan.ilp.EachMicroBatch`) where the first plan's waiting
-    sums would not run (its batch arguments are not cut over data axes,
-    :attr:`Plan.data_axes`, and it communicates), its plan then; or where
-    memory binds (no plan fits, or a stage recomputes), the faster plan
-    (the first on a tie).
+    sums would not run (its batch arguments are not cut over data axes:
+    :attr:`Plan.data_axes`), its plan then; or where memory binds (no plan
+    fits, or a stage recomputes), the faster plan (the first on a tie).
     A hand-made method's layouts stay as they are."""
     opts = request.pipeline
 
@@ -242,8 +241,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             raise e from None
         return eager(p, EACH_MICRO_BATCH_NOTE), stats
-    if first[0].num_micro_batches > 1 and first[0].data_axes is None \
-            and any(s.predicted.comm_bytes for s in first[0].stages):   # (else none waits)
+    if first[0].num_micro_batches > 1 and first[0].data_axes is None:
         try:
             p, stats = run(second)
         except InfeasiblePlanError:
