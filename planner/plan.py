@@ -291,22 +291,6 @@ class Plan:
     # way: less memory) rather than once a step; in the JSON only when true
     reduce_grads_each_micro_batch: bool = False
 
-    @property
-    def data_axes(self) -> tuple[str, ...] | None:
-        """The mesh axes every batch argument is cut over along dimension 0
-        (one answer for all of them), if any: those the pipeline runtime
-        keeps partial gradient sums on (runtime.pipeline_partial)."""
-        found = set()
-        for _, spec in self.batch:
-            first = spec[0] if spec else None
-            if first is None:
-                found.add(())
-            else:
-                found.add(tuple(first) if isinstance(first, (list, tuple)) else (first,))
-        if len(found) != 1:
-            return None
-        return found.pop() or None
-
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
         for a call with ``num_args`` arguments (the recorded ones win)."""

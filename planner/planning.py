@@ -203,32 +203,25 @@ EACH_MICRO_BATCH_NOTE = (
     "the data-parallel gradient sums are reduced every micro-batch, not once a step: memory "
     "binds, and running sums in the parameters' layout fit a faster plan than sums kept "
     "whole per data shard")
-WHOLE_BATCH_NOTE = (
-    "the gradients are reduced every micro-batch, as planned: the plan that lets their sums "
-    "wait for the step's last micro-batch leaves the batch arguments whole, and the runtime "
-    "keeps partial sums only over the axes that cut them")
 
 
 def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
               retrace: Callable[[int], Graph] | None, session: Session,
               explain: bool) -> tuple[Plan, SearchStats]:
-    """The inter-operator search.  For a searched method, the search again
-    with every gradient reduced each micro-batch
-    (:class:`meshplan.ilp.EachMicroBatch`) where the first plan's waiting
-    sums would not run (its batch arguments are not cut over data axes:
-    :attr:`Plan.data_axes`), its plan then; or where memory binds (no plan
-    fits, or a stage recomputes), the faster plan (the first on a tie).
-    A hand-made method's layouts stay as they are."""
+    """The inter-operator search.  For a searched method where memory binds
+    (no plan fits, or a stage recomputes), the search again with every
+    gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`):
+    the faster plan (the first on a tie).  A hand-made method's layouts
+    stay as they are."""
     opts = request.pipeline
 
     def run(o) -> tuple[Plan, SearchStats]:
         return search_pipeline(graph, cluster, o, method_name=request.method, retrace=retrace,
                                session=session, by_stage_count=explain)
 
-    def eager(p: Plan, why: str) -> Plan:
-        if p.num_micro_batches < 2:
-            return p        # (nothing is accumulated)
-        return replace(p, notes=p.notes + (why,), reduce_grads_each_micro_batch=True)
+    def eager(p: Plan) -> Plan:
+        return replace(p, notes=p.notes + (EACH_MICRO_BATCH_NOTE,),
+                       reduce_grads_each_micro_batch=True)
 
     if opts.input_filter is not None or opts.fixed is not None:
         return run(opts)
@@ -240,13 +233,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
             p, stats = run(second)
         except InfeasiblePlanError:
             raise e from None
-        return eager(p, EACH_MICRO_BATCH_NOTE), stats
-    if first[0].num_micro_batches > 1 and first[0].data_axes is None:
-        try:
-            p, stats = run(second)
-        except InfeasiblePlanError:
-            return first
-        return eager(p, WHOLE_BATCH_NOTE), stats
+        return (eager(p) if p.num_micro_batches > 1 else p), stats
     if all(s.recompute == NONE for s in first[0].stages):
         return first        # (memory does not bind)
     try:
@@ -254,5 +241,5 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     except InfeasiblePlanError:
         return first
     if p.num_micro_batches > 1 and p.predicted.iteration_s < first[0].predicted.iteration_s:
-        return eager(p, EACH_MICRO_BATCH_NOTE), stats
+        return eager(p), stats
     return first

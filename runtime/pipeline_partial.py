@@ -82,6 +82,22 @@ class PartialSums:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
 
+def _data_axes(plan: Plan) -> tuple[str, ...] | None:
+    """The axes every batch argument is cut over along dimension 0 (one
+    answer for all of them), if any."""
+    found = set()
+    for _, spec in plan.batch:
+        first = spec[0] if spec else None
+        if first is None:
+            found.add(())
+        else:
+            found.add(tuple(first) if isinstance(first, (list, tuple)) else (first,))
+    if len(found) != 1:
+        return None
+    axes = found.pop()
+    return axes or None
+
+
 def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep, plan: Plan,
                  meshes: Sequence[Mesh], split: StepSplit,
                  closure: Callable[..., list[int]],
@@ -94,7 +110,7 @@ def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep
     m = int(plan.num_micro_batches)
     if retrace is None or plan.reduce_grads_each_micro_batch:
         return None
-    axes = plan.data_axes
+    axes = _data_axes(plan)
     if m < 2 or axes is None:
         return None
     sizes = set()

@@ -22,28 +22,27 @@ GPT = {"optimizer": "sgd"}
 
 
 @pytest.fixture(scope="module")
-def base():
-    """gpt's two-stage, four-micro-batch plan as the plain search makes it
-    (its batch arguments whole), the scripted searches' raw material."""
+def gpt_searched():
+    """gpt's two-stage, four-micro-batch plan searched both ways, and what ran it."""
     m = build_model("gpt", GPT)
     session = Session.from_env()
     traced = planning.trace_function(m.train_step, m.abstract_args, tuple(m.batch_argnums),
                                      "gpt", session)
+    cluster = meshplan.ClusterSpec.local()
     opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=4).request(8).pipeline
-    return search_pipeline(traced.graph, meshplan.ClusterSpec.local(), opts,
-                           method_name="pipeshard", retrace=traced.retrace, session=session)[0]
+    plans = {}
+    for filt in (None, EachMicroBatch()):
+        p, _ = search_pipeline(traced.graph, cluster, dataclasses.replace(opts, input_filter=filt),
+                               method_name="pipeshard", retrace=traced.retrace, session=session)
+        plans[filt is not None] = p
+    return m, plans
 
 
-def _scripted(monkeypatch, base, first, second, cut=True):
+def _scripted(monkeypatch, base, first, second):
     """search_pipeline answering ``first`` for the plain pass and ``second``
     for the each-micro-batch pass (a Plan: ``base`` with these (recompute,
-    seconds), its batch cut over axis x where ``cut``; None: no plan fits);
-    returns the filters it was asked with."""
+    seconds); None: no plan fits); returns the filters it was asked with."""
     asked = []
-    if cut:
-        base = dataclasses.replace(base, batch=tuple((k, ("x",) + tuple(v[1:]))
-                                                     for k, v in base.batch))
-    assert (base.data_axes is not None) == cut
 
     def answer(spec):
         if spec is None:
@@ -65,10 +64,11 @@ def _scripted(monkeypatch, base, first, second, cut=True):
 def _plan(method=None):
     m = build_model("gpt", GPT)
     return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.ClusterSpec.local(),
-                         method=method or meshplan.PipeshardParallel(stages=2, num_micro_batches=4))
+                         method=method or meshplan.PipeshardParallel(num_micro_batches=4))
 
 
-def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, base):
+def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, gpt_searched):
+    base = gpt_searched[1][False]
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5))
     p = _plan()
     assert len(asked) == 2 and p.reduce_grads_each_micro_batch
@@ -79,7 +79,8 @@ def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, base):
     assert len(asked) == 2 and not p.reduce_grads_each_micro_batch and p.predicted.iteration_s == 2.0
 
 
-def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, base):
+def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched):
+    base = gpt_searched[1][False]
     asked = _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0))
     assert not _plan().reduce_grads_each_micro_batch and asked == [None]
     # nothing fits the plain way: the other way's plan
@@ -95,21 +96,9 @@ def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, base):
     assert len(asked) == 1 and not isinstance(asked[0], EachMicroBatch)
 
 
-def test_a_plan_leaving_the_batch_whole_reduces_each_micro_batch(monkeypatch, base):
-    # (the runtime keeps partial sums only over axes that cut the batch
-    # arguments: a plan that leaves them whole is planned again, and taken
-    # even when the plan that lets the sums wait predicts faster)
-    asked = _scripted(monkeypatch, base, ("none", 1.0), ("none", 2.0), cut=False)
-    p = _plan()
-    assert len(asked) == 2 and p.reduce_grads_each_micro_batch and p.predicted.iteration_s == 2.0
-    assert planning.WHOLE_BATCH_NOTE in p.notes
-
-
-def test_gradients_reduced_each_micro_batch_run_as_planned():
-    m = build_model("gpt", GPT)
-    plan = _plan()      # (searched: it leaves the batch arguments whole)
-    assert len(plan.stages) == 2
-    assert plan.reduce_grads_each_micro_batch and planning.WHOLE_BATCH_NOTE in plan.notes
+def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
+    m, plans = gpt_searched
+    plan = dataclasses.replace(plans[True], reduce_grads_each_micro_batch=True)
     assert meshplan.Plan.from_json(plan.to_json()) == plan
     state, batch = jax.device_get(m.init(0))
     step = meshplan.parallelize(m.train_step, plan=plan)
