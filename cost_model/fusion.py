@@ -154,6 +154,14 @@ def materialised(graph: Graph) -> set[int]:
 RECOMPUTABLE = (LOOP_FUSIBLE - RANDOM - BARRIERS) | frozenset({"reshape"})
 
 
+def backward_reads(graph: Graph, forward: Sequence[bool]) -> set[int]:
+    """The forward values the backward's operators read, before fusion (what
+    :func:`kept_after_fusion` takes for a whole step)."""
+    made = graph.producer
+    return {t for n in graph.nodes if not forward[n.id] for t in n.inputs
+            if made.get(t) is not None and forward[made[t]]}
+
+
 def kept_after_fusion(graph: Graph, forward: Sequence[bool], reads: Iterable[int],
                       members: Iterable[int] | None = None) -> frozenset[int]:
     """The forward values a backward keeps once XLA has fused it, given the

@@ -327,13 +327,11 @@ def fused_replay(traced: TracedStep, schedule: str) -> frozenset[int]:
     :func:`meshplan.cost_model.fusion.kept_after_fusion` does not keep, as
     the planner's activation memory counts).  None under ZB-H1, whose weight
     gradients are cut from backwards that replay nothing."""
-    from meshplan.cost_model.fusion import RECOMPUTABLE, kept_after_fusion
+    from meshplan.cost_model.fusion import RECOMPUTABLE, backward_reads, kept_after_fusion
     g = traced.graph
     if g is None or schedule == "zb-h1":
         return frozenset()
     fwd = traced.forward
-    reads = {t for n in g.nodes if not fwd[n.id] for t in n.inputs
-             if g.producer.get(t) is not None and fwd[g.producer[t]]}
-    kept = kept_after_fusion(g, fwd, reads)
+    kept = kept_after_fusion(g, fwd, backward_reads(g, fwd))
     return frozenset(n.id for n in g.nodes if fwd[n.id] and n.primitive in RECOMPUTABLE
                      and not any(o in kept for o in n.outputs))

@@ -141,18 +141,18 @@ class Transfers:
         out: dict[int, list[Any]] = {}
         host: list[tuple[int, list[Any], NamedSharding]] = []
         mb, m = self.mb, self.m
-        for i in self._batch_on[s] if i in self._batch_on[s] else [i]:
-            x, sh = leaf_of[i], self.layouts.arg(i, s)
+        for j in self._batch_on[s] if i in self._batch_on[s] else [i]:
+            x, sh = leaf_of[j], self.layouts.arg(j, s)
             if isinstance(x, jax.Array):
-                out[i] = [place(x, sh)] if m == 1 else jax.device_put(_split_rows(x, m), sh)
+                out[j] = [place(x, sh)] if m == 1 else jax.device_put(_split_rows(x, m), sh)
             else:
                 x = np.asarray(x)
-                host.append((i, [x[k * mb:(k + 1) * mb] for k in range(m)] if m > 1 else [x], sh))
+                host.append((j, [x[k * mb:(k + 1) * mb] for k in range(m)] if m > 1 else [x], sh))
         if host:
             flat = jax.device_put([p for _, pieces, _ in host for p in pieces],
                                   [sh for _, pieces, sh in host for _ in pieces])
-            for k, (i, _, _) in enumerate(host):
-                out[i] = flat[k * m:(k + 1) * m]
+            for k, (j, _, _) in enumerate(host):
+                out[j] = flat[k * m:(k + 1) * m]
         return out
 
     # ---- multi-host ---------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import meshplan
-from meshplan.cost_model.fusion import kept_after_fusion
+from meshplan.cost_model.fusion import backward_reads, kept_after_fusion
 from meshplan.dp_search.layers import saved_for_backward
 from meshplan.dp_search.problem import layer_problems
 from meshplan.errors import MeshplanError
@@ -25,12 +25,6 @@ def _step_graph(loss, w, x):
     def step(w, x):
         return meshplan.value_and_grad(loss)(w, x)
     return trace(step, w, x, batch_argnums=(1,))
-
-
-def _reads(g, fwd):
-    """Forward values the traced backward reads (before fusion)."""
-    return {t for n in g.nodes if not fwd[n.id] for t in n.inputs
-            if (p := g.producer.get(t)) is not None and fwd[p]}
 
 
 def _by_primitive(g, ts):
@@ -49,7 +43,7 @@ def test_gelu_chain_keeps_its_input_not_its_intermediates():
         return jnp.sum(y @ w.T)
     g = _step_graph(loss, w, x)
     fwd = forward_nodes(g)
-    reads = _reads(g, fwd)
+    reads = backward_reads(g, fwd)
     kept = kept_after_fusion(g, fwd, reads)
     assert "tanh" in _by_primitive(g, reads)
     assert "tanh" not in _by_primitive(g, kept)
@@ -74,7 +68,7 @@ def test_dropout_mask_kept_at_one_byte_an_element():
         return jnp.sum(jnp.where(keep, h / 0.9, 0.0) @ w)
     g = _step_graph(loss, w, batch)
     fwd = forward_nodes(g)
-    kept = kept_after_fusion(g, fwd, _reads(g, fwd))
+    kept = kept_after_fusion(g, fwd, backward_reads(g, fwd))
     masks = [t for t in kept if g.tensors[t].dtype == "bool"]
     assert len(masks) == 1 and g.tensors[masks[0]].nbytes == 32 * 64
     assert not any(g.tensors[t].dtype == "uint32" for t in kept)
