@@ -42,7 +42,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -485,11 +485,14 @@ def _place_gradients(graph: Graph, marker, layer: list[int], tensor_layer: dict[
 
 
 def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
-                   view: UnmarkedView | None = None) -> Graph:
+                   view: UnmarkedView | None = None,
+                   batch_dim: Mapping[int, int] | None = None) -> Graph:
     """The nodes of layers ``first..last`` as a Graph of their own: values from
     other layers enter as inputs (role ``boundary``), values other layers or the
     step's outputs need leave as outputs.  ``view``: :func:`unmarked_view`
-    of ``graph`` (made here if not given)."""
+    of ``graph`` (made here if not given).  ``batch_dim``: value -> its
+    dimension holding the micro-batch's rows (graph.batch_dims_between),
+    kept on the boundary inputs."""
     # identity markers (the gradient marker gathers every layer's gradients)
     # are read through: a layer's update reads its own layer's gradient
     v = view or unmarked_view(graph, layering)
@@ -510,7 +513,8 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
             if t in orig_inputs:
                 inputs.append(orig_inputs[t])
             else:
-                inputs.append(GraphInput(t, -1, f"t{t}", BOUNDARY))
+                inputs.append(GraphInput(t, -1, f"t{t}", BOUNDARY,
+                                         (batch_dim or {}).get(t)))
     index = {i.tensor: k for k, i in enumerate(inputs)}
     outputs: list[GraphOutput] = []
     consumers = graph.consumers
@@ -668,7 +672,7 @@ def structural_hash(graph: Graph) -> str:
     r = {t: k for k, t in enumerate(canonical_tensors(graph))}
     ts = graph.tensors
     ins = [(r[i.tensor], ts[i.tensor].shape, ts[i.tensor].dtype,
-            i.role if i.role != BOUNDARY else "b") for i in graph.inputs]
+            i.role if i.role != BOUNDARY else "b", i.batch_dim) for i in graph.inputs]
     nodes = [(n.primitive, tuple(r[t] for t in n.inputs), tuple(r[t] for t in n.outputs),
               tuple((ts[t].shape, ts[t].dtype) for t in n.outputs),
               n.params if n.primitive != "scan" else n.params[:3])

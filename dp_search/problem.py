@@ -5,6 +5,7 @@ stage may take."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from ..cluster import ClusterSpec
 from ..contributions import graph_ops, once_a_step
@@ -97,7 +98,10 @@ class LayerProblems:
         return out
 
 
-def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions) -> LayerProblems:
+def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions,
+                   batch_dim: Mapping[int, int] | None = None) -> LayerProblems:
+    """``g``: the step at ``B`` micro-batches; ``batch_dim``: its values'
+    dimensions holding a micro-batch's rows (graph.batch_dims_between)."""
     # at least as many layers as a fixed number of stages needs
     need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
     if opts.schedules == ("interleaved",):
@@ -120,7 +124,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         S = opts.num_stages
         n_groups = S * (min(n_groups, L) // S)
     view = unmarked_view(g, layering)
-    subs = [layer_subgraph(g, layering, l, l, view) for l in range(L)]
+    subs = [layer_subgraph(g, layering, l, l, view, batch_dim) for l in range(L)]
     fwd_flops = [sum(view.graph.nodes[nid].flops for nid in members if view.forward[nid])
                  for members in view.members]
     region = selective_nodes(view.graph, view.forward)

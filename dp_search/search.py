@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, PARAM, Graph, batch_shaped_draws
+from ..graph import BATCH, PARAM, Graph, batch_dims_between, batch_shaped_draws
 from ..plan import Plan
 from ..units import human_bytes
 from .assemble import pipeline_plan
@@ -118,7 +118,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         why = batch_shaped_draws(graph, g) if B > 1 else None
         if why:     # (never plan what the runtime would refuse)
             return TraceError(why)
-        return layer_problems(g, B, cluster, opts)
+        return layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
 
     try:
         while todo:

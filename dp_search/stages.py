@@ -3,9 +3,9 @@ costs, Alpa's stage-submesh DP (:mod:`.stage_dp`) per schedule, the fastest
 schedule kept.
 
 A stage's latency is the sum of its layers' ILP latencies on the stage's
-logical mesh (resharding between layers of one stage is not modelled: the
-layers of a stage share a mesh and identical blocks agree on their boundary
-layout), plus sending the activations and their gradients to the next stage
+logical mesh, plus resharding the values its layers hand each other where
+a hand-made method's plans disagree on a layout (:mod:`.joints`), plus sending the
+activations and their gradients to the next stage
 (:func:`meshplan.cost_model.pipeline.stage_send_s`).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cluster import ClusterSpec
+from ..cost_model.mesh import MeshModel, mesh_model
 from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import accumulation_s, in_flight, shared_compute_iteration_s, stage_send_s
 from ..errors import InfeasiblePlanError
@@ -22,6 +23,7 @@ from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
 from .interleave import CHUNKS, interleave, why_not_interleaved
+from .joints import Flow, flow_cost, joint_cost, layer_flows
 from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
@@ -202,6 +204,15 @@ class StageCosts:
         self.not_interleaved: str | None = None
         self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
         self._zb_kept: tuple[list[float], list[float]] | None = None   # .zero_bubble.kept_parts
+        # A hand-made method fixes the layouts layers hand each other (rows
+        # over the data axis, sequence parallelism's cuts), so a mismatch is
+        # the method's and runs as priced.  A searched method leaves them
+        # free in each layer's ILP: a mismatch there is one of ties that a
+        # joint solve would break alike, so it is not charged (Alpa's
+        # assumption, optimistic where the layers really disagree).
+        self.flows = layer_flows(lay.subs) if solver.options.input_filter is not None else ()
+        self._flow_cost: dict[tuple[Flow, int, int, int], tuple[float, float]] = {}
+        self._mesh_models: dict[tuple[int, int], MeshModel] = {}
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
             self.state_prefix.append(self.state_prefix[-1] + b)
@@ -212,6 +223,26 @@ class StageCosts:
             self._layer[l, m, k, tighten] = self.solver.layer_cost(*self.lay.request(l, m, k),
                                                                    tighten=tighten)
         return self._layer[l, m, k, tighten]
+
+    def joint(self, i: int, j: int, m: int, k: int, tighten: int = 1) -> tuple[float, float]:
+        """Seconds and bytes per micro-batch of resharding what layers
+        ``i..j`` hand each other as one stage on mesh ``k`` of submesh ``m``
+        (:mod:`.joints`)."""
+        def cost(f: Flow) -> tuple[float, float]:
+            key = (f, m, k, tighten)
+            if key not in self._flow_cost:
+                maker, reader = (self.layer(l, m, k, tighten) for l in (f.maker, f.reader))
+                self._flow_cost[key] = flow_cost(f, self.lay.g, maker, reader,
+                                                 self._mesh_model(m, k))
+            return self._flow_cost[key]
+        return joint_cost(self.flows, i, j, cost)
+
+    def _mesh_model(self, m: int, k: int) -> MeshModel:
+        if (m, k) not in self._mesh_models:
+            sub = self.lay.submeshes[m]
+            self._mesh_models[m, k] = mesh_model(self.solver.cluster, self.lay.meshes_of[m][k],
+                                                 submesh=(sub.hosts, sub.devices_per_host))
+        return self._mesh_models[m, k]
 
     def send_s(self, j: int, m: int, k: int, tighten: int = 1) -> float:
         """Seconds a stage ending with layer ``j`` (on mesh ``k`` of submesh ``m``)
@@ -353,8 +384,9 @@ class StageCosts:
             return None
         send = self.send_s(lay.groups[gj][1], m, k, tighten)
         c = GroupCost.of_groups(rows)
+        joint_s = self.joint(lay.groups[gi][0], lay.groups[gj][1], m, k, tighten)[0]
         # a stage launches a forward and a backward program per micro-batch
-        fixed = send + 2 * lay.dispatch_s + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
+        fixed = send + joint_s + 2 * lay.dispatch_s + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
                                                             lay.accumulate_passes)
         # each micro-batch in flight keeps what its backward reads; the one
         # being processed also needs its layer's temporaries.  With remat

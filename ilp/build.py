@@ -293,6 +293,7 @@ class _Builder:
             if input_filter is not None:
                 specs = tuple(s for s in specs if input_filter(inp, s, t)) or \
                     (replicated(len(t.shape)),)
+                specs = _rows_cut(specs, inp, getattr(input_filter, "batch_axes", ()))
             strategies = [Strategy("in", (), (s,), 0.0, 0.0, 0.0) for s in specs]
             g = Group(len(self.groups), f"in{k}", None, k, strategies)
             g.specs = [{inp.tensor: s} for s in specs]
@@ -513,11 +514,20 @@ class _Builder:
         pinned = {graph.inputs[g.input_index].tensor: g.specs[0][graph.inputs[g.input_index].tensor]
                   for g in groups if g.input_index is not None and g.size == 1
                   and graph.inputs[g.input_index].role in _METHOD_ROLES}
+        # an activation's rows stay cut over the method's data axes where it
+        # is read: a pipeline's backward runs on each data shard's own rows
+        # (runtime.pipeline_partial), it never gathers them
+        data = tuple(sorted(self.defer_axes or ()))
+        rows = {i.tensor: i.batch_dim for i in graph.inputs
+                if data and i.role not in _METHOD_ROLES and i.batch_dim is not None}
+        if not pinned and not rows:
+            return
         for g in groups:
-            if g.input_index is not None or not pinned:
+            if g.input_index is not None:
                 continue
             ok = [j for j in range(g.size)
-                  if not any(t in pinned and self.rs.steps(t, pinned[t], req)
+                  if not any((t in pinned and self.rs.steps(t, pinned[t], req))
+                             or (t in rows and req[rows[t]][:len(data)] != data)
                              for t, req in g.reads[j])]
             if ok and len(ok) < g.size:
                 _restrict(g, ok)
@@ -668,6 +678,20 @@ def stored_liveness(graph: Graph) -> Liveness:
                  if t not in const and t in kept}
     return Liveness(intervals, live_bytes(intervals, len(graph.nodes),
                                           lambda t: graph.tensors[t].nbytes))
+
+
+def _rows_cut(specs: tuple[ISpec, ...], inp: GraphInput, axes: tuple[int, ...]
+              ) -> tuple[ISpec, ...]:
+    """Of ``specs``, those cutting the micro-batch's rows of a value from
+    another layer (``inp.batch_dim``) over the data ``axes`` first, where
+    one is on offer: the runtime cuts such a value planned whole where it
+    enters (runtime.pipeline_partial), so its gradients are partial sums
+    over those axes, charged, not work repeated on every data shard."""
+    d = inp.batch_dim
+    if d is None or not axes:
+        return specs
+    cut = tuple(s for s in specs if d < len(s) and s[d][:len(axes)] == tuple(axes))
+    return cut or specs
 
 
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,

@@ -109,6 +109,9 @@ class GraphInput:
     argnum: int
     path: str        # jax.tree_util.keystr of the leaf inside its argument
     role: str
+    # a layer subgraph's boundary value: its dimension that carries the
+    # micro-batch's rows (see batch_dims_between), None if none or unknown
+    batch_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,25 @@ def batch_shaped_draws(full: Graph, micro: Graph) -> str | None:
     draws; None if it can (:func:`draw_batch_dims`)."""
     dims = draw_batch_dims(random_draw_shapes(full), random_draw_shapes(micro))
     return dims if isinstance(dims, str) else None
+
+
+def batch_dims_between(full: Graph, micro: Graph, B: int) -> dict[int, int]:
+    """Per value of ``micro`` (the step traced at ``B`` micro-batches) that is
+    ``full``'s value (the step at the full batch) cut along one dimension
+    into ``B``: that dimension.  Empty where the two are not the same
+    operators on the same values (then nothing is known)."""
+    if B < 2 or len(full.tensors) != len(micro.tensors) or len(full.nodes) != len(micro.nodes) \
+            or any(a.primitive != b.primitive or a.outputs != b.outputs
+                   for a, b in zip(full.nodes, micro.nodes)):
+        return {}
+    out = {}
+    for t, (a, b) in enumerate(zip(full.tensors, micro.tensors)):
+        if a is None or b is None or len(a.shape) != len(b.shape):
+            continue
+        diff = [d for d, (p, q) in enumerate(zip(a.shape, b.shape)) if p != q]
+        if len(diff) == 1 and a.shape[diff[0]] == B * b.shape[diff[0]]:
+            out[t] = diff[0]
+    return out
 
 
 def draw_batch_dims(full: Sequence[tuple[int, ...]], micro: Sequence[tuple[int, ...]]
