@@ -386,8 +386,8 @@ class StageCosts:
         c = GroupCost.of_groups(rows)
         joint_s = self.joint(lay.groups[gi][0], lay.groups[gj][1], m, k, tighten)[0]
         # a stage launches a forward and a backward program per micro-batch
-        fixed = send + joint_s + 2 * lay.dispatch_s + accumulation_s(c.grad_bytes, lay.B, lay.memory_bw,
-                                                            lay.accumulate_passes)
+        fixed = send + joint_s + 2 * lay.dispatch_s + accumulation_s(
+            c.grad_bytes, lay.B, lay.memory_bw, lay.accumulate_passes)
         # each micro-batch in flight keeps what its backward reads; the one
         # being processed also needs its layer's temporaries.  With remat
         # a stage keeps only its inputs and recomputes a layer's forward
