@@ -11,8 +11,8 @@ import pytest
 import meshplan
 from meshplan.cluster import Achieved, ClusterSpec, DeviceSpec, LinkSpec
 from meshplan.cost_model.collectives import all_gather, all_reduce, reduce_scatter
-from meshplan.cost_model.compute import (compute_time, kernel_fixed_time, launch_time,
-                                         wave_utilisation)
+from meshplan.cost_model.compute import (SPLIT_K_MIN_DEPTH, compute_time, kernel_fixed_time,
+                                         launch_time, wave_utilisation)
 from meshplan.cost_model.fusion import kernels
 from meshplan.cost_model.mesh import mesh_model
 from meshplan.cost_model.pipeline import shared_compute_iteration_s
@@ -86,8 +86,21 @@ def test_compute_at_achieved_rates_with_wave_quantization():
     # ... unless it is a matrix-vector product (fewer rows than one MMA's)
     assert wave_utilisation(dev, 200, out_side=8) == 1.0
     assert wave_utilisation(dev, 200, out_side=64) == pytest.approx(2 / 4)
+    # a matmul summing 256 products per output (2 x 500 x 256 FLOPs) is too
+    # shallow to split: its two waves stay 5/8 full
+    assert compute_time(dev, 256e3, 0.0, "float32", out_elements=500) == pytest.approx(
+        256e3 / (50e12 * 5 / 8))
+    # split-K: a reduction of two SPLIT_K_MIN_DEPTH slices may run on twice the
+    # units -- 2 tiles x 2 fill the 4 units; 5 tiles x 2 = 10 fill 10 of 12
+    deep = 2 * SPLIT_K_MIN_DEPTH
+    assert wave_utilisation(dev, 200, depth=deep) == 1.0
+    assert wave_utilisation(dev, 500, depth=deep) == pytest.approx(10 / 12)
+    assert wave_utilisation(dev, 500, depth=deep - 1) == pytest.approx(5 / 8)
+    # the split that fills best is taken: 5 tiles over 4 units, 4 ways: 20 = 5 waves
+    assert wave_utilisation(dev, 500, depth=4 * SPLIT_K_MIN_DEPTH) == 1.0
+    # compute_time reads the depth off the FLOPs: 2 x 500 x 1e9 is deep, all units busy
     assert compute_time(dev, 1e12, 0.0, "float32", out_elements=500) == pytest.approx(
-        1e12 / (50e12 * 5 / 8))
+        1e12 / 50e12)
     # memory-bound at 80% of the bandwidth
     assert compute_time(dev, 0.0, 8e9, "float32") == pytest.approx(8e9 / 0.8e12)
     assert launch_time(_device(kernel_launch_s=5e-6), 3) == pytest.approx(15e-6)

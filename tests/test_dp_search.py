@@ -252,7 +252,10 @@ def test_gradient_accumulation_pays_gradient_reduction_once_per_iteration():
     from meshplan.graph import strip_markers
     from meshplan.ilp import solve_intra_op
     from meshplan.plan import LogicalMesh
-    m = build_model("mlp", {"batch": "4096", "in_dim": "256", "hidden": "256"})
+    # (wide enough that data parallelism is the ILP's choice: at width 256
+    # gathering the batch and running each weight gradient whole, split-K,
+    # ties with it)
+    m = build_model("mlp", {"batch": "4096", "in_dim": "1024", "hidden": "1024"})
     g = trace(m.train_step, *m.abstract_args)
     grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary" for t in n.inputs)
     assert len(grads) == len([i for i in g.inputs if i.role == "param"])
