@@ -56,11 +56,15 @@ def _f(**tflops: float) -> tuple[tuple[str, float], ...]:
 # gap on the stream, and one jitted XLA program launched from Python.
 GPU_KERNEL_LAUNCH_S = 5e-6          # estimate (V100/A100 generation)
 GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
-# Hopper, measured with XLA (jax 0.11.2) on an H200 by benchmarks/gpu_check.py
-# (benchmarks/results/gpu_check.md), two runs: the median bf16 TFLOP/s of its
-# 7 large transformer-shaped GEMMs (14 timings), the mean streaming bandwidth
-# of 1 GiB arrays, and meshplan calibrate's kernel launch.
-HOPPER_MATMUL_TFLOPS = 716.4        # of 989.4 peak (H100 and H200 share the GH100 die)
+# Hopper, measured with XLA (jax 0.11.2).  The matmul rate is what the GEMMs
+# of a train step achieve: the median bf16 TFLOP/s of the unbatched GEMMs of
+# the gpt-h2048-l8-b8 step profiled on an H100 (benchmarks/gpu_profile.py,
+# benchmarks/results/gpu_profile.md; 6 shapes, 776-837).  Chains of 16 equal
+# GEMMs timed apart ran slower, 716 on an H200 and 711 on the H100
+# (benchmarks/results/gpu_check.md); the 350M step's GEMMs ran at 740-820,
+# as in the h2048 step.  The streaming bandwidth is the mean of 1 GiB arrays
+# on an H200, and the kernel launch meshplan calibrate's there.
+HOPPER_MATMUL_TFLOPS = 811.4        # of 989.4 peak (H100 and H200 share the GH100 die)
 H200_STREAM_BYTES_PER_S = 4.39e12   # of 4.8e12 peak
 HOPPER_KERNEL_LAUNCH_S = 2.3e-6
 # A kernel's floor (its shortest time, launch included), the medians of the
