@@ -86,6 +86,19 @@ def median_s(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def waited_steps(f: Callable, s: Any, batch: Any, steps: int) -> tuple[list[float], Any]:
+    """(seconds of each of ``steps`` calls ``s, _ = f(s, batch)``, each waited
+    for before the next is made; the last ``s``)."""
+    import jax
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        s, _ = f(s, batch)
+        jax.block_until_ready(s)
+        times.append(time.perf_counter() - t)
+    return times, s
+
+
 def per_kernel_s(make: Callable[[int], Callable[[], Any]], repeats: int) -> float:
     """One kernel's time from chains of 1 and R_MAX kernels (dispatch cancels)."""
     t1 = median_s(make(1), repeats)
@@ -217,12 +230,7 @@ def step_rows(clusters: dict[str, Any], quick: bool, steps: int, log, rows: list
                 s, metrics = runner(state, batch)
                 jax.block_until_ready(s)
                 row["loss_rel_err"] = abs(float(metrics["loss"]) - ref_loss) / abs(ref_loss)
-                times = []
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    s, metrics = runner(s, batch)
-                    jax.block_until_ready(s)
-                    times.append(time.perf_counter() - t)
+                times, s = waited_steps(runner, s, batch, steps)
                 row["measured_ms"] = statistics.median(times) * 1e3
                 if label == "mb=1":    # XLA's own account of the program's memory
                     m = runner.lower(s, batch).compile().memory_analysis()
@@ -241,12 +249,7 @@ def step_rows(clusters: dict[str, Any], quick: bool, steps: int, log, rows: list
         f = jax.jit(model.train_step)
         s, _ = f(state, batch)
         jax.block_until_ready(s)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            s, _ = f(s, batch)
-            jax.block_until_ready(s)
-            times.append(time.perf_counter() - t)
+        times, s = waited_steps(f, s, batch, steps)
         rows.append({"model": name, "method": "jax.jit", "measured_ms":
                      statistics.median(times) * 1e3})
         log(f"step {name} jax.jit: {rows[-1]['measured_ms']:.2f} ms")

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from gpu_check import QUICK_STEP_MODELS, STEP_MODELS, device_like  # noqa: E402
+from gpu_check import QUICK_STEP_MODELS, STEP_MODELS, device_like, waited_steps  # noqa: E402
 
 RAW_LIMIT = 15 << 20        # raw traces larger than this (gzipped) stay behind
 
@@ -172,6 +172,27 @@ def model_side(profile: dict) -> dict:
             "iteration_ms": plan.predicted.iteration_s * 1e3}
 
 
+def _rate(meas: dict, model: dict, size: int) -> float:
+    """TFLOP/s of the matmuls with results of ``size`` elements: the model's
+    FLOPs over the measured time (nan where either side has none)."""
+    mt = meas["matmuls"].get(size, (0, 0.0))[1]
+    if not mt or size not in model["matmuls"]:
+        return float("nan")
+    return model["flops"][size] / (mt * 1e-3) / 1e12
+
+
+def plain_gemm_rates(meas: dict, model: dict) -> list[float]:
+    """TFLOP/s of each result size whose matmuls are all plain 2-D products
+    and ran as the kernels the model counts (no split-K, nothing batched):
+    what a step's GEMMs achieve."""
+    out = []
+    for size, (mk, _) in meas["matmuls"].items():
+        pk = model["matmuls"].get(size, (0, 0.0))[0]
+        if mk and round(mk) == round(pk) and size not in model["batched"]:
+            out.append(_rate(meas, model, size))
+    return out
+
+
 def _row(cells: Sequence[Any]) -> str:
     def cell(x: Any) -> str:
         if isinstance(x, float):
@@ -216,15 +237,12 @@ def analyze(paths: Sequence[str]) -> str:
                   _row(["---"] * 7)]
         sizes = sorted(set(meas["matmuls"]) | set(model["matmuls"]),
                        key=lambda s: -meas["matmuls"].get(s, [0, 0])[1])
-        plain = []
         for s in sizes:
             mk, mt = meas["matmuls"].get(s, (0, 0.0))
             pk, pt = model["matmuls"].get(s, (0, 0.0))
-            rate = model["flops"].get(s, 0.0) / (mt * 1e-3) / 1e12 if mt and pt else float("nan")
-            lines.append(_row([s, f"{mk:.0f}", mt, rate, f"{pk:.0f}", pt,
+            lines.append(_row([s, f"{mk:.0f}", mt, _rate(meas, model, s), f"{pk:.0f}", pt,
                                pt / mt if mt else float("nan")]))
-            if mk and round(mk) == round(pk) and s not in model["batched"]:
-                plain.append(rate)
+        plain = plain_gemm_rates(meas, model)
         if plain:
             lines += ["", f"Unbatched GEMMs (rows of plain 2-D products, as many kernels as "
                       f"the model counts): median {statistics.median(plain):.1f} TFLOP/s "
@@ -267,12 +285,7 @@ def profile_model(name: str, config: dict, out: pathlib.Path, steps: int, profil
     compile_s = time.perf_counter() - t
     s, _ = f(state, batch)
     jax.block_until_ready(s)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        s, _ = f(s, batch)
-        jax.block_until_ready(s)
-        times.append(time.perf_counter() - t)
+    times, s = waited_steps(f, s, batch, steps)
     # the same steps dispatched back to back, waited for once: the host
     # prepares step i+1 while the device runs step i (jax's async dispatch)
     jax.block_until_ready(s)
@@ -294,9 +307,7 @@ def profile_model(name: str, config: dict, out: pathlib.Path, steps: int, profil
         f"a call, {buffers} argument buffers (compile {compile_s:.0f} s)")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            for _ in range(profile_steps):
-                s, _ = f(s, batch)
-                jax.block_until_ready(s)
+            s = waited_steps(f, s, batch, profile_steps)[1]
         found = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
         if not found:
             raise RuntimeError(f"the profiler wrote no trace under {tmp}")
