@@ -61,7 +61,8 @@ GPU_PROGRAM_DISPATCH_S = 50e-6      # estimate
 # the gpt-h2048-l8-b8 step profiled on an H100 (benchmarks/gpu_profile.py,
 # benchmarks/results/gpu_profile.md; 6 shapes, 776-837).  Chains of 16 equal
 # GEMMs timed apart ran slower, 716 on an H200 and 711 on the H100
-# (benchmarks/results/gpu_check.md); the 350M step's GEMMs ran at 740-820,
+# (benchmarks/results/gpu_check.md, gpu_profile/h100_gpu_check_kernels.log);
+# the 350M step's GEMMs ran at 740-820,
 # as in the h2048 step.  The streaming bandwidth is the mean of 1 GiB arrays
 # on an H200, and the kernel launch meshplan calibrate's there.
 HOPPER_MATMUL_TFLOPS = 811.4        # of 989.4 peak (H100 and H200 share the GH100 die)
