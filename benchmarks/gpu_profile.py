@@ -1,11 +1,13 @@
 """Where a train step's time goes on one GPU, kernel by kernel, against the cost model.
 
-``gpu_check.py`` compares whole steps and isolated kernels with the model; a
-step of the 350M gpt measured a quarter slower than predicted while isolated
-kernels of its sizes were priced right.  This script says where the step's
-time goes: it profiles the jitted step (the program meshplan's one-device
-plan runs) and sorts the GPU's kernels by what XLA made of them (matmuls,
-fusions, copies...), next to the model's time for the same kinds of work.
+``gpu_check.py`` compares whole steps and isolated kernels with the model; on
+an H200 a step of the 350M gpt measured a quarter slower than predicted while
+isolated kernels of its sizes were priced right.  This script says where a
+step's time goes: it profiles the jitted step (the program meshplan's
+one-device plan runs) and sorts the GPU's kernels by what XLA made of them
+(matmuls, fusions, copies...), next to the model's time for the same kinds of
+work (``benchmarks/results/gpu_profile.md``: the quarter was host time between
+steps that were each waited for).
 
 On the GPU (writes ``profile_<model>.json.gz``: the step's measured time, its
 kernels as the profiler saw them and the optimized HLO text; and, for the
@@ -18,9 +20,12 @@ the device the profile names)::
 
     python benchmarks/gpu_profile.py --analyze DIR/profile_*.json.gz
 
-Steps are timed as ``gpu_check.py`` times them (median of 10 after a warm-up);
-the profile covers ``--profile-steps`` further steps, and per-step figures
-are its totals divided by that count.
+Steps are timed two ways: each waited for before the next is called, as
+``gpu_check.py`` times them (median of ``--steps`` after a warm-up), and
+``--steps`` dispatched back to back and waited for once (the host prepares
+a step while the device runs the one before).  The profile covers
+``--profile-steps`` further steps, and per-step figures are its totals
+divided by that count.
 """
 from __future__ import annotations
 
@@ -272,6 +277,31 @@ def device_events(trace: dict) -> tuple[dict[str, str], dict[str, str], list[dic
     return names, threads, out
 
 
+def step_timings(f: Any, s: Any, batch: Any, steps: int) -> tuple[dict, Any]:
+    """Milliseconds a step takes waited for (median, and each), back to back
+    (``steps`` dispatched, waited for once: the host prepares step i+1 while
+    the device runs step i), and the host's time per call with the device
+    busy (a call returns once the device takes the work, so not a host cost
+    alone); and the last state."""
+    import jax
+    times, s = waited_steps(f, s, batch, steps)
+    jax.block_until_ready(s)
+    t = time.perf_counter()
+    for _ in range(steps):
+        s, _ = f(s, batch)
+    jax.block_until_ready(s)
+    pipelined = (time.perf_counter() - t) / steps
+    calls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        s, _ = f(s, batch)
+        calls.append(time.perf_counter() - t)
+    jax.block_until_ready(s)
+    return {"measured_ms": statistics.median(times) * 1e3,
+            "measured_ms_all": [x * 1e3 for x in times], "pipelined_ms": pipelined * 1e3,
+            "host_call_ms": statistics.median(calls) * 1e3}, s
+
+
 def profile_model(name: str, config: dict, out: pathlib.Path, steps: int, profile_steps: int,
                   keep_raw: bool, log) -> dict:
     import jax
@@ -285,26 +315,11 @@ def profile_model(name: str, config: dict, out: pathlib.Path, steps: int, profil
     compile_s = time.perf_counter() - t
     s, _ = f(state, batch)
     jax.block_until_ready(s)
-    times, s = waited_steps(f, s, batch, steps)
-    # the same steps dispatched back to back, waited for once: the host
-    # prepares step i+1 while the device runs step i (jax's async dispatch)
-    jax.block_until_ready(s)
-    t = time.perf_counter()
-    for _ in range(steps):
-        s, _ = f(s, batch)
-    jax.block_until_ready(s)
-    pipelined_s = (time.perf_counter() - t) / steps
-    # the host's own time per call: until f returns, the device still busy
-    calls = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        s, _ = f(s, batch)
-        calls.append(time.perf_counter() - t)
-    jax.block_until_ready(s)
-    buffers = len(jax.tree.leaves((state, batch)))
-    log(f"{name}: {statistics.median(times) * 1e3:.2f} ms a step waited for, "
-        f"{pipelined_s * 1e3:.2f} ms back to back, host {statistics.median(calls) * 1e3:.2f} ms "
-        f"a call, {buffers} argument buffers (compile {compile_s:.0f} s)")
+    timings, s = step_timings(f, s, batch, steps)
+    timings["argument_buffers"] = len(jax.tree.leaves((state, batch)))
+    log(f"{name}: {timings['measured_ms']:.2f} ms a step waited for, "
+        f"{timings['pipelined_ms']:.2f} ms back to back, host {timings['host_call_ms']:.2f} ms "
+        f"a call, {timings['argument_buffers']} argument buffers (compile {compile_s:.0f} s)")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             s = waited_steps(f, s, batch, profile_steps)[1]
@@ -321,11 +336,7 @@ def profile_model(name: str, config: dict, out: pathlib.Path, steps: int, profil
     result = {"model": name, "config": config, "device": str(dev.device_kind),
               "platform": dev.platform, "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "measured_ms": statistics.median(times) * 1e3,
-              "measured_ms_all": [x * 1e3 for x in times],
-              "pipelined_ms": pipelined_s * 1e3, "host_call_ms": statistics.median(calls) * 1e3,
-              "argument_buffers": buffers,
-              "profile_steps": profile_steps, "processes": processes, "threads": threads,
+              **timings, "profile_steps": profile_steps, "processes": processes, "threads": threads,
               "events": events,
               "hlo": compiled.as_text(),
               "local_cluster": json.loads(ClusterSpec.local().to_json())}
