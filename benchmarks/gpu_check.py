@@ -67,6 +67,10 @@ STEP_MODELS = {
                         "compute_dtype": "float32"},
     "gpt-h2048-l8-b8": {"hidden": 2048, "layers": 8, "heads": 16, "seq_len": 1024, "batch": 8,
                         "vocab": 51200, "dtype": "float32", "compute_dtype": "bfloat16"},
+    # held out from the H100 profile the model's Hopper figures came from
+    "gpt-h1536-l12-s2048-b4": {"hidden": 1536, "layers": 12, "heads": 12, "seq_len": 2048,
+                               "batch": 4, "vocab": 51200, "dtype": "float32",
+                               "compute_dtype": "bfloat16"},
 }
 QUICK_STEP_MODELS = {"gpt-tiny": {"hidden": 64, "layers": 2, "heads": 2, "seq_len": 16,
                                   "batch": 8, "vocab": 128}}
