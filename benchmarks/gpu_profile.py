@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 from gpu_check import QUICK_STEP_MODELS, STEP_MODELS, device_like, waited_steps  # noqa: E402
 
 RAW_LIMIT = 15 << 20        # raw traces larger than this (gzipped) stay behind
+OTHER_ROWS = 12             # rows of the non-matmul table (the largest either side)
 
 
 # ---------------------------------------------------------------------------
@@ -93,7 +94,9 @@ def result_shapes(hlo: str) -> dict[str, tuple[int, ...]]:
 
 def measured_side(profile: dict) -> dict:
     """Per step: kernel count and busy time per class, the device's busy
-    time and idle time inside a step, and each matmul's result size."""
+    time and the span of a step's kernels, and kernel count and time by
+    result size (the HLO instruction's result, a tuple's first), matmuls
+    and the rest apart."""
     ks = kernels_of(profile)
     steps = profile["profile_steps"]
     per = len(ks) // steps
@@ -105,18 +108,18 @@ def measured_side(profile: dict) -> dict:
     spans = [k[-1]["ts"] + k[-1]["dur"] - k[0]["ts"]
              for k in (ks[i * per:(i + 1) * per] for i in range(steps)) if k]
     shapes = result_shapes(profile["hlo"])
-    matmuls: dict[int, list[float]] = {}
+    by_size: dict[str, dict[int, list[float]]] = {"matmuls": {}, "others": {}}
     for e in ks:
-        if kernel_class(e["name"]) == "matmul":
-            shape = shapes.get(e["args"].get("hlo_op", ""))
-            if shape is not None:
-                m = matmuls.setdefault(math.prod(shape), [0.0, 0.0])
-                m[0] += 1 / steps
-                m[1] += e["dur"] * 1e-3 / steps
+        shape = shapes.get(e["args"].get("hlo_op", ""))
+        if shape is not None:
+            kind = "matmuls" if kernel_class(e["name"]) == "matmul" else "others"
+            m = by_size[kind].setdefault(math.prod(shape), [0.0, 0.0])
+            m[0] += 1 / steps
+            m[1] += e["dur"] * 1e-3 / steps
     return {"classes": classes, "kernels": len(ks) / steps,
             "busy_ms": sum(c[1] for c in classes.values()),
             "span_ms": statistics.median(spans) * 1e-3 if spans else float("nan"),
-            "matmuls": matmuls}
+            **by_size}
 
 
 def model_side(profile: dict) -> dict:
@@ -147,6 +150,7 @@ def model_side(profile: dict) -> dict:
     built = build_problem(graph, mesh_model(cluster, LogicalMesh(("data",), (1,))))
     launches = kernels(graph)
     classes: dict[str, list[float]] = {}
+    others: dict[int, list[float]] = {}     # the rest by result size
     matmuls: dict[int, list[float]] = {}
     flops: dict[int, float] = {}
     batched: set[int] = set()       # result sizes with a batched product among them
@@ -160,6 +164,11 @@ def model_side(profile: dict) -> dict:
         c = classes.setdefault(name, [0.0, 0.0])
         c[0] += launches.get(node.id, 0)
         c[1] += g.compute[0] * 1e3
+        if p not in MATMULS:
+            size = max((math.prod(graph.tensors[t].shape) for t in node.outputs), default=0)
+            o = others.setdefault(size, [0.0, 0.0])
+            o[0] += launches.get(node.id, 0)
+            o[1] += g.compute[0] * 1e3
         if p in MATMULS:
             size = math.prod(graph.tensors[node.outputs[0]].shape)
             m = matmuls.setdefault(size, [0.0, 0.0])
@@ -173,8 +182,8 @@ def model_side(profile: dict) -> dict:
                                 method=meshplan.Manual(dp=1, tp=1, pp=1, num_micro_batches=1),
                                 cluster=cluster, batch_argnums=model.batch_argnums)
     plan = step.plan_for(state, batch)
-    return {"classes": classes, "matmuls": matmuls, "flops": flops, "batched": batched,
-            "iteration_ms": plan.predicted.iteration_s * 1e3}
+    return {"classes": classes, "matmuls": matmuls, "others": others, "flops": flops,
+            "batched": batched, "iteration_ms": plan.predicted.iteration_s * 1e3}
 
 
 def _rate(meas: dict, model: dict, size: int) -> float:
@@ -252,6 +261,17 @@ def analyze(paths: Sequence[str]) -> str:
             lines += ["", f"Unbatched GEMMs (rows of plain 2-D products, as many kernels as "
                       f"the model counts): median {statistics.median(plain):.1f} TFLOP/s "
                       f"({min(plain):.1f}-{max(plain):.1f}, {len(plain)} rows)."]
+        lines += ["", _row(["other work: result elements", "measured kernels", "measured ms",
+                            "", "model kernels", "model ms", "model / measured"]),
+                  _row(["---"] * 7)]
+        sizes = sorted(set(meas["others"]) | set(model["others"]),
+                       key=lambda s: -max(meas["others"].get(s, (0, 0.0))[1],
+                                          model["others"].get(s, (0, 0.0))[1]))
+        for s in sizes[:OTHER_ROWS]:
+            mk, mt = meas["others"].get(s, (0, 0.0))
+            pk, pt = model["others"].get(s, (0, 0.0))
+            lines.append(_row([s, f"{mk:.0f}", mt, "", f"{pk:.0f}", pt,
+                               pt / mt if mt else float("nan")]))
         lines.append("")
     return "\n".join(lines)
 
