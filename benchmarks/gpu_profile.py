@@ -124,9 +124,9 @@ def measured_side(profile: dict) -> dict:
 
 def model_side(profile: dict) -> dict:
     """The cost model's account of the same step on the device the profile
-    ran on (as ``ClusterSpec.local()`` describes it there today): per class of work the kernels it
-    counts and their time, each matmul's time by result size, and the
-    one-device plan's predicted iteration."""
+    ran on (as ``ClusterSpec.local()`` describes it there today): per class
+    of work the kernels it counts and their time, the matmuls' and the rest's
+    time by result size, and the one-device plan's predicted iteration."""
     import jax
     import meshplan
     from meshplan.api import _abstract, trace_step

@@ -66,7 +66,8 @@ def test_kernels_of_a_trace_are_its_stream_lines(gp):
     assert m["span_ms"] == pytest.approx(0.050)        # the 500 us between steps not in it
     assert m["matmuls"] == {64 * 128: pytest.approx([1, 0.040])}
     # the rest by result size: the element-wise fusion and the reduction apart
-    assert m["others"] == {64 * 128: pytest.approx([1, 0.006]), 64: pytest.approx([1, 0.004])}
+    assert m["others"] == {64 * 128: pytest.approx([1, 0.006]),
+                           64: pytest.approx([1, 0.004])}
 
 
 def test_kernel_classes(gp):
