@@ -129,6 +129,7 @@ def model_side(profile: dict) -> dict:
     time by result size, and the one-device plan's predicted iteration."""
     import jax
     import meshplan
+    from meshplan import datasheets
     from meshplan.api import _abstract, trace_step
     from meshplan.cluster import ClusterSpec
     from meshplan.cost_model.fusion import FUSIBLE, NO_KERNEL, kernels
@@ -138,9 +139,9 @@ def model_side(profile: dict) -> dict:
     from meshplan.ilp.strategies import MATMULS
     from meshplan.models import build_model
     from meshplan.plan import LogicalMesh
-    try:
+    if datasheets.known_device("gpu", profile["device"]) is not None:
         cluster = device_like(profile["device"])
-    except SystemExit:          # (a device without datasheet figures: as it was seen)
+    else:       # (no datasheet figures: the device as it was seen)
         cluster = ClusterSpec.from_dict(profile["local_cluster"])
     model = build_model("gpt", profile["config"])
     state, batch = jax.eval_shape(lambda: model.init(0))

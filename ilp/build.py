@@ -527,7 +527,7 @@ class _Builder:
                 continue
             ok = [j for j in range(g.size)
                   if not any((t in pinned and self.rs.steps(t, pinned[t], req))
-                             or (t in rows and req[rows[t]][:len(data)] != data)
+                             or (t in rows and not _cuts_rows(req, rows[t], data))
                              for t, req in g.reads[j])]
             if ok and len(ok) < g.size:
                 _restrict(g, ok)
@@ -690,8 +690,13 @@ def _rows_cut(specs: tuple[ISpec, ...], inp: GraphInput, axes: tuple[int, ...]
     d = inp.batch_dim
     if d is None or not axes:
         return specs
-    cut = tuple(s for s in specs if d < len(s) and s[d][:len(axes)] == tuple(axes))
+    cut = tuple(s for s in specs if _cuts_rows(s, d, tuple(axes)))
     return cut or specs
+
+
+def _cuts_rows(spec: ISpec, dim: int, axes: tuple[int, ...]) -> bool:
+    """Does ``spec`` cut dimension ``dim`` over ``axes`` first?"""
+    return dim < len(spec) and spec[dim][:len(axes)] == axes
 
 
 def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
