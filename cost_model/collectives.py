@@ -57,16 +57,40 @@ def _gather_time(g: Group, nbytes: float) -> float:
             + _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat))
 
 
+def _all_reduce_s(mm: MeshModel, g: Group, nbytes: float) -> float:
+    if g.phases:
+        return _launch(mm, 2 * _phased(g, nbytes))
+    return _launch(mm, 2 * _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat)
+                   + _ring(g.hosts, 2 * (g.hosts - 1), nbytes / g.local, g.inter_bw,
+                           g.inter_lat))
+
+
 def all_reduce(mm: MeshModel, axes: tuple[int, ...], nbytes: float) -> Cost:
     """All-reduce of a ``nbytes`` buffer: 2(n-1)a + 2(n-1)/n * S/B on one
     host; reduce-scatter, cross-host all-reduce of S/local, all-gather."""
     if (g := _group(mm, axes, nbytes)) is None:
         return ZERO
-    if g.phases:
-        return _launch(mm, 2 * _phased(g, nbytes)), nbytes
-    t = (2 * _ring(g.local, g.local - 1, nbytes, g.intra_bw, g.intra_lat)
-         + _ring(g.hosts, 2 * (g.hosts - 1), nbytes / g.local, g.inter_bw, g.inter_lat))
-    return _launch(mm, t), nbytes
+    return _all_reduce_s(mm, g, nbytes), nbytes
+
+
+# XLA's combiner passes merge independent all-reduces (and reduce-scatters)
+# over the same devices into one collective of up to this many bytes: the
+# default of xla_gpu_all_reduce_combine_threshold_bytes and of the
+# reduce-scatter combiner, 30 MiB.  XLA:CPU merged all 54 gradient
+# all-reduces of a data-parallel gpt step (7.4 MB) into one.
+COMBINE_BYTES = 30 * 2**20
+
+
+def fixed_s(mm: MeshModel, kind: str, axes: tuple[int, ...]) -> float:
+    """The part of a ``kind`` collective's time over ``axes`` that does not
+    grow with its size: its ring steps' latency and its launch.  A gradient
+    reduction merged with others (``COMBINE_BYTES``) pays it once per merged
+    collective rather than once per gradient."""
+    if (g := _group(mm, axes, 1.0)) is None:
+        return 0.0
+    if kind == "reduce-scatter" and mm.native_reduce_scatter:
+        return _launch(mm, _gather_time(g, 0.0))
+    return _all_reduce_s(mm, g, 0.0)
 
 
 def all_gather(mm: MeshModel, axes: tuple[int, ...], result_bytes: float) -> Cost:

@@ -40,7 +40,8 @@ from .accumulation import deferrable, gradient_only, summed_axes, update_nodes
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
-from .strategies import MATMULS, Strategy, node_dtype, node_space, node_strategies
+from .strategies import (MATMULS, Strategy, merged_comm_s, node_dtype, node_space,
+                         node_strategies, unmerged_s)
 
 
 TIE_BREAK_S_PER_BYTE = 1e-18
@@ -418,8 +419,10 @@ class _Builder:
             t += self._fixed(node, t)
             steps = self.rs.steps(main, ms, mp.main_req)
             if mp.reduce_axes:
-                steps = steps + (("all-reduce",) + all_reduce(
-                    mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape)),)
+                sec, b = all_reduce(mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape))
+                if node.id in self.grad_nodes:      # (merged with the others)
+                    sec = unmerged_s(mm, "all-reduce", sec, tuple(sorted(mp.reduce_axes)))
+                steps = steps + (("all-reduce", sec, b),)
             reads = [(node.inputs[p], req) for p, req in mp.reads
                      if graph.tensors[node.inputs[p]].shape]
             per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
@@ -461,16 +464,18 @@ class _Builder:
         steady = node.id not in self.update_nodes
         for s in strategies:
             fixed = self._fixed(node, s.compute_s)
+            # (a gradient's reduction is merged with the others)
+            comm = merged_comm_s(self.mm, s) if node.id in self.grad_nodes else s.comm_s
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
             g.steady_reads.append(self._steady(node, g.reads[-1]) if steady else set())
-            g.cost.append(s.cost + fixed)
+            g.cost.append(s.compute_s + comm + fixed)
             g.compute.append(s.compute_s + fixed)
-            g.comm.append(s.comm_s)
+            g.comm.append(comm)
             g.comm_bytes.append(s.comm_bytes)
             grad = node.id in self.grad_nodes and deferrable(
                 summed_axes(s.name, self.mm.mesh.axes), self.defer_axes)
-            g.grad_comm.append(s.comm_s if grad else 0.0)
+            g.grad_comm.append(comm if grad else 0.0)
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             kinds: dict[str, float] = {}
             for kind, _, nbytes in s.parts or ((s.collective or "all-reduce", 0.0, s.comm_bytes),):

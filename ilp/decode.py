@@ -7,20 +7,21 @@ the operands it reshards, :func:`decode` turns a :class:`Solution` into an
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..cost_model.memory import live_bytes
-from ..cost_model.collectives import all_reduce
+from ..cost_model.collectives import COMBINE_BYTES, all_reduce, fixed_s
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
 from .accumulation import deferrable, summed_axes
 from .build import Built, follow_input, map_through, stored_liveness
-from .strategies import node_space
+from .strategies import collectives_of, node_space, unmerged_s
 from .problem import Solution
 
 
@@ -40,10 +41,12 @@ class PlannedCollective:
     per_step: bool = False
     # reduces a parameter gradient (an operator of Built.grad_nodes)
     gradient: bool = False
+    # a gradient's reduction: the mesh axes it runs over (merge_gradients)
+    axes: tuple[int, ...] = ()
 
 
 def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
-            dedupe: bool = True) -> list[PlannedCollective]:
+            dedupe: bool = True, merge: bool = True) -> list[PlannedCollective]:
     """Every collective the choice ``choice`` (one strategy per group) implies,
     in the order of the groups: the partial-sum reductions of operators, the
     reshardings inside a group and those on the reads between groups.
@@ -51,7 +54,9 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     With ``dedupe`` a resharding step that several readers of one tensor share
     (same tensor, same source layout, same collective, same result layout) is
     listed once: XLA emits one collective for them (common-subexpression
-    elimination), while the ILP's objective charges every reader.
+    elimination), while the ILP's objective charges every reader.  With
+    ``merge`` the gradient reductions are merged (:func:`merge_gradients`):
+    the ILP leaves out their fixed cost, a constant of the plan.
 
     With gradient accumulation (``built.grad_accum`` micro-batches a step)
     what runs once a step is charged ``1 / grad_accum`` of its size, as the
@@ -96,13 +101,12 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             s = g.strategies[c]
             grad = node.id in built.grad_nodes
             axes = summed_axes(s.name, mm.mesh.axes)
-            for kind, sec, nbytes in s.parts or ((s.collective or "all-reduce", s.comm_s,
-                                                  s.comm_bytes),):
-                if nbytes:
-                    add(PlannedCollective(kind, sec, nbytes, node.outputs[0],
-                                          f"n{node.id} {node.primitive} [{s.name}]",
-                                          (), g.gid, True, gradient=grad),
-                        own_once(g.gid, node.id, axes))
+            for kind, sec, nbytes, ax in collectives_of(s, mm.mesh.axes):
+                add(PlannedCollective(kind, unmerged_s(mm, kind, sec, ax) if grad else sec,
+                                      nbytes, node.outputs[0],
+                                      f"n{node.id} {node.primitive} [{s.name}]",
+                                      (), g.gid, True, gradient=grad, axes=ax if grad else ()),
+                    own_once(g.gid, node.id, axes))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)
@@ -118,8 +122,10 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             if mp.reduce_axes:
                 sec, b = all_reduce(mm, mp.reduce_axes,
                                     graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                add(PlannedCollective("all-reduce", sec, b, out_t, where, (), g.gid, True,
-                                      gradient=grad), own_once(g.gid, nid, axes))
+                ax = tuple(sorted(axes)) if grad else ()
+                add(PlannedCollective("all-reduce", unmerged_s(mm, "all-reduce", sec, ax)
+                                      if grad else sec, b, out_t, where, (), g.gid, True,
+                                      gradient=grad, axes=ax), own_once(g.gid, nid, axes))
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
@@ -160,6 +166,27 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
                 seen_keys.add((pc.key, pc.per_step))
             kept.append(pc)
         out = kept
+    return merge_gradients(mm, out, f) if merge else out
+
+
+def merge_gradients(mm: MeshModel, planned: list[PlannedCollective], f: float = 1.0
+                    ) -> list[PlannedCollective]:
+    """XLA merges a step's gradient reductions over the same devices (they do
+    not depend on each other) into collectives of up to ``COMBINE_BYTES``:
+    each merged collective pays the fixed cost
+    (:func:`meshplan.cost_model.collectives.fixed_s`) that the gradients'
+    own entries leave out, charged on the last gradient it merges.  ``f``:
+    the share of a once-a-step collective that one micro-batch pays."""
+    merged: dict[tuple, tuple[int, float]] = {}     # (kind, axes, once): last, bytes
+    for i, pc in enumerate(planned):
+        if pc.gradient and pc.axes:
+            k = (pc.kind, pc.axes, pc.per_step)
+            merged[k] = (i, merged.get(k, (0, 0.0))[1] + pc.nbytes / (f if pc.per_step else 1))
+    out = list(planned)
+    for (kind, axes, once), (last, nbytes) in merged.items():
+        fixed = math.ceil(nbytes / COMBINE_BYTES) * fixed_s(mm, kind, axes)
+        out[last] = dataclasses.replace(out[last], seconds=out[last].seconds
+                                        + fixed * (f if once else 1.0))
     return out
 
 
@@ -279,28 +306,37 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
 def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:
     """The gradient reductions of ``choice`` in program order (groups by their
     first operator) as :class:`meshplan.cost_model.overlap.StageWork` takes
-    them: ``(compute_s, reduce_s)``, the compute since the previous gradient
-    (the first one's includes the forward), then the reduction of a group
-    making a parameter gradient (the collectives of its gradient operators,
-    once per iteration: not divided over the micro-batches); a last pair
-    holds the compute after the last gradient.  The update's compute is left out: it waits for the
-    reductions.  Empty when nothing reduces a gradient."""
-    reduce: dict[int, float] = {}
+    them: ``(compute_s, reduce_s)``, the compute since the previous reduction
+    (the first one's includes the forward), then a reduction (once per
+    iteration: not divided over the micro-batches); a last pair holds the
+    compute after the last gradient.  Reductions run merged
+    (:func:`merge_gradients`) and a merged collective waits for its last
+    gradient: the groups making gradients are taken in program order into
+    reductions of at least ``COMBINE_BYTES`` each (the last, what is left).
+    The update's compute is left out: it waits for the reductions.  Empty
+    when nothing reduces a gradient."""
+    reduce: dict[int, tuple[float, float]] = {}     # group: seconds, bytes
     for pc in planned:
         if pc.gradient and pc.group in built.grad_groups and pc.internal:
             once = built.grad_accum if pc.per_step else 1
-            reduce[pc.group] = reduce.get(pc.group, 0.0) + pc.seconds * once
-    if not any(reduce.values()):
+            sec, b = reduce.get(pc.group, (0.0, 0.0))
+            reduce[pc.group] = (sec + pc.seconds * once, b + pc.nbytes * once)
+    if not any(sec for sec, _ in reduce.values()):
         return ()
     order = sorted((min([g.root_node] if g.root_node is not None else g.members), g.gid)
                    for g in built.groups
                    if g.gid not in built.update_groups and (g.root_node is not None or g.members))
-    steps, compute = [], 0.0
+    steps, compute, held, merged, nbytes = [], 0.0, 0.0, 0.0, 0.0
     for _, gid in order:
         compute += built.groups[gid].compute[choice[gid]]
-        if reduce.get(gid, 0.0) > 0:
-            steps.append((compute, reduce[gid]))
-            compute = 0.0
+        sec, b = reduce.get(gid, (0.0, 0.0))
+        if sec > 0:
+            held, merged, nbytes, compute = held + compute, merged + sec, nbytes + b, 0.0
+            if nbytes >= COMBINE_BYTES:
+                steps.append((held, merged))
+                held = merged = nbytes = 0.0
+    if merged > 0:
+        steps.append((held, merged))
     if compute > 0:
         steps.append((compute, 0.0))
     return tuple(steps)

@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cost_model.collectives import all_reduce, reduce_scatter, reduce_scatter_kind
+from ..cost_model.collectives import all_reduce, fixed_s, reduce_scatter, reduce_scatter_kind
 from ..cost_model.compute import compute_time
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, replicated
 from ..graph import Graph, Node
+from .accumulation import summed_axes
 from .rules import OpSpace, op_space
 
 
@@ -38,6 +39,36 @@ class Strategy:
 
 
 MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def collectives_of(s: Strategy, axis_names) -> tuple[tuple[str, float, float, tuple[int, ...]], ...]:
+    """``(kind, seconds, bytes, mesh axes)`` of each collective ``s`` runs:
+    one over all the axes it sums over, or a reduce-scatter over those its
+    name marks ``>rs`` and an all-reduce over the rest (:func:`_scatter_variants`)."""
+    summed = tuple(sorted(summed_axes(s.name, axis_names)))
+    if not s.parts:
+        return ((s.collective or "all-reduce", s.comm_s, s.comm_bytes, summed),) \
+            if s.comm_bytes else ()
+    scattered = tuple(sorted(axis_names.index(p.split(":")[0]) for p in s.name.split()
+                             if ":sum>rs" in p))
+    rest = tuple(a for a in summed if a not in scattered)
+    axes = [scattered, rest] if scattered and rest else []
+    return tuple((kind, sec, b, axes[k] if k < len(axes) else summed)
+                 for k, (kind, sec, b) in enumerate(s.parts) if b)
+
+
+def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...]) -> float:
+    """A gradient reduction's own time when XLA merges it with the step's
+    others (:func:`meshplan.ilp.decode.merge_gradients`): less the fixed cost
+    (:func:`meshplan.cost_model.collectives.fixed_s`) the merged collective
+    pays once."""
+    return seconds - min(seconds, fixed_s(mm, kind, axes))
+
+
+def merged_comm_s(mm: MeshModel, s: Strategy) -> float:
+    """``s``'s communication where it reduces a gradient (:func:`unmerged_s`)."""
+    return sum(unmerged_s(mm, kind, sec, ax)
+               for kind, sec, _, ax in collectives_of(s, mm.mesh.axes))
 
 
 def node_dtype(graph: Graph, node: Node) -> str:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from meshplan.cost_model.collectives import fixed_s
 from meshplan.cost_model.mesh import mesh_model
 from meshplan.cost_model.sharding import enumerate_specs, reshard_steps
 from meshplan.graph import GRAD_BOUNDARY
@@ -165,8 +166,16 @@ def test_group_communication_is_what_the_plan_explains(graphs, model, cluster, m
         own = [(grp.comm[c], grp.comm_bytes[c]) for grp, c in zip(b.groups, choice)]
         between = [(float(s[choice[u], choice[v]]), float(by[choice[u], choice[v]]))
                    for u, v, s, by in b.edge_costs]
-        listed = explain(g, mm, b, choice, dedupe=False)
+        listed = explain(g, mm, b, choice, dedupe=False, merge=False)
         assert sum(x for x, _ in own + between) == pytest.approx(
             sum(pc.seconds for pc in listed), rel=1e-9)
+        # merged, the gradient reductions pay one fixed cost per merged collective
+        # (one each: these gradients are far below COMBINE_BYTES)
+        buckets = {(pc.kind, pc.axes, pc.per_step) for pc in listed if pc.gradient and pc.axes}
+        merged = explain(g, mm, b, choice, dedupe=False)
+        assert sum(pc.seconds for pc in merged) == pytest.approx(
+            sum(pc.seconds for pc in listed) + sum(
+                fixed_s(mm, k, ax) * (1 / 4 if once else 1) for k, ax, once in buckets),
+            rel=1e-9)
         assert sum(y for _, y in own + between) == pytest.approx(
             sum(pc.nbytes for pc in listed), rel=1e-9)

@@ -1,0 +1,79 @@
+"""XLA merges a step's gradient reductions: the model pays each merged
+collective's fixed cost once, and a merged reduction waits for its last
+gradient (ilp.decode.merge_gradients, grad_steps)."""
+from __future__ import annotations
+
+import pathlib
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+import meshplan
+from meshplan.cluster import load_cluster
+from meshplan.cost_model.collectives import COMBINE_BYTES, fixed_s
+from meshplan.cost_model.mesh import mesh_model
+from meshplan.ilp.decode import PlannedCollective, grad_steps, merge_gradients
+from meshplan.models import build_model
+from meshplan.plan import LogicalMesh
+from meshplan.runtime import parse_collectives
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def _mm():
+    return mesh_model(load_cluster(ROOT / "examples" / "clusters" / "dgx-a100-x2.json"),
+                      LogicalMesh(("data", "model"), (4, 4)))
+
+
+def _grad(seconds, nbytes, axes, per_step=False, kind="all-reduce"):
+    return PlannedCollective(kind, seconds, nbytes, 0, "", gradient=True, axes=axes,
+                             per_step=per_step)
+
+
+def test_one_fixed_cost_per_merged_collective():
+    mm = _mm()
+    planned = [_grad(1e-3, 20 * MIB, (0,)), _grad(2e-3, 20 * MIB, (0,)),
+               _grad(1e-3, 1 * MIB, (1,)),
+               PlannedCollective("all-gather", 5e-4, MIB, 0, ""),    # not a gradient's
+               _grad(3e-3, 5 * MIB, (0,))]
+    out = merge_gradients(mm, planned)
+    # over axis 0: 45 MiB, two merged collectives, charged on its last gradient
+    assert out[4].seconds == pytest.approx(3e-3 + 2 * fixed_s(mm, "all-reduce", (0,)))
+    assert out[2].seconds == pytest.approx(1e-3 + fixed_s(mm, "all-reduce", (1,)))
+    assert [pc.seconds for pc in out[:2] + out[3:4]] == [1e-3, 2e-3, 5e-4]
+    # once a step with 4 micro-batches: entries hold a quarter, so does the fixed cost
+    once = merge_gradients(mm, [_grad(1e-3 / 4, 40 * MIB / 4, (0,), per_step=True)], f=0.25)
+    assert once[0].seconds == pytest.approx((1e-3 + 2 * fixed_s(mm, "all-reduce", (0,))) / 4)
+    assert fixed_s(mm, "all-reduce", (0, 1)) > fixed_s(mm, "all-reduce", (1,)) > 0
+
+
+def test_a_merged_reduction_waits_for_its_last_gradient():
+    """Groups in program order: forward, three gradients (10, 25, 10 MiB),
+    a tail; merged reductions close once they hold COMBINE_BYTES."""
+    groups = [SimpleNamespace(gid=i, root_node=i, members=[], compute=[c])
+              for i, c in enumerate([5.0, 1.0, 2.0, 3.0, 4.0])]
+    built = SimpleNamespace(groups=groups, grad_groups=frozenset({1, 2, 3}),
+                            update_groups=frozenset(), grad_accum=1)
+    planned = [PlannedCollective("all-reduce", s, b * MIB, 0, "", group=g, gradient=True)
+               for g, s, b in ((1, 0.1, 10), (2, 0.2, 25), (3, 0.3, 10))]
+    assert 35 * MIB >= COMBINE_BYTES
+    assert grad_steps(built, [0] * 5, planned) == ((8.0, pytest.approx(0.3)), (3.0, 0.3),
+                                                   (4.0, 0.0))
+
+
+def test_xla_merges_the_gradient_all_reduces_of_a_data_parallel_step():
+    """What the model assumes, on the compiled program: the gradients of a
+    data-parallel step are reduced by fewer all-reduces than there are
+    gradients, one of them carrying most."""
+    model = build_model("gpt", {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 16,
+                                "vocab": 128, "batch": 8})
+    state, batch = model.init(0)
+    step = meshplan.parallelize(model.train_step, method=meshplan.DataParallel(),
+                                batch_argnums=model.batch_argnums)
+    grads = len(jax.tree.leaves(state["params"]))
+    reduces = [c for c in parse_collectives(step.lower(state, batch).compile())
+               if c.kind == "all-reduce"]
+    assert len(reduces) < grads
+    assert max(len(c.shapes) for c in reduces) >= grads // 2
