@@ -27,7 +27,6 @@ import math
 
 import numpy as np
 
-from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time, kernel_fixed_time
 from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialised,
                                  materialised_results)
@@ -40,8 +39,8 @@ from .accumulation import deferrable, gradient_only, summed_axes, update_nodes
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
-from .strategies import (MATMULS, Strategy, merged_comm_s, node_dtype, node_space,
-                         node_strategies, unmerged_s)
+from .strategies import (MATMULS, Strategy, collectives_of, merged_comm_s, node_dtype,
+                         node_space, node_strategies, sum_all_reduces, unmerged_s)
 
 
 TIE_BREAK_S_PER_BYTE = 1e-18
@@ -142,6 +141,8 @@ class Mapped:
     reads: tuple[tuple[int, ISpec], ...]  # other operands: (position, layout)
     reduce_axes: tuple[int, ...]
     shards: int
+    # the axes of each summed dimension (ilp.strategies.sum_all_reduces)
+    reduce_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
@@ -158,9 +159,10 @@ def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
     out = tuple(per_label.get(l, ()) for l in space.out_labels[0])
     reads = tuple((p, tuple(per_label.get(l, ()) for l in labs))
                   for p, labs in enumerate(space.in_labels) if labs is not None and p != k)
-    red = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
+    groups = tuple(ax for l, ax in sorted(per_label.items()) if l in space.reduce)
+    red = tuple(sorted(a for ax in groups for a in ax))
     shards = math.prod(mesh_shape[a] for ax in per_label.values() for a in ax)
-    return Mapped(main_req, out, reads, red, shards)
+    return Mapped(main_req, out, reads, red, shards, groups)
 
 
 # (input, a layout on offer, the input's tensor) -> is the layout allowed
@@ -418,11 +420,11 @@ class _Builder:
             t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
             t += self._fixed(node, t)
             steps = self.rs.steps(main, ms, mp.main_req)
-            if mp.reduce_axes:
-                sec, b = all_reduce(mm, mp.reduce_axes, out_bytes / num_shards(mp.out, shape))
+            for kind, sec, b, ax in sum_all_reduces(mm, mp.reduce_groups,
+                                                    out_bytes / num_shards(mp.out, shape)):
                 if node.id in self.grad_nodes:      # (merged with the others)
-                    sec = unmerged_s(mm, "all-reduce", sec, tuple(sorted(mp.reduce_axes)))
-                steps = steps + (("all-reduce", sec, b),)
+                    sec = unmerged_s(mm, kind, sec, ax)
+                steps = steps + ((kind, sec, b),)
             reads = [(node.inputs[p], req) for p, req in mp.reads
                      if graph.tensors[node.inputs[p]].shape]
             per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
@@ -478,7 +480,7 @@ class _Builder:
             g.grad_comm.append(comm if grad else 0.0)
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             kinds: dict[str, float] = {}
-            for kind, _, nbytes in s.parts or ((s.collective or "all-reduce", 0.0, s.comm_bytes),):
+            for kind, _, nbytes, _ in collectives_of(s, self.mm.mesh.axes):
                 if nbytes:
                     kinds[kind] = kinds.get(kind, 0.0) + nbytes
             g.comm_kinds.append(kinds)

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost_model.memory import live_bytes
-from ..cost_model.collectives import COMBINE_BYTES, all_reduce, fixed_s
+from ..cost_model.collectives import COMBINE_BYTES, fixed_s
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
 from .accumulation import deferrable, summed_axes
 from .build import Built, follow_input, map_through, stored_liveness
-from .strategies import collectives_of, node_space, unmerged_s
+from .strategies import collectives_of, node_space, sum_all_reduces, unmerged_s
 from .problem import Solution
 
 
@@ -119,13 +119,11 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             axes = frozenset(mp.reduce_axes)
             steps_of(main, spec_of[main], mp.main_req, where, g.gid, True,
                      own_once(g.gid, nid, axes), grad)
-            if mp.reduce_axes:
-                sec, b = all_reduce(mm, mp.reduce_axes,
-                                    graph.tensors[out_t].nbytes / num_shards(mp.out, shape))
-                ax = tuple(sorted(axes)) if grad else ()
-                add(PlannedCollective("all-reduce", unmerged_s(mm, "all-reduce", sec, ax)
-                                      if grad else sec, b, out_t, where, (), g.gid, True,
-                                      gradient=grad, axes=ax), own_once(g.gid, nid, axes))
+            for kind, sec, b, ax in sum_all_reduces(mm, mp.reduce_groups, graph.tensors[
+                    out_t].nbytes / num_shards(mp.out, shape)):
+                add(PlannedCollective(kind, unmerged_s(mm, kind, sec, ax) if grad else sec, b,
+                                      out_t, where, (), g.gid, True, gradient=grad,
+                                      axes=ax if grad else ()), own_once(g.gid, nid, axes))
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:

@@ -30,8 +30,9 @@ class Strategy:
     comm_s: float
     comm_bytes: float
     collective: str = ""      # the HLO kind of the collective in comm_*, if any
-    # (kind, seconds, bytes) of each collective where comm_* adds up several
-    parts: tuple[tuple[str, float, float], ...] = ()
+    # (kind, seconds, bytes, mesh axes) of each collective where comm_* adds
+    # up several
+    parts: tuple[tuple[str, float, float, tuple[int, ...]], ...] = ()
 
     @property
     def cost(self) -> float:
@@ -43,18 +44,23 @@ MATMULS = ("dot_general", "conv_general_dilated")
 
 def collectives_of(s: Strategy, axis_names) -> tuple[tuple[str, float, float, tuple[int, ...]], ...]:
     """``(kind, seconds, bytes, mesh axes)`` of each collective ``s`` runs:
-    one over all the axes it sums over, or a reduce-scatter over those its
-    name marks ``>rs`` and an all-reduce over the rest (:func:`_scatter_variants`)."""
+    its ``parts``, or one over all the axes it sums over."""
+    if s.parts:
+        return tuple(p for p in s.parts if p[2])
     summed = tuple(sorted(summed_axes(s.name, axis_names)))
-    if not s.parts:
-        return ((s.collective or "all-reduce", s.comm_s, s.comm_bytes, summed),) \
-            if s.comm_bytes else ()
-    scattered = tuple(sorted(axis_names.index(p.split(":")[0]) for p in s.name.split()
-                             if ":sum>rs" in p))
-    rest = tuple(a for a in summed if a not in scattered)
-    axes = [scattered, rest] if scattered and rest else []
-    return tuple((kind, sec, b, axes[k] if k < len(axes) else summed)
-                 for k, (kind, sec, b) in enumerate(s.parts) if b)
+    return ((s.collective or "all-reduce", s.comm_s, s.comm_bytes, summed),) \
+        if s.comm_bytes else ()
+
+
+def sum_all_reduces(mm: MeshModel, groups: Sequence[tuple[int, ...]], nbytes: float
+                    ) -> tuple[tuple[str, float, float, tuple[int, ...]], ...]:
+    """The all-reduces of a result of ``nbytes`` per device summed over the
+    mesh axes ``groups`` (those of each summed dimension): XLA emits one per
+    dimension, each of the whole result (a weight gradient summed over batch
+    on one axis and sequence on another reduces twice; on one dimension
+    split over both, once: benchmarks/results/measured_grid.md)."""
+    return tuple(("all-reduce",) + all_reduce(mm, ax, nbytes) + (ax,)
+                 for ax in (tuple(sorted(g)) for g in groups) if ax)
 
 
 def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...]) -> float:
@@ -170,7 +176,8 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         in_specs = tuple(None if ls is None else _spec(ls, per_label) for ls in space.in_labels)
         out_specs = tuple(_spec(ls, per_label) for ls in space.out_labels)
         shards = math.prod(shape[a] for ax in per_label.values() for a in ax)
-        red_axes = tuple(sorted(a for l, ax in per_label.items() if l in space.reduce for a in ax))
+        groups = [ax for l, ax in sorted(per_label.items()) if l in space.reduce]
+        red_axes = tuple(sorted(a for ax in groups for a in ax))
         local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
         t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype,
                               _out_elements(graph, node, num_shards(out_specs[0], shape))
@@ -178,9 +185,9 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         assign = list(zip(axes, choice))
         variants: list[Variant] = []
         if red_axes:
-            t_c = sum(all_reduce(mm, red_axes, b)[0] for b in local_out)
-            b_c = sum(all_reduce(mm, red_axes, b)[1] for b in local_out)
-            variants.append((out_specs, t_c, b_c, None, "all-reduce", (), ()))
+            ars = [c for b in local_out for c in sum_all_reduces(mm, groups, b)]
+            variants.append((out_specs, sum(c[1] for c in ars), sum(c[2] for c in ars), None,
+                             "all-reduce", (), tuple(ars) if len(groups) > 1 else ()))
             if space.reduce_scatter and len(out_specs) == 1:
                 variants += _scatter_variants(mm, space, red_axes, out_specs[0], out_shapes[0],
                                               local_out[0])
@@ -190,8 +197,9 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
                 if l in per_label]
         if each:        # (inside a loop: on top of any variant's own collective)
             t_e, b_e = sum(c[0] for c in each), sum(c[1] for c in each)
+            e_axes = tuple(sorted({a for l, _ in space.reduce_each_step for a in per_label.get(l, ())}))
             variants = [(o, t + t_e, b + b_e, rs, kind or "all-reduce", ax,
-                         parts + (("all-reduce", t_e, b_e),) if parts else ())
+                         parts + (("all-reduce", t_e, b_e, e_axes),) if parts else ())
                         for o, t, b, rs, kind, ax, parts in variants]
         for o_specs, t_c, b_c, rs, kind, rs_axes, parts in variants:
             key = (in_specs, o_specs)
@@ -205,7 +213,7 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
 # (result layouts, comm seconds, comm bytes, reduce-scattered dimension, HLO
 # kind, the axes reduce-scattered when only some are, collectives when several)
 Variant = tuple[tuple[ISpec, ...], float, float, "int | None", str, tuple[int, ...],
-                tuple[tuple[str, float, float], ...]]
+                tuple[tuple[str, float, float, tuple[int, ...]], ...]]
 
 
 def _scatter_variants(mm: MeshModel, space: OpSpace, red_axes: tuple[int, ...], out: ISpec,
@@ -240,7 +248,8 @@ def _scatter_variants(mm: MeshModel, space: OpSpace, red_axes: tuple[int, ...], 
             rest = tuple(a for a in red_axes if a not in part)
             t_ar, b_ar = all_reduce(mm, rest, nbytes / n_part)
             out_v.append(((spec,), t_rs + t_ar, b_rs + b_ar, d, reduce_scatter_kind(mm), part,
-                          ((reduce_scatter_kind(mm), t_rs, b_rs), ("all-reduce", t_ar, b_ar))))
+                          ((reduce_scatter_kind(mm), t_rs, b_rs, part),
+                           ("all-reduce", t_ar, b_ar, rest))))
     return out_v
 
 

@@ -77,3 +77,34 @@ def test_xla_merges_the_gradient_all_reduces_of_a_data_parallel_step():
                if c.kind == "all-reduce"]
     assert len(reduces) < grads
     assert max(len(c.shapes) for c in reduces) >= grads // 2
+
+
+@pytest.mark.parametrize("spec", [("x", "y", None), (("x", "y"), None, None)])
+def test_a_sum_over_two_dimensions_reduces_once_per_dimension_as_compiled(spec):
+    """A weight gradient summed over batch split on one axis and sequence
+    split on another: XLA reduces it twice (one all-reduce per summed
+    dimension, each of the whole result); over one dimension split on both
+    axes, once.  The strategy's collectives are those of the compiled HLO."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from meshplan.cluster import ClusterSpec
+    from meshplan.ilp.strategies import collectives_of, node_strategies
+    from meshplan.trace import trace
+
+    def grad_w(a, b):
+        return jax.numpy.einsum("bsh,bsk->hk", a, b)
+
+    x = jax.ShapeDtypeStruct((4, 32, 64), jax.numpy.float32)
+    graph = trace(grad_w, x, x, warn=False)
+    (node,) = [n for n in graph.nodes if n.primitive == "dot_general"]
+    mm = mesh_model(ClusterSpec.local(), LogicalMesh(("x", "y"), (2, 2)))
+    ispec = tuple(tuple(("x", "y").index(a) for a in (d if isinstance(d, tuple) else (d,)))
+                  if d else () for d in spec)
+    (s,) = [s for s in node_strategies(graph, node, mm, max_strategies=10**6)
+            if s.in_specs == (ispec, ispec) and s.out_specs == (((), ()),)]
+    planned = sorted((kind, int(b)) for kind, _, b, _ in collectives_of(s, mm.mesh.axes))
+    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+    sh = NamedSharding(mesh, P(*spec))
+    compiled = jax.jit(grad_w, in_shardings=(sh, sh),
+                       out_shardings=NamedSharding(mesh, P())).lower(x, x).compile()
+    assert planned == sorted((c.kind, c.result_bytes) for c in parse_collectives(compiled))
+    assert len(planned) == (2 if spec[1] else 1)

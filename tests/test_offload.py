@@ -73,8 +73,9 @@ def test_local_devices_host_link_cpu_shares_host_memory_gpus_have_pcie():
 # -- planning ---------------------------------------------------------------------------
 
 def test_offloaded_plan_frees_the_optimizer_bytes_and_pays_the_host_link():
-    base = _plan(meshplan.Manual(dp=8))
-    off = _plan(meshplan.Manual(dp=8, offload="optimizer"))
+    # (activations peak above the update: the optimizer's bytes come off the peak)
+    base = _plan(meshplan.Manual(dp=8), config=ACTIVATION_HEAVY)
+    off = _plan(meshplan.Manual(dp=8, offload="optimizer"), config=ACTIVATION_HEAVY)
     b, o = base.stages[0], off.stages[0]
     assert (b.offload, o.offload) == ("none", "optimizer")
     opt = b.predicted.memory.optimizer
