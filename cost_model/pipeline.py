@@ -110,13 +110,13 @@ def zb_h1_iteration_s(forward: Sequence[float], backward: Sequence[float],
 
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],
                                num_micro_batches: int, total_devices: int,
-                               dispatch_s: float) -> float:
+                               dispatch_s: Sequence[float]) -> float:
     """Iteration time when the devices share one host's compute (XLA's fake
     CPU devices): a stage idle in the bubble lends its share to the busy
     ones, so the host works through every stage's micro-batches with all of
     its compute, ``sum_k B t_k d_k / D``.  ``latencies`` are per micro-batch
     at one device's share of the host with every device busy.  Dispatching
-    ``dispatch_s`` per program (two per stage and micro-batch) is serial on
-    the host thread and adds up."""
+    a stage's programs (``dispatch_s`` each, two per stage and micro-batch)
+    is serial on the host thread and adds up."""
     work = sum(t * d for t, d in zip(latencies, devices)) / total_devices
-    return num_micro_batches * (work + 2 * len(latencies) * dispatch_s)
+    return num_micro_batches * (work + 2 * sum(dispatch_s))

@@ -45,7 +45,7 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                   outputs=outputs, constraints=result.constraints, strategies=result.strategies,
                   read_constraints=tuple(getattr(result, "read_constraints", ())))
     # one program per iteration, less what runs under compute
-    it = result.compute_s + result.comm_s + cluster.device.achieved.program_dispatch_s \
+    it = result.compute_s + result.comm_s + cluster.device.achieved.dispatch_s(n) \
         - hidden_s(one_stage_work(graph, result), cluster.device.achieved.overlap_communication)
     tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
     predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,

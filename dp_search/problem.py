@@ -53,6 +53,7 @@ class LayerProblems:
     fast_bw: float
     fast_lat: float
     dispatch_s: float               # launching one compiled program (ClusterSpec achieved)
+    dispatch_per_device_s: float    # and per device it runs on
     memory_bw: float                # a device's achieved memory bandwidth (bytes/s)
     accumulate_passes: int          # passes over the gradients per accumulation (cost_model)
     # parameters, optimizer and other state of each layer, unsharded: a stage
@@ -66,6 +67,10 @@ class LayerProblems:
     # more stages than groups (a hand plan's 35 of 105 layers): per count S,
     # S stages of one group each on equal submeshes, and their logical meshes
     many_stages: tuple[tuple[int, Submesh, tuple[LogicalMesh, ...]], ...] = ()
+
+    def dispatch(self, m: int) -> float:
+        """Launching one compiled program on submesh ``m``."""
+        return self.dispatch_s + self.submeshes[m].size * self.dispatch_per_device_s
 
     def request(self, l: int, m: int, k: int) -> tuple:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
@@ -187,6 +192,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         fast_bw=cluster.intra_host.achieved_bandwidth,
         fast_lat=cluster.intra_host.latency_s if cluster.num_hosts > 1 else 0.0,
         dispatch_s=cluster.device.achieved.program_dispatch_s,
+        dispatch_per_device_s=cluster.device.achieved.dispatch_per_device_s,
         memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
                    * cluster.device.achieved.memory_efficiency),
         accumulate_passes=3 if is_cpu(cluster.device) else 1,

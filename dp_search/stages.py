@@ -386,7 +386,7 @@ class StageCosts:
         c = GroupCost.of_groups(rows)
         joint_s = self.joint(lay.groups[gi][0], lay.groups[gj][1], m, k, tighten)[0]
         # a stage launches a forward and a backward program per micro-batch
-        fixed = send + joint_s + 2 * lay.dispatch_s + accumulation_s(
+        fixed = send + joint_s + 2 * lay.dispatch(m) + accumulation_s(
             c.grad_bytes, lay.B, lay.memory_bw, lay.accumulate_passes)
         # each micro-batch in flight keeps what its backward reads; the one
         # being processed also needs its layer's temporaries.  With remat
@@ -565,22 +565,23 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     total = res.total_s
     if cluster.device.achieved.shared_host_compute:
         total = shared_compute_iteration_s(
-            [st.latency - 2 * lay.dispatch_s for st in res.stages],
+            [st.latency - 2 * lay.dispatch(st.submesh) for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
-            cluster.num_devices, lay.dispatch_s)
+            cluster.num_devices, [lay.dispatch(st.submesh) for st in res.stages])
         if schedule == ZB_H1:
             # a W program's launch is serial on the host too (.zero_bubble
             # put it in the stage's latency, which the formula shares out)
-            w = [lay.dispatch_s if st.latency != chosen[st.first, st.last, st.submesh, n_st - k]
-                 .latency_s else 0.0 for k, st in enumerate(res.stages)]
+            w = [lay.dispatch(st.submesh)
+                 if st.latency != chosen[st.first, st.last, st.submesh, n_st - k].latency_s
+                 else 0.0 for k, st in enumerate(res.stages)]
             total += sum(lay.B * x * (1 - lay.submeshes[st.submesh].size / cluster.num_devices)
                          for x, st in zip(w, res.stages))
     if n_st == 1 and lay.B == 1:
         # one program, once per iteration
-        total -= lay.dispatch_s
+        total -= lay.dispatch(res.stages[0].submesh)
     else:
         # and each stage's update program, once per iteration
-        total += n_st * lay.dispatch_s
+        total += sum(lay.dispatch(st.submesh) for st in res.stages)
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)
 
 

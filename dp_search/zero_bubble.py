@@ -122,7 +122,7 @@ def zero_bubble(res: DPResult, lay: LayerProblems, costs: Any
         whole = k == 0 or o.remat       # (the runtime keeps these backwards one program)
         if whole:
             inp, rest = inp + rest, 0.0
-        lat = o.latency_s + (0.0 if whole else lay.dispatch_s)
+        lat = o.latency_s + (0.0 if whole else lay.dispatch(st.submesh))
         total = fwd + inp + rest
         share = (fwd / total, inp / total, rest / total) if total > 0 else (0.5, 0.5, 0.0)
         fs.append(lat * share[0])

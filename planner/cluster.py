@@ -38,6 +38,7 @@ ideal peak figures, no overheads)::
         "memory_kernel_min_s": 3e-6,    # the same floor for every other compute kernel
                                         # (a fusion, a reduction, a copy); not collectives
         "program_dispatch_s": 2e-5,     # fixed cost of launching one compiled program
+        "dispatch_per_device_s": 1e-6,  # and what it adds per device the program runs on
         "compute_units": 108,           # SMs / cores a matmul's tiles are spread over (0: none)
         "tile_elements": 16384,         # output elements of one matmul tile (128 x 128)
         "shared_host_compute": false,   # the devices of a host share one pool of compute
@@ -164,6 +165,10 @@ class Achieved:
     matmul_kernel_min_s: float = 0.0   # matmuls and convolutions
     memory_kernel_min_s: float = 0.0   # every other compute kernel (not collectives)
     program_dispatch_s: float = 0.0    # per compiled program launched
+    # added to a program's dispatch per device it runs on: one process
+    # enqueues each device's copy (XLA:CPU measured 18 us on one device, 118
+    # on eight: benchmarks/cpu_effects.py).  0: the same on any devices
+    dispatch_per_device_s: float = 0.0
     compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
     tile_elements: int = 128 * 128     # output elements per matmul tile
     # the devices of a host share one pool of compute (XLA's fake CPU
@@ -177,7 +182,7 @@ class Achieved:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in _FLOOR_KEYS:     # written only when given: older files stay as they were
+        for key in _UNSET_UNWRITTEN:     # written only when given: older files stay as they were
             if not d[key]:
                 del d[key]
         return d
@@ -186,8 +191,13 @@ class Achieved:
     def is_ideal(self) -> bool:
         return self == Achieved()
 
+    def dispatch_s(self, devices: int) -> float:
+        """Launching one compiled program on ``devices`` devices."""
+        return self.program_dispatch_s + devices * self.dispatch_per_device_s
 
-_FLOOR_KEYS = ("matmul_kernel_min_s", "memory_kernel_min_s")
+
+# written only when non-zero: files from before these fields stay as they were
+_UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s")
 
 
 @dataclass(frozen=True)
@@ -470,12 +480,14 @@ def _achieved_text(a: Achieved) -> str:
              if a.compute_units else "")
     shared = ", devices share the host's compute" if a.shared_host_compute else ""
     shared += ", collectives overlap compute" if a.overlap_communication else ""
+    per_device = (f" + {a.dispatch_per_device_s * 1e6:.3g} us per device"
+                  if a.dispatch_per_device_s else "")
     floors = (f", kernels at least {a.matmul_kernel_min_s * 1e6:.3g} us (matmul) and "
               f"{a.memory_kernel_min_s * 1e6:.3g} us (other)"
               if a.matmul_kernel_min_s or a.memory_kernel_min_s else "")
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
             f"{a.kernel_launch_s * 1e6:.3g} us per kernel{floors}, "
-            f"{a.program_dispatch_s * 1e6:.3g} us per program{waves}{shared}")
+            f"{a.program_dispatch_s * 1e6:.3g} us per program{per_device}{waves}{shared}")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -618,7 +630,7 @@ class _Reader:
         for key in ("matmul_efficiency", "memory_efficiency"):
             if key in d:
                 out[key] = self.fraction(d[key], f"{path}.{key}")
-        for key in ("kernel_launch_s", "program_dispatch_s") + _FLOOR_KEYS:
+        for key in ("kernel_launch_s", "program_dispatch_s") + _UNSET_UNWRITTEN:
             if key in d:
                 out[key] = self.number(d[key], f"{path}.{key}", zero_ok=True)
         if "compute_units" in d:

@@ -233,11 +233,11 @@ def test_collective_across_hosts_is_hierarchical():
 def test_shared_compute_pipeline_has_no_bubble():
     # two stages of 4 devices on an 8-device host, 4 micro-batches: the host
     # works through 4 x (1 + 3) s of stage time at half the devices each
-    t = shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, dispatch_s=0.0)
+    t = shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, dispatch_s=[0.0, 0.0])
     assert t == pytest.approx(4 * (1.0 * 4 + 3.0 * 4) / 8)
     # dispatch is serial: two programs per stage and micro-batch
-    assert shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, 0.01) == pytest.approx(
-        t + 4 * 2 * 2 * 0.01)
+    assert shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, [0.01, 0.02]) == pytest.approx(
+        t + 4 * 2 * (0.01 + 0.02))
 
 
 def test_local_cpu_cluster_shares_compute():
@@ -282,6 +282,20 @@ def test_program_dispatch_is_charged_per_stage_and_micro_batch():
     extra = t1 - t0
     assert extra == pytest.approx(3 * 2 * (1.0 - 50e-6) + 2 * (1.0 - 50e-6), rel=1e-3)
     assert math.isfinite(t1)
+    # a second per device a program runs on: each stage's programs run on 4
+    per_device = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                  dispatch_per_device_s=1.0)))
+    t2 = meshplan.plan(m.train_step, *m.abstract_args, cluster=per_device,
+                       method=manual).predicted.iteration_s
+    assert t2 - t0 == pytest.approx((3 * 2 + 2) * 4 * 1.0, rel=1e-3)
+    # one program on all 8 devices
+    whole = meshplan.Manual(dp=8)
+    t3, t4 = (meshplan.plan(m.train_step, *m.abstract_args, cluster=c,
+                            method=whole).predicted.iteration_s for c in (base, per_device))
+    assert t4 - t3 == pytest.approx(8.0, rel=1e-3)
+    back = meshplan.ClusterSpec.from_json(per_device.to_json())
+    assert back.device.achieved.dispatch_s(4) == pytest.approx(50e-6 + 4.0)
 
 
 def test_gradients_accumulate_per_micro_batch_at_memory_bandwidth():

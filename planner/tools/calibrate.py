@@ -12,8 +12,10 @@ so devices that share chips or cores -- the fake CPU devices of
   measured below, :func:`kernel_seconds`);
 - fixed costs: a jitted chain of k dependent small matmuls per device, k
   in a few sizes; the line t = a + b k gives the cost of launching one
-  program (a, ``achieved.program_dispatch_s``) and one kernel (b,
-  ``achieved.kernel_launch_s``);
+  program (a) and one kernel (b, ``achieved.kernel_launch_s``); with
+  several devices the chain runs on one device too, and the line through
+  both dispatches splits a into ``achieved.program_dispatch_s`` and
+  ``achieved.dispatch_per_device_s``;
 - shared compute: the largest matmul on one device alone against every
   device at once; when the devices' throughput divides (each runs at under
   two thirds of its speed alone) they share the host's compute
@@ -140,6 +142,16 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         raise ValueError("the points need at least two different sizes")
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - b * mx, b
+
+
+def split_dispatch(on_all: float, alone: float, n: int) -> tuple[float, float]:
+    """(fixed, per device) seconds of a program's dispatch from its dispatch
+    on ``n`` devices and on one: the line through both, neither part
+    negative (noise that puts one device above all of them: no per-device part)."""
+    if n < 2:
+        return on_all, 0.0
+    per_device = min(on_all / n, max(0.0, (on_all - alone) / (n - 1)))
+    return on_all - n * per_device, per_device
 
 
 def fixed_costs(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -356,7 +368,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
 
     # fixed costs first: the rates below are of kernels, without their dispatch
     achieved = _measure_fixed_costs(mesh, devices, opts, timer, reporter, measurements, how)
-    dispatch = achieved.program_dispatch_s
+    dispatch = achieved.dispatch_s(len(devices))
     flops = _measure_matmuls(mesh, platform, opts, timer, reporter, measurements, how, dispatch)
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how, dispatch)
@@ -451,12 +463,7 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
     import numpy as np
     from jax.sharding import Mesh
     with reporter.step("calibrate: fixed costs"):
-        make = _chain_fn(mesh)
-        # the fastest of many runs: these take well under a millisecond, and
-        # the host's other threads only ever add to them (a median of five
-        # once put k=16 above k=64)
-        points = [(float(k), median_time(make(k), timer, 4 * opts.repeats, opts.warmup, min))
-                  for k in opts.launch_chain]
+        points = _chain_points(_chain_fn(mesh), opts, timer)
     dispatch, launch = fixed_costs(points)
     measurements.append(Measurement("program dispatch", dispatch, 0, points[0][1]))
     measurements.append(Measurement("kernel launch", launch, int(points[-1][0]), points[-1][1]))
@@ -464,10 +471,19 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
                "8 x 8 matmuls on every device (the fastest of "
                f"{4 * opts.repeats} runs), the line t = dispatch + k launch through "
                + ", ".join(f"k={int(k)} {t * 1e6:.3g} us" for k, t in points))
-    shared = False
+    shared, fixed, per_device = False, dispatch, 0.0
     if len(devices) > 1:
-        n = opts.matmul_min_n * 2
         alone_mesh = Mesh(np.array(devices[:1], dtype=object).reshape(1, 1), ("host", "device"))
+        with reporter.step("calibrate: dispatch on one device"):
+            alone_points = _chain_points(_chain_fn(alone_mesh), opts, timer)
+        alone = fixed_costs(alone_points)[0]
+        fixed, per_device = split_dispatch(dispatch, alone, len(devices))
+        measurements.append(Measurement("program dispatch, one device", alone, 0,
+                                        alone_points[0][1]))
+        how.append(f"achieved.dispatch_per_device_s: the same chain on one device dispatched in "
+                   f"{alone * 1e6:.3g} us against {dispatch * 1e6:.3g} on all {len(devices)}: "
+                   f"{fixed * 1e6:.3g} us per program + {per_device * 1e6:.3g} per device")
+        n = opts.matmul_min_n * 2
         with reporter.step("calibrate: shared compute"):
             alone = median_time(_matmul_fn(alone_mesh, "float32")(n), timer, opts.repeats,
                                 opts.warmup)
@@ -478,8 +494,16 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
                    f"{alone * 1e3:.3g} ms on one device alone and {together * 1e3:.3g} ms on "
                    f"all {len(devices)} at once: "
                    + ("the devices share compute" if shared else "each device has its own"))
-    return Achieved(kernel_launch_s=launch, program_dispatch_s=dispatch,
-                    shared_host_compute=shared)
+    return Achieved(kernel_launch_s=launch, program_dispatch_s=fixed,
+                    dispatch_per_device_s=per_device, shared_host_compute=shared)
+
+
+def _chain_points(make, opts: Options, timer: Timer) -> list[tuple[float, float]]:
+    """(kernels, seconds) of :func:`_chain_fn` chains: the fastest of many
+    runs (these take well under a millisecond, and the host's other threads
+    only ever add to them: a median of five once put k=16 above k=64)."""
+    return [(float(k), median_time(make(k), timer, 4 * opts.repeats, opts.warmup, min))
+            for k in opts.launch_chain]
 
 
 def _measure_memory(mesh, dev0, platform: str, per_host: int, opts: Options, timer: Timer,

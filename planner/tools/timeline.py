@@ -83,7 +83,7 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     a = plan.cluster.device.achieved
     # (each stage's update program, unless the whole step is one program)
     one_program = len(plan.stages) == 1 and plan.num_micro_batches == 1
-    update = 0.0 if one_program else len(plan.stages) * a.program_dispatch_s
+    update = 0.0 if one_program else sum(a.dispatch_s(len(st.devices)) for st in plan.stages)
     rest = plan.predicted.iteration_s - drawn - update
     text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
             f"{human_time(drawn)} + update programs {human_time(update)}")
