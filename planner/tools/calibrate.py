@@ -449,7 +449,8 @@ def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
                             f"matmul on {platform}")
     how.append("peak_flops: jitted jnp.matmul of two n x n matrices on every device at once, "
                "2 n^3 / (median time less the program dispatch), " + ", ".join(
-                   f"{m.what.split()[1]} n={m.size} {m.seconds * 1e3:.3g} ms" for m in measurements)
+                   f"{m.what.split()[1]} n={m.size} {m.seconds * 1e3:.3g} ms" for m in measurements
+                   if m.what.startswith("matmul "))
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
     return flops
