@@ -4,6 +4,7 @@ worker processes when there are enough of them to pay for the workers."""
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,14 +83,15 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
     same layer reuses it: ``base`` in the job).  ``caches``: the session's,
     when solved in its process."""
     (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
-     options, resident_cap, base) = job
+     options, resident_cap, base, forward) = job
     t0 = time.perf_counter()
     keep = base is None and resident_cap is None
     try:
         if base is None:
-            base = build_intra_op(sub, cluster, mesh, submesh=submesh, memory_budget=budget,
-                                  accumulate=grads, grad_accum=grad_accum, input_filter=filt,
-                                  caches=caches)
+            # (a layer runs in a stage's forward and backward programs)
+            base = dataclasses.replace(build_intra_op(
+                sub, cluster, mesh, submesh=submesh, memory_budget=budget, accumulate=grads,
+                grad_accum=grad_accum, input_filter=filt, caches=caches), split_programs=forward)
         r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
                            time_limit=time_limit, memory_budget=budget,
                            accumulate=grads, grad_accum=grad_accum, input_filter=filt,
@@ -170,10 +172,13 @@ class LayerSolver:
                 o.memory_fraction) + _cap_key(tighten)
 
     def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grads: frozenset[int], grad_accum: int, tighten: int = 1) -> tuple:
+             grads: frozenset[int], grad_accum: int, tighten: int = 1,
+             forward_values: frozenset[int] = frozenset()) -> tuple:
         """The arguments of :func:`solve_job` (only what a worker needs);
         ``tighten`` > 1: its parameters and optimizer state may use at most
-        1 / tighten of the budget."""
+        1 / tighten of the budget; ``forward_values``: the layer's forward
+        values that its backward or other layers read (what marks its
+        forward nodes, :func:`forward_of`)."""
         o = self.options
         base = (self._built.get(self._key(sub, mesh, submesh, grad_accum)) if tighten > 1
                 else None)
@@ -187,7 +192,7 @@ class LayerSolver:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,
                 self.cluster.device.memory_bytes * o.memory_fraction / tighten
-                if tighten > 1 else None, base)
+                if tighten > 1 else None, base, forward_of(sub, forward_values))
 
     def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                       grad_accum: int, tighten: int) -> bool:
@@ -209,7 +214,8 @@ class LayerSolver:
                 selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
-                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum), sub, mesh,
+                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum,
+                                       forward_values=saved | crossing), sub, mesh,
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
@@ -234,7 +240,8 @@ class LayerSolver:
             key = self._key(sub, mesh, submesh, grad_accum, tighten)
             if key not in self.cache and key not in todo \
                     and not self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
-                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten), sub, mesh,
+                todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten,
+                                       saved | crossing), sub, mesh,
                              fwd_flops, saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 2:
             return
@@ -317,7 +324,7 @@ class LayerSolver:
             return None
         self.solves += 1
         t0 = time.perf_counter()
-        job = self._job(sub, mesh, submesh, grads, grad_accum, tighten)
+        job = self._job(sub, mesh, submesh, grads, grad_accum, tighten, saved | crossing)
         r, took, built = solve_job(job, self.session.ilp_caches)
         if built is not None:
             self._built[key] = built
@@ -339,6 +346,20 @@ class LayerSolver:
                            distinct_layer_ilps=len(self.used), solved=self.solves,
                            cache_hits=self.hits, trace_s=self.trace_s, ilp_s=self.ilp_s,
                            ilp_work_s=self.ilp_work_s, dp_s=self.dp_s, workers=self.workers)
+
+
+def forward_of(sub: Graph, forward_values: frozenset[int]) -> frozenset[int]:
+    """The forward nodes of a layer's graph: those ``forward_values`` (what
+    its backward or other layers read of its forward) and its loss-like
+    outputs (the step's outputs updating no input) depend on."""
+    need = set(forward_values) | {o.tensor for o in sub.outputs
+                                  if o.updates is None and o.path != f"t{o.tensor}"}
+    out = set()
+    for n in reversed(sub.nodes):
+        if any(t in need for t in n.outputs):
+            out.add(n.id)
+            need.update(n.inputs)
+    return frozenset(out)
 
 
 def _accumulating(job: tuple) -> tuple[frozenset[int], int, frozenset[int] | None]:

@@ -105,6 +105,10 @@ class Built:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
+    # where the forward and the backward run as separate programs (a
+    # pipeline stage's), the forward's nodes: a resharding that readers in
+    # both need runs in each (None: one program)
+    split_programs: frozenset[int] | None = None
 
 
 def follow_input(space, node, graph) -> int | None:
@@ -270,6 +274,10 @@ class _Builder:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
+    # where the forward and the backward run as separate programs (a
+    # pipeline stage's), the forward's nodes: a resharding that readers in
+    # both need runs in each (None: one program)
+    split_programs: frozenset[int] | None = None
     # an operator's signature (what its OpSpace depends on) -> the OpSpace
     _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
     # (signature, followed operand, its layout) -> map_through(...) on this mesh

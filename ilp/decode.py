@@ -154,14 +154,23 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             out[once:] = [dataclasses.replace(pc, group=gt[o.tensor]) for pc in out[once:]]
     if dedupe:
         # (a resharding that both a micro-batch's programs and the update
-        # do runs in each: they are separate programs)
+        # do runs in each: they are separate programs; so are a pipeline
+        # stage's forward and backward)
+        fwd = built.split_programs
+
+        def program(pc: PlannedCollective) -> tuple:
+            if fwd is None or pc.group < 0:
+                return (pc.per_step,)
+            g = groups[pc.group]
+            first = g.root_node if g.root_node is not None else min(g.members, default=None)
+            return (pc.per_step, first in fwd)
         seen_keys: set[tuple] = set()
         kept = []
         for pc in out:
             if pc.key:
-                if (pc.key, pc.per_step) in seen_keys:
+                if (pc.key,) + program(pc) in seen_keys:
                     continue
-                seen_keys.add((pc.key, pc.per_step))
+                seen_keys.add((pc.key,) + program(pc))
             kept.append(pc)
         out = kept
     return merge_gradients(mm, out, f) if merge else out

@@ -50,7 +50,10 @@ def test_capped_layer_ilps_reuse_the_uncapped_build(monkeypatch):
     reused, n_reused = plan()
     real_job = LayerSolver._job
     # every ILP built afresh: no prebuilt problem in the jobs
-    monkeypatch.setattr(LayerSolver, "_job", lambda self, *a: real_job(self, *a)[:-1] + (None,))
+    def fresh_job(self, *a, **k):
+        job = real_job(self, *a, **k)
+        return job[:-2] + (None, job[-1])       # (the prebuilt problem: none)
+    monkeypatch.setattr(LayerSolver, "_job", fresh_job)
     fresh, n_fresh = plan()
     assert reused == fresh
     assert n_reused < n_fresh, (n_reused, n_fresh)

@@ -96,3 +96,16 @@ def test_a_tied_embedding_gradient_is_reduced_once_a_step_at_the_last_stage():
                           (measured["running_sums"], planned["grads"]),
                           (measured["state"], planned["params"] + planned["optimizer"])):
             assert abs(got - want) <= 0.01 * want + 1024, (r.stage, measured, planned)
+
+
+def test_a_weight_gathered_for_the_forward_is_gathered_again_by_the_backward_program():
+    # a pipeline stage's forward and backward are separate programs: a
+    # parameter both read in a gathered layout (the head's weight under
+    # tensor parallelism) is gathered in each, as the plan now charges
+    # (ilp.decode.explain, Built.split_programs); charged once, the last
+    # stage's prediction was 25% under the compiled programs' bytes
+    from meshplan.tools.verify import verify_pipeline
+
+    rows = verify_pipeline("gpt", 2, 2, 2, 4, "1f1b")
+    for r in rows:
+        assert abs(r.comm_rel_error) <= 0.1, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
