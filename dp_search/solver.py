@@ -3,8 +3,8 @@ per session (cached by a structural hash and the mesh's link figures), in
 worker processes when there are enough of them to pay for the workers."""
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 

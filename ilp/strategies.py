@@ -58,7 +58,8 @@ def sum_all_reduces(mm: MeshModel, groups: Sequence[tuple[int, ...]], nbytes: fl
     mesh axes ``groups`` (those of each summed dimension): XLA emits one per
     dimension, each of the whole result (a weight gradient summed over batch
     on one axis and sequence on another reduces twice; on one dimension
-    split over both, once: benchmarks/results/measured_grid.md)."""
+    split over both, once: tests/test_merged_gradients.py checks both against
+    the compiled HLO)."""
     return tuple(("all-reduce",) + all_reduce(mm, ax, nbytes) + (ax,)
                  for ax in (tuple(sorted(g)) for g in groups) if ax)
 

@@ -477,12 +477,12 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
         alone_mesh = Mesh(np.array(devices[:1], dtype=object).reshape(1, 1), ("host", "device"))
         with reporter.step("calibrate: dispatch on one device"):
             alone_points = _chain_points(_chain_fn(alone_mesh), opts, timer)
-        alone = fixed_costs(alone_points)[0]
-        fixed, per_device = split_dispatch(dispatch, alone, len(devices))
-        measurements.append(Measurement("program dispatch, one device", alone, 0,
+        one = fixed_costs(alone_points)[0]
+        fixed, per_device = split_dispatch(dispatch, one, len(devices))
+        measurements.append(Measurement("program dispatch, one device", one, 0,
                                         alone_points[0][1]))
         how.append(f"achieved.dispatch_per_device_s: the same chain on one device dispatched in "
-                   f"{alone * 1e6:.3g} us against {dispatch * 1e6:.3g} on all {len(devices)}: "
+                   f"{one * 1e6:.3g} us against {dispatch * 1e6:.3g} on all {len(devices)}: "
                    f"{fixed * 1e6:.3g} us per program + {per_device * 1e6:.3g} per device")
         n = opts.matmul_min_n * 2
         with reporter.step("calibrate: shared compute"):
