@@ -73,7 +73,6 @@ class Group:
     # the input gradient of a matmul whose bias gradient follows it) do not
     grad_comm: list[float] = field(default_factory=list)
     grad_comm_bytes: list[float] = field(default_factory=list)
-
     @property
     def size(self) -> int:
         return len(self.strategies)
@@ -111,6 +110,11 @@ class Built:
     split_programs: frozenset[int] | None = None
 
 
+def first_node(g: Group) -> int | None:
+    """The group's operator first in program order (None: a placeholder)."""
+    return g.root_node if g.root_node is not None else min(g.members, default=None)
+
+
 def follow_input(space, node, graph) -> int | None:
     """Position of the operand a node follows, if any.
 
@@ -143,10 +147,13 @@ class Mapped:
     main_req: ISpec                      # the operand as the node needs it
     out: ISpec
     reads: tuple[tuple[int, ISpec], ...]  # other operands: (position, layout)
-    reduce_axes: tuple[int, ...]
+    # the mesh axes of each summed dimension (ilp.strategies.sum_all_reduces)
+    reduce_groups: tuple[tuple[int, ...], ...]
     shards: int
-    # the axes of each summed dimension (ilp.strategies.sum_all_reduces)
-    reduce_groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def reduce_axes(self) -> tuple[int, ...]:
+        return tuple(sorted(a for g in self.reduce_groups for a in g))
 
 
 def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
@@ -164,9 +171,8 @@ def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
     reads = tuple((p, tuple(per_label.get(l, ()) for l in labs))
                   for p, labs in enumerate(space.in_labels) if labs is not None and p != k)
     groups = tuple(ax for l, ax in sorted(per_label.items()) if l in space.reduce)
-    red = tuple(sorted(a for ax in groups for a in ax))
     shards = math.prod(mesh_shape[a] for ax in per_label.values() for a in ax)
-    return Mapped(main_req, out, reads, red, shards, groups)
+    return Mapped(main_req, out, reads, groups, shards)
 
 
 # (input, a layout on offer, the input's tensor) -> is the layout allowed
@@ -274,10 +280,6 @@ class _Builder:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
-    # where the forward and the backward run as separate programs (a
-    # pipeline stage's), the forward's nodes: a resharding that readers in
-    # both need runs in each (None: one program)
-    split_programs: frozenset[int] | None = None
     # an operator's signature (what its OpSpace depends on) -> the OpSpace
     _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
     # (signature, followed operand, its layout) -> map_through(...) on this mesh

@@ -20,7 +20,7 @@ from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
 from .accumulation import deferrable, summed_axes
-from .build import Built, follow_input, map_through, stored_liveness
+from .build import Built, first_node, follow_input, map_through, stored_liveness
 from .strategies import collectives_of, node_space, sum_all_reduces, unmerged_s
 from .problem import Solution
 
@@ -161,9 +161,7 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
         def program(pc: PlannedCollective) -> tuple:
             if fwd is None or pc.group < 0:
                 return (pc.per_step,)
-            g = groups[pc.group]
-            first = g.root_node if g.root_node is not None else min(g.members, default=None)
-            return (pc.per_step, first in fwd)
+            return (pc.per_step, first_node(groups[pc.group]) in fwd)
         seen_keys: set[tuple] = set()
         kept = []
         for pc in out:
@@ -330,7 +328,7 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
             reduce[pc.group] = (sec + pc.seconds * once, b + pc.nbytes * once)
     if not any(sec for sec, _ in reduce.values()):
         return ()
-    order = sorted((min([g.root_node] if g.root_node is not None else g.members), g.gid)
+    order = sorted((first_node(g), g.gid)
                    for g in built.groups
                    if g.gid not in built.update_groups and (g.root_node is not None or g.members))
     steps, compute, held, merged, nbytes = [], 0.0, 0.0, 0.0, 0.0
