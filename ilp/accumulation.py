@@ -4,20 +4,43 @@ reduced once a step), which are the optimizer update's (once a step
 altogether), and over which mesh axes the runtime lets a sum wait."""
 from __future__ import annotations
 
-from ..graph import Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph
 
 
 def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[int], set[int]]:
-    """The optimizer update: the operators reading a parameter gradient
-    ``accumulate`` or a value computed from one, and the values they compute
-    (the gradients themselves excluded)."""
-    later = set(accumulate)
-    nodes = set()
+    """The optimizer update: the operators a step runs once, not once per
+    micro-batch, and the values they compute (the gradients themselves
+    excluded).  As the pipeline runtime splits a step
+    (:mod:`meshplan.runtime.pipeline_split`'s phases), every operator runs
+    per micro-batch that the gradients ``accumulate`` or a value made from
+    the batch (not from a gradient) need; the rest run once: what reads a
+    gradient, and what reads only parameters and optimizer state for the
+    update (Adam's decay of its moments, a step counter).  Nothing without
+    gradients to accumulate."""
+    if not accumulate:
+        return frozenset(), set()
+    after = set(accumulate)
+    batch = {i.tensor for i in graph.inputs if i.role not in _RESIDENT}
+    reads_grad: set[int] = set()
     for n in graph.nodes:
-        if any(t in later for t in n.inputs):
-            later.update(n.outputs)
-            nodes.add(n.id)
-    return frozenset(nodes), later - set(accumulate)
+        if any(t in after for t in n.inputs):
+            after.update(n.outputs)
+            reads_grad.add(n.id)
+        elif any(t in batch for t in n.inputs):
+            batch.update(n.outputs)
+    need = set(accumulate) | (batch - after)
+    per_micro_batch: set[int] = set()
+    for n in reversed(graph.nodes):
+        if n.id not in reads_grad and any(t in need for t in n.outputs):
+            per_micro_batch.add(n.id)
+            need.update(n.inputs)
+    nodes = frozenset(n.id for n in graph.nodes if n.id not in per_micro_batch)
+    made = {t for n in graph.nodes if n.id in nodes for t in n.outputs}
+    return nodes, made - set(accumulate)
+
+
+# inputs that do not change from micro-batch to micro-batch
+_RESIDENT = frozenset({PARAM, OPT_STATE, STATE})
 
 
 # operators whose result is a gradient's value relaid, recast or scaled, a

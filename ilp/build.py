@@ -73,6 +73,12 @@ class Group:
     # the input gradient of a matmul whose bias gradient follows it) do not
     grad_comm: list[float] = field(default_factory=list)
     grad_comm_bytes: list[float] = field(default_factory=list)
+    # per strategy: [compute, comm, comm bytes] of the above that the
+    # optimizer update's operators (root or followers) and reads add: once
+    # per ``grad_accum`` micro-batches, whichever group they joined (Adam's
+    # element-wise update follows its weight gradient's matmul)
+    update: list[list[float]] = field(default_factory=list)
+
     @property
     def size(self) -> int:
         return len(self.strategies)
@@ -108,6 +114,9 @@ class Built:
     # pipeline stage's), the forward's nodes: a resharding that readers in
     # both need runs in each (None: one program)
     split_programs: frozenset[int] | None = None
+    # the operators that run once a step (ilp.accumulation.update_nodes)
+    # where ``grad_accum`` > 1; empty otherwise
+    update_nodes: frozenset[int] = frozenset()
 
 
 def first_node(g: Group) -> int | None:
@@ -182,7 +191,7 @@ InputFilter = Callable[[GraphInput, ISpec, Tensor], bool]
 def _restrict(g: Group, ok: list[int]) -> None:
     """Keep only the strategies ``ok`` of group ``g``."""
     for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
-                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes"):
+                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes", "update"):
         vals = getattr(g, name)
         setattr(g, name, [vals[j] for j in ok])
 
@@ -318,6 +327,7 @@ class _Builder:
             g.comm_bytes = [0.0] * len(specs)
             g.grad_comm = [0.0] * len(specs)
             g.grad_comm_bytes = [0.0] * len(specs)
+            g.update = [[0.0, 0.0, 0.0] for _ in specs]
             g.comm_kinds = [{} for _ in specs]
             self.groups.append(g)
             self.group_of_tensor[inp.tensor] = g.gid
@@ -398,6 +408,8 @@ class _Builder:
                                  moved * n / total / shards, dtype)
                 g.cost[i] += t
                 g.compute[i] += t
+                if node.id in self.update_nodes:
+                    g.update[i][0] += t
                 read = [(node.inputs[p], spec) for p in ops if p != lead]
                 g.reads[i].extend(read)
                 if node.id not in self.update_nodes:
@@ -446,6 +458,9 @@ class _Builder:
         g.compute[:] = [c + row[1] for c, row in zip(g.compute, got)]
         g.comm[:] = [c + row[3] for c, row in zip(g.comm, got)]
         g.comm_bytes[:] = [c + row[4] for c, row in zip(g.comm_bytes, got)]
+        if node.id in self.update_nodes:
+            for u, row in zip(g.update, got):
+                u[0], u[1], u[2] = u[0] + row[1], u[1] + row[3], u[2] + row[4]
         if node.id in self.grad_nodes:
             for i, ms in enumerate(layouts):
                 if deferrable(axes[ms], self.defer_axes):
@@ -489,6 +504,8 @@ class _Builder:
                 summed_axes(s.name, self.mm.mesh.axes), self.defer_axes)
             g.grad_comm.append(comm if grad else 0.0)
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
+            g.update.append([s.compute_s + fixed, comm, s.comm_bytes] if not steady
+                            else [0.0, 0.0, 0.0])
             kinds: dict[str, float] = {}
             for kind, _, nbytes, _ in collectives_of(s, self.mm.mesh.axes):
                 if nbytes:
@@ -562,9 +579,10 @@ class _Builder:
                 g.cost[j] += c
                 g.comm[j] += c
                 g.comm_bytes[j] += b
-                if t in self.grad_tensors:      # (a gradient's, on its way to the update)
-                    g.grad_comm[j] += c
-                    g.grad_comm_bytes[j] += b
+                if (t, req) not in g.steady_reads[j]:
+                    # (the update's, or a gradient's on its way to it)
+                    g.update[j][1] += c
+                    g.update[j][2] += b
                 _add_kinds(g.comm_kinds[j], steps)
             return
         if (h.gid, g.gid) not in self.edge_acc:
@@ -604,19 +622,19 @@ class _Builder:
     def scale_for_accumulation(self, accumulate: frozenset[int], grad_accum: int
                                ) -> tuple[frozenset[int], frozenset[int]]:
         """The reductions that make parameter gradients run once per
-        iteration, not once per micro-batch; the groups of the update (what
-        reads a gradient, directly or not) run once per iteration.  (The
+        iteration, not once per micro-batch; so does the update (its
+        operators and reads: ``Group.update``, wherever they joined).  (The
         reshardings between groups were weighted as they were added: those
         the update reads, and the new values into their inputs' layouts, once
         per iteration; every other read, e.g. of a parameter that the forward
-        gathers, once per micro-batch.)  ``(accumulated, per_iteration)``."""
+        gathers, once per micro-batch.)  ``(accumulated, per_iteration)``:
+        the groups making gradients, and those holding what the update
+        makes."""
         groups = self.groups
         accumulated, updates = self.gradient_groups(accumulate)
-        per_iteration: frozenset[int] = frozenset()
         if grad_accum <= 1:
-            return accumulated, per_iteration
+            return accumulated, frozenset()
         f = 1.0 / grad_accum
-        per_iteration = updates
         for gid in accumulated:
             g = groups[gid]
             for i in range(g.size):
@@ -624,11 +642,15 @@ class _Builder:
                 g.cost[i] -= saved
                 g.comm[i] -= saved
                 g.comm_bytes[i] -= g.grad_comm_bytes[i] * (1 - f)
-        for gid in per_iteration:
-            g = groups[gid]
-            for name in ("cost", "compute", "comm", "comm_bytes"):
-                setattr(g, name, [x * f for x in getattr(g, name)])
-        return accumulated, per_iteration
+        for g in groups:
+            for i, u in enumerate(g.update):
+                compute, comm, nbytes = (x * (1 - f) for x in u)
+                g.cost[i] -= compute + comm
+                g.compute[i] -= compute
+                g.comm[i] -= comm
+                g.comm_bytes[i] -= nbytes
+                u[:] = [x * f for x in u]
+        return accumulated, updates
 
     def gradient_groups(self, accumulate: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The groups making the parameter gradients ``accumulate``, and those
@@ -741,8 +763,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     # partial gradient sums cover that axis, not the tensor-parallel ones)
     batch_axes = getattr(input_filter, "batch_axes", None)
     b.defer_axes = None if batch_axes is None else frozenset(batch_axes)
+    b.update_nodes = update_nodes(graph, accumulate)[0]
     if grad_accum > 1:
-        b.update_nodes = update_nodes(graph, accumulate)[0]
         b.once = 1.0 / grad_accum
     b.add_input_groups(input_filter)
     b.add_operator_groups()
@@ -772,7 +794,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     grad_groups, update_groups = b.gradient_groups(accumulate)
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
-                 grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes)
+                 grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes,
+                 update_nodes=b.update_nodes if grad_accum > 1 else frozenset())
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

@@ -75,11 +75,11 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
 
     def own_once(gid: int, nid: int | None = None, axes: frozenset[int] = frozenset()
                  ) -> bool:
-        """Is group ``gid``'s own communication (by its operator ``nid``,
-        summing over mesh ``axes``) paid once a step?  The update's all of
-        it; in a group making a gradient, the reductions of the gradient's
-        own operators over the axes the runtime defers."""
-        return accum and (gid in built.per_iteration or
+        """Is the communication of group ``gid``'s operator ``nid`` (summing
+        over mesh ``axes``) paid once a step?  The update's all of it; in a
+        group making a gradient, the reductions of the gradient's own
+        operators over the axes the runtime defers."""
+        return accum and (nid in built.update_nodes or
                           (gid in built.accumulated and nid in built.grad_nodes
                            and deferrable(axes, built.defer_axes)))
 
@@ -132,12 +132,9 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             what = (f"read by n{g.root_node} {graph.nodes[g.root_node].primitive}"
                     if g.root_node is not None else f"read by {g.name}")
             internal = gt[t] == g.gid
-            # (between groups: once a step where only the update reads it;
-            # inside a group as the ILP charges it: once a step in the update
-            # and for a gradient's value on its way to the update)
-            once = (accum and (g.gid in built.per_iteration or
-                               (g.gid in built.accumulated and t in built.grad_tensors))
-                    if internal else accum and (t, req) not in g.steady_reads[c])
+            # (once a step where only the update, or a gradient's operators
+            # on its way to it, read it: as the ILP charges it)
+            once = accum and (t, req) not in g.steady_reads[c]
             steps_of(t, spec_of[t], req, what, g.gid, internal, once)
     for o in graph.outputs:
         if o.updates is None or o.tensor not in gt:
@@ -333,7 +330,8 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
                    if g.gid not in built.update_groups and (g.root_node is not None or g.members))
     steps, compute, held, merged, nbytes = [], 0.0, 0.0, 0.0, 0.0
     for _, gid in order:
-        compute += built.groups[gid].compute[choice[gid]]
+        g, c = built.groups[gid], choice[gid]
+        compute += g.compute[c] - g.update[c][0]      # (the update waits for them)
         sec, b = reduce.get(gid, (0.0, 0.0))
         if sec > 0:
             held, merged, nbytes, compute = held + compute, merged + sec, nbytes + b, 0.0

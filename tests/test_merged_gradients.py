@@ -51,9 +51,12 @@ def test_one_fixed_cost_per_merged_collective():
 
 def test_a_merged_reduction_waits_for_its_last_gradient():
     """Groups in program order: forward, three gradients (10, 25, 10 MiB),
-    a tail; merged reductions close once they hold COMBINE_BYTES."""
-    groups = [SimpleNamespace(gid=i, root_node=i, members=[], compute=[c])
-              for i, c in enumerate([5.0, 1.0, 2.0, 3.0, 4.0])]
+    a tail; merged reductions close once they hold COMBINE_BYTES.  The last
+    gradient's group holds 1.0 of the update's compute, which waits for
+    the reductions and hides none."""
+    groups = [SimpleNamespace(gid=i, root_node=i, members=[], compute=[c],
+                              update=[[1.0 if i == 3 else 0.0, 0.0, 0.0]])
+              for i, c in enumerate([5.0, 1.0, 2.0, 4.0, 4.0])]
     built = SimpleNamespace(groups=groups, grad_groups=frozenset({1, 2, 3}),
                             update_groups=frozenset(), grad_accum=1)
     planned = [PlannedCollective("all-reduce", s, b * MIB, 0, "", group=g, gradient=True)
