@@ -128,7 +128,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         if opt.recompute == SELECTIVE:
             recomputed += B * sum(lay.selective_flops[st.first:st.last + 1])
         elif remat:
-            recomputed += B * sum(lay.fwd_flops[st.first:st.last + 1])
+            upto = st.first + opt.recompute_layers if opt.recompute_layers else st.last + 1
+            recomputed += B * sum(lay.fwd_flops[st.first:upto])
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
         # the layers' planned layouts, keyed by tensor ids of the step traced
@@ -169,6 +170,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                             devices=device_order(cluster, devices, mesh),
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, recompute=opt.recompute,
+                            recompute_layers=opt.recompute_layers,
                             params=tuple(sorted(params.items())),
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
                                                 int(round(cbytes * B))),

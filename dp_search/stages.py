@@ -130,6 +130,15 @@ class GroupCost:
                                   grads=held or min(self.grad_bytes, working),
                                   activations=keep * kept)
 
+    def as_full(self) -> "GroupCost":
+        """These layers recomputing fully, as the figures of no recomputation
+        (what :meth:`way` and :meth:`work` read for ``none``): a stage whose
+        first groups recompute and the rest not is the ``none`` way of
+        ``of_groups`` over these and the rest."""
+        return replace(self, time_s=self.remat_time_s, saved_bytes=self.boundary_bytes,
+                       transient_bytes=self.activation_bytes, compute_s=self.remat_compute_s,
+                       backward=self.remat_backward)
+
     def held_grads(self, one_program: bool) -> float:
         """The gradient bytes held beside the working set.  A pipeline's
         stage holds them all step: the running sums over the micro-batches,
@@ -151,6 +160,7 @@ class StageOption:
     memory: MemoryBreakdown | None = None    # memory_bytes by what it holds
     recompute: str = ""     # none, selective or full ("": as remat says)
     tighten: int = 1        # its layers' ILPs had 1 / tighten of the budget (TIGHTEN)
+    recompute_layers: int = 0   # full: only the stage's first this many layers (0: all)
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -318,6 +328,8 @@ class StageCosts:
         lay, opts = self.lay, self.opts
         i, j = lay.groups[gi][0], lay.groups[gj][1]
         extra = float(extra)
+        # (a virtual stage's or ZB-H1's backward programs: all or nothing)
+        partial_ok = keep is None and schedule != ZB_H1
         if keep is None and opts.equal_layers \
                 and gj - gi + 1 != len(lay.groups) // opts.num_stages:
             return None
@@ -350,7 +362,9 @@ class StageCosts:
                 continue
             send, c, ways = priced
             held = c.held_grads(whole)
-            for way, lat, kept, working in ways:
+            for way, layers, gc, as_way, lat, kept, working in ways:
+                if layers and (whole or not partial_ok):
+                    continue
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and way == NONE else keep
                 mem = c.resident_bytes + held + n_kept * kept + working
@@ -358,19 +372,20 @@ class StageCosts:
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
                 if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, way != NONE, mem, k, send, c.memory(n_kept, way, whole),
-                                       way, tighten)
+                    best = StageOption(lat, way != NONE, mem, k, send,
+                                       gc.memory(n_kept, as_way, whole), way, tighten, layers)
                 if least is None or mem < least:
-                    least, least_way = mem, (c, way, n_kept)
+                    least, least_way = mem, (gc, as_way, n_kept)
         if best is None and least is not None:
             c, way, n_kept = least_way
             self._unfit(least, c.memory(n_kept, way, whole), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
-    def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int
-                ) -> tuple[float, GroupCost, list[tuple[str, float, float, float]]] | None:
+    def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int) -> tuple | None:
         """Groups ``gi..gj`` as one stage on mesh ``k`` of submesh ``m``: its
-        send time, its cost and per recomputation choice (latency, kept per
+        send time, its cost and per recomputation choice (the choice, how
+        many of its first layers recompute where only some do (else 0), the
+        cost and its way whose figures those are, latency, kept per
         micro-batch in flight, working set); None where a group has no plan.
         (None of it depends on the stages after it or the schedule, which
         the DP varies: priced once.)"""
@@ -399,7 +414,15 @@ class StageCosts:
         for way in _ways(self.opts.remat):
             t, kept, working = c.way(way)
             # (less what runs under compute: cost_model.overlap)
-            ways.append((way, t + fixed - self._hidden(c, way, send), kept, working))
+            ways.append((way, 0, c, way, t + fixed - self._hidden(c, way, send), kept, working))
+        if self.opts.remat is None:
+            # Mist's choice: the first g of the stage's groups recompute, the rest not
+            for g in range(1, len(rows)):
+                mixed = GroupCost.of_groups([r.as_full() for r in rows[:g]] + list(rows[g:]))
+                t, kept, working = mixed.way(NONE)
+                n = lay.groups[gi + g - 1][1] - lay.groups[gi][0] + 1
+                ways.append((FULL, n, mixed, NONE, t + fixed - self._hidden(mixed, NONE, send),
+                             kept, working))
         self._prices[key] = (send, c, ways)
         return self._prices[key]
 

@@ -283,7 +283,9 @@ def _replay(p: Plan, graph: Graph) -> Any:
     if len(layers) != len(graph.nodes):
         from meshplan.dp_search.layers import assign_layers
         layers = assign_layers(graph).layer_of_node
-    return plan_replay(graph, p.stages[0].recompute, layers)
+    st = p.stages[0]
+    return plan_replay(graph, st.recompute, layers,
+                       st.layers[0] + st.recompute_layers if st.recompute_layers else None)
 
 
 def _layer_of_node(p: Plan, traced: TracedStep) -> tuple[int, ...]:

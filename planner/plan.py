@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .alternatives import Alternative, comm_share, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
-from .recompute import RECOMPUTE, SELECTIVE, recompute_name
+from .recompute import FULL, RECOMPUTE, SELECTIVE, recompute_name
 
 # what a stage may keep in host memory between steps (meshplan.offload)
 OFFLOAD_KINDS = ("none", "optimizer")
@@ -188,6 +188,10 @@ class Stage:
     # selective and full, so that old readers keep working; where the two
     # disagree (a file or a replace() that set remat alone) remat wins
     recompute: str = ""
+    # with recompute "full": only the stage's first ``recompute_layers``
+    # layers recompute, the later ones keep their activations (Mist's
+    # per-stage count); 0: all of them
+    recompute_layers: int = 0
     # "optimizer": the leaves named by host_params (inputs) and host_outputs
     # (their new values) live in host memory between steps (meshplan.offload)
     offload: str = "none"
@@ -208,6 +212,11 @@ class Stage:
             r = recompute_name(bool(self.remat))
         object.__setattr__(self, "recompute", r)
         object.__setattr__(self, "remat", bool(self.remat))
+        n, size = self.recompute_layers, self.layers[1] - self.layers[0] + 1
+        if n and (r != FULL or not 0 < n < size):
+            raise PlanFormatError(
+                f"stage recompute_layers {n}: give a count below the stage's {size} layers, "
+                "with recompute \"full\" (0: all of them)")
 
     def param_spec(self, path: str) -> Spec | None:
         return dict(self.params).get(path)
@@ -220,6 +229,7 @@ class Stage:
             "logical_mesh": self.logical_mesh.to_dict(),
             "remat": self.remat,
             "recompute": self.recompute,
+            **({"recompute_layers": self.recompute_layers} if self.recompute_layers else {}),
             "params": {p: spec_to_json(s) for p, s in self.params},
             "predicted": self.predicted.to_dict(),
             "outputs": {p: spec_to_json(s) for p, s in self.outputs},
@@ -242,6 +252,7 @@ class Stage:
             logical_mesh=LogicalMesh.from_dict(d["logical_mesh"]),
             remat=bool(d.get("remat", False)),
             recompute=str(d.get("recompute", "")),
+            recompute_layers=int(d.get("recompute_layers", 0)),
             params=tuple((p, spec_from_json(s)) for p, s in d["params"].items()),
             predicted=Predicted.from_dict(d["predicted"]),
             outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
@@ -260,6 +271,8 @@ def _remat_note(s: Stage) -> str:
     off = f", {s.offload} state offloaded to host" if s.offload != "none" else ""
     if not s.remat:
         return off
+    if s.recompute_layers:
+        return f", remat (first {s.recompute_layers} layers)" + off
     return (", remat (selective)" if s.recompute == SELECTIVE else ", remat") + off
 
 

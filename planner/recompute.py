@@ -1,6 +1,9 @@
 """Which forward values a stage recomputes: the choices, and the one graph-level
 definition of *selective* recomputation that the planner costs and the
-runtime executes.
+runtime executes.  (A stage recomputing ``full`` may do so for its first
+``Stage.recompute_layers`` layers only, Mist's per-stage count: the stage DP
+prices it from its layers' none and full figures, the runtimes replay those
+layers' forward.)
 
 Megatron-LM's selective recomputation (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4.3) keeps the

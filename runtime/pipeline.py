@@ -235,6 +235,7 @@ class PipelineExecutable:
                                         [s.layers for s in plan.stages], batch_ids, m,
                                         traced.concat_outputs,
                                         remat=[s.recompute for s in plan.stages],
+                                        remat_layers=[s.recompute_layers for s in plan.stages],
                                         selective=_selective(traced, plan),
                                         fused=fused,
                                         draws=traced.batch_draws,

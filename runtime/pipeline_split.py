@@ -143,7 +143,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                fused: frozenset[int] = frozenset(),
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
                draw_eqns: Sequence[tuple[int, Any]] = (),
-               zero_bubble: bool = False) -> StepSplit:
+               zero_bubble: bool = False, remat_layers: Sequence[int] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
@@ -153,7 +153,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     replay.  ``draws``: the random draws over the batch
     (``TracedStep.batch_draws``) and ``draw_eqns`` their per-example
     ancestors at the full batch (``TracedStep.draw_eqns``).  ``zero_bubble``:
-    cut the backwards into B and W (see the module doc)."""
+    cut the backwards into B and W (see the module doc).  ``remat_layers``:
+    per stage recomputing fully, how many of its first layers do (0: all; the
+    later ones recompute as a stage recomputing nothing)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     # a gradient summed from several layers' contributions: summed once a step
@@ -172,7 +174,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         if producer.get(i, ("",))[0] == "A":
             needed_by[i].update(needed_by.get(o, ()))
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
-    _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused)
+    prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None
+              for (lo, _), n in zip(stage_layers, remat_layers)]
+    _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused, prefix)
     deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     if zero_bubble:
@@ -456,23 +460,28 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
 
 def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: Sequence[bool | str],
                      needed_by: dict[int, set[tuple]], selective: frozenset[int] = frozenset(),
-                     fused: frozenset[int] = frozenset()) -> None:
+                     fused: frozenset[int] = frozenset(),
+                     prefix: Sequence[frozenset[int] | None] = ()) -> None:
     """[remat] a backward replays its stage's forward (full), or the selective
     region's part of it, or (no recomputation) the element-wise chains of
-    ``fused``, from the values that forward read or made."""
+    ``fused``, from the values that forward read or made.  ``prefix[s]``:
+    where stage ``s`` recomputes fully, the equations of the layers that do
+    (None: all); the others' are replayed as with no recomputation."""
     for s in sorted({key[1] for key in tasks if key[0] == "B"}):
         r = recompute_name(remat[s] if s < len(remat) else NONE)
         f, b = tasks.get(("F", s)), tasks.get(("B", s))
         if f is None or b is None or (r == NONE and not fused):
             continue
-        again_ok = fused if r == NONE else selective
+        part = prefix[s] if s < len(prefix) and r == FULL else None
+        again_ok = fused if r == NONE or part is not None else selective
         made = {o for k in f.eqns for o in eqns[k].outvars}
         want = {x for x in b.inputs if x in made}
         if not want:
             continue
         replay: set[int] = set()
         for k in reversed(f.eqns):
-            if (r == FULL or k in again_ok) and any(o in want for o in eqns[k].outvars):
+            if ((r == FULL and (part is None or k in part)) or k in again_ok) \
+                    and any(o in want for o in eqns[k].outvars):
                 replay.add(k)
                 want.update(x for x in eqns[k].invars if isinstance(x, int))
         if not replay:

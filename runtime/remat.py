@@ -44,18 +44,21 @@ class Replay:
         return [x for x in invars if isinstance(x, int) and x in self.group_of]
 
 
-def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int]) -> Replay | None:
+def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int],
+                below: int | None = None) -> Replay | None:
     """What a one-program step with ``recompute`` (a :data:`meshplan.recompute.RECOMPUTE`
     name) binds again; ``graph`` numbers its nodes and tensors as the flat
-    equation stream; ``layer_of_node``: the layer of every node."""
+    equation stream; ``layer_of_node``: the layer of every node; ``below``:
+    with ``full``, only the layers numbered below it (None: all)."""
     if recompute == NONE:
         return None
     fwd = tuple(forward_nodes(graph))
     nodes, consumers = graph.nodes, graph.consumers
     if recompute == FULL:
         again = {t for n in nodes if fwd[n.id] for t in n.outputs
-                 if not any(fwd[c] and layer_of_node[c] != layer_of_node[n.id]
-                            for c in consumers.get(t, ()))}
+                 if (below is None or layer_of_node[n.id] < below)
+                 and not any(fwd[c] and layer_of_node[c] != layer_of_node[n.id]
+                             for c in consumers.get(t, ()))}
     elif recompute == SELECTIVE:
         again = set(recomputed_tensors(graph, fwd, selective_nodes(graph, fwd)))
     else:
