@@ -6,13 +6,17 @@ back ends run collectives on streams of their own).  Where it does:
 
 * **Tensor-parallel collectives and resharding** sit on the critical path:
   the matmul they feed waits for them.  Never hidden.
-* **Data-parallel gradient reductions** start as soon as a gradient is made
-  and run under the backward compute that follows it, as XLA's async
-  collectives and Megatron-LM's bucketed reduction do.  Only the compute
-  after a reduction is ready can hide it, so the last one (the first
-  layers' gradients) is always exposed.  Reductions are serial on the
-  network, and they run once per iteration, under the last micro-batch's
-  backward only (the others accumulate locally).
+* **Data-parallel gradient reductions** of a step of one micro-batch start
+  as soon as a gradient is made and run under the backward compute that
+  follows it, as XLA's async collectives and Megatron-LM's bucketed
+  reduction do.  Only the compute after a reduction is ready can hide it,
+  so the last one (the first layers' gradients) is always exposed.
+  Reductions are serial on the network.  With several micro-batches the
+  runtime adds each device's partial gradients over the micro-batches and
+  reduces the sums once, in the step's means program after the last
+  backward (:mod:`meshplan.runtime.pipeline_partial`): no compute of the
+  stage is left to hide them (Megatron-LM too reduces after the pipeline's
+  flush).
 * **Pipeline sends** of one micro-batch run while the stage computes the
   next: of ``B`` micro-batches all sends but the last are hidden, up to the
   stage's own work per micro-batch.
@@ -79,9 +83,11 @@ def hidden_s(work: StageWork, overlaps: bool) -> float:
     if not overlaps:
         return 0.0
     B = max(1, work.num_micro_batches)
-    # reductions run once per iteration, under the last micro-batch's backward
     bw = work.backward
-    grads = min(max(0.0, min(bw.reduce_s / B, work.comm_s) - bw.exposed_s / B), work.compute_s)
+    # one micro-batch: the reductions run under the backward after them;
+    # several: once a step, after the last backward (see the module doc)
+    grads = 0.0 if B > 1 else min(max(0.0, min(bw.reduce_s, work.comm_s) - bw.exposed_s),
+                                  work.compute_s)
     # a send hides under the next micro-batch's compute (what the reductions
     # left of it): all sends but the last
     sends = min(work.compute_s - grads, work.send_s) * (1 - 1 / B)
