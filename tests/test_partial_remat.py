@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from _steps import assert_states_close, jit_losses, run_plan
 from meshplan.errors import PlanFormatError
 from meshplan.models import build_model
 from meshplan.api import _replay
@@ -91,12 +92,8 @@ def _local(stage0: dict) -> Plan:
 
 def _run(plan, steps):
     m, state, batch = _model()
-    step = meshplan.parallelize(m.train_step, plan=plan)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return step._fast[1], jax.device_get(state), losses
+    step, state, losses = run_plan(m.train_step, plan, state, batch, steps)
+    return step._fast[1], state, losses
 
 
 def _kept_between(ex, s):
@@ -111,17 +108,10 @@ def _kept_between(ex, s):
 def test_a_stage_recomputing_its_first_layers_equals_the_undecorated_step():
     plan = _local({"recompute": "full", "recompute_layers": 2})
     ex, state, losses = _run(plan, steps=3)
-    m, ref_state, batch = _model()
-    ref = jax.jit(m.train_step)
-    ref_losses = []
-    for _ in range(3):
-        ref_state, metrics = ref(ref_state, batch)
-        ref_losses.append(float(metrics["loss"]))
+    m, state0, batch = _model()
+    ref_losses, ref_state = jit_losses(m.train_step, state0, batch, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(ref_state)),
-                    jax.tree_util.tree_leaves(state)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(a))), 1e-3) < 1e-5
+    assert_states_close(ref_state, state)
     # the replayed forward is the first two layers' (and only theirs' matmuls)
     lo, hi = plan.stages[0].layers
     layer = plan.layer_of_node

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from _steps import assert_states_close, jit_losses, run_plan
 from meshplan.dp_search.problem import layer_problems
 from meshplan.graph import forward_nodes
 from meshplan.models import build_model
@@ -211,29 +212,17 @@ def _local_plan(kinds):
 
 def _run(plan, steps=3):
     m, state, batch = _model()
-    step = meshplan.parallelize(m.train_step, plan=plan)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return step._fast[1], jax.device_get(state), losses
+    step, state, losses = run_plan(m.train_step, plan, state, batch, steps)
+    return step._fast[1], state, losses
 
 
 def test_selective_and_full_stages_equal_undecorated_step():
     ex, state, losses = _run(_local_plan(("selective", "full")))
     assert isinstance(ex, PipelineExecutable)
-    m, ref_state, batch = _model()
-    ref = jax.jit(m.train_step)
-    ref_losses = []
-    for _ in range(3):
-        ref_state, metrics = ref(ref_state, batch)
-        ref_losses.append(float(metrics["loss"]))
+    m, state0, batch = _model()
+    ref_losses, ref_state = jit_losses(m.train_step, state0, batch, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(ref_state)),
-                    jax.tree_util.tree_leaves(state)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        scale = max(float(np.max(np.abs(a))), 1e-3)
-        assert float(np.max(np.abs(a - b))) / scale < 1e-5
+    assert_states_close(ref_state, state)
     eqns = ex.flat.eqns
     f0, b0 = ex.programs[("F", 0)].task, ex.programs[("B", 0)].task
     f1, b1 = ex.programs[("F", 1)].task, ex.programs[("B", 1)].task
