@@ -529,6 +529,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--save-cluster", help="write the calibrated cluster JSON here")
     ap.add_argument("--out", default=str(OUT), help="output path without suffix "
                     "(.md and .csv are written)")
+    ap.add_argument("--repredict", metavar="CSV",
+                    help="measure nothing: plan the configurations a run's CSV measured "
+                         "with --cluster (this code's model) and print MAPE and Spearman "
+                         "against that run's measurements")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODEL_SIZES]
@@ -537,15 +541,55 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.cluster and args.save_cluster:
         ap.error("--save-cluster writes a calibrated cluster; with --cluster nothing is "
                  "calibrated")
+    if args.repredict and not args.cluster:
+        ap.error("--repredict plans with a given cluster: add --cluster FILE")
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (1 if args.quick else 2)
     return args
+
+
+def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
+    """Per model, MAPE and Spearman of this code's predictions on ``cluster``
+    against the measurements recorded in a run's CSV (separates a change of
+    the model from a change of the calibration or of the machine)."""
+    import jax
+    import meshplan
+    from meshplan import progress
+    from meshplan.dp_search import Session
+    from meshplan.models import build_model
+    with open(path, newline="") as f:
+        recorded = [r for r in csv.DictReader(f) if r.get("measured_ms")]
+    session = Session.from_env(progress.Progress(progress.QUIET))
+    out = []
+    for name in models:
+        mine = [r for r in recorded if r["model"] == name]
+        if not mine:
+            continue
+        model = build_model(name, MODEL_SIZES[name])
+        state, batch = jax.eval_shape(lambda: model.init(0))
+        pred, meas = [], []
+        for r in mine:
+            c = Config(auto=True) if r["method"] == "auto" else Config(
+                int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mb"]), r["remat"] == "yes",
+                r["schedule"])
+            step = meshplan.parallelize(model.train_step, method=c.method(), cluster=cluster,
+                                        batch_argnums=model.batch_argnums, donate_argnums=(0,),
+                                        session=session)
+            pred.append(step.plan_for(state, batch).predicted.iteration_s * 1e3)
+            meas.append(float(r["measured_ms"]))
+        out.append(f"{name}: {len(mine)} rows, MAPE {mape(pred, meas):.1f}%, "
+                   f"Spearman {spearman(pred, meas):.3f}")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     t0 = time.perf_counter()
+    if args.repredict:
+        cluster, _ = get_cluster(args)
+        print("\n".join(repredict(args.repredict, args.models, cluster)))
+        return 0
 
     def log(msg: str) -> None:
         print(f"{time.perf_counter() - t0:7.1f}s {msg}", flush=True)
