@@ -424,9 +424,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="--method manual: recompute activations in every stage (full; alias "
                         "always), only the attention-score region in every stage (selective), "
-                        "in none (none; alias never), or where needed to fit (auto, the default); "
-                        "--method shard: the same choices, none by default, auto the fastest "
-                        "that fits")
+                        "in none (none; alias never), or where needed to fit (auto, the default: "
+                        "per stage none, selective, its first layers or all of them fully); "
+                        "--method shard: none, selective or full, none by default, auto the "
+                        "fastest of them that fits")
     p.add_argument("--offload", choices=["none", "optimizer", "auto"],
                    help="auto, shard, data, manual: keep the optimizer state in host memory "
                         "between steps (optimizer; one-stage plans), only where the plan does "
