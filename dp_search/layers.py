@@ -48,7 +48,8 @@ import numpy as np
 
 from ..contributions import graph_ops, summing_adds
 from ..graph import (BATCH, GRAD_BOUNDARY, INPUT, INTERMEDIATE, PIPELINE_BOUNDARY, Graph,
-                     GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, strip_markers)
+                     GraphInput, GraphOutput, IDENTITY_MARKERS, forward_nodes, per_micro_batch_nodes,
+                     strip_markers)
 
 # Role of a tensor that enters a layer from another layer.
 BOUNDARY = "boundary"
@@ -343,35 +344,14 @@ def _read_layer(layers: set[int], below: int | None) -> int:
 
 def _per_micro_batch_backward(graph: Graph, fwd: Sequence[bool]) -> list[int]:
     """The backward nodes a pipeline runs once per micro-batch, in graph order:
-    the ancestors of the gradients (the gradient marker's operands) and of
-    every other batch-dependent value that is not made from the gradients,
-    less the forward nodes, the markers and the values made from constants
-    alone (the runtime's ``B`` phase: ``runtime/pipeline_split._phases``)."""
+    :func:`meshplan.graph.per_micro_batch_nodes` of the gradients (the
+    gradient marker's operands) and the batch, less the forward nodes and
+    the values made from constants alone (the runtime's ``B`` phase)."""
+    grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    each = per_micro_batch_nodes(graph, grads,
+                                 (i.tensor for i in graph.inputs if i.role == BATCH))
     const = graph.constant_nodes
-    batch = {i.tensor for i in graph.inputs if i.role == BATCH}
-    markers = {n.id for n in graph.nodes if n.primitive == GRAD_BOUNDARY}
-    bdep, after = set(batch), set()
-    for n in graph.nodes:
-        if n.id in markers:
-            after.update(n.outputs)
-            continue
-        if any(t in bdep for t in n.inputs):
-            bdep.update(n.outputs)
-        if any(t in after for t in n.inputs):
-            after.update(n.outputs)
-    need = {t for nid in markers for t in graph.nodes[nid].inputs}
-    for n in graph.nodes:
-        if (n.id not in const and n.id not in markers and any(t in bdep for t in n.outputs)
-                and not any(t in after for t in n.outputs)):
-            need.update(n.outputs)
-    out = []
-    for n in reversed(graph.nodes):
-        if n.id in markers or n.id in const or not any(t in need for t in n.outputs):
-            continue
-        need.update(n.inputs)
-        if not fwd[n.id]:
-            out.append(n.id)
-    return out[::-1]
+    return [n.id for n in graph.nodes if n.id in each and n.id not in const and not fwd[n.id]]
 
 
 def _keep_pipeline_order(graph: Graph, layer: list[int], fwd: Sequence[bool]) -> None:

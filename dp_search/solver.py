@@ -15,7 +15,7 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
 from ..ilp.accumulation import deferrable, gradient_only, summed_axes
 from ..ilp.strategies import node_dtype
@@ -352,14 +352,8 @@ def forward_of(sub: Graph, forward_values: frozenset[int]) -> frozenset[int]:
     """The forward nodes of a layer's graph: those ``forward_values`` (what
     its backward or other layers read of its forward) and its loss-like
     outputs (the step's outputs updating no input) depend on."""
-    need = set(forward_values) | {o.tensor for o in sub.outputs
-                                  if o.updates is None and o.path != f"t{o.tensor}"}
-    out = set()
-    for n in reversed(sub.nodes):
-        if any(t in need for t in n.outputs):
-            out.add(n.id)
-            need.update(n.inputs)
-    return frozenset(out)
+    return frozenset(ancestor_nodes(sub, set(forward_values) | {
+        o.tensor for o in sub.outputs if o.updates is None and o.path != f"t{o.tensor}"}))
 
 
 def _accumulating(job: tuple) -> tuple[frozenset[int], int, frozenset[int] | None]:

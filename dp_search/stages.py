@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import MeshModel, mesh_model
@@ -147,6 +147,17 @@ class GroupCost:
         a parameter as soon as its gradient is made: counted only inside
         one layer's working set."""
         return 0.0 if one_program else self.grad_bytes
+
+
+class Way(NamedTuple):
+    """One recomputation choice of a stage, as :meth:`StageCosts._priced` prices it."""
+    recompute: str          # none, selective or full
+    layers: int             # full: only the stage's first this many layers (0: all)
+    cost: GroupCost         # whose ``as_way`` figures these are
+    as_way: str
+    latency_s: float
+    kept: float             # per micro-batch in flight
+    working: float
 
 
 @dataclass(frozen=True)
@@ -362,31 +373,31 @@ class StageCosts:
                 continue
             send, c, ways = priced
             held = c.held_grads(whole)
-            for way, layers, gc, as_way, lat, kept, working in ways:
-                if layers and (whole or not partial_ok):
+            for w in ways:
+                if w.layers and (whole or not partial_ok):
                     continue
                 # (a recomputing stage's backward stays one program: 1F1B's count)
-                n_kept = keep + extra if extra and way == NONE else keep
-                mem = c.resident_bytes + held + n_kept * kept + working
-                left = lay.budget - held - n_kept * kept - working
+                n_kept = keep + extra if extra and w.recompute == NONE else keep
+                mem = c.resident_bytes + held + n_kept * w.kept + w.working
+                left = lay.budget - held - n_kept * w.kept - w.working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
-                if mem <= lay.budget and (best is None or lat < best.latency_s):
-                    best = StageOption(lat, way != NONE, mem, k, send,
-                                       gc.memory(n_kept, as_way, whole), way, tighten, layers)
+                if mem <= lay.budget and (best is None or w.latency_s < best.latency_s):
+                    best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
+                                       w.cost.memory(n_kept, w.as_way, whole), w.recompute,
+                                       tighten, w.layers)
                 if least is None or mem < least:
-                    least, least_way = mem, (gc, as_way, n_kept)
+                    least, least_way = mem, (w.cost, w.as_way, n_kept)
         if best is None and least is not None:
             c, way, n_kept = least_way
             self._unfit(least, c.memory(n_kept, way, whole), keep, way != NONE, (i, j), n, gi, gj, s)
         return best
 
-    def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int) -> tuple | None:
+    def _priced(self, gi: int, gj: int, m: int, k: int, tighten: int
+                ) -> tuple[float, GroupCost, list[Way]] | None:
         """Groups ``gi..gj`` as one stage on mesh ``k`` of submesh ``m``: its
-        send time, its cost and per recomputation choice (the choice, how
-        many of its first layers recompute where only some do (else 0), the
-        cost and its way whose figures those are, latency, kept per
-        micro-batch in flight, working set); None where a group has no plan.
+        send time, its cost and its recomputation choices; None where a
+        group has no plan.
         (None of it depends on the stages after it or the schedule, which
         the DP varies: priced once.)"""
         key = (gi, gj, m, k, tighten)
@@ -414,15 +425,15 @@ class StageCosts:
         for way in _ways(self.opts.remat):
             t, kept, working = c.way(way)
             # (less what runs under compute: cost_model.overlap)
-            ways.append((way, 0, c, way, t + fixed - self._hidden(c, way, send), kept, working))
+            ways.append(Way(way, 0, c, way, t + fixed - self._hidden(c, way, send), kept, working))
         if self.opts.remat is None:
             # Mist's choice: the first g of the stage's groups recompute, the rest not
             for g in range(1, len(rows)):
                 mixed = GroupCost.of_groups([r.as_full() for r in rows[:g]] + list(rows[g:]))
                 t, kept, working = mixed.way(NONE)
                 n = lay.groups[gi + g - 1][1] - lay.groups[gi][0] + 1
-                ways.append((FULL, n, mixed, NONE, t + fixed - self._hidden(mixed, NONE, send),
-                             kept, working))
+                ways.append(Way(FULL, n, mixed, NONE,
+                                t + fixed - self._hidden(mixed, NONE, send), kept, working))
         self._prices[key] = (send, c, ways)
         return self._prices[key]
 

@@ -4,37 +4,24 @@ reduced once a step), which are the optimizer update's (once a step
 altogether), and over which mesh axes the runtime lets a sum wait."""
 from __future__ import annotations
 
-from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph, per_micro_batch_nodes
 
 
 def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[int], set[int]]:
     """The optimizer update: the operators a step runs once, not once per
     micro-batch, and the values they compute (the gradients themselves
     excluded).  As the pipeline runtime splits a step
-    (:mod:`meshplan.runtime.pipeline_split`'s phases), every operator runs
-    per micro-batch that the gradients ``accumulate`` or a value made from
-    the batch (not from a gradient) need; the rest run once: what reads a
+    (:func:`meshplan.graph.per_micro_batch_nodes`), every operator runs per
+    micro-batch that the gradients ``accumulate`` or a value made from the
+    batch (not from a gradient) need; the rest run once: what reads a
     gradient, and what reads only parameters and optimizer state for the
     update (Adam's decay of its moments, a step counter).  Nothing without
     gradients to accumulate."""
     if not accumulate:
         return frozenset(), set()
-    after = set(accumulate)
-    batch = {i.tensor for i in graph.inputs if i.role not in _RESIDENT}
-    reads_grad: set[int] = set()
-    for n in graph.nodes:
-        if any(t in after for t in n.inputs):
-            after.update(n.outputs)
-            reads_grad.add(n.id)
-        elif any(t in batch for t in n.inputs):
-            batch.update(n.outputs)
-    need = set(accumulate) | (batch - after)
-    per_micro_batch: set[int] = set()
-    for n in reversed(graph.nodes):
-        if n.id not in reads_grad and any(t in need for t in n.outputs):
-            per_micro_batch.add(n.id)
-            need.update(n.inputs)
-    nodes = frozenset(n.id for n in graph.nodes if n.id not in per_micro_batch)
+    each = per_micro_batch_nodes(
+        graph, accumulate, (i.tensor for i in graph.inputs if i.role not in _RESIDENT))
+    nodes = frozenset(n.id for n in graph.nodes if n.id not in each)
     made = {t for n in graph.nodes if n.id in nodes for t in n.outputs}
     return nodes, made - set(accumulate)
 
@@ -64,8 +51,8 @@ def deferrable(axes: frozenset[int], defer_axes: frozenset[int] | None) -> bool:
     return defer_axes is None or axes <= defer_axes
 
 
-def gradient_only(graph: Graph, accumulate: frozenset[int]
-                  ) -> tuple[frozenset[int], frozenset[int]]:
+def gradient_only(graph: Graph, accumulate: frozenset[int],
+                  update: frozenset[int] | None = None) -> tuple[frozenset[int], frozenset[int]]:
     """The operators (outside the update) that make a parameter gradient of
     ``accumulate``: a weight gradient's matmul, a bias gradient's sum over
     the tokens, and the casts, reshapes and scalings between them and the
@@ -73,10 +60,11 @@ def gradient_only(graph: Graph, accumulate: frozenset[int]
     reduced once.  An input gradient's matmul is not one of them: what it
     makes feeds the rest of the backward, every micro-batch.  Also the
     values between them and the gradients (a resharding of those is part of
-    the gradient's reduction).  ``(operators, values)``."""
+    the gradient's reduction).  ``(operators, values)``.  ``update``: what
+    :func:`update_nodes` gives for these arguments, where already known."""
     if not accumulate:
         return frozenset(), frozenset()
-    skip = update_nodes(graph, accumulate)[0]
+    skip = update_nodes(graph, accumulate)[0] if update is None else update
     readers: dict[int, list] = {}
     for n in graph.nodes:
         if n.id not in skip:

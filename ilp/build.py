@@ -282,6 +282,7 @@ class _Builder:
     # or not): with gradient accumulation they run once per ``grad_accum``
     # micro-batches, so what they read between groups costs ``once`` of it
     update_nodes: frozenset[int] = frozenset()
+    update_values: set[int] = field(default_factory=set)     # what they make
     once: float = 1.0
     grad_nodes: frozenset[int] = frozenset()
     # their results and what they pass a gradient through (see gradient_only)
@@ -654,11 +655,10 @@ class _Builder:
 
     def gradient_groups(self, accumulate: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The groups making the parameter gradients ``accumulate``, and those
-        of the update (reading a gradient, directly or not)."""
+        of the update (holding what it makes: ``update_values``)."""
         gt = self.group_of_tensor
         made = frozenset(gt[t] for t in accumulate if t in gt)
-        later = update_nodes(self.graph, accumulate)[1]
-        return made, frozenset(gt[t] for t in later if t in gt) - made
+        return made, frozenset(gt[t] for t in self.update_values if t in gt) - made
 
     # ---- memory rows ------------------------------------------------------------
     def resident_bytes(self) -> dict[int, np.ndarray]:
@@ -758,12 +758,12 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
                                                 caches.moves(mm.shape)))
-    b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate)
+    b.update_nodes, b.update_values = update_nodes(graph, accumulate)
+    b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate, b.update_nodes)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
     # partial gradient sums cover that axis, not the tensor-parallel ones)
     batch_axes = getattr(input_filter, "batch_axes", None)
     b.defer_axes = None if batch_axes is None else frozenset(batch_axes)
-    b.update_nodes = update_nodes(graph, accumulate)[0]
     if grad_accum > 1:
         b.once = 1.0 / grad_accum
     b.add_input_groups(input_filter)

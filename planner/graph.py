@@ -327,20 +327,44 @@ GRAD_MARKER = GRAD_BOUNDARY
 IDENTITY_MARKERS = frozenset({PIPELINE_BOUNDARY, GRAD_BOUNDARY})
 
 
+def ancestor_nodes(graph: Graph, values: Iterable[int],
+                   skip: frozenset[int] | set[int] = frozenset()) -> set[int]:
+    """The nodes ``values`` are computed from (their makers, and theirs, ...),
+    not looking through the nodes ``skip``."""
+    need, out = set(values), set()
+    for n in reversed(graph.nodes):
+        if n.id not in skip and any(t in need for t in n.outputs):
+            out.add(n.id)
+            need.update(n.inputs)
+    return out
+
+
 def forward_nodes(graph: Graph) -> list[bool]:
     """Per node: is it in the forward pass?  The ancestors of the outputs that
     update no input (loss, metrics), not looking through the end-of-backward
     marker (:func:`meshplan.value_and_grad`), so the backward is excluded."""
     targets = {o.tensor for o in graph.outputs if o.updates is None}
-    is_fwd = [False] * len(graph.nodes)
-    need = set(targets)
-    for n in reversed(graph.nodes):
-        if n.primitive == GRAD_MARKER:
-            continue
-        if any(t in need for t in n.outputs):
-            is_fwd[n.id] = True
-            need.update(n.inputs)
-    return is_fwd
+    markers = {n.id for n in graph.nodes if n.primitive == GRAD_MARKER}
+    fwd = ancestor_nodes(graph, targets, markers)
+    return [n.id in fwd for n in graph.nodes]
+
+
+def per_micro_batch_nodes(graph: Graph, grads: frozenset[int], varying: Iterable[int]
+                          ) -> set[int]:
+    """The nodes a pipeline runs once per micro-batch, as the runtime splits a
+    step (``runtime/pipeline_split._phases``): what the gradients ``grads``
+    need, and what a value made from the inputs ``varying`` (the batch, or
+    a layer's activations) but not from a gradient needs; a node reading a
+    gradient, or a value made from one, runs once a step."""
+    after, batch = set(grads), set(varying)
+    reads_grad: set[int] = set()
+    for n in graph.nodes:
+        if any(t in after for t in n.inputs):
+            after.update(n.outputs)
+            reads_grad.add(n.id)
+        elif any(t in batch for t in n.inputs):
+            batch.update(n.outputs)
+    return ancestor_nodes(graph, set(grads) | (batch - after), reads_grad)
 
 
 def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> Graph:
