@@ -163,6 +163,18 @@ NOTES = """Notes:
   two dropout masks: this model has no dropout).
 - The selective region is meshplan.recompute's (Q K^T, mask, softmax, P V); its replay
   is priced per operator at the planned split (arithmetic or fused memory traffic).
+- Weights: float32 parameters, bfloat16 compute.  With several micro-batches each stage
+  casts its weights to bfloat16 once a step, ahead of the micro-batches, and keeps the
+  copy (as Megatron-LM keeps half-precision weights beside its float32 master copy):
+  neither a micro-batch nor a recomputation casts again, and the copy's 2 bytes per
+  parameter are in the peak (`runtime/pipeline_split._hoisted_casts`, stop 42).
+  Before, every micro-batch cast each weight and a recomputation cast it again; that
+  was 8.9 ms of the 12.4 ms the 175B stage's selective replay took per micro-batch,
+  and put the selective column at +3.1 / +8.4 / +12.5 / +11.6%.
+- Auto() has no sequence parallelism (a Manual option), so its plan is compared with
+  the full column, not the selective one.  Its 175B plan was 8 stages (none x3,
+  selective x5, 14.41 s) before the hoisted copies; their ~5 GiB a device leave the
+  stages that recompute nothing out of the budget, and it now takes 12 stages.
 """
 
 

@@ -15,7 +15,7 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, micro_batch_split
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
 from ..ilp.accumulation import deferrable, gradient_only, summed_axes
 from ..ilp.strategies import node_dtype
@@ -31,7 +31,7 @@ class LayerCost:
     compute_s: float
     comm_s: float
     comm_bytes: float
-    resident_bytes: float      # parameters, optimizer state, other state on one device
+    resident_bytes: float      # parameters (and hoisted narrowed copies), optimizer, other state
     activation_bytes: float    # peak of live intermediates (incl. incoming boundary) per micro-batch
     boundary_bytes: float      # incoming activations per micro-batch (what remat keeps)
     saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
@@ -399,6 +399,13 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
             optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
             boundary += local(inp.tensor, spec)
+    if grad_accum > 1 and accumulate:
+        # the parameters' narrowed copies, made once a step and kept for it
+        varying = (i.tensor for i in sub.inputs if i.role not in (PARAM, OPT_STATE, STATE))
+        made = {n.id: n.outputs[0] for n in sub.nodes}
+        for nid in micro_batch_split(sub, accumulate, varying)[1]:
+            t = made[nid]
+            resident += local(t, specs[t]) if t in specs else sub.tensors[t].nbytes
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
     # all devices together hold each byte of what the layer sends on this often

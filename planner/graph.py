@@ -355,7 +355,15 @@ def per_micro_batch_nodes(graph: Graph, grads: frozenset[int], varying: Iterable
     step (``runtime/pipeline_split._phases``): what the gradients ``grads``
     need, and what a value made from the inputs ``varying`` (the batch, or
     a layer's activations) but not from a gradient needs; a node reading a
-    gradient, or a value made from one, runs once a step."""
+    gradient, or a value made from one, runs once a step, as do the casts
+    of :func:`hoisted_casts`."""
+    return micro_batch_split(graph, grads, varying)[0]
+
+
+def micro_batch_split(graph: Graph, grads: frozenset[int], varying: Iterable[int]
+                      ) -> tuple[set[int], frozenset[int]]:
+    """(:func:`per_micro_batch_nodes`, the :func:`hoisted_casts` run once a
+    step ahead of the micro-batches)."""
     after, batch = set(grads), set(varying)
     reads_grad: set[int] = set()
     for n in graph.nodes:
@@ -364,7 +372,39 @@ def per_micro_batch_nodes(graph: Graph, grads: frozenset[int], varying: Iterable
             reads_grad.add(n.id)
         elif any(t in batch for t in n.inputs):
             batch.update(n.outputs)
-    return ancestor_nodes(graph, set(grads) | (batch - after), reads_grad)
+    targets = set(grads) | (batch - after)
+    each = ancestor_nodes(graph, targets, reads_grad)
+    ahead = hoisted_casts(graph, each, batch | after)
+    return (ancestor_nodes(graph, targets, reads_grad | ahead) if ahead else each), ahead
+
+
+def _narrowing_float_cast(graph: Graph, n: "Node") -> bool:
+    if n.primitive != "convert_element_type" or len(n.inputs) != 1 or len(n.outputs) != 1:
+        return False
+    src, dst = graph.tensors[n.inputs[0]].dtype, graph.tensors[n.outputs[0]].dtype
+    return ("float" in src and "float" in dst) and dtype_bytes(dst) < dtype_bytes(src)
+
+
+def hoisted_casts(graph: Graph, each: set[int], varying: set[int]) -> frozenset[int]:
+    """Of the per-micro-batch nodes ``each``, the casts of state (a float32
+    parameter) to a narrower float type (its bfloat16 copy) that only
+    per-micro-batch nodes read: with several micro-batches the runtime makes
+    each such copy once a step, ahead of the micro-batches, and keeps it for
+    the step (``runtime/pipeline_split._hoisted_casts``), instead of casting
+    per micro-batch and again in every recomputation (Megatron-LM keeps its
+    half-precision weights the same way).  ``varying``: the values made from
+    the batch, an activation or a gradient."""
+    outs = {o.tensor for o in graph.outputs}
+    const = graph.constant_nodes
+    readers: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        for t in n.inputs:
+            readers.setdefault(t, []).append(n.id)
+    return frozenset(
+        n.id for n in graph.nodes
+        if n.id in each and n.id not in const and _narrowing_float_cast(graph, n)
+        and n.inputs[0] not in varying and n.outputs[0] not in outs
+        and all(r in each for r in readers.get(n.outputs[0], ())))
 
 
 def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> Graph:

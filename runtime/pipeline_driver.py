@@ -202,9 +202,10 @@ class StepRun:
                     self.accs[s] = dict(zip(ids, zeros()))
 
     def _draw(self) -> None:
-        """The random draws over the batch, once per step at the full batch's
-        shape; each micro-batch's rows become its values (read and freed
-        like any activation)."""
+        """The R tasks, once per step ahead of the micro-batches: the random
+        draws over the batch at the full batch's shape, each micro-batch's
+        rows becoming its values, and the hoisted casts, the same copy every
+        micro-batch's (read and freed like any activation)."""
         dims = {self.flat.eqns[k].outvars[0]: d for k, (d, _) in self.split.draws.items()}
         for key, t in self.split.tasks.items():
             if key[0] != "R" or not self.local[key[1]]:
@@ -216,7 +217,8 @@ class StepRun:
                 uses = len(self.w.consumers.get(x, ()))
                 if not uses:
                     continue
-                for i, piece in enumerate(_rows(v, self.m, dims[x])):
+                pieces = _rows(v, self.m, dims[x]) if x in dims else [v] * self.m
+                for i, piece in enumerate(pieces):
                     self.vals[i][x] = piece
                     self.remaining[i][x] = uses
 

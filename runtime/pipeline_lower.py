@@ -11,7 +11,7 @@ backwards, then the updates); nothing runs and the arguments may be
 ``jax.ShapeDtypeStruct`` s.
 
 :func:`stage_memory` reads, per stage, what one call keeps alive on a
-device -- the stage's state, its running sums, the activations in flight
+device -- the stage's state (with the parameter copies its R task casts), its running sums, the activations in flight
 (what its backward reads from the forward, times the micro-batches the
 schedule keeps) -- plus the largest arena of intermediates of its programs
 (``memory_analysis().temp_size_in_bytes``; their outputs are the
@@ -61,8 +61,8 @@ class PipelineCompiled:
 
     def runs(self, key: tuple) -> int:
         """How often one call runs program ``key`` (forwards and backwards
-        once per micro-batch, means and updates once)."""
-        return 1 if key[0] in ("A", "M") else self.num_micro_batches
+        once per micro-batch; draws and casts ahead, means and updates once)."""
+        return 1 if key[0] in ("A", "M", "R") else self.num_micro_batches
 
     def as_text(self) -> str:
         return "\n\n".join(f"// {_name(k)}\n{c.as_text()}" for k, c in self.compiled.items())
@@ -138,6 +138,11 @@ def lower_pipeline(ex: "PipelineExecutable", args: tuple[Any, ...]) -> PipelineL
         for x, sh in zip(task.accumulate, new):
             where[x], stage_of[x] = sh, task.stage
 
+    # the R tasks run once, ahead of the micro-batches (their draws at the
+    # full batch: the rows each micro-batch reads keep the draw's layout)
+    for key, t in split.tasks.items():
+        if key[0] == "R":
+            one(key, [spec(x, key[1]) for x in t.inputs])
     for kind, s, i in ex.wiring.order:
         if i == 0:
             one((kind, s), [spec(x, s) for x in ex.programs[(kind, s)].task.inputs])
@@ -198,6 +203,10 @@ def program_memory(compiled: Any) -> dict[str, int]:
             for k in ("argument", "output", "alias", "temp")}
 
 
+def _drawn_ids(split: Any, flat: Any) -> set[int]:
+    return {flat.eqns[k].outvars[0] for k in split.draws}
+
+
 def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
     return math.prod(shard) * jax.numpy.dtype(dtype).itemsize
@@ -220,6 +229,12 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
         state = sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, lay.arg(x, s))
                     for x in leaf_ids if x not in lay.is_batch
                     and s in ex.wiring.leaf_readers.get(x, ()) and hasattr(flat.avals[x], "shape"))
+        # the hoisted casts' copies live through the step like the state
+        r = ("R", s)
+        if r in compiled.compiled:
+            state += sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, sh)
+                         for x, sh in zip(split.tasks[r].outputs, compiled[r].output_shardings[0])
+                         if split.producer.get(x) == r and x not in _drawn_ids(split, flat))
         # (partial sums: (D, *shape) cut over the data axes, one gradient a device)
         sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
                    for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B", "W")

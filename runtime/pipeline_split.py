@@ -34,7 +34,12 @@ Every equation then gets a *phase*:
   dropout mask) runs once per step, before the micro-batches, at the full
   batch's shape, in a program of its stage that also computes its key from
   the arguments; each micro-batch reads its rows of it, so the numbers are
-  the undecorated step's.
+  the undecorated step's.  With several micro-batches the R task of a
+  stage also makes, once per step, each narrowed copy of a parameter (a
+  float32 weight cast to bfloat16) that only per-micro-batch work reads
+  (:func:`_hoisted_casts`): every micro-batch reads the one copy, which
+  lives through the step, instead of casting again per micro-batch and per
+  recomputation.
 
 Rematerialised stages (``Stage.remat``, the ``remat`` argument of
 :func:`split_step`): the stage's backward task does not read what its forward
@@ -94,7 +99,7 @@ MEAN, LAST, CONCAT = "mean", "last", "concat"
 class Task:
     """One program: the equations of one stage in one phase (``level`` orders
     the apply programs of a step)."""
-    kind: str                     # "F", "B", "W" (zb-h1), "A" or "R" (draws over the batch)
+    kind: str                     # "F", "B", "W" (zb-h1), "A" or "R" (once, ahead: draws, casts)
     stage: int
     level: int = 0
     eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
@@ -111,7 +116,7 @@ class Task:
 
     def name(self) -> str:
         what = {"F": "forward", "B": "backward", "W": "weight gradients", "A": "update",
-                "R": "random draws"}[self.kind]
+                "R": "draws and casts"}[self.kind]
         lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
         return f"stage {self.stage} {what}{lvl}"
 
@@ -134,6 +139,8 @@ class StepSplit:
     draws: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     # equation -> its jaxpr equation at the full batch (what R tasks run)
     full_eqns: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # the narrowing casts of state R tasks make once a step (_hoisted_casts)
+    hoisted: frozenset[int] = frozenset()
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
@@ -164,11 +171,12 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     phase = _phases(flat.eqns, flow, forward, once)
     drawn = {k: (d, tuple(full)) for k, d, full in draws
              if num_micro_batches > 1 and phase[k] in ("F", "B")}
-    for k in drawn:
+    hoisted = _hoisted_casts(flat, flow, phase) if num_micro_batches > 1 else frozenset()
+    for k in (*drawn, *hoisted):
         phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
     tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn, flow.alias)
-    _draw_keys(tasks, flat, flow)
+    _ahead_inputs(tasks, flat, flow)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
     for o, i in flow.alias.items():      # (a gradient an update program sums)
         if producer.get(i, ("",))[0] == "A":
@@ -177,7 +185,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None
               for (lo, _), n in zip(stage_layers, remat_layers)]
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused, prefix)
-    deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias)
+    deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias,
+                             set(drawn) | hoisted)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     if zero_bubble:
         _split_weight_gradients(tasks, flat.eqns, producer, needed_by, flow.const_ids)
@@ -186,7 +195,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
     return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
                      flow.alias, flow.batch_ids, deps, moved, drawn,
-                     dict(draw_eqns) if drawn else {})
+                     dict(draw_eqns) if drawn else {}, hoisted)
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],
@@ -371,10 +380,41 @@ def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
     return tasks, producer
 
 
-def _draw_keys(tasks: dict[tuple, Task], flat: FlatJaxpr, flow: _Flow) -> None:
-    """An R task also computes what its draws read (their keys) from the
-    arguments: those equations run again there, once per step (they stay
-    in the programs that made them too)."""
+def _hoisted_casts(flat: FlatJaxpr, flow: _Flow, phase: Sequence[str]) -> frozenset[int]:
+    """[several micro-batches] The casts of state (a float32 parameter) to a
+    narrower float type that only per-micro-batch work reads: each runs once
+    a step in its stage's R task, ahead of the micro-batches, and every
+    micro-batch reads the copy, where the forward would cast again for each
+    micro-batch and each recomputation.  The planner's rule is
+    :func:`meshplan.graph.hoisted_casts`."""
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, fe in enumerate(flat.eqns):
+        for x in fe.invars:
+            if isinstance(x, int):
+                readers[x].append(k)
+    outs = {x for x in flat.outvars if isinstance(x, int)}
+    inexact = jax.numpy.inexact
+    found = []
+    for k, fe in enumerate(flat.eqns):
+        if phase[k] not in ("F", "B") or fe.eqn.primitive.name != "convert_element_type":
+            continue
+        x, o = fe.invars[0], fe.outvars[0]
+        if not isinstance(x, int) or x in flow.bdep or x in flow.after or x in flow.const_ids \
+                or o in outs:
+            continue
+        src, dst = flat.avals[x].dtype, flat.avals[o].dtype
+        if jax.numpy.issubdtype(src, inexact) and jax.numpy.issubdtype(dst, inexact) \
+                and dst.itemsize < src.itemsize \
+                and all(phase[r] in ("F", "B") for r in readers[o]):
+            found.append(k)
+    return frozenset(found)
+
+
+def _ahead_inputs(tasks: dict[tuple, Task], flat: FlatJaxpr, flow: _Flow) -> None:
+    """An R task also computes what its draws and casts read (the draws'
+    keys, a parameter's reshape) from the arguments: those equations run
+    again there, once per step (they stay in the programs that made them
+    too, where something else reads them)."""
     for key, t in tasks.items():
         if key[0] != "R":
             continue
@@ -505,16 +545,18 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
 
 def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[int, tuple],
                       needed_by: dict[int, set[tuple]], crossing: dict[int, str],
-                      alias: dict[int, int]) -> dict[tuple, set[tuple]]:
+                      alias: dict[int, int], ahead: set[int] | frozenset[int] = frozenset()
+                      ) -> dict[tuple, set[tuple]]:
     """Set every task's outputs and running sums; returns, per C task, the C
-    tasks it reads from (within one micro-batch)."""
+    tasks it reads from (within one micro-batch).  ``ahead``: the equations
+    R tasks run for the others (draws, hoisted casts)."""
     eqns = flat.eqns
     out_ids = [x for x in flat.outvars if isinstance(x, int)]
     out_ids += [alias[x] for x in out_ids if x in alias]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
-        if key[0] == "R":       # the draws alone (their keys are the others' own)
-            t.outputs = tuple(o for k in t.eqns if eqns[k].eqn.primitive.name == "random_bits"
+        if key[0] == "R":       # the draws and casts alone (what they read is the others' own)
+            t.outputs = tuple(o for k in t.eqns if k in ahead
                               and producer.get(eqns[k].outvars[0]) == key
                               for o in eqns[k].outvars)
             bad = [o for o in t.outputs if o in out_ids
