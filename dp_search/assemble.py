@@ -141,6 +141,9 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         for l in range(st.first, st.last + 1):
             lc = costs.layer(l, st.submesh, mesh_k, opt.tighten)
             compute += lc.compute_s
+            if not opt.keep_casts:      # (GroupCost.casting_each)
+                again = not opt.recompute_layers or l < st.first + opt.recompute_layers
+                compute += (1 + again) * lc.cast_s - lc.cast_s / B
             comm += lc.comm_s
             cbytes += lc.comm_bytes
             # (the result may come from a structurally equal layer: its ids)
@@ -170,7 +173,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                             devices=device_order(cluster, devices, mesh),
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, recompute=opt.recompute,
-                            recompute_layers=opt.recompute_layers,
+                            recompute_layers=opt.recompute_layers, keep_casts=opt.keep_casts,
                             params=tuple(sorted(params.items())),
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
                                                 int(round(cbytes * B))),

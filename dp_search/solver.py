@@ -52,6 +52,11 @@ class LayerCost:
     # region takes again, and what the backward then reads from the forward
     selective_s: float = 0.0
     selective_saved_bytes: float | None = None    # None: as saved_bytes
+    # the casts of its parameters to a narrower type made once a step ahead
+    # of the micro-batches (meshplan.graph.hoisted_casts): one run's
+    # seconds, and the copies' bytes among resident_bytes
+    cast_s: float = 0.0
+    copy_bytes: float = 0.0
 
     @property
     def forward_s(self) -> float:
@@ -399,13 +404,21 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
             optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
             boundary += local(inp.tensor, spec)
+    cast_s = copies = 0.0
+    copied: set[int] = set()
     if grad_accum > 1 and accumulate:
         # the parameters' narrowed copies, made once a step and kept for it
         varying = (i.tensor for i in sub.inputs if i.role not in (PARAM, OPT_STATE, STATE))
-        made = {n.id: n.outputs[0] for n in sub.nodes}
-        for nid in micro_batch_split(sub, accumulate, varying)[1]:
-            t = made[nid]
-            resident += local(t, specs[t]) if t in specs else sub.tensors[t].nbytes
+        ahead = micro_batch_split(sub, accumulate, varying)[1]
+        for n in sub.nodes:
+            if n.id in ahead:
+                t = n.outputs[0]
+                copied.add(t)
+                copies += local(t, specs[t]) if t in specs else sub.tensors[t].nbytes
+        cast_s = _nodes_s(sub, [n for n in sub.nodes if n.id in ahead], specs, mesh, cluster)
+        resident += copies
+    # (a backward reads the copy, not a micro-batch's own cast)
+    saved = frozenset(saved) - copied
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
     total_flops = sum(n.flops for n in sub.nodes) or 1.0
     # all devices together hold each byte of what the layer sends on this often
@@ -417,13 +430,14 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     if steps:   # the forward runs before the backward: it hides no reduction
         steps[0] = (max(steps[0][0] - r.compute_s * fwd, 0.0), steps[0][1])
     again, sel_saved = selective if selective else (frozenset(), saved)
+    sel_saved = frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      fwd, r, max(held / sent, 1.0) if sent else 1.0,
                      canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
-                     sel_kept if again else None)
+                     sel_kept if again else None, cast_s, copies)
 
 
 def _waiting_axes(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, accumulate: frozenset[int],
@@ -450,11 +464,17 @@ def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,
     selective region), each at its planned split: arithmetic or fused
     memory traffic, whichever is slower (softmax is memory-bound)."""
     region = [n for n in sub.nodes if n.outputs and all(t in again for t in n.outputs)]
-    if not region or cluster is None:
+    return _nodes_s(sub, region, specs, mesh, cluster)
+
+
+def _nodes_s(sub: Graph, nodes: list, specs: dict, mesh: LogicalMesh,
+             cluster: ClusterSpec | None) -> float:
+    """Seconds to run ``nodes`` once, each at its planned split."""
+    if not nodes or cluster is None:
         return 0.0
     traffic = fused_bytes(sub)
     total = 0.0
-    for n in region:
+    for n in nodes:
         t = n.outputs[0]
         shards = num_shards(spec_from_names(specs[t], mesh.axes), mesh.shape) if t in specs else 1
         moved = traffic.get(n.id, n.bytes_accessed)

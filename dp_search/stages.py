@@ -57,6 +57,10 @@ class GroupCost:
     backward: Backward = Backward()
     remat_backward: Backward = Backward()
     selective_backward: Backward = Backward()
+    # the parameters' narrowed copies made once a step (LayerCost.cast_s,
+    # copy_bytes): one run of their casts, and their bytes among resident_bytes
+    cast_s: float = 0.0
+    copy_bytes: float = 0.0
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
@@ -77,7 +81,9 @@ class GroupCost:
                          compute_s=sum(p.compute_s for p in parts),
                          remat_compute_s=sum(p.compute_s + p.forward_s for p in parts),
                          selective_compute_s=sum(p.compute_s + p.selective_s for p in parts),
-                         backward=bw, remat_backward=rbw, selective_backward=sbw)
+                         backward=bw, remat_backward=rbw, selective_backward=sbw,
+                         cast_s=sum(p.cast_s for p in parts),
+                         copy_bytes=sum(p.copy_bytes for p in parts))
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
@@ -96,7 +102,9 @@ class GroupCost:
                          compute_s=sum(r.compute_s for r in rows),
                          remat_compute_s=sum(r.remat_compute_s for r in rows),
                          selective_compute_s=sum(r.selective_compute_s for r in rows),
-                         backward=bw, remat_backward=rbw, selective_backward=sbw)
+                         backward=bw, remat_backward=rbw, selective_backward=sbw,
+                         cast_s=sum(r.cast_s for r in rows),
+                         copy_bytes=sum(r.copy_bytes for r in rows))
 
     def work(self, recompute: str, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
@@ -139,6 +147,23 @@ class GroupCost:
                        transient_bytes=self.activation_bytes, compute_s=self.remat_compute_s,
                        backward=self.remat_backward)
 
+    def casting_each(self, num_micro_batches: int) -> "GroupCost":
+        """These layers keeping no narrowed copy of their parameters, where
+        the copy cost one cast a step (``time_s`` holds its share per
+        micro-batch) and its bytes all step: every micro-batch's forward
+        casts them, and its backward reads what that cast made (kept per
+        micro-batch in flight) or, recomputing, casts them again."""
+        once = self.cast_s / num_micro_batches
+        more, again = self.cast_s - once, 2 * self.cast_s - once
+        return replace(self, time_s=self.time_s + more, remat_time_s=self.remat_time_s + again,
+                       selective_time_s=self.selective_time_s + again,
+                       compute_s=self.compute_s + more,
+                       remat_compute_s=self.remat_compute_s + again,
+                       selective_compute_s=self.selective_compute_s + again,
+                       saved_bytes=self.saved_bytes + self.copy_bytes,
+                       resident_bytes=self.resident_bytes - self.copy_bytes,
+                       cast_s=0.0, copy_bytes=0.0)
+
     def held_grads(self, one_program: bool) -> float:
         """The gradient bytes held beside the working set.  A pipeline's
         stage holds them all step: the running sums over the micro-batches,
@@ -158,6 +183,7 @@ class Way(NamedTuple):
     latency_s: float
     kept: float             # per micro-batch in flight
     working: float
+    keep_casts: bool = True  # False: no narrowed parameter copies (GroupCost.casting_each)
 
 
 @dataclass(frozen=True)
@@ -172,6 +198,7 @@ class StageOption:
     recompute: str = ""     # none, selective or full ("": as remat says)
     tighten: int = 1        # its layers' ILPs had 1 / tighten of the budget (TIGHTEN)
     recompute_layers: int = 0   # full: only the stage's first this many layers (0: all)
+    keep_casts: bool = True     # False: its parameters cast per micro-batch, no copies kept
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -378,14 +405,14 @@ class StageCosts:
                     continue
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and w.recompute == NONE else keep
-                mem = c.resident_bytes + held + n_kept * w.kept + w.working
+                mem = w.cost.resident_bytes + held + n_kept * w.kept + w.working
                 left = lay.budget - held - n_kept * w.kept - w.working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
                 if mem <= lay.budget and (best is None or w.latency_s < best.latency_s):
                     best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
                                        w.cost.memory(n_kept, w.as_way, whole), w.recompute,
-                                       tighten, w.layers)
+                                       tighten, w.layers, w.keep_casts)
                 if least is None or mem < least:
                     least, least_way = mem, (w.cost, w.as_way, n_kept)
         if best is None and least is not None:
@@ -434,6 +461,15 @@ class StageCosts:
                 n = lay.groups[gi + g - 1][1] - lay.groups[gi][0] + 1
                 ways.append(Way(FULL, n, mixed, NONE,
                                 t + fixed - self._hidden(mixed, NONE, send), kept, working))
+        if c.copy_bytes and lay.B > 1:
+            # each recomputing way again without the copies: slower, less
+            # memory (where it binds); one recomputing nothing would keep a
+            # copy per micro-batch in flight instead
+            for w in [w for w in ways if w.recompute != NONE]:
+                each = w.cost.casting_each(lay.B)
+                t, kept, working = each.way(w.as_way)
+                ways.append(w._replace(cost=each, keep_casts=False, latency_s=(
+                    t + fixed - self._hidden(each, w.as_way, send))))
         self._prices[key] = (send, c, ways)
         return self._prices[key]
 

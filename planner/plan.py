@@ -192,6 +192,10 @@ class Stage:
     # layers recompute, the later ones keep their activations (Mist's
     # per-stage count); 0: all of them
     recompute_layers: int = 0
+    # with several micro-batches, the narrowed copies of its parameters (a
+    # float32 weight's bfloat16 copy) are made once a step and kept; False:
+    # every micro-batch casts them again (less memory, more time)
+    keep_casts: bool = True
     # "optimizer": the leaves named by host_params (inputs) and host_outputs
     # (their new values) live in host memory between steps (meshplan.offload)
     offload: str = "none"
@@ -230,6 +234,7 @@ class Stage:
             "remat": self.remat,
             "recompute": self.recompute,
             **({"recompute_layers": self.recompute_layers} if self.recompute_layers else {}),
+            **({} if self.keep_casts else {"keep_casts": False}),
             "params": {p: spec_to_json(s) for p, s in self.params},
             "predicted": self.predicted.to_dict(),
             "outputs": {p: spec_to_json(s) for p, s in self.outputs},
@@ -253,6 +258,7 @@ class Stage:
             remat=bool(d.get("remat", False)),
             recompute=str(d.get("recompute", "")),
             recompute_layers=int(d.get("recompute_layers", 0)),
+            keep_casts=bool(d.get("keep_casts", True)),
             params=tuple((p, spec_from_json(s)) for p, s in d["params"].items()),
             predicted=Predicted.from_dict(d["predicted"]),
             outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
@@ -269,6 +275,8 @@ class Stage:
 
 def _remat_note(s: Stage) -> str:
     off = f", {s.offload} state offloaded to host" if s.offload != "none" else ""
+    if not s.keep_casts:
+        off += ", weights cast per micro-batch"
     if not s.remat:
         return off
     if s.recompute_layers:

@@ -236,6 +236,7 @@ class PipelineExecutable:
                                         traced.concat_outputs,
                                         remat=[s.recompute for s in plan.stages],
                                         remat_layers=[s.recompute_layers for s in plan.stages],
+                                        keep_casts=[s.keep_casts for s in plan.stages],
                                         selective=_selective(traced, plan),
                                         fused=fused,
                                         draws=traced.batch_draws,

@@ -150,7 +150,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                fused: frozenset[int] = frozenset(),
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
                draw_eqns: Sequence[tuple[int, Any]] = (),
-               zero_bubble: bool = False, remat_layers: Sequence[int] = ()) -> StepSplit:
+               zero_bubble: bool = False, remat_layers: Sequence[int] = (),
+               keep_casts: Sequence[bool] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
@@ -162,7 +163,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     ancestors at the full batch (``TracedStep.draw_eqns``).  ``zero_bubble``:
     cut the backwards into B and W (see the module doc).  ``remat_layers``:
     per stage recomputing fully, how many of its first layers do (0: all; the
-    later ones recompute as a stage recomputing nothing)."""
+    later ones recompute as a stage recomputing nothing).  ``keep_casts``:
+    per stage, whether its parameters' narrowed copies are made once a step
+    (:func:`_hoisted_casts`; default yes)."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     # a gradient summed from several layers' contributions: summed once a step
@@ -171,7 +174,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     phase = _phases(flat.eqns, flow, forward, once)
     drawn = {k: (d, tuple(full)) for k, d, full in draws
              if num_micro_batches > 1 and phase[k] in ("F", "B")}
-    hoisted = _hoisted_casts(flat, flow, phase) if num_micro_batches > 1 else frozenset()
+    hoisted = frozenset(
+        k for k in (_hoisted_casts(flat, flow, phase) if num_micro_batches > 1 else ())
+        if eqn_stage[k] >= len(keep_casts) or keep_casts[eqn_stage[k]])
     for k in (*drawn, *hoisted):
         phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)

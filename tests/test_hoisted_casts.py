@@ -6,6 +6,7 @@ planner charges the cast once a step and counts the copy's bytes, as the
 runtime runs and holds it; the numbers are the undecorated step's."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 import meshplan
 from _steps import assert_states_close, jit_losses, run_plan
+import meshplan.graph as graph_module
 from meshplan.graph import GRAD_BOUNDARY
 from meshplan.ilp.accumulation import update_nodes
 from meshplan.models import build_model
@@ -123,3 +125,77 @@ def test_the_planner_counts_the_copies_a_stage_keeps():
         # a bfloat16 copy of the float32 weights (not of the float32-cast
         # layer-norm parameters): more than nothing, at most half
         assert a < b <= 1.5 * a
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(remat: str, frac: float = 0.9):
+    m = build_model("gpt", GPT)
+    return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.load_cluster(DGX),
+                         method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4,
+                                                remat=remat, memory_fraction=frac))
+
+
+def test_where_the_copies_do_not_fit_a_recomputing_stage_casts_per_micro_batch():
+    kept = _plan("full")
+    assert all(s.keep_casts for s in kept.stages)
+    dev = meshplan.load_cluster(DGX).device.memory_bytes
+    need = max(s.predicted.memory_bytes for s in kept.stages)
+    copies = min(s.predicted.memory.params for s in kept.stages) / 3   # (a third of 6 B/param)
+    p = _plan("full", (need - copies / 2) / dev)
+    each = [s for s in p.stages if not s.keep_casts]
+    assert each and all(s.recompute == "full" for s in p.stages)
+    assert max(s.predicted.memory_bytes for s in p.stages) < need
+    assert p.predicted.iteration_s > kept.predicted.iteration_s
+    assert "weights cast per micro-batch" in str(p)
+    back = meshplan.Plan.from_json(p.to_json())
+    assert back.stages == p.stages and '"keep_casts": false' in p.to_json()
+    assert '"keep_casts"' not in kept.to_json()
+
+
+def test_without_copies_a_stage_casts_in_its_own_programs_and_matches():
+    m = build_model("gpt", GPT)
+    state, batch = m.init(0)
+    kept = _plan("full")
+    plan = dataclasses.replace(kept, stages=(kept.stages[0],
+                                             dataclasses.replace(kept.stages[1], keep_casts=False)))
+    want_losses, want = jit_losses(m.train_step, state, batch, 2)
+    step, got, losses = run_plan(m.train_step, plan, state, batch, 2)
+    assert losses == pytest.approx(want_losses, rel=1e-4)
+    assert_states_close(want, got, 1e-2)
+    split = step._entry((state, batch))[1].split
+    assert ("R", 0) in split.tasks and ("R", 1) not in split.tasks
+    assert split.hoisted and all(split.eqn_stage[k] == 0 for k in split.hoisted)
+    # its backward casts again in its replay of the forward
+    assert any(tr.eqns[k].eqn.primitive.name == "convert_element_type"
+               for tr in [step._entry((state, batch))[1].flat] for k in split.tasks[("B", 1)].replay)
+
+
+def test_the_planner_holds_a_copy_once_not_per_micro_batch_in_flight(monkeypatch):
+    # recomputing nothing, each micro-batch's backward read its own cast of
+    # a weight, kept in flight; now every one reads the stage's copy
+    kept = _plan("none")
+    monkeypatch.setattr(graph_module, "hoisted_casts", lambda *a: frozenset())
+    m = build_model("gpt", GPT)
+    each = meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.load_cluster(DGX),
+                         method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4,
+                                                remat="none"))
+    for s, (a, b) in enumerate(zip(kept.stages, each.stages)):
+        copies = a.predicted.memory.params - b.predicted.memory.params
+        in_flight = 2 - s       # (1F1B, 2 stages)
+        assert copies > 0
+        # (the copies a backward read: the weights', not the biases' or the
+        # position embedding's, whose casts fed only element-wise adds)
+        gone = b.predicted.memory.activations - a.predicted.memory.activations
+        assert 0.9 * in_flight * copies < gone <= in_flight * copies
+    # and the runtime's backward reads no cast of a weight its forward made
+    state, batch = m.init(0)
+    step = meshplan.parallelize(m.train_step, plan=kept)
+    step(state, batch)
+    ex = step._entry((state, batch))[1]
+    flat, split = ex.flat, ex.split
+    made = {o: fe for fe in flat.eqns for o in fe.outvars}
+    for s in range(2):
+        for x in split.tasks[("B", s)].inputs:
+            if split.producer.get(x) == ("F", s):
+                assert not (made[x].eqn.primitive.name == "convert_element_type"
+                            and made[x].invars[0] in set(flat.invars))
