@@ -322,18 +322,31 @@ def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = Non
     return wrap(fn)
 
 
-def fused_replay(traced: TracedStep, schedule: str) -> frozenset[int]:
+def fused_replay(traced: TracedStep, schedule: str,
+                 layer_of_node: Sequence[int] = ()) -> frozenset[int]:
     """[pipeline] The forward equations a stage recomputing nothing replays
     in its backward: the element-wise ones whose results XLA would make again
     inside the backward's fusions were the step one program (what
-    :func:`meshplan.cost_model.fusion.kept_after_fusion` does not keep, as
-    the planner's activation memory counts).  None under ZB-H1, whose weight
-    gradients are cut from backwards that replay nothing."""
+    :func:`meshplan.cost_model.fusion.kept_after_fusion` does not keep).
+    With the plan's layering, layer by layer as the planner's activation
+    memory counts it (``dp_search/problem``: a chain is not followed into
+    another layer, whose value entering it is kept); else over the whole
+    step.  None under ZB-H1, whose weight gradients are cut from backwards
+    that replay nothing."""
     from meshplan.cost_model.fusion import RECOMPUTABLE, backward_reads, kept_after_fusion
     g = traced.graph
     if g is None or schedule == "zb-h1":
         return frozenset()
     fwd = traced.forward
-    kept = kept_after_fusion(g, fwd, backward_reads(g, fwd))
+    if len(layer_of_node) == len(g.nodes):
+        from meshplan.dp_search.layers import Layering, saved_for_backward, unmarked_view
+        layering = Layering(max(layer_of_node) + 1, tuple(layer_of_node), tuple(fwd), (), (),
+                            False)
+        view = unmarked_view(g, layering)
+        kept = frozenset().union(*(
+            kept_after_fusion(view.graph, view.forward, r, members)
+            for members, r in zip(view.members, saved_for_backward(g, layering, view))))
+    else:
+        kept = kept_after_fusion(g, fwd, backward_reads(g, fwd))
     return frozenset(n.id for n in g.nodes if fwd[n.id] and n.primitive in RECOMPUTABLE
                      and not any(o in kept for o in n.outputs))
