@@ -173,8 +173,13 @@ NOTES = """Notes:
   and put the selective column at +3.1 / +8.4 / +12.5 / +11.6%.
 - Auto() has no sequence parallelism (a Manual option), so its plan is compared with
   the full column, not the selective one.  Its 175B plan was 8 stages (none x3,
-  selective x5, 14.41 s) before the hoisted copies; their ~5 GiB a device leave the
-  stages that recompute nothing out of the budget, and it now takes 12 stages.
+  selective x5, 14.41 s) before the hoisted copies, and is 12 stages now (none x2,
+  selective x10, 15.16 s).  That misses a plan the search should hold:
+  `Manual(dp=1, tp=8, pp=8, num_micro_batches=64, remat=None)` predicts 13.76 s
+  (selective x3, none x5), while `PipeshardParallel(stages=8, num_micro_batches=64)`
+  predicts 16.78 s: the searched layer ILPs, free to lay the 8 devices out as they
+  like, take layouts that need more memory, and their stages then recompute more
+  (issue 20's "Auto() no slower than a Manual plan", not met here).
 """
 
 
