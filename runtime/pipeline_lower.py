@@ -11,9 +11,10 @@ backwards, then the updates); nothing runs and the arguments may be
 ``jax.ShapeDtypeStruct`` s.
 
 :func:`stage_memory` reads, per stage, what one call keeps alive on a
-device -- the stage's state (with the parameter copies its R task casts), its running sums, the activations in flight
-(what its backward reads from the forward, times the micro-batches the
-schedule keeps) -- plus the largest arena of intermediates of its programs
+device -- the stage's state (with the parameter copies its R task casts),
+its running sums, the activations in flight (what its backward reads from
+the forward, times the micro-batches the schedule keeps) -- plus the
+largest arena of intermediates of its programs
 (``memory_analysis().temp_size_in_bytes``; their outputs are the
 activations and sums already counted, or values sent on).
 """

@@ -95,6 +95,10 @@ def test_each_micro_batch_reads_its_rows_of_one_draw_per_step():
     per_mb = [k for k, t in ex.split.tasks.items() if k[0] in "FB"
               for e in t.eqns if ex.flat.eqns[e].eqn.primitive.name == "random_bits"]
     assert per_mb == []
+    # the draw's program lowers with the others (it runs once a call)
+    compiled = step.lower(_state(), BATCH).compile()
+    r = [k for k in compiled.compiled if k[0] == "R"]
+    assert len(r) == 1 and compiled.runs(r[0]) == 1
 
 
 @pytest.mark.parametrize("method", [
