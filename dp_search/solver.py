@@ -430,7 +430,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     if steps:   # the forward runs before the backward: it hides no reduction
         steps[0] = (max(steps[0][0] - r.compute_s * fwd, 0.0), steps[0][1])
     again, sel_saved = selective if selective else (frozenset(), saved)
-    sel_saved = frozenset(sel_saved) - copied
+    # (nor does its selective replay cast the weights again)
+    again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,

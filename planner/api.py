@@ -192,7 +192,8 @@ class Parallelized:
             return PipelineExecutable(step, p, abstract, traced=run,
                                       retrace=functools.partial(trace_for_run, step, abstract,
                                                                 batch_argnums),
-                                      fused=fused_replay(run, p.schedule),
+                                      fused=fused_replay(run, p.schedule,
+                                                         _layer_of_node(p, run)),
                                       layer_of_node=_layer_of_node(p, run),
                                       donate_argnums=self._donate(graph))
         # (one stage: the planner's own trace, which the plan's tensor ids name)

@@ -214,3 +214,22 @@ def test_a_mixed_precision_stage_keeps_what_the_plan_counts():
     mem = stage_memory(step._entry((state, batch))[1], compiled)
     for sm, st in zip(mem, plan.stages):
         assert sm.activations == pytest.approx(st.predicted.memory.activations, rel=0.05)
+
+
+def test_a_selective_replay_reads_the_copy_and_casts_nothing_again(monkeypatch):
+    def extra(plan_of) -> list[float]:
+        none, sel = plan_of("none"), plan_of("selective")
+        return [b.predicted.latency_s - a.predicted.latency_s
+                for a, b in zip(none.stages, sel.stages)]
+    m = build_model("gpt", GPT)
+
+    def fresh(remat):
+        return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.load_cluster(DGX),
+                             method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4,
+                                                    remat=remat))
+    with_copies = extra(_plan)
+    monkeypatch.setattr(graph_module, "hoisted_casts", lambda *a: frozenset())
+    casting = extra(fresh)
+    # the attention region's replay either way; the weights' casts only without copies
+    for a, b in zip(with_copies, casting):
+        assert 0 < a < b
