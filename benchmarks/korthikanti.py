@@ -170,16 +170,19 @@ NOTES = """Notes:
   parameter are in the peak (`runtime/pipeline_split._hoisted_casts`, stop 42).
   Before, every micro-batch cast each weight and a recomputation cast it again; that
   was 8.9 ms of the 12.4 ms the 175B stage's selective replay took per micro-batch,
-  and put the selective column at +3.1 / +8.4 / +12.5 / +11.6%.
+  and put the selective column at +3.1 / +8.4 / +12.5 / +11.6% (full: -2.7 / +1.1 /
+  +7.3 / +4.6%).  The selective replay now reads the copies and replays only the
+  attention-score region.
 - Auto() has no sequence parallelism (a Manual option), so its plan is compared with
   the full column, not the selective one.  Its 175B plan was 8 stages (none x3,
-  selective x5, 14.41 s) before the hoisted copies, and is 12 stages now (none x2,
-  selective x10, 15.16 s).  That misses a plan the search should hold:
-  `Manual(dp=1, tp=8, pp=8, num_micro_batches=64, remat=None)` predicts 13.76 s
-  (selective x3, none x5), while `PipeshardParallel(stages=8, num_micro_batches=64)`
-  predicts 16.78 s: the searched layer ILPs, free to lay the 8 devices out as they
-  like, take layouts that need more memory, and their stages then recompute more
-  (issue 20's "Auto() no slower than a Manual plan", not met here).
+  selective x5, 14.41 s) before the hoisted copies, and is 12 stages now (selective
+  x12, 14.29 s).  That misses a plan the search should hold:
+  `Manual(dp=1, tp=8, pp=8, num_micro_batches=64, remat=None)` predicts 13.21 s
+  (selective and none stages), while `PipeshardParallel(stages=8,
+  num_micro_batches=64)` predicts 16.58 s: the searched layer ILPs, free to lay the 8
+  devices out as they like, take layouts that need more memory (24 GiB of parameters
+  and copies a device against 15), and their stages then recompute more (issue 20's
+  "Auto() no slower than a Manual plan", not met here).
 """
 
 
