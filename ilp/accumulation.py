@@ -4,7 +4,7 @@ reduced once a step), which are the optimizer update's (once a step
 altogether), and over which mesh axes the runtime lets a sum wait."""
 from __future__ import annotations
 
-from ..graph import OPT_STATE, PARAM, STATE, Graph, per_micro_batch_nodes
+from ..graph import OPT_STATE, PARAM, STATE, Graph, micro_batch_split, per_micro_batch_nodes
 
 
 def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[int], set[int]]:
@@ -28,6 +28,17 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
 
 # inputs that do not change from micro-batch to micro-batch
 _RESIDENT = frozenset({PARAM, OPT_STATE, STATE})
+
+
+def held_copies(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
+    """The values a step of several micro-batches makes once and holds all
+    step like its parameters: the narrowed copies of
+    :func:`meshplan.graph.hoisted_casts`."""
+    if not accumulate:
+        return frozenset()
+    ahead = micro_batch_split(
+        graph, accumulate, (i.tensor for i in graph.inputs if i.role not in _RESIDENT))[1]
+    return frozenset(n.outputs[0] for n in graph.nodes if n.id in ahead)
 
 
 # operators whose result is a gradient's value relaid, recast or scaled, a

@@ -35,7 +35,7 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
 from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
                      GraphInput, Tensor)
-from .accumulation import deferrable, gradient_only, summed_axes, update_nodes
+from .accumulation import deferrable, gradient_only, held_copies, summed_axes, update_nodes
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
@@ -661,8 +661,10 @@ class _Builder:
         return made, frozenset(gt[t] for t in self.update_values if t in gt) - made
 
     # ---- memory rows ------------------------------------------------------------
-    def resident_bytes(self) -> dict[int, np.ndarray]:
-        """Per input group: the bytes per device of each of its layouts."""
+    def resident_bytes(self, held: frozenset[int] = frozenset()) -> dict[int, np.ndarray]:
+        """Per input group: the bytes per device of each of its layouts; and
+        per group making a value of ``held`` (a parameter's copy held all
+        step), that value's."""
         graph, shape = self.graph, self.mm.shape
         resident: dict[int, np.ndarray] = {}
         for g in self.groups:
@@ -670,18 +672,24 @@ class _Builder:
                 t = graph.inputs[g.input_index].tensor
                 nb = graph.tensors[t].nbytes
                 resident[g.gid] = np.array([nb / num_shards(s[t], shape) for s in g.specs])
+        for t in held:
+            if t in self.group_of_tensor:
+                g = self.groups[self.group_of_tensor[t]]
+                v = np.array([graph.tensors[t].nbytes / num_shards(s[t], shape) for s in g.specs])
+                resident[g.gid] = resident[g.gid] + v if g.gid in resident else v
         return resident
 
     def memory_rows(self, resident: dict[int, np.ndarray], budget: float,
-                    memory_points: int) -> list[MemoryRow]:
-        """Resident inputs plus live intermediates at the peaks of the liveness profile."""
+                    memory_points: int, held: frozenset[int] = frozenset()) -> list[MemoryRow]:
+        """Resident inputs plus live intermediates at the peaks of the liveness
+        profile (those of ``held`` are among the resident already)."""
         graph, shape, groups = self.graph, self.mm.shape, self.groups
         rows = []
         live = stored_liveness(graph)
         for step in peak_steps(live, memory_points):
             coefs = {gid: v.copy() for gid, v in resident.items()}
             for t in live.live_at(step):
-                if t not in self.group_of_tensor:
+                if t not in self.group_of_tensor or t in held:
                     continue
                 g = groups[self.group_of_tensor[t]]
                 nb = graph.tensors[t].nbytes
@@ -778,11 +786,13 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     for (u, v), (sec, byt) in b.edge_acc.items():
         edges.append(Edge(u, v, sec, name=f"edge_{groups[u].name}_{groups[v].name}"))
         edge_costs.append((u, v, sec, byt))
-    resident = b.resident_bytes()
+    # (with several micro-batches the parameters' copies are held all step)
+    held = held_copies(graph, accumulate) if grad_accum > 1 else frozenset()
+    resident = b.resident_bytes(held)
     budget = mm.memory_budget if memory_budget is None else memory_budget
     on_device = {gid: v for gid, v in resident.items()
                  if groups[gid].input_index not in host_inputs}
-    rows = b.memory_rows(on_device, budget, memory_points)
+    rows = b.memory_rows(on_device, budget, memory_points, held)
     if resident_budget is not None:
         rows.append(_cap_row(on_device, resident_budget))
     if host_inputs:

@@ -233,3 +233,22 @@ def test_a_selective_replay_reads_the_copy_and_casts_nothing_again(monkeypatch):
     # the attention region's replay either way; the weights' casts only without copies
     for a, b in zip(with_copies, casting):
         assert 0 < a < b
+
+
+def test_the_layer_ilp_counts_the_copies_in_its_memory_rows():
+    from meshplan.cost_model.mesh import mesh_model
+    from meshplan.ilp import build_problem
+    from meshplan.plan import LogicalMesh
+    g = _traced(4).graph
+    grads = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    mm = mesh_model(meshplan.load_cluster(DGX), LogicalMesh(("data", "model"), (1, 2)))
+    one = build_problem(g, mm, accumulate=grads, grad_accum=1)
+    four = build_problem(g, mm, accumulate=grads, grad_accum=4)
+    # the group making each copy holds its bytes in every layout, with several
+    # micro-batches only
+    casts = _split(_traced(4), 4).hoisted
+    assert casts
+    for k in casts:
+        gid = four.group_of_tensor[g.nodes[k].outputs[0]]
+        before = one.resident_rows.get(gid, 0.0)
+        assert (four.resident_rows[gid] > before).all()
