@@ -15,9 +15,9 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, micro_batch_split
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
-from ..ilp.accumulation import deferrable, gradient_only, summed_axes
+from ..ilp.accumulation import deferrable, gradient_only, held_copies, summed_axes
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -404,19 +404,12 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
             optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
             boundary += local(inp.tensor, spec)
-    cast_s = copies = 0.0
-    copied: set[int] = set()
-    if grad_accum > 1 and accumulate:
-        # the parameters' narrowed copies, made once a step and kept for it
-        varying = (i.tensor for i in sub.inputs if i.role not in (PARAM, OPT_STATE, STATE))
-        ahead = micro_batch_split(sub, accumulate, varying)[1]
-        for n in sub.nodes:
-            if n.id in ahead:
-                t = n.outputs[0]
-                copied.add(t)
-                copies += local(t, specs[t]) if t in specs else sub.tensors[t].nbytes
-        cast_s = _nodes_s(sub, [n for n in sub.nodes if n.id in ahead], specs, mesh, cluster)
-        resident += copies
+    # the parameters' narrowed copies, made once a step and kept for it
+    copied = held_copies(sub, accumulate) if grad_accum > 1 else frozenset()
+    copies = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in copied)
+    cast_s = _nodes_s(sub, [n for n in sub.nodes if n.outputs and n.outputs[0] in copied],
+                      specs, mesh, cluster)
+    resident += copies
     # (a backward reads the copy, not a micro-batch's own cast)
     saved = frozenset(saved) - copied
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)

@@ -4,10 +4,23 @@ reduced once a step), which are the optimizer update's (once a step
 altogether), and over which mesh axes the runtime lets a sum wait."""
 from __future__ import annotations
 
-from ..graph import OPT_STATE, PARAM, STATE, Graph, micro_batch_split, per_micro_batch_nodes
+from ..graph import OPT_STATE, PARAM, STATE, Graph, micro_batch_split
 
 
-def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[int], set[int]]:
+Split = tuple[set[int], frozenset[int]]
+
+
+def step_split(graph: Graph, accumulate: frozenset[int]) -> Split:
+    """:func:`meshplan.graph.micro_batch_split` of ``graph`` with the
+    gradients ``accumulate``: what runs per micro-batch, and the casts made
+    once a step ahead of them (what :func:`update_nodes` and
+    :func:`held_copies` read; work them out once and pass it to both)."""
+    return micro_batch_split(
+        graph, accumulate, (i.tensor for i in graph.inputs if i.role not in _RESIDENT))
+
+
+def update_nodes(graph: Graph, accumulate: frozenset[int], split: Split | None = None
+                 ) -> tuple[frozenset[int], set[int]]:
     """The optimizer update: the operators a step runs once, not once per
     micro-batch, and the values they compute (the gradients themselves
     excluded).  As the pipeline runtime splits a step
@@ -19,8 +32,7 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
     gradients to accumulate."""
     if not accumulate:
         return frozenset(), set()
-    each = per_micro_batch_nodes(
-        graph, accumulate, (i.tensor for i in graph.inputs if i.role not in _RESIDENT))
+    each = (split or step_split(graph, accumulate))[0]
     nodes = frozenset(n.id for n in graph.nodes if n.id not in each)
     made = {t for n in graph.nodes if n.id in nodes for t in n.outputs}
     return nodes, made - set(accumulate)
@@ -30,14 +42,14 @@ def update_nodes(graph: Graph, accumulate: frozenset[int]) -> tuple[frozenset[in
 _RESIDENT = frozenset({PARAM, OPT_STATE, STATE})
 
 
-def held_copies(graph: Graph, accumulate: frozenset[int]) -> frozenset[int]:
+def held_copies(graph: Graph, accumulate: frozenset[int], split: Split | None = None
+                ) -> frozenset[int]:
     """The values a step of several micro-batches makes once and holds all
     step like its parameters: the narrowed copies of
     :func:`meshplan.graph.hoisted_casts`."""
     if not accumulate:
         return frozenset()
-    ahead = micro_batch_split(
-        graph, accumulate, (i.tensor for i in graph.inputs if i.role not in _RESIDENT))[1]
+    ahead = (split or step_split(graph, accumulate))[1]
     return frozenset(n.outputs[0] for n in graph.nodes if n.id in ahead)
 
 

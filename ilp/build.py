@@ -35,7 +35,8 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
 from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
                      GraphInput, Tensor)
-from .accumulation import deferrable, gradient_only, held_copies, summed_axes, update_nodes
+from .accumulation import (deferrable, gradient_only, held_copies, step_split, summed_axes,
+                           update_nodes)
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
@@ -766,7 +767,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
                                                 caches.moves(mm.shape)))
-    b.update_nodes, b.update_values = update_nodes(graph, accumulate)
+    split = step_split(graph, accumulate) if accumulate else None
+    b.update_nodes, b.update_values = update_nodes(graph, accumulate, split)
     b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate, b.update_nodes)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
     # partial gradient sums cover that axis, not the tensor-parallel ones)
@@ -787,7 +789,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
         edges.append(Edge(u, v, sec, name=f"edge_{groups[u].name}_{groups[v].name}"))
         edge_costs.append((u, v, sec, byt))
     # (with several micro-batches the parameters' copies are held all step)
-    held = held_copies(graph, accumulate) if grad_accum > 1 else frozenset()
+    held = held_copies(graph, accumulate, split) if grad_accum > 1 else frozenset()
     resident = b.resident_bytes(held)
     budget = mm.memory_budget if memory_budget is None else memory_budget
     on_device = {gid: v for gid, v in resident.items()

@@ -396,15 +396,11 @@ def hoisted_casts(graph: Graph, each: set[int], varying: set[int]) -> frozenset[
     the batch, an activation or a gradient."""
     outs = {o.tensor for o in graph.outputs}
     const = graph.constant_nodes
-    readers: dict[int, list[int]] = {}
-    for n in graph.nodes:
-        for t in n.inputs:
-            readers.setdefault(t, []).append(n.id)
     return frozenset(
         n.id for n in graph.nodes
         if n.id in each and n.id not in const and _narrowing_float_cast(graph, n)
         and n.inputs[0] not in varying and n.outputs[0] not in outs
-        and all(r in each for r in readers.get(n.outputs[0], ())))
+        and all(r in each for r in graph.consumers.get(n.outputs[0], ())))
 
 
 def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> Graph:

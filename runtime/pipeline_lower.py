@@ -204,10 +204,6 @@ def program_memory(compiled: Any) -> dict[str, int]:
             for k in ("argument", "output", "alias", "temp")}
 
 
-def _drawn_ids(split: Any, flat: Any) -> set[int]:
-    return {flat.eqns[k].outvars[0] for k in split.draws}
-
-
 def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
     return math.prod(shard) * jax.numpy.dtype(dtype).itemsize
@@ -221,6 +217,7 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
     of a call)."""
     flat, lay, split, m, p = ex.flat, ex.layouts, ex.split, ex.m, ex.p
     leaf_ids = set(flat.invars)
+    copies = {o for k in split.hoisted for o in flat.eqns[k].outvars}
     if in_flight is None:
         in_flight = [m if ex.schedule == "gpipe" else min(m, p) if ex.schedule == "zb-h1"
                      else min(m, p - s) for s in range(p)]
@@ -235,7 +232,7 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
         if r in compiled.compiled:
             state += sum(_device_bytes(flat.avals[x].shape, flat.avals[x].dtype, sh)
                          for x, sh in zip(split.tasks[r].outputs, compiled[r].output_shardings[0])
-                         if split.producer.get(x) == r and x not in _drawn_ids(split, flat))
+                         if x in copies)
         # (partial sums: (D, *shape) cut over the data axes, one gradient a device)
         sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
                    for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B", "W")
