@@ -126,7 +126,15 @@ def batches(keys: list[tuple], mesh_of: dict, workers: int) -> list[list[tuple]]
     return [same[i:i + most] for same in by_shape.values() for i in range(0, len(same), most)]
 
 
-def _cap_key(tighten: int) -> tuple:
+# The shares of the budget (1 / each) a layer's parameters and optimizer
+# state may take when its stage caps them (meshplan.dp_search.stages): steps
+# of 2 ** (1/4), so that a stage of many layers finds the layouts that just
+# fit it (halving, the gap between two caps could be the whole difference
+# between a stage that keeps its weights' copies and one that recomputes).
+TIGHTEN = tuple(2 ** (i / 4) for i in range(41))
+
+
+def _cap_key(tighten: float) -> tuple:
     """What a layer's cache key adds for its cap (nothing uncapped)."""
     return (tighten,) if tighten != 1 else ()
 
@@ -166,7 +174,7 @@ class LayerSolver:
         return min(self.session.workers, usable_cpus())
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grad_accum: int, tighten: int = 1) -> tuple:
+             grad_accum: int, tighten: float = 1) -> tuple:
         mm = mesh_model(self.cluster, mesh, submesh=submesh)
         if len(self.cache) > LAYER_CACHE_MAX:
             self.cache.clear()
@@ -177,7 +185,7 @@ class LayerSolver:
                 o.memory_fraction) + _cap_key(tighten)
 
     def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grads: frozenset[int], grad_accum: int, tighten: int = 1,
+             grads: frozenset[int], grad_accum: int, tighten: float = 1,
              forward_values: frozenset[int] = frozenset()) -> tuple:
         """The arguments of :func:`solve_job` (only what a worker needs);
         ``tighten`` > 1: its parameters and optimizer state may use at most
@@ -200,11 +208,11 @@ class LayerSolver:
                 if tighten > 1 else None, base, forward_of(sub, forward_values))
 
     def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-                      grad_accum: int, tighten: int) -> bool:
+                      grad_accum: int, tighten: float) -> bool:
         """Has the layer no plan under a looser cap (or none)?  Then it has
         none under ``tighten`` either: a tighter cap only removes plans."""
         base = self._key(sub, mesh, submesh, grad_accum)
-        return any(self.cache.get(base + _cap_key(t), 0) is None for t in range(1, tighten))
+        return any(self.cache.get(base + _cap_key(t), 0) is None for t in TIGHTEN if t < tighten)
 
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
@@ -233,7 +241,7 @@ class LayerSolver:
             solve_jobs, [[todo[k][0] for k in part] for part in parts], chunksize=1)
         return list(todo), todo, (parts, pending)
 
-    def prefetch(self, requests: list[tuple], tighten: int) -> None:
+    def prefetch(self, requests: list[tuple], tighten: float) -> None:
         """Solve the distinct uncached layer ILPs of ``requests`` (arguments
         of :meth:`layer_cost`) under 1 / ``tighten`` of the budget side by
         side in the worker processes, when there are two or more (the stage
@@ -312,7 +320,7 @@ class LayerSolver:
                    crossing: frozenset[int] = frozenset(),
                    entering: frozenset[int] | None = None,
                    selective: tuple[frozenset[int], frozenset[int]] | None = None, *,
-                   tighten: int = 1) -> LayerCost | None:
+                   tighten: float = 1) -> LayerCost | None:
         """The layer's cost; ``tighten`` > 1 solves its ILP with its
         parameters and optimizer state under 1 / tighten of the budget (a
         stage of many layers shares the budget: the fastest plan of a layer
