@@ -174,15 +174,17 @@ NOTES = """Notes:
   +7.3 / +4.6%).  The selective replay now reads the copies and replays only the
   attention-score region.
 - Auto() has no sequence parallelism (a Manual option), so its plan is compared with
-  the full column, not the selective one.  Its 175B plan was 8 stages (none x3,
-  selective x5, 14.41 s) before the hoisted copies, and is 12 stages now (selective
-  x12, 14.29 s).  That misses a plan the search should hold:
-  `Manual(dp=1, tp=8, pp=8, num_micro_batches=64, remat=None)` predicts 13.21 s
-  (selective and none stages), while `PipeshardParallel(stages=8,
-  num_micro_batches=64)` predicts 16.58 s: the searched layer ILPs, free to lay the 8
-  devices out as they like, take layouts that need more memory (24 GiB of parameters
-  and copies a device against 15), and their stages then recompute more (issue 20's
-  "Auto() no slower than a Manual plan", not met here).
+  the full column, not the selective one.  Its 175B plan is 8 stages (none x4,
+  selective x4, 12.72 s), faster than `Manual(dp=1, tp=8, pp=8,
+  num_micro_batches=64, remat=None)` at 13.21 s.  Until stop 43 it was 12 stages
+  (selective x12, 14.29 s) and `PipeshardParallel(stages=8, num_micro_batches=64)`
+  16.58 s: the layers' fastest plans gather their 16-bit weight copies once a step
+  and hold them (24 GiB of parameters and copies a device against 15), so their
+  stages fit only by recomputing or casting again each micro-batch, and plans with
+  the layers' state capped were tried only where nothing fitted, on a ladder of
+  halvings.  Caps are now tried wherever the activations leave room, in steps of
+  2 ** (1/4) (`dp_search/stages.py`); the 175B row plans in about 330 s instead of
+  215 s.
 """
 
 
