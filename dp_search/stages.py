@@ -231,7 +231,10 @@ class PipelineChoice:
 # or affords only by recomputing.  As Alpa solves its layer ILPs at several
 # memory budgets, a stage also tries its layers' plans with their state
 # capped (solver.TIGHTEN): the fastest way that fits wins.
-MAX_CAPS = 3        # caps tried per stage (each solves the stage's distinct layers again)
+# The caps a stage tries (each solves the stage's distinct layers again):
+# MAX_CAPS of the ladder's steps, then, while nothing fits, MAX_CAPS more a
+# halving apart (so that a stage reaches as far as three halvings did)
+MAX_CAPS = 3
 
 
 class StageCosts:
@@ -395,7 +398,7 @@ class StageCosts:
         # 12.72 s, against 14.29 s with caps only where nothing else fits
         # and 12.91 s with caps also where the fastest recompute)
         room = [None]       # the budget less the least activations of the loosest plans
-        for tighten, k in self._levels(gi, gj, m, room):
+        for tighten, k in self._levels(gi, gj, m, room, lambda: best is not None):
             priced = self._priced(gi, gj, m, k, tighten)
             if priced is None:
                 continue
@@ -474,28 +477,32 @@ class StageCosts:
         self._prices[key] = (send, c, ways)
         return self._prices[key]
 
-    def _levels(self, gi: int, gj: int, m: int, room: list):
+    def _levels(self, gi: int, gj: int, m: int, room: list, fits):
         """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
         loosest first.  Caps are tried only when the stage's state split over
         its devices fits in ``room[0]`` (what the loosest plans' activations
-        leave), from the first cap under that room and at most
-        ``MAX_CAPS`` of them; a cap no layer's state reaches is skipped (it
-        would plan the same), and once a mesh has a layer with no plan under
-        a cap (or none at all) tighter caps on it are not tried."""
+        leave), from the first cap under that room: ``MAX_CAPS`` of them,
+        then while ``fits()`` says no way fits yet ``MAX_CAPS`` more, each a
+        halving (4 steps) below the last; a cap no layer's state reaches is
+        skipped (it would plan the same), and once a mesh has a layer with no
+        plan under a cap (or none at all) tighter caps on it are not tried."""
         lay, alive = self.lay, list(range(len(self.lay.meshes_of[m])))
         i, j = lay.groups[gi][0], lay.groups[gj][1]
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size
         prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
-        tried = 0
-        for tighten in TIGHTEN:
+        tried, last = 0, 0              # caps solved; the ladder step of the last
+        for step, tighten in enumerate(TIGHTEN):
             cap = lay.budget / tighten
             if tighten > 1:
                 if room[0] is None or state > room[0]:
                     return          # even split evenly, the state leaves no room
                 if cap > room[0]:
                     continue
-                if tried == MAX_CAPS:
-                    return
+                if tried >= MAX_CAPS:
+                    if tried == 2 * MAX_CAPS or fits():
+                        return
+                    if step < last + 4:
+                        continue
             solved = False
             for k in list(alive):
                 if tighten > 1 and prev.get(k, 0.0) <= cap:
@@ -507,7 +514,8 @@ class StageCosts:
                     alive.remove(k)
                 else:
                     prev[k] = largest
-            tried += solved and tighten > 1
+            if solved and tighten > 1:
+                tried, last = tried + 1, step
             if not alive:
                 return
 
