@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import MeshModel, mesh_model
@@ -230,10 +230,10 @@ class PipelineChoice:
 # their 16-bit copies gathered), which a stage of many layers cannot afford
 # or affords only by recomputing.  As Alpa solves its layer ILPs at several
 # memory budgets, a stage also tries its layers' plans with their state
-# capped (solver.TIGHTEN): the fastest way that fits wins.
-# The caps a stage tries (each solves the stage's distinct layers again):
-# MAX_CAPS of the ladder's steps, then, while nothing fits, MAX_CAPS more a
-# halving apart (so that a stage reaches as far as three halvings did)
+# capped (solver.TIGHTEN): the fastest way that fits wins.  It tries
+# MAX_CAPS caps, steps of the ladder, and while nothing fits MAX_CAPS more a
+# halving apart, as far as three halvings reached (each cap solves the
+# stage's distinct layers again).
 MAX_CAPS = 3
 
 
@@ -396,7 +396,7 @@ class StageCosts:
         # capped plans are slower per layer but may keep what the fastest
         # recompute, and hold smaller gradient sums (Korthikanti's 175B:
         # 12.72 s, against 14.29 s with caps only where nothing else fits
-        # and 12.91 s with caps also where the fastest recompute)
+        # and 12.91 s with caps only where the fastest recompute or cast again)
         room = [None]       # the budget less the least activations of the loosest plans
         for tighten, k in self._levels(gi, gj, m, room, lambda: best is not None):
             priced = self._priced(gi, gj, m, k, tighten)
@@ -477,7 +477,7 @@ class StageCosts:
         self._prices[key] = (send, c, ways)
         return self._prices[key]
 
-    def _levels(self, gi: int, gj: int, m: int, room: list, fits):
+    def _levels(self, gi: int, gj: int, m: int, room: list, fits: Callable[[], bool]):
         """(tighten, mesh) pairs to try for groups ``gi..gj`` on submesh ``m``,
         loosest first.  Caps are tried only when the stage's state split over
         its devices fits in ``room[0]`` (what the loosest plans' activations
