@@ -7,6 +7,7 @@ session to every call, so that each distinct layer ILP is solved once.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -91,3 +92,12 @@ class SearchStats:
     workers: int = 1
     # [explain] the best plan per number of stages (asked for with by_stage_count)
     stage_counts: tuple[StageCountBest, ...] = ()
+    searches: int = 1              # inter-operator searches these figures sum
+
+    def plus(self, other: SearchStats) -> SearchStats:
+        """These figures and ``other``'s (a second search of the same step,
+        meshplan.planning) summed; the rest stays this search's."""
+        summed = ("micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits", "trace_s", "rewritten",
+                  "retraced", "rewrite_s", "ilp_s", "ilp_work_s", "dp_s", "searches")
+        return dataclasses.replace(self, **{f: getattr(self, f) + getattr(other, f)
+                                            for f in summed})

@@ -18,6 +18,7 @@ from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
 from ..ilp.accumulation import deferrable, gradient_only, held_copies, summed_axes
+from ..ilp.build import with_resident_cap
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -214,6 +215,26 @@ class LayerSolver:
         base = self._key(sub, mesh, submesh, grad_accum)
         return any(self.cache.get(base + _cap_key(t), 0) is None for t in TIGHTEN if t < tighten)
 
+    def _looser_fits(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
+                     grad_accum: int, tighten: float) -> LayerCost | None:
+        """A looser cap's plan of the layer (or its uncapped one), solved to
+        optimality, that already meets 1 / ``tighten`` of the budget: it is
+        the optimum under that cap too (a tighter cap only removes plans,
+        and not this one), so the capped ILP need not be solved.  The
+        tightest such cap's plan wins, so that one search asks the same."""
+        base = self._key(sub, mesh, submesh, grad_accum)
+        built = self._built.get(base)
+        if built is None:
+            return None
+        capped = with_resident_cap(built, self.cluster.device.memory_bytes
+                                   * self.options.memory_fraction / tighten).problem
+        for t in sorted((t for t in TIGHTEN if t < tighten), reverse=True):
+            c = self.cache.get(base + _cap_key(t))
+            if c is not None and c.result.solution.status in ("optimal", "trivial") \
+                    and capped.feasible(list(c.result.solution.choice)):
+                return c
+        return None
+
     def submit(self, requests: list[tuple]) -> tuple | None:
         """Start solving the distinct layer ILPs of ``requests`` (arguments of
         :meth:`layer_cost`) in worker processes, when there are enough of
@@ -251,8 +272,13 @@ class LayerSolver:
         for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
                 selective in requests:
             key = self._key(sub, mesh, submesh, grad_accum, tighten)
-            if key not in self.cache and key not in todo \
-                    and not self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
+            if key in self.cache or key in todo \
+                    or self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
+                continue
+            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten)
+            if same is not None:
+                self.cache[key] = same
+            else:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten,
                                        saved | crossing), sub, mesh,
                              fwd_flops, saved, crossing, entering, selective)
@@ -335,6 +361,12 @@ class LayerSolver:
             self.hits += 1       # (known from the looser problem's answer)
             self.cache[key] = None
             return None
+        if tighten > 1:
+            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten)
+            if same is not None:
+                self.hits += 1
+                self.cache[key] = same
+                return same
         self.solves += 1
         t0 = time.perf_counter()
         job = self._job(sub, mesh, submesh, grads, grad_accum, tighten, saved | crossing)

@@ -315,11 +315,7 @@ class StageCosts:
         if (m, k, tighten) not in self._groups:
             lay, rows = self.lay, []
             if tighten > 1:     # (the loosest plans were solved side by side already)
-                self.solver.prefetch(
-                    [lay.request(l, m, k) for a, b in lay.groups
-                     if not any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
-                                for l in range(a, b + 1))
-                     for l in range(a, b + 1)], tighten)
+                self._prefetch(m, [k], tighten)
             for a, b in lay.groups:
                 if any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
                        for l in range(a, b + 1)):
@@ -329,6 +325,16 @@ class StageCosts:
                 rows.append(None if any(p is None for p in parts) else GroupCost.of_layers(parts))
             self._groups[m, k, tighten] = rows
         return self._groups[m, k, tighten]
+
+    def _prefetch(self, m: int, meshes: list[int], tighten: float) -> None:
+        """Solve the layers' ILPs on ``meshes`` of submesh ``m`` under cap
+        ``tighten`` side by side (:meth:`LayerSolver.prefetch`)."""
+        lay = self.lay
+        self.solver.prefetch(
+            [lay.request(l, m, k) for k in meshes for a, b in lay.groups
+             if not any(lay.state_bytes[l] / lay.submeshes[m].size > lay.budget
+                        for l in range(a, b + 1))
+             for l in range(a, b + 1)], tighten)
 
     def _placeable(self, gi: int, gj: int, s: int) -> bool:
         """Can groups ``gi..gj`` be a stage with ``s`` stages from it to the
@@ -504,9 +510,12 @@ class StageCosts:
                     if step < last + 4:
                         continue
             solved = False
-            for k in list(alive):
-                if tighten > 1 and prev.get(k, 0.0) <= cap:
-                    continue
+            asked = [k for k in alive if tighten == 1 or prev.get(k, 0.0) > cap]
+            if tighten > 1 and len(asked) > 1:
+                # (every mesh's layers at this cap side by side, not one mesh at a time)
+                self._prefetch(m, [k for k in asked if (m, k, tighten) not in self._groups],
+                               tighten)
+            for k in asked:
                 solved = True
                 yield tighten, k
                 largest = self._largest_state(gi, gj, m, k, tighten)

@@ -226,6 +226,8 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     if opts.input_filter is not None or opts.fixed is not None:
         return run(opts)
     second = replace(opts, input_filter=EachMicroBatch())
+    # (the figures returned sum both searches where there were two, whichever
+    # search's plan wins; a search that fits nothing reports none)
     try:
         first = run(opts)
     except InfeasiblePlanError as e:
@@ -240,6 +242,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         p, stats = run(second)
     except InfeasiblePlanError:
         return first
+    both = first[1].plus(stats)
     if p.num_micro_batches > 1 and p.predicted.iteration_s < first[0].predicted.iteration_s:
-        return eager(p), stats
-    return first
+        return eager(p), replace(both, stage_counts=stats.stage_counts)
+    return first[0], both

@@ -76,3 +76,30 @@ def test_no_plan_under_a_looser_cap_means_none_under_a_tighter_one(monkeypatch):
     assert s.solves == 1
     s.prefetch([req], 8)        # (nothing to solve: no worker pool started)
     assert s.layer_cost(*req, tighten=8) is None and s._pool is None
+
+
+def test_a_looser_plan_that_meets_the_cap_is_the_capped_optimum(monkeypatch):
+    """A layer's plan under a looser cap (here none) whose state already
+    fits a tighter cap is that cap's optimum: it is reused without a solve,
+    and a fresh solve under the cap finds a plan as fast."""
+    g = _graph({"layers": 2, "hidden": 256, "batch": 8, "seq_len": 64, "heads": 4, "vocab": 64})
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x1.json")
+    opts = replace(meshplan.Auto().request(cluster.num_devices).pipeline, memory_fraction=1e-3)
+    lay = layer_problems(g, 1, cluster, opts)
+    budget = cluster.device.memory_bytes * opts.memory_fraction
+    mesh = max(range(len(lay.meshes_of[-1])), key=lambda k: lay.meshes_of[-1][k].size)
+    req = lay.request(1, len(lay.submeshes) - 1, mesh)
+    s = LayerSolver(cluster, opts, Session(workers=1))
+    loose = s.layer_cost(*req)
+    assert loose is not None and s.solves == 1
+    meets = max(t for t in solver_mod.TIGHTEN if budget / t >= 1.001 * loose.resident_bytes)
+    below = min(t for t in solver_mod.TIGHTEN if budget / t < 0.999 * loose.resident_bytes)
+    assert meets > 1, "the test needs a cap the loose plan meets"
+    assert s.layer_cost(*req, tighten=meets) is loose and s.solves == 1
+    fresh = LayerSolver(cluster, opts, Session(workers=1)).layer_cost(*req, tighten=meets)
+    assert abs(fresh.result.objective_s - loose.result.objective_s) \
+        <= 1e-6 * loose.result.objective_s
+    # a cap the plan does not meet is solved
+    tight = s.layer_cost(*req, tighten=below)
+    assert s.solves == 2
+    assert tight is None or tight.resident_bytes <= budget / below * 1.001
