@@ -97,7 +97,8 @@ class SearchStats:
     def plus(self, other: SearchStats) -> SearchStats:
         """These figures and ``other``'s (a second search of the same step,
         meshplan.planning) summed; the rest stays this search's."""
-        summed = ("micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits", "trace_s", "rewritten",
-                  "retraced", "rewrite_s", "ilp_s", "ilp_work_s", "dp_s", "searches")
+        summed = ("micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits",
+                  "trace_s", "rewritten", "retraced", "rewrite_s", "ilp_s", "ilp_work_s",
+                  "dp_s", "searches")
         return dataclasses.replace(self, **{f: getattr(self, f) + getattr(other, f)
                                             for f in summed})

@@ -509,21 +509,19 @@ class StageCosts:
                         return
                     if step < last + 4:
                         continue
-            solved = False
             asked = [k for k in alive if tighten == 1 or prev.get(k, 0.0) > cap]
             if tighten > 1 and len(asked) > 1:
                 # (every mesh's layers at this cap side by side, not one mesh at a time)
                 self._prefetch(m, [k for k in asked if (m, k, tighten) not in self._groups],
                                tighten)
             for k in asked:
-                solved = True
                 yield tighten, k
                 largest = self._largest_state(gi, gj, m, k, tighten)
                 if largest is None:
                     alive.remove(k)
                 else:
                     prev[k] = largest
-            if solved and tighten > 1:
+            if asked and tighten > 1:
                 tried, last = tried + 1, step
             if not alive:
                 return
