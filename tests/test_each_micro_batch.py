@@ -10,7 +10,7 @@ import pytest
 
 import meshplan
 import meshplan.planning as planning
-from meshplan.dp_search import Session, search_pipeline
+from meshplan.dp_search import SearchStats, Session, search_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.ilp import EachMicroBatch
 from meshplan.models import build_model
@@ -51,7 +51,7 @@ def _scripted(monkeypatch, base, first, second):
         return dataclasses.replace(
             base, stages=tuple(dataclasses.replace(s, recompute=recompute, remat=recompute != "none")
                                for s in base.stages),
-            predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), None
+            predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), SearchStats()
 
     def fake(graph, cluster, opts, **kw):
         asked.append(opts.input_filter)
