@@ -24,14 +24,14 @@ from .build import Built, InputFilter, build_problem
 from .caches import IlpCaches
 from .decode import (IntraOpResult, PlannedCollective, decode, explain, peak_memory, peak_parts,
                      read_layouts)
-from .intra_op import (EachMicroBatch, InputLayouts, best_intra_op, build_intra_op, candidate_meshes, memory_floor,
-                       within_host, solve_intra_op)
+from .intra_op import (EachMicroBatch, InputLayouts, SequenceSplit, best_intra_op, build_intra_op,
+                       candidate_meshes, memory_floor, within_host, solve_intra_op)
 from .options import SolverOptions
 from .problem import Edge, IlpProblem, MemoryRow, Solution, brute_force
 from .solvers import solve
 
-__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "solve_intra_op", "build_intra_op", "best_intra_op",
-           "candidate_meshes",
+__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "solve_intra_op",
+           "build_intra_op", "best_intra_op", "candidate_meshes",
            "within_host", "memory_floor", "decode", "peak_memory", "peak_parts", "SolverOptions",
            "IlpCaches", "IlpProblem", "Edge", "MemoryRow", "Solution", "brute_force", "solve",
            "build_problem", "explain", "read_layouts", "Built", "InputFilter",

@@ -54,12 +54,8 @@ class InputLayouts:
             # replicated: a data axis of size 1, a batch it does not divide)
             return bool(spec) and spec[0] == (0,) and all(not d for d in spec[1:])
         if inp.role not in (PARAM, OPT_STATE, STATE):    # activations from another stage
-            floating = tensor is None or str(tensor.dtype).startswith(("float", "bfloat"))
-            if self.sequence and floating and len(spec) >= 3:
-                # (none on offer, as for an odd sequence length: replicated)
-                return spec[0] in ((), (0,)) and bool(spec[1]) and 0 not in spec[1] \
-                    and all(not d for d in spec[2:])
-            return True
+            # (none on offer, as for an odd sequence length: replicated)
+            return not self.sequence or _sequence_cut(spec, tensor, rows_over=(0,))
         if self.params == "replicated":
             return not axes
         if self.params == "sharded":
@@ -69,6 +65,35 @@ class InputLayouts:
             # the model axes; vectors (biases, LayerNorm) may stay whole)
             return 0 not in axes and (bool(axes) or len(spec) < 2)
         raise ValueError(f"InputLayouts(params={self.params!r})")
+
+
+def _sequence_cut(spec: ISpec, tensor: Tensor | None, rows_over: tuple[int, ...] | None) -> bool:
+    """Is an activation from another layer laid out as sequence parallelism
+    hands it over: a [batch, sequence, ...] floating-point value split along
+    the sequence, its other dimensions whole but the batch's, whose rows are
+    cut over ``rows_over`` at most (None: any axes)?  Any other value passes."""
+    floating = tensor is None or str(tensor.dtype).startswith(("float", "bfloat"))
+    if not floating or len(spec) < 3:
+        return True
+    rows_ok = rows_over is None or all(a in rows_over for a in spec[0])
+    return rows_ok and bool(spec[1]) and not set(spec[1]) & set(rows_over or ()) \
+        and all(not d for d in spec[2:])
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """An input filter that hands every activation between layers over split
+    along the sequence (:func:`_sequence_cut`), each layer's ILP choosing
+    where to gather it, and leaves every other layout free: sequence
+    parallelism (Korthikanti et al. 2022, 4.2.2) found by a search, which
+    keeps what recomputation holds per micro-batch in flight split over the
+    axes that split the sequence.  The searched methods' last pass where
+    memory binds (meshplan.planning)."""
+
+    def __call__(self, inp: GraphInput, spec: ISpec, tensor: Tensor | None = None) -> bool:
+        if inp.role in (BATCH, PARAM, OPT_STATE, STATE):
+            return True
+        return _sequence_cut(spec, tensor, rows_over=None)
 
 
 @dataclass(frozen=True)

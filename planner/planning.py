@@ -23,7 +23,7 @@ from .one_stage import plan_one_stage
 from .graph import IDENTITY_MARKERS, Graph
 from .methods import Method
 from .plan import Plan
-from .ilp import EachMicroBatch
+from .ilp import EachMicroBatch, SequenceSplit
 from .recompute import NONE
 from .request import PlanRequest
 from .trace import issue_warnings, trace_both
@@ -205,44 +205,58 @@ EACH_MICRO_BATCH_NOTE = (
     "whole per data shard")
 
 
+SEQUENCE_NOTE = (
+    "the activations between layers are handed over split along the sequence (sequence "
+    "parallelism, found by the search): memory binds, and what recomputation keeps per "
+    "micro-batch in flight fits a faster plan split")
+
+
 def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
               retrace: Callable[[int], Graph] | None, session: Session,
               explain: bool) -> tuple[Plan, SearchStats]:
     """The inter-operator search.  For a searched method where memory binds
     (no plan fits, or a stage recomputes), the search again with every
-    gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`):
-    the faster plan (the first on a tie).  A hand-made method's layouts
-    stay as they are."""
+    gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`),
+    and where it still binds, with the activations between layers split
+    along the sequence (:class:`meshplan.ilp.SequenceSplit`): the fastest
+    plan (the earlier pass's on a tie).  A hand-made method's layouts stay
+    as they are."""
     opts = request.pipeline
 
     def run(o) -> tuple[Plan, SearchStats]:
         return search_pipeline(graph, cluster, o, method_name=request.method, retrace=retrace,
                                session=session, by_stage_count=explain)
 
+    if opts.input_filter is not None or opts.fixed is not None:
+        return run(opts)
+
     def eager(p: Plan) -> Plan:
+        if p.num_micro_batches == 1:    # (a step's one reduction either way)
+            return p
         return replace(p, notes=p.notes + (EACH_MICRO_BATCH_NOTE,),
                        reduce_grads_each_micro_batch=True)
 
-    if opts.input_filter is not None or opts.fixed is not None:
-        return run(opts)
-    second = replace(opts, input_filter=EachMicroBatch())
-    # (the figures returned sum both searches where there were two, whichever
-    # search's plan wins; a search that fits nothing reports none)
-    try:
-        first = run(opts)
-    except InfeasiblePlanError as e:
+    passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
+              (replace(opts, input_filter=SequenceSplit()),
+               lambda p: replace(p, notes=p.notes + (SEQUENCE_NOTE,))))
+    best: Plan | None = None
+    summed: SearchStats | None = None
+    counts: tuple = ()          # (the winning pass's plans per stage count)
+    error: InfeasiblePlanError | None = None
+    for o, mark in passes:
+        if best is not None and all(s.recompute == NONE for s in best.stages):
+            break           # memory does not bind
         try:
-            p, stats = run(second)
-        except InfeasiblePlanError:
-            raise e from None
-        return (eager(p) if p.num_micro_batches > 1 else p), stats
-    if all(s.recompute == NONE for s in first[0].stages):
-        return first        # (memory does not bind)
-    try:
-        p, stats = run(second)
-    except InfeasiblePlanError:
-        return first
-    both = first[1].plus(stats)
-    if p.num_micro_batches > 1 and p.predicted.iteration_s < first[0].predicted.iteration_s:
-        return eager(p), replace(both, stage_counts=stats.stage_counts)
-    return first[0], both
+            p, stats = run(o)
+        except InfeasiblePlanError as e:
+            error = error or e
+            continue
+        # (the figures sum every search run, whichever pass's plan wins)
+        summed = stats if summed is None else summed.plus(stats)
+        if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
+            best, counts = mark(p), stats.stage_counts
+    if best is None:
+        assert error is not None
+        raise error
+    assert summed is not None
+    return best, replace(summed, stage_counts=counts)

@@ -12,7 +12,7 @@ import meshplan
 import meshplan.planning as planning
 from meshplan.dp_search import SearchStats, Session, search_pipeline
 from meshplan.errors import InfeasiblePlanError
-from meshplan.ilp import EachMicroBatch
+from meshplan.ilp import EachMicroBatch, SequenceSplit
 from meshplan.models import build_model
 from meshplan.runtime import hlo
 
@@ -38,10 +38,11 @@ def gpt_searched():
     return m, plans
 
 
-def _scripted(monkeypatch, base, first, second):
-    """search_pipeline answering ``first`` for the plain pass and ``second``
-    for the each-micro-batch pass (a Plan: ``base`` with these (recompute,
-    seconds); None: no plan fits); returns the filters it was asked with."""
+def _scripted(monkeypatch, base, first, second, third=None):
+    """search_pipeline answering ``first`` for the plain pass, ``second``
+    for the each-micro-batch pass and ``third`` for the sequence-split one
+    (a Plan: ``base`` with these (recompute, seconds); None: no plan fits);
+    returns the filters it was asked with."""
     asked = []
 
     def answer(spec):
@@ -55,7 +56,9 @@ def _scripted(monkeypatch, base, first, second):
 
     def fake(graph, cluster, opts, **kw):
         asked.append(opts.input_filter)
-        return answer(second if isinstance(opts.input_filter, EachMicroBatch) else first)
+        f = opts.input_filter
+        return answer(second if isinstance(f, EachMicroBatch) else
+                      third if isinstance(f, SequenceSplit) else first)
 
     monkeypatch.setattr(planning, "search_pipeline", fake)
     return asked
@@ -73,10 +76,29 @@ def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, gpt_sear
     p = _plan()
     assert len(asked) == 2 and p.reduce_grads_each_micro_batch
     assert p.predicted.iteration_s == 1.5 and planning.EACH_MICRO_BATCH_NOTE in p.notes
-    # slower: the first plan stays
-    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 2.5))
+    # slower, and the sequence-split pass slower too: the first plan stays
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 2.5), ("full", 2.0))
     p = _plan()
-    assert len(asked) == 2 and not p.reduce_grads_each_micro_batch and p.predicted.iteration_s == 2.0
+    assert len(asked) == 3 and not p.reduce_grads_each_micro_batch and p.predicted.iteration_s == 2.0
+    assert planning.SEQUENCE_NOTE not in p.notes
+
+
+def test_where_memory_still_binds_the_activations_are_split_along_the_sequence(
+        monkeypatch, gpt_searched):
+    base = gpt_searched[1][False]
+    # both passes recompute: the third, faster, wins and says so
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("selective", 1.8), ("none", 1.2))
+    p = _plan()
+    assert [type(f) for f in asked] == [type(None), EachMicroBatch, SequenceSplit]
+    assert p.predicted.iteration_s == 1.2 and planning.SEQUENCE_NOTE in p.notes
+    assert not p.reduce_grads_each_micro_batch
+    # it alone fits
+    asked = _scripted(monkeypatch, base, None, None, ("full", 3.0))
+    p = _plan()
+    assert len(asked) == 3 and p.predicted.iteration_s == 3.0 and planning.SEQUENCE_NOTE in p.notes
+    # where the second pass's faster plan recomputes nothing, there is no third
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5), ("none", 1.0))
+    assert _plan().predicted.iteration_s == 1.5 and len(asked) == 2
 
 
 def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched):
@@ -84,10 +106,11 @@ def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched)
     asked = _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0))
     assert not _plan().reduce_grads_each_micro_batch and asked == [None]
     # nothing fits the plain way: the other way's plan
+    # (it recomputes: the sequence-split pass is asked too, and fits nothing)
     asked = _scripted(monkeypatch, base, None, ("selective", 3.0))
-    assert _plan().reduce_grads_each_micro_batch and len(asked) == 2
-    # nothing fits either way: the plain search's error
-    _scripted(monkeypatch, base, None, None)
+    assert _plan().reduce_grads_each_micro_batch and len(asked) == 3
+    # nothing fits any way: the plain search's error
+    _scripted(monkeypatch, base, None, None, None)
     with pytest.raises(InfeasiblePlanError, match="scripted"):
         _plan()
     # a hand-made method's layouts stay as they are
@@ -134,3 +157,38 @@ def test_the_runtime_keeps_no_partial_sums_for_such_a_plan():
         _, ref = jax.jit(m.train_step)(state, batch)
         np.testing.assert_allclose(float(metrics["loss"]), float(ref["loss"]), rtol=1e-5)
         assert (step._fast[1].partial is None) == flag
+
+
+def test_a_plan_searched_with_the_sequence_split_runs_as_planned():
+    """The third pass's plan (activations between layers split along the
+    sequence, each layer gathering them where it chose) gives jax.jit's
+    numbers."""
+    m = build_model("gpt", GPT)
+    session = Session.from_env()
+    traced = planning.trace_function(m.train_step, m.abstract_args, tuple(m.batch_argnums),
+                                     "gpt", session)
+    cluster = meshplan.ClusterSpec.local()
+    opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=4).request(8).pipeline
+    plan, _ = search_pipeline(traced.graph, cluster,
+                              dataclasses.replace(opts, input_filter=SequenceSplit()),
+                              method_name="pipeshard", retrace=traced.retrace, session=session)
+    assert meshplan.Plan.from_json(plan.to_json()) == plan
+    state, batch = jax.device_get(m.init(0))
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    got, want = losses_match(step, state, batch, m.train_step)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
+                    jax.tree_util.tree_leaves(jax.device_get(want))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+
+
+def test_the_sequence_split_filter():
+    from meshplan.graph import BATCH, PARAM, GraphInput, Tensor
+    f = SequenceSplit()
+    act = GraphInput(tensor=0, argnum=0, path="", role="boundary")
+    x = Tensor(id=0, shape=(4, 16, 8), dtype="float32", kind="input")
+    assert f(act, ((), (1,), ()), x) and f(act, ((0,), (1,), ()), x)
+    assert not f(act, ((), (), ()), x) and not f(act, ((), (1,), (0,)), x)
+    ids = Tensor(id=0, shape=(4, 16, 1), dtype="int32", kind="input")
+    assert f(act, ((), (), ()), ids)        # token ids and positions stay free
+    assert f(GraphInput(0, 0, "", PARAM), ((), (), ()), x)
+    assert f(GraphInput(0, 0, "", BATCH), ((0,), (), ()), x)
