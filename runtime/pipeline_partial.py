@@ -33,6 +33,9 @@ whole over the data axes is cut where it enters (a local slice), and a
 running sum the plan cuts over them is kept whole per data shard like the
 others and cut once a step by the means program: the communication and the
 memory the plan charges (dp_search.solver counts such sums whole).
+The data axes are those the batch arguments are cut over; a searched plan
+may leave them whole (its first layer cuts the rows of what it makes), and
+then each run of mesh axes is checked against the stages' layouts.
 :func:`partial_sums` gives None when no stage qualifies, for a plan that
 reduces its gradients every micro-batch, or for one micro-batch, no common
 data axes, or a batch that does not divide.
@@ -108,11 +111,36 @@ def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep
     ``closure(task, split, flat)``: the equations a task's program replays;
     ``layout(x, s)``: value ``x``'s planned layout on stage ``s``, if any."""
     m = int(plan.num_micro_batches)
-    if retrace is None or plan.reduce_grads_each_micro_batch:
+    if retrace is None or plan.reduce_grads_each_micro_batch or m < 2:
         return None
+    for axes in _candidate_axes(plan, meshes):
+        found = _partial_sums(retrace, traced, plan, meshes, split, closure, layout, axes)
+        if found is not None:
+            return found
+    return None
+
+
+def _candidate_axes(plan: Plan, meshes: Sequence[Mesh]) -> list[tuple[str, ...]]:
+    """The data axes to try: those the batch arguments are cut over; where
+    the plan leaves them whole (a searched plan may: the first layer cuts
+    the rows of what it makes), every run of consecutive axes every stage's
+    mesh has, the longest first (each is checked against the layouts)."""
     axes = _data_axes(plan)
-    if m < 2 or axes is None:
-        return None
+    if axes is not None:
+        return [axes]
+    if any(spec and spec[0] is not None for _, spec in plan.batch):
+        return []           # (cut, but not alike)
+    names = [tuple(mesh.axis_names) for mesh in meshes]
+    runs = {n[i:j] for n in names for i in range(len(n)) for j in range(i + 1, len(n) + 1)}
+    return sorted((r for r in runs if all(a in n for n in names for a in r)),
+                  key=lambda r: (-len(r), r))
+
+
+def _partial_sums(retrace: Callable[[int], TracedStep], traced: TracedStep, plan: Plan,
+                  meshes: Sequence[Mesh], split: StepSplit, closure: Callable[..., list[int]],
+                  layout: Callable[[int, int], NamedSharding | None], axes: tuple[str, ...]
+                  ) -> PartialSums | None:
+    m = int(plan.num_micro_batches)
     sizes = set()
     for mesh in meshes:
         shape = dict(mesh.shape)

@@ -148,6 +148,28 @@ def test_partial_sums_hold_with_one_row_per_data_shard():
     assert len(small.eqns) != len(ex.traced.flat.eqns)
     assert align(ex.traced.flat, small)[1] == ex.partial.value
 
+
+def test_a_searched_plan_with_its_batch_whole_still_reduces_once_per_step():
+    # a searched plan may leave the batch arguments whole (the first layer
+    # cuts the rows of what it makes); the runtime then finds the data axes
+    # in the stages' layouts instead of the batch's, keeps partial sums over
+    # them, and gives the undecorated step's numbers
+    m = build_model("gpt", {"optimizer": "sgd"})
+    state, batch = jax.device_get(m.init(0))
+    plan = meshplan.plan(m.train_step, state, batch,
+                         method=meshplan.PipeshardParallel(stages=2, num_micro_batches=4))
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    got, metrics = step(state, batch)
+    want, ref = jax.jit(m.train_step)(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref["loss"]), rtol=RTOL)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
+                    jax.tree_util.tree_leaves(jax.device_get(want))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+    assert all(spec[0] is None for _, spec in plan.batch), plan.batch    # (the case tested)
+    ex = step._fast[1]
+    assert ex.partial is not None and ex.partial.stages
+    assert all(a in plan.stages[0].logical_mesh.axes for a in ex.partial.axes)
+
 # ... and the whole matrix of the acceptance criteria (slow)
 MATRIX = [(name, dp, tp, pp, mb, schedule)
           for name in ("gpt", "mlp", "wresnet")
