@@ -34,6 +34,8 @@ MESHES = ((8,), (2, 4), (4, 2), (2, 2, 2))
 # (model, dp, tp, pp, micro-batches, schedule)
 PIPELINES = (("gpt", 2, 2, 2, 4, "1f1b"), ("gpt", 2, 1, 4, 2, "gpipe"),
              ("mlp", 2, 2, 2, 4, "1f1b"), ("mlp", 2, 1, 4, 2, "gpipe"))
+# searched (PipeshardParallel(stages=pp) on 8 devices): model, stages, micro-batches, schedule
+SEARCHED = (("gpt", 2, 4, "1f1b"), ("mlp", 2, 4, "1f1b"))
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -93,6 +95,8 @@ def pipelines(a: argparse.Namespace) -> None:
     rows = []
     for model, dp, tp, pp, mb, schedule in PIPELINES:
         rows += verify_pipeline(model, dp, tp, pp, mb, schedule)
+    for model, pp, mb, schedule in SEARCHED:
+        rows += verify_pipeline(model, 1, 8 // pp, pp, mb, schedule, searched=True)
     table = pipeline_table(rows)
     print(table, flush=True)
     ok = sum(r.comm_ok for r in rows)
@@ -101,7 +105,8 @@ def pipelines(a: argparse.Namespace) -> None:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         md = ["# Pipeline stages: predicted vs compiled communication and memory (per device)", "",
-              "8 fake CPU devices (XLA CPU), built-in models at their default sizes, Manual plans. "
+              "8 fake CPU devices (XLA CPU), built-in models at their default sizes, Manual plans, "
+              "and (`searched`) `PipeshardParallel(stages=2, num_micro_batches=4)` plans. "
               "Communication: the stage's predicted `comm_bytes` vs the collectives of its "
               "compiled programs, each times the runs of one call (forward and backward per "
               "micro-batch; means of the running sums and update once: with partial gradient "

@@ -233,13 +233,15 @@ class PipelineVerifyRow(_Errors):
 
 
 def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: int,
-                    schedule: str = "1f1b", *, overrides: Mapping[str, Any] | None = None
-                    ) -> list[PipelineVerifyRow]:
-    """Plan ``model_name`` with ``Manual(dp, tp, pp)`` on the local devices,
-    lower and compile every stage program as the pipeline runs it and
-    compare each stage's communication and memory with the plan's."""
+                    schedule: str = "1f1b", *, overrides: Mapping[str, Any] | None = None,
+                    searched: bool = False) -> list[PipelineVerifyRow]:
+    """Plan ``model_name`` with ``Manual(dp, tp, pp)`` on the local devices
+    (``searched``: ``PipeshardParallel(stages=pp)`` on ``dp * tp * pp`` of
+    them, its meshes and layouts searched), lower and compile every stage
+    program as the pipeline runs it and compare each stage's communication
+    and memory with the plan's."""
     from ..api import parallelize
-    from ..methods import Manual
+    from ..methods import Manual, PipeshardParallel
     from ..models import build_model
     from ..runtime import hlo
     from ..runtime.pipeline_lower import stage_memory
@@ -247,12 +249,16 @@ def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: i
     _local_cluster(dp * tp * pp)
     model = build_model(model_name, dict(overrides or {}))
     args = model.abstract_args
-    method = Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=micro_batches, schedule=schedule)
+    method = (PipeshardParallel(stages=pp, num_micro_batches=micro_batches, schedule=schedule)
+              if searched else
+              Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=micro_batches, schedule=schedule))
     step = parallelize(model.train_step, method=method, donate_argnums=(0,))
     compiled = step.lower(*args).compile()
     plan = step.plan
     ex = step._entry(args)[1]
-    config = f"{pp}x({dp}x{tp}) mb{micro_batches} {schedule}"
+    config = (f"searched {len(plan.stages)}x("
+              f"{'x'.join(map(str, plan.stages[0].logical_mesh.shape))}) mb{micro_batches} "
+              f"{schedule}" if searched else f"{pp}x({dp}x{tp}) mb{micro_batches} {schedule}")
     rows = []
     for mem, st in zip(stage_memory(ex, compiled), plan.stages):
         kinds: dict[str, list[int]] = {}
