@@ -31,11 +31,24 @@ def gpt_searched():
     cluster = meshplan.ClusterSpec.local()
     opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=4).request(8).pipeline
     plans = {}
-    for filt in (None, EachMicroBatch()):
+    for name, filt in (("plain", None), ("each", EachMicroBatch()), ("sequence", SequenceSplit())):
         p, _ = search_pipeline(traced.graph, cluster, dataclasses.replace(opts, input_filter=filt),
                                method_name="pipeshard", retrace=traced.retrace, session=session)
-        plans[filt is not None] = p
+        plans[name] = p
     return m, plans
+
+
+def _runs_as_jit(m, plan):
+    """``plan`` round-trips through JSON and runs ``m``'s step with
+    jax.jit's numbers; the step that ran it."""
+    assert meshplan.Plan.from_json(plan.to_json()) == plan
+    state, batch = jax.device_get(m.init(0))
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    got, want = losses_match(step, state, batch, m.train_step)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
+                    jax.tree_util.tree_leaves(jax.device_get(want))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+    return step
 
 
 def _scripted(monkeypatch, base, first, second, third=None):
@@ -71,7 +84,7 @@ def _plan(method=None):
 
 
 def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, gpt_searched):
-    base = gpt_searched[1][False]
+    base = gpt_searched[1]["plain"]
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5))
     p = _plan()
     assert len(asked) == 2 and p.reduce_grads_each_micro_batch
@@ -85,7 +98,7 @@ def test_memory_bound_search_keeps_the_faster_of_both_ways(monkeypatch, gpt_sear
 
 def test_where_memory_still_binds_the_activations_are_split_along_the_sequence(
         monkeypatch, gpt_searched):
-    base = gpt_searched[1][False]
+    base = gpt_searched[1]["plain"]
     # both passes recompute: the third, faster, wins and says so
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("selective", 1.8), ("none", 1.2))
     p = _plan()
@@ -102,7 +115,7 @@ def test_where_memory_still_binds_the_activations_are_split_along_the_sequence(
 
 
 def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched):
-    base = gpt_searched[1][False]
+    base = gpt_searched[1]["plain"]
     asked = _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0))
     assert not _plan().reduce_grads_each_micro_batch and asked == [None]
     # nothing fits the plain way: the other way's plan
@@ -121,14 +134,8 @@ def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched)
 
 def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
     m, plans = gpt_searched
-    plan = dataclasses.replace(plans[True], reduce_grads_each_micro_batch=True)
-    assert meshplan.Plan.from_json(plan.to_json()) == plan
-    state, batch = jax.device_get(m.init(0))
-    step = meshplan.parallelize(m.train_step, plan=plan)
-    got, want = losses_match(step, state, batch, m.train_step)
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
-                    jax.tree_util.tree_leaves(jax.device_get(want))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+    plan = dataclasses.replace(plans["each"], reduce_grads_each_micro_batch=True)
+    step = _runs_as_jit(m, plan)
     assert step._fast[1].partial is None        # (no sums kept whole per data shard)
     # each stage's collectives, as compiled, are what the plan charges
     compiled = meshplan.parallelize(m.train_step, plan=plan).lower(*m.abstract_args).compile()
@@ -159,26 +166,11 @@ def test_the_runtime_keeps_no_partial_sums_for_such_a_plan():
         assert (step._fast[1].partial is None) == flag
 
 
-def test_a_plan_searched_with_the_sequence_split_runs_as_planned():
-    """The third pass's plan (activations between layers split along the
-    sequence, each layer gathering them where it chose) gives jax.jit's
-    numbers."""
-    m = build_model("gpt", GPT)
-    session = Session.from_env()
-    traced = planning.trace_function(m.train_step, m.abstract_args, tuple(m.batch_argnums),
-                                     "gpt", session)
-    cluster = meshplan.ClusterSpec.local()
-    opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=4).request(8).pipeline
-    plan, _ = search_pipeline(traced.graph, cluster,
-                              dataclasses.replace(opts, input_filter=SequenceSplit()),
-                              method_name="pipeshard", retrace=traced.retrace, session=session)
-    assert meshplan.Plan.from_json(plan.to_json()) == plan
-    state, batch = jax.device_get(m.init(0))
-    step = meshplan.parallelize(m.train_step, plan=plan)
-    got, want = losses_match(step, state, batch, m.train_step)
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(got)),
-                    jax.tree_util.tree_leaves(jax.device_get(want))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))) + 1e-7)
+def test_a_plan_searched_with_the_sequence_split_runs_as_planned(gpt_searched):
+    # (activations between layers split along the sequence, each layer
+    # gathering them where it chose)
+    m, plans = gpt_searched
+    _runs_as_jit(m, plans["sequence"])
 
 
 def test_the_sequence_split_filter():
