@@ -239,6 +239,9 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
               (replace(opts, input_filter=SequenceSplit()),
                lambda p: replace(p, notes=p.notes + (SEQUENCE_NOTE,))))
+    if not any(len(t.shape) >= 3 and t.dtype.startswith(("float", "bfloat"))
+               for t in graph.tensors if t is not None):
+        passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)
     best: Plan | None = None
     summed: SearchStats | None = None
     counts: tuple = ()          # (the winning pass's plans per stage count)
