@@ -77,8 +77,8 @@ def _scripted(monkeypatch, base, first, second, third=None):
     return asked
 
 
-def _plan(method=None):
-    m = build_model("gpt", GPT)
+def _plan(method=None, model="gpt"):
+    m = build_model(model, GPT if model == "gpt" else {})
     return meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.ClusterSpec.local(),
                          method=method or meshplan.PipeshardParallel(num_micro_batches=4))
 
@@ -110,6 +110,9 @@ def test_where_memory_still_binds_the_activations_are_split_along_the_sequence(
     asked = _scripted(monkeypatch, base, None, None, ("full", 3.0))
     p = _plan()
     assert len(asked) == 3 and p.predicted.iteration_s == 3.0 and planning.SEQUENCE_NOTE in p.notes
+    # a step with no [batch, sequence, ...] values (an MLP): no third pass
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("selective", 1.8), ("none", 1.2))
+    assert _plan(model="mlp").predicted.iteration_s == 1.8 and len(asked) == 2
     # where the second pass's faster plan recomputes nothing, there is no third
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5), ("none", 1.0))
     assert _plan().predicted.iteration_s == 1.5 and len(asked) == 2
