@@ -17,6 +17,7 @@ Left out of the grid, because Auto does not search them by design:
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -73,9 +74,13 @@ def grid(cluster: meshplan.ClusterSpec, batch: int, layers: int):
                 if (batch // mb) % dp:
                     continue
                 for remat in (None, True, False):
-                    for schedule in ("1f1b", "gpipe"):
+                    staged = pp > 1 or mb > 1 or remat is True
+                    for schedule, sp in itertools.product(("1f1b", "gpipe"), (False, True)):
+                        if sp and not (staged and tp > 1):
+                            continue    # (sequence parallelism splits over the model axis)
                         yield meshplan.Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=mb,
-                                              remat=remat, schedule=schedule)
+                                              remat=remat, schedule=schedule,
+                                              sequence_parallel=sp)
 
 
 # (seed 0, the slowest at 35 s, runs with -m slow)
