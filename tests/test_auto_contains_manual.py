@@ -1,8 +1,7 @@
 """Property: the search contains every hand plan.  On random small models
 and clusters, ``Auto()`` never predicts a slower iteration than a ``Manual``
 configuration of the grid (dp x tp x pp x micro-batches x remat x schedule x
-sequence parallelism,
-those that fit), by the same cost model.
+sequence parallelism, those that fit), by the same cost model.
 
 Left out of the grid, because Auto does not search them by design:
 - ``schedule="interleaved"``: Auto searches GPipe and 1F1B unless told
