@@ -404,6 +404,8 @@ class StageCosts:
         # 12.72 s, against 14.29 s with caps only where nothing else fits
         # and 12.91 s with caps only where the fastest recompute or cast again)
         room = [None]       # the budget less the least activations of the loosest plans
+        grads_floor = 0.0 if whole else \
+            state - (self.optimizer_prefix[j + 1] - self.optimizer_prefix[i]) / n
         for tighten, k in self._levels(gi, gj, m, room, lambda: best is not None):
             priced = self._priced(gi, gj, m, k, tighten)
             if priced is None:
@@ -416,7 +418,9 @@ class StageCosts:
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and w.recompute == NONE else keep
                 mem = w.cost.resident_bytes + held + n_kept * w.kept + w.working
-                left = lay.budget - held - n_kept * w.kept - w.working
+                # (capped plans hold smaller gradient sums too: at least the
+                # parameters split evenly, where they follow their layout)
+                left = lay.budget - min(held, grads_floor) - n_kept * w.kept - w.working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
                 if mem <= lay.budget and (best is None or w.latency_s < best.latency_s):
@@ -489,13 +493,15 @@ class StageCosts:
         its devices fits in ``room[0]`` (what the loosest plans' activations
         leave), from the first cap under that room: ``MAX_CAPS`` of them,
         then while ``fits()`` says no way fits yet ``MAX_CAPS`` more, each a
-        halving (4 steps) below the last; a cap no layer's state reaches is
+        halving (4 steps) below the last (one that leaves a mesh with no
+        plan has the steps it jumped bisected); a cap no layer's state reaches is
         skipped (it would plan the same), and once a mesh has a layer with no
         plan under a cap (or none at all) tighter caps on it are not tried."""
         lay, alive = self.lay, list(range(len(self.lay.meshes_of[m])))
         i, j = lay.groups[gi][0], lay.groups[gj][1]
         state = (self.state_prefix[j + 1] - self.state_prefix[i]) / lay.submeshes[m].size
         prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
+        good: dict[int, int] = {}       # mesh -> the ladder step of its last level with plans
         tried, last = 0, 0              # caps solved; the ladder step of the last
         for step, tighten in enumerate(TIGHTEN):
             cap = lay.budget / tighten
@@ -518,13 +524,34 @@ class StageCosts:
                 yield tighten, k
                 largest = self._largest_state(gi, gj, m, k, tighten)
                 if largest is None:
+                    if tried >= MAX_CAPS and k in good and not fits():
+                        # a halving that overshot: the fine steps it jumped, bisected
+                        yield from self._bisect(gi, gj, m, k, good[k], step, prev[k])
                     alive.remove(k)
                 else:
-                    prev[k] = largest
+                    prev[k], good[k] = largest, step
             if asked and tighten > 1:
                 tried, last = tried + 1, step
             if not alive:
                 return
+
+    def _bisect(self, gi: int, gj: int, m: int, k: int, lo: int, hi: int, largest: float):
+        """(tighten, mesh ``k``) pairs between ladder steps ``lo`` (its layers
+        have plans; ``largest``: their largest state there) and ``hi`` (some
+        layer has none), bisected: the tightest cap with plans is found in
+        about log2(hi - lo) solves.  A cap above ``largest`` plans as ``lo``
+        does and is passed over."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if largest <= self.lay.budget / TIGHTEN[mid]:
+                lo = mid
+                continue
+            yield TIGHTEN[mid], k
+            got = self._largest_state(gi, gj, m, k, TIGHTEN[mid])
+            if got is None:
+                hi = mid
+            else:
+                lo, largest = mid, got
 
     def _largest_state(self, gi: int, gj: int, m: int, k: int, tighten: float) -> float | None:
         """The largest resident state of a layer of groups ``gi..gj`` on mesh

@@ -87,8 +87,13 @@ class SequenceSplit:
     where to gather it, and leaves every other layout free: sequence
     parallelism (Korthikanti et al. 2022, 4.2.2) found by a search, which
     keeps what recomputation holds per micro-batch in flight split over the
-    axes that split the sequence.  The searched methods' last pass where
-    memory binds (meshplan.planning)."""
+    axes that split the sequence.  As with :class:`EachMicroBatch`, no
+    gradient sum waits for the last micro-batch: a weight gradient made from
+    sequence shards would otherwise wait whole (a layer's gradients at full
+    size, for gpt-39b 3 GiB a layer), over an axis that does not cut the
+    rows, which the runtime could not keep either.  The searched methods'
+    last pass where memory binds (meshplan.planning)."""
+    batch_axes: tuple[int, ...] = ()
 
     def __call__(self, inp: GraphInput, spec: ISpec, tensor: Tensor | None = None) -> bool:
         if inp.role in (BATCH, PARAM, OPT_STATE, STATE):

@@ -217,8 +217,8 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     """The inter-operator search.  For a searched method where memory binds
     (no plan fits, or a stage recomputes), the search again with every
     gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`),
-    and where it still binds, with the activations between layers split
-    along the sequence (:class:`meshplan.ilp.SequenceSplit`): the fastest
+    and where it still binds, so and with the activations between layers
+    split along the sequence (:class:`meshplan.ilp.SequenceSplit`): the fastest
     plan (the earlier pass's on a tie).  A hand-made method's layouts stay
     as they are."""
     opts = request.pipeline
@@ -238,7 +238,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
 
     passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
               (replace(opts, input_filter=SequenceSplit()),
-               lambda p: replace(p, notes=p.notes + (SEQUENCE_NOTE,))))
+               lambda p: replace(eager(p), notes=eager(p).notes + (SEQUENCE_NOTE,))))
     if not any(len(t.shape) >= 3 and t.dtype.startswith(("float", "bfloat"))
                for t in graph.tensors if t is not None):
         passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)

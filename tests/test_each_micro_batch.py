@@ -105,7 +105,7 @@ def test_where_memory_still_binds_the_activations_are_split_along_the_sequence(
     p = _plan()
     assert [type(f) for f in asked] == [type(None), EachMicroBatch, SequenceSplit]
     assert p.predicted.iteration_s == 1.2 and planning.SEQUENCE_NOTE in p.notes
-    assert not p.reduce_grads_each_micro_batch
+    assert p.reduce_grads_each_micro_batch        # (it reduces each micro-batch too)
     # it alone fits
     asked = _scripted(monkeypatch, base, None, None, ("full", 3.0))
     p = _plan()
@@ -174,7 +174,9 @@ def test_a_plan_searched_with_the_sequence_split_runs_as_planned(gpt_searched):
     # (activations between layers split along the sequence, each layer
     # gathering them where it chose)
     m, plans = gpt_searched
-    _runs_as_jit(m, plans["sequence"])
+    step = _runs_as_jit(m, dataclasses.replace(plans["sequence"],
+                                               reduce_grads_each_micro_batch=True))
+    assert step._fast[1].partial is None        # (as the planner marks such a plan)
 
 
 def test_the_sequence_split_filter():
