@@ -173,8 +173,11 @@ NOTES = """Notes:
   and put the selective column at +3.1 / +8.4 / +12.5 / +11.6% (full: -2.7 / +1.1 /
   +7.3 / +4.6%).  The selective replay now reads the copies and replays only the
   attention-score region.
-- Auto() has no sequence parallelism (a Manual option), so its plan is compared with
-  the full column, not the selective one.  Its 175B plan is 8 stages (none x4,
+- Auto() here was planned at stop 43, when it had no sequence parallelism (a Manual
+  option then), so its plan is compared with the full column, not the selective one.
+  Since stop 45 its search tries the activations split along the sequence where memory
+  still binds after two passes, and a stage's capped plans where its gradient sums,
+  split evenly, would fit; this row has not been planned again since.  Its 175B plan is 8 stages (none x4,
   selective x4, 12.72 s), faster than `Manual(dp=1, tp=8, pp=8,
   num_micro_batches=64, remat=None)` at 13.21 s.  Until stop 43 it was 12 stages
   (selective x12, 14.29 s) and `PipeshardParallel(stages=8, num_micro_batches=64)`
