@@ -236,9 +236,12 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         return replace(p, notes=p.notes + (EACH_MICRO_BATCH_NOTE,),
                        reduce_grads_each_micro_batch=True)
 
+    def split(p: Plan) -> Plan:
+        p = eager(p)
+        return replace(p, notes=p.notes + (SEQUENCE_NOTE,))
+
     passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
-              (replace(opts, input_filter=SequenceSplit()),
-               lambda p: replace(eager(p), notes=eager(p).notes + (SEQUENCE_NOTE,))))
+              (replace(opts, input_filter=SequenceSplit()), split))
     if not any(len(t.shape) >= 3 and t.dtype.startswith(("float", "bfloat"))
                for t in graph.tensors if t is not None):
         passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)
