@@ -72,12 +72,17 @@ def _sequence_cut(spec: ISpec, tensor: Tensor | None, rows_over: tuple[int, ...]
     hands it over: a [batch, sequence, ...] floating-point value split along
     the sequence, its other dimensions whole but the batch's, whose rows are
     cut over ``rows_over`` at most (None: any axes)?  Any other value passes."""
-    floating = tensor is None or str(tensor.dtype).startswith(("float", "bfloat"))
-    if not floating or len(spec) < 3:
+    if (tensor is not None and not _sequence_shaped(tensor)) or len(spec) < 3:
         return True
     rows_ok = rows_over is None or all(a in rows_over for a in spec[0])
     return rows_ok and bool(spec[1]) and not set(spec[1]) & set(rows_over or ()) \
         and all(not d for d in spec[2:])
+
+
+def _sequence_shaped(tensor: Tensor) -> bool:
+    """Could ``tensor`` be a [batch, sequence, ...] activation: floating
+    point, of rank 3 or more?"""
+    return len(tensor.shape) >= 3 and str(tensor.dtype).startswith(("float", "bfloat"))
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,12 @@ class SequenceSplit:
         if inp.role in (BATCH, PARAM, OPT_STATE, STATE):
             return True
         return _sequence_cut(spec, tensor, rows_over=None)
+
+    @staticmethod
+    def applies(graph: Graph) -> bool:
+        """Has ``graph`` a value this filter could split?  (Else a search
+        with it searches the same as one without.)"""
+        return any(t is not None and _sequence_shaped(t) for t in graph.tensors)
 
 
 @dataclass(frozen=True)

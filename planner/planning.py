@@ -242,8 +242,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
 
     passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
               (replace(opts, input_filter=SequenceSplit()), split))
-    if not any(len(t.shape) >= 3 and t.dtype.startswith(("float", "bfloat"))
-               for t in graph.tensors if t is not None):
+    if not SequenceSplit.applies(graph):
         passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)
     best: Plan | None = None
     summed: SearchStats | None = None
