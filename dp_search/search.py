@@ -40,7 +40,7 @@ def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[i
     return [b for b in range(1, min(batch, MAX_MICRO_BATCHES) + 1) if batch % b == 0]
 
 
-# the most micro-batches searched while some count fits (1.5 x 64)
+# the most micro-batches searched first (1.5 x 64); more only where the most won
 MAX_MICRO_BATCHES = 96
 
 
@@ -165,6 +165,13 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 # nothing fits yet: smaller micro-batches, down to one example
                 # (and the other divisors up to it, the most first)
                 todo += [b for b in range(2 * top, max(searched), -1) if batch % b == 0]
+            elif (best is not None and not todo and opts.num_micro_batches is None
+                    and retrace is not None and best[1].num_micro_batches == max(searched)):
+                # the most micro-batches searched won: the bubble may still
+                # shrink, so the divisors up to twice as many (a hand plan of
+                # gpt-39b on 64 GPUs uses 128 of 1024, where the cap stops at 64)
+                todo += [b for b in range(min(batch, 2 * max(searched)), max(searched), -1)
+                         if batch % b == 0]
     except BaseException:        # Ctrl-C included: no worker may outlive the search
         search.close(abort=True)
         raise

@@ -418,17 +418,21 @@ def test_layers_inside_a_scan_are_reported_or_unrolled():
     assert len(plan.stages) == 2
 
 
-@pytest.mark.parametrize("fits,untraceable,expected", [
+@pytest.mark.parametrize("fits,untraceable,expected,fastest", [
     # counts that fit -> the counts searched, from the most micro-batches down:
     # once a count fits nothing after one that did, fewer are not tried
-    ({64, 32, 16}, (), [64, 32, 16, 8]),
+    ({64, 32, 16}, (), [64, 32, 16, 8], 32),
     # nothing fits with 64 (the most of the usual counts): smaller micro-batches
-    # are tried, fewer are not
-    ({128}, (), [64, 128]),
+    # are tried, fewer are not; 128 being the fastest, 256 is tried too
+    ({128}, (), [64, 128, 256], 32),
     # micro-batches too small to trace (MoE token groups) do not stop the search
-    ({16}, (64, 32), [16, 8]),
+    ({16}, (64, 32), [16, 8], 32),
+    # the most of the usual counts is the fastest that fits: more are tried
+    # while the most searched stays the fastest
+    ({128, 64, 32}, (), [64, 32, 16, 128, 256], 128),
 ])
-def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untraceable, expected):
+def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untraceable, expected,
+                                                        fastest):
     import dataclasses
     import meshplan.dp_search.search as dps
     from meshplan.api import retracer
@@ -444,7 +448,7 @@ def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untra
         if lay.B not in fits:
             raise InfeasiblePlanError("does not fit")
         return dataclasses.replace(base, num_micro_batches=lay.B, predicted=dataclasses.replace(
-            base.predicted, iteration_s=1.0 + abs(lay.B - 32)))
+            base.predicted, iteration_s=1.0 + abs(lay.B - fastest)))
     monkeypatch.setattr(dps, "_plan_for", fake)
     real = retracer(m.train_step, m.abstract_args, (1,), "step")
 
@@ -455,7 +459,7 @@ def test_micro_batch_counts_searched_from_the_most_down(monkeypatch, fits, untra
         return real(B)
     p = plan_pipeline(g, cluster, meshplan.PipeshardParallel(), retrace=rt)
     assert tried == expected
-    assert p.num_micro_batches == min(fits & set(expected), key=lambda b: abs(b - 32))
+    assert p.num_micro_batches == min(fits & set(expected), key=lambda b: abs(b - fastest))
     # without pruning every usual count is searched
     tried.clear()
     opts = dataclasses.replace(meshplan.PipeshardParallel().request(8).pipeline,
