@@ -518,9 +518,11 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     for n in keep:
         for t in n.inputs + n.outputs:
             tensors[t] = graph.tensors[t]
+    rows = tuple((t, d) for t, d in sorted((batch_dim or {}).items())
+                 if t < len(tensors) and tensors[t] is not None)
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
                               tensors=tuple(tensors), inputs=tuple(inputs),
-                              outputs=tuple(outputs), warnings=())
+                              outputs=tuple(outputs), warnings=(), batch_dims=rows)
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 
@@ -658,5 +660,6 @@ def structural_hash(graph: Graph) -> str:
               n.params if n.primitive != "scan" else n.params[:3])
              for n in graph.nodes]
     outs = [(r[o.tensor], o.updates is not None) for o in graph.outputs]
+    rows = sorted((r[t], d) for t, d in graph.batch_dims if t in r)
     # (params are plain, deterministic Python data: their repr is canonical)
-    return hashlib.sha256(repr((ins, nodes, outs)).encode()).hexdigest()
+    return hashlib.sha256(repr((ins, nodes, outs, rows)).encode()).hexdigest()

@@ -17,7 +17,7 @@ from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
-from ..ilp.accumulation import deferrable, gradient_only, held_copies, summed_axes
+from ..ilp.accumulation import held_copies
 from ..ilp.build import with_resident_cap
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
@@ -401,11 +401,10 @@ def forward_of(sub: Graph, forward_values: frozenset[int]) -> frozenset[int]:
         o.tensor for o in sub.outputs if o.updates is None and o.path != f"t{o.tensor}"}))
 
 
-def _accumulating(job: tuple) -> tuple[frozenset[int], int, frozenset[int] | None]:
-    """(the gradients the layer makes, micro-batches, the mesh axes a sum may
-    wait on: None, any) of a :meth:`LayerSolver._job`."""
-    axes = getattr(job[9], "batch_axes", None)      # (as ilp.build reads its filter)
-    return job[7], job[8], None if axes is None else frozenset(axes)
+def _accumulating(job: tuple) -> tuple[frozenset[int], int]:
+    """(the gradients the layer makes, micro-batches) of a
+    :meth:`LayerSolver._job`."""
+    return job[7], job[8]
 
 
 def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
@@ -413,21 +412,20 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
                 entering: frozenset[int] | None = None,
                 selective: tuple[frozenset[int], frozenset[int]] | None = None,
                 cluster: ClusterSpec | None = None, accumulate: frozenset[int] = frozenset(),
-                grad_accum: int = 1, defer_axes: frozenset[int] | None = None) -> LayerCost:
+                grad_accum: int = 1) -> LayerCost:
     """The layer's cost from its ILP.  ``entering``: the forward values of
     other layers it reads, what recomputation keeps per micro-batch (None:
     every boundary input).  ``selective``: the values selective recomputation
     makes again (their makers' time is priced on ``cluster``'s device) and
     what it keeps per micro-batch instead of ``saved``.  ``accumulate``: the
     parameter gradients the layer makes, summed over ``grad_accum``
-    micro-batches, their sums over ``defer_axes`` (None: any) reduced once a
-    step (ilp.accumulation.deferrable)."""
+    micro-batches, their sums over ``r.waiting_axes`` reduced once a step
+    (ilp.accumulation.deferrable)."""
     specs = dict(r.constraints)
     resident = boundary = grads = optimizer = 0.0
     # With several micro-batches a gradient's running sum waits unreduced
-    # over the axes its makers sum over (reduced once a step): whole along them
-    waiting = (_waiting_axes(sub, r, mesh, accumulate, defer_axes) if grad_accum > 1
-               else frozenset())
+    # over the axes its makers' deferred sums cover: whole along them
+    waiting = r.waiting_axes if grad_accum > 1 and accumulate else frozenset()
 
     def local(t: int, spec, skip: frozenset[int] = frozenset()) -> float:
         cut = tuple(tuple(a for a in d if a not in skip)
@@ -472,24 +470,6 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
                      canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
                      sel_kept if again else None, cast_s, copies)
-
-
-def _waiting_axes(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, accumulate: frozenset[int],
-                  defer_axes: frozenset[int] | None) -> frozenset[int]:
-    """The mesh axes over which the layer's gradient-making operators leave
-    partial sums that wait for the step's last micro-batch, in the chosen
-    strategies (runtime.pipeline_partial keeps them whole along those axes;
-    a sum over another axis is reduced every micro-batch, as ilp.build
-    charges it)."""
-    if not accumulate:
-        return frozenset()
-    chosen = dict(r.strategies)
-    waiting: set[int] = set()
-    for n in gradient_only(sub, accumulate)[0]:
-        axes = summed_axes(chosen[n], mesh.axes) if n in chosen else frozenset()
-        if axes and deferrable(axes, defer_axes):
-            waiting |= axes
-    return frozenset(waiting)
 
 
 def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,

@@ -67,11 +67,30 @@ def summed_axes(name: str, axis_names) -> frozenset[int]:
                      if ":" in part and part.split(":")[1].startswith("sum"))
 
 
-def deferrable(axes: frozenset[int], defer_axes: frozenset[int] | None) -> bool:
+def deferrable(axes: frozenset[int], defer_axes: frozenset[int] | None,
+               rows: frozenset[int] | None = None) -> bool:
     """May a gradient's sum over ``axes`` wait for the last micro-batch?  Only
-    over the axes the runtime keeps partial sums on
-    (runtime.pipeline_partial: the data-parallel ones)."""
-    return defer_axes is None or axes <= defer_axes
+    over the axes the runtime keeps partial sums on (``defer_axes``; None:
+    any) and, where known (``rows``, :func:`rows_axes`), only over axes that
+    cut the micro-batch's rows where the sum is made: runtime.pipeline_partial
+    replays a backward on each data shard's rows, so a sum over an axis that
+    cuts the sequence or a hidden dimension is reduced every micro-batch."""
+    return (defer_axes is None or axes <= defer_axes) and (rows is None or axes <= rows)
+
+
+def rows_axes(graph: Graph, inputs, in_specs) -> frozenset[int] | None:
+    """The mesh axes that cut the micro-batch's rows of an operator's
+    ``inputs`` laid out as ``in_specs`` (an ISpec, or None, per input), from
+    ``graph.rows_dim``; None where the graph does not know its rows."""
+    dims = graph.rows_dim
+    if dims is None:
+        return None
+    out: set[int] = set()
+    for t, spec in zip(inputs, in_specs):
+        d = dims.get(t)
+        if spec is not None and d is not None and d < len(spec):
+            out.update(spec[d])
+    return frozenset(out)
 
 
 def gradient_only(graph: Graph, accumulate: frozenset[int],

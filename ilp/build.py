@@ -35,8 +35,8 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
 from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
                      GraphInput, Tensor)
-from .accumulation import (deferrable, gradient_only, held_copies, step_split, summed_axes,
-                           update_nodes)
+from .accumulation import (deferrable, gradient_only, held_copies, rows_axes, step_split,
+                           summed_axes, update_nodes)
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
@@ -74,6 +74,9 @@ class Group:
     # the input gradient of a matmul whose bias gradient follows it) do not
     grad_comm: list[float] = field(default_factory=list)
     grad_comm_bytes: list[float] = field(default_factory=list)
+    # per strategy: the mesh axes over which those reductions wait for the
+    # step's last micro-batch (a running sum kept whole along them)
+    waits: list[frozenset[int]] = field(default_factory=list)
     # per strategy: [compute, comm, comm bytes] of the above that the
     # optimizer update's operators (root or followers) and reads add: once
     # per ``grad_accum`` micro-batches, whichever group they joined (Adam's
@@ -164,6 +167,15 @@ class Mapped:
     @property
     def reduce_axes(self) -> tuple[int, ...]:
         return tuple(sorted(a for g in self.reduce_groups for a in g))
+
+    def in_specs(self, k: int, n: int) -> list[ISpec | None]:
+        """The layouts of the node's ``n`` operands (``k``: the one followed;
+        None: an operand taken as it is)."""
+        out: list[ISpec | None] = [None] * n
+        out[k] = self.main_req
+        for p, req in self.reads:
+            out[p] = req
+        return out
 
 
 def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
@@ -329,6 +341,7 @@ class _Builder:
             g.comm_bytes = [0.0] * len(specs)
             g.grad_comm = [0.0] * len(specs)
             g.grad_comm_bytes = [0.0] * len(specs)
+            g.waits = [frozenset() for _ in specs]
             g.update = [[0.0, 0.0, 0.0] for _ in specs]
             g.comm_kinds = [{} for _ in specs]
             self.groups.append(g)
@@ -436,11 +449,13 @@ class _Builder:
         layouts = [sp[main] for sp in g.specs]
         per_spec: dict[ISpec, tuple] = {}
         axes: dict[ISpec, frozenset[int]] = {}     # (the axes the follower sums over)
+        rows: dict[ISpec, frozenset[int] | None] = {}  # (... and those cutting its rows)
         for ms in dict.fromkeys(layouts):
             mp = self._mapped.get(sig + (ms,))
             if mp is None:
                 mp = self._mapped[sig + (ms,)] = map_through(space, k, ms, shape, out_shape)
             axes[ms] = frozenset(mp.reduce_axes)
+            rows[ms] = rows_axes(graph, node.inputs, mp.in_specs(k, len(node.inputs)))
             t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
             t += self._fixed(node, t)
             steps = self.rs.steps(main, ms, mp.main_req)
@@ -465,9 +480,10 @@ class _Builder:
                 u[0], u[1], u[2] = u[0] + row[1], u[1] + row[3], u[2] + row[4]
         if node.id in self.grad_nodes:
             for i, ms in enumerate(layouts):
-                if deferrable(axes[ms], self.defer_axes):
+                if deferrable(axes[ms], self.defer_axes, rows[ms]):
                     g.grad_comm[i] += got[i][3]
                     g.grad_comm_bytes[i] += got[i][4]
+                    g.waits[i] |= axes[ms]
         steady = node.id not in self.update_nodes
         for i, row in enumerate(got):
             if row[2]:
@@ -502,9 +518,11 @@ class _Builder:
             g.compute.append(s.compute_s + fixed)
             g.comm.append(comm)
             g.comm_bytes.append(s.comm_bytes)
+            summed = summed_axes(s.name, self.mm.mesh.axes)
             grad = node.id in self.grad_nodes and deferrable(
-                summed_axes(s.name, self.mm.mesh.axes), self.defer_axes)
+                summed, self.defer_axes, rows_axes(graph, node.inputs, s.in_specs))
             g.grad_comm.append(comm if grad else 0.0)
+            g.waits.append(summed if grad else frozenset())
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             g.update.append([s.compute_s + fixed, comm, s.comm_bytes] if not steady
                             else [0.0, 0.0, 0.0])

@@ -19,7 +19,7 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, reshard_steps, spec_names
 from ..graph import PARAM, Graph, forward_nodes
 from ..plan import LogicalMesh, Spec
-from .accumulation import deferrable, summed_axes
+from .accumulation import deferrable, rows_axes, summed_axes
 from .build import Built, first_node, follow_input, map_through, stored_liveness
 from .strategies import collectives_of, node_space, sum_all_reduces, unmerged_s
 from .problem import Solution
@@ -73,15 +73,16 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     accum = built.grad_accum > 1
     f = 1.0 / built.grad_accum if accum else 1.0
 
-    def own_once(gid: int, nid: int | None = None, axes: frozenset[int] = frozenset()
-                 ) -> bool:
+    def own_once(gid: int, nid: int, axes: frozenset[int], in_specs) -> bool:
         """Is the communication of group ``gid``'s operator ``nid`` (summing
-        over mesh ``axes``) paid once a step?  The update's all of it; in a
-        group making a gradient, the reductions of the gradient's own
-        operators over the axes the runtime defers."""
+        over mesh ``axes``, reading its operands as ``in_specs``) paid once a
+        step?  The update's all of it; in a group making a gradient, the
+        reductions of the gradient's own operators over the axes the runtime
+        defers."""
         return accum and (nid in built.update_nodes or
                           (gid in built.accumulated and nid in built.grad_nodes
-                           and deferrable(axes, built.defer_axes)))
+                           and deferrable(axes, built.defer_axes,
+                                          rows_axes(graph, graph.nodes[nid].inputs, in_specs))))
 
     def add(pc: PlannedCollective, once: bool) -> None:
         out.append(dataclasses.replace(pc, seconds=pc.seconds * f, nbytes=pc.nbytes * f,
@@ -106,7 +107,7 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
                                       nbytes, node.outputs[0],
                                       f"n{node.id} {node.primitive} [{s.name}]",
                                       (), g.gid, True, gradient=grad, axes=ax if grad else ()),
-                    own_once(g.gid, node.id, axes))
+                    own_once(g.gid, node.id, axes, s.in_specs))
         for nid in g.members:
             node = graph.nodes[nid]
             space = node_space(graph, node)
@@ -117,13 +118,13 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             where = f"n{nid} {node.primitive} (follower)"
             grad = nid in built.grad_nodes
             axes = frozenset(mp.reduce_axes)
-            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True,
-                     own_once(g.gid, nid, axes), grad)
+            once = own_once(g.gid, nid, axes, mp.in_specs(k, len(node.inputs)))
+            steps_of(main, spec_of[main], mp.main_req, where, g.gid, True, once, grad)
             for kind, sec, b, ax in sum_all_reduces(mm, mp.reduce_groups, graph.tensors[
                     out_t].nbytes / num_shards(mp.out, shape)):
                 add(PlannedCollective(kind, unmerged_s(mm, kind, sec, ax) if grad else sec, b,
                                       out_t, where, (), g.gid, True, gradient=grad,
-                                      axes=ax if grad else ()), own_once(g.gid, nid, axes))
+                                      axes=ax if grad else ()), once)
         seen: set[tuple[int, ISpec]] = set()
         for t, req in g.reads[c]:
             if (t, req) in seen or not graph.tensors[t].shape or t not in gt:
@@ -251,6 +252,9 @@ class IntraOpResult:
     # the backward's gradient reductions in program order, for
     # cost_model.overlap: (compute_s, reduce_s) pairs, see grad_steps()
     grad_steps: tuple[tuple[float, float], ...] = ()
+    # the mesh axes over which gradient sums wait for the step's last
+    # micro-batch (ilp.build Group.waits of the chosen strategies)
+    waiting_axes: frozenset[int] = frozenset()
 
     def describe(self) -> str:
         s = self.solution
@@ -302,7 +306,9 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
     return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
                          output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
                          tuple(sorted(by_kind.items())), planned, read_constraints,
-                         grad_steps(built, choice, planned))
+                         grad_steps(built, choice, planned),
+                         frozenset().union(*(g.waits[c] for g, c in zip(groups, choice)
+                                             if g.waits and built.grad_accum > 1)))
 
 
 def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:

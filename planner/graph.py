@@ -131,6 +131,10 @@ class Graph:
     batch_argnums: tuple[int, ...] = ()
     fingerprint: str = ""
     warnings: tuple[str, ...] = ()
+    # (value, its dimension holding the micro-batch's rows): a layer
+    # subgraph's values at several micro-batches, where known
+    # (batch_dims_between); empty: not known
+    batch_dims: tuple[tuple[int, int], ...] = ()
 
     # ---- derived views (computed once, cached on the instance) ----------
     @functools.cached_property
@@ -170,6 +174,12 @@ class Graph:
                 nodes.add(n.id)
                 made.update(n.outputs)
         return frozenset(nodes)
+
+    @functools.cached_property
+    def rows_dim(self) -> dict[int, int] | None:
+        """value -> its dimension holding the micro-batch's rows; None where
+        not known (:attr:`batch_dims` empty)."""
+        return dict(self.batch_dims) if self.batch_dims else None
 
     @functools.cached_property
     def input_of_tensor(self) -> dict[int, GraphInput]:
@@ -268,6 +278,7 @@ class Graph:
             "inputs": [dataclasses.asdict(i) for i in self.inputs],
             "outputs": [dataclasses.asdict(o) for o in self.outputs],
             "warnings": list(self.warnings),
+            **({"batch_dims": [list(p) for p in self.batch_dims]} if self.batch_dims else {}),
         }
 
     def to_json(self) -> str:
@@ -288,6 +299,7 @@ class Graph:
             batch_argnums=tuple(d["batch_argnums"]),
             fingerprint=d["fingerprint"],
             warnings=tuple(d.get("warnings", ())),
+            batch_dims=tuple((int(t), int(k)) for t, k in d.get("batch_dims", ())),
         )
 
     @classmethod

@@ -20,6 +20,7 @@ from meshplan.trace import trace
 
 ACCUM = 4
 TWO_LAYERS = {"batch": "64", "in_dim": "256", "hidden": "1024", "layers": "2"}
+GPT = {"batch": "8", "layers": "1", "optimizer": "sgd"}
 
 
 def _zero3(inp, spec, _) -> bool:
@@ -40,10 +41,10 @@ def _update_nodes(g, grads) -> set[int]:
     return out
 
 
-def _built(config: dict, mesh: LogicalMesh, input_filter):
-    """An MLP's step on ``mesh`` of a DGX A100, its gradients, and its ILP
-    built for one micro-batch and for ACCUM."""
-    m = build_model("mlp", config)
+def _built(config: dict, mesh: LogicalMesh, input_filter, model: str = "mlp"):
+    """An MLP's (``model``'s) step on ``mesh`` of a DGX A100, its gradients,
+    and its ILP built for one micro-batch and for ACCUM."""
+    m = build_model(model, config)
     g = trace(m.train_step, *m.abstract_args)
     grads = frozenset(t for n in g.nodes if n.primitive == "meshplan_grad_boundary"
                       for t in n.inputs)
@@ -170,3 +171,43 @@ def test_only_sums_over_the_batch_axes_wait_for_the_last_micro_batch():
                 assert g4.comm[i] == pytest.approx(g1.comm[i])   # not divided
             kinds.add(axes <= {0})
     assert kinds == {True, False}
+
+
+def test_a_searched_plan_defers_only_sums_over_axes_that_cut_the_rows():
+    """A searched layer ILP may lay the batch out over any axis; the runtime
+    keeps a gradient's partial sums over an axis only where that axis cuts
+    the micro-batch's rows (it replays the backward per data shard).  With
+    the rows known (``Graph.batch_dims``), a sum over an axis that cuts the
+    tokens' other dimensions is charged every micro-batch; without them
+    (the old rule) every sum of a gradient operator waits."""
+    import dataclasses
+
+    from meshplan.graph import batch_dims_between
+    from meshplan.ilp.accumulation import rows_axes, summed_axes
+    mesh = LogicalMesh(("data", "model"), (2, 4))
+    # (gpt: a weight gradient contracts over the batch and the sequence)
+    full, mm, grads, _, _ = _built(GPT, mesh, None, "gpt")
+    half = build_model("gpt", {**GPT, "batch": "4"})
+    micro = strip_markers(trace(half.train_step, *half.abstract_args))
+    dims = batch_dims_between(full, micro, 2)
+    assert dims, "the two traces should align"
+    g = dataclasses.replace(micro, batch_dims=tuple(sorted(dims.items())))
+    blind = build_problem(micro, mm, accumulate=grads, grad_accum=ACCUM)
+    known = build_problem(g, mm, accumulate=grads, grad_accum=ACCUM)
+    seen = set()
+    for gb, gk in zip(blind.groups, known.groups):
+        if gk.root_node not in known.grad_nodes:
+            continue
+        node = g.nodes[gk.root_node]
+        for i, s in enumerate(gk.strategies):
+            axes = summed_axes(s.name, mm.mesh.axes)
+            if not s.comm_s or not axes:
+                continue
+            cut = {a for t, sp in zip(node.inputs, s.in_specs)
+                   if sp is not None and t in dims for a in sp[dims[t]]}
+            assert rows_axes(g, node.inputs, s.in_specs) == frozenset(cut)
+            assert gb.grad_comm[i] > 0          # (the old rule: any axis waits)
+            assert gk.grad_comm[i] == (gb.grad_comm[i] if axes <= cut else 0.0)
+            assert gk.waits[i] == (axes if axes <= cut else frozenset())
+            seen.add(axes <= cut)
+    assert seen == {True, False}

@@ -172,6 +172,11 @@ def test_graph_json_roundtrip():
     g = trace(step, state, batch)
     g2 = Graph.from_json(g.to_json())
     assert g2 == g
+    # (a layer subgraph's rows, where known, survive too)
+    import dataclasses
+    rows = dataclasses.replace(g, batch_dims=((g.inputs[-1].tensor, 0),))
+    assert Graph.from_json(rows.to_json()) == rows and rows.rows_dim == {g.inputs[-1].tensor: 0}
+    assert g.rows_dim is None
 
 
 def test_bad_batch_argnums_and_failing_function():
