@@ -43,7 +43,6 @@ data axes, or a batch that does not divide.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -184,8 +183,9 @@ def align(big: FlatJaxpr, small: FlatJaxpr) -> tuple[dict[int, int], dict[int, i
     value id -> id), or None where they cannot be matched.  jax traces a few
     operations otherwise where a batch dimension has size one (a broadcast
     more, a sum over the batch less), so the two are matched as sequences of
-    primitives, values through the matched equations' results and operands;
-    a match of another dtype gives None (shapes are the callers' to check)."""
+    primitives (:func:`_match`), values through the matched equations'
+    results and operands; a match of another dtype gives None (shapes are
+    the callers' to check)."""
     if big.invars != small.invars:
         return None
     if len(big.eqns) == len(small.eqns) and all(
@@ -200,15 +200,8 @@ def align(big: FlatJaxpr, small: FlatJaxpr) -> tuple[dict[int, int], dict[int, i
                       for v in fe.invars),
                 tuple(len(getattr(avals.get(v), "shape", ())) for v in fe.outvars))
 
-    blocks = difflib.SequenceMatcher(None, [sig(e, big.avals) for e in big.eqns],
-                                     [sig(e, small.avals) for e in small.eqns], autojunk=False)
-    eqn = {}
-    for tag, i1, i2, j1, j2 in blocks.get_opcodes():
-        # (a run of the same primitives whose ranks differ, e.g. a reshape
-        # that drops a batch dimension of size one, is matched one to one too)
-        if tag == "equal" or (tag == "replace" and [e.eqn.primitive for e in big.eqns[i1:i2]]
-                              == [e.eqn.primitive for e in small.eqns[j1:j2]]):
-            eqn.update(zip(range(i1, i2), range(j1, j2)))
+    eqn = _match([sig(e, big.avals) for e in big.eqns],
+                 [sig(e, small.avals) for e in small.eqns])
     value = {x: x for x in big.invars}
     for k, j in eqn.items():
         value.update(zip(big.eqns[k].outvars, small.eqns[j].outvars))
@@ -223,6 +216,53 @@ def align(big: FlatJaxpr, small: FlatJaxpr) -> tuple[dict[int, int], dict[int, i
            for a, b in value.items()):
         return None
     return eqn, value
+
+
+# the equations jax adds or leaves out where a batch dimension has size one
+_SHAPING = frozenset({"reshape", "broadcast_in_dim", "reduce_sum", "squeeze", "expand_dims"})
+# (at most this many more equations skipped on one side than the lengths differ by)
+_SLACK = 16
+
+
+def _match(big: Sequence[tuple], small: Sequence[tuple]) -> dict[int, int]:
+    """The cheapest alignment of two sequences of equation signatures
+    ``(primitive, operand ranks, result ranks)``: a pair of one primitive
+    costs 0 with the same ranks, 1 otherwise; an equation left unmatched
+    costs 2 if it only shapes (``_SHAPING``), else 4.  The traces differ in a
+    few equations, so the search keeps to a band around the diagonal (and,
+    unlike a longest-common-run match, never pairs one layer's equations
+    with the next identical layer's).  big index -> small index."""
+    n, m = len(big), len(small)
+    lo, hi = min(0, n - m) - _SLACK, max(0, n - m) + _SLACK      # bounds of i - j
+    inf = float("inf")
+    cost: dict[tuple[int, int], float] = {(0, 0): 0.0}
+    move: dict[tuple[int, int], int] = {}
+
+    def skip(x: tuple) -> float:
+        return 2.0 if x[0] in _SHAPING else 4.0
+
+    for i in range(n + 1):
+        for j in range(max(0, i - hi), min(m, i - lo) + 1):
+            if i == j == 0:
+                continue
+            best, how = inf, -1
+            if i and j and big[i - 1][0] == small[j - 1][0]:
+                best = cost.get((i - 1, j - 1), inf) + (big[i - 1] != small[j - 1])
+                how = 0
+            if i and cost.get((i - 1, j), inf) + skip(big[i - 1]) < best:
+                best, how = cost[i - 1, j] + skip(big[i - 1]), 1
+            if j and cost.get((i, j - 1), inf) + skip(small[j - 1]) < best:
+                best, how = cost[i, j - 1] + skip(small[j - 1]), 2
+            if best < inf:
+                cost[i, j], move[i, j] = best, how
+    out: dict[int, int] = {}
+    i, j = n, m
+    while i or j:
+        how = move[i, j]
+        if how == 0:
+            out[i - 1] = j - 1
+        i, j = i - (how != 2), j - (how != 1)
+    return out
 
 
 def _small_eqns(t: Task, eqn_ids: Sequence[int], small: FlatJaxpr, eqn: Mapping[int, int],

@@ -149,12 +149,14 @@ def test_partial_sums_hold_with_one_row_per_data_shard():
     assert align(ex.traced.flat, small)[1] == ex.partial.value
 
 
-def test_a_searched_plan_with_its_batch_whole_still_reduces_once_per_step():
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_a_searched_plan_with_its_batch_whole_still_reduces_once_per_step(name):
     # a searched plan may leave the batch arguments whole (the first layer
     # cuts the rows of what it makes); the runtime then finds the data axes
     # in the stages' layouts instead of the batch's, keeps partial sums over
-    # them, and gives the undecorated step's numbers
-    m = build_model("gpt", {"optimizer": "sgd"})
+    # them, and gives the undecorated step's numbers (mlp: one row per data
+    # shard, where jax traces the backward with sums and reshapes fewer)
+    m = build_model(name, {"optimizer": "sgd"})
     state, batch = jax.device_get(m.init(0))
     plan = meshplan.plan(m.train_step, state, batch,
                          method=meshplan.PipeshardParallel(stages=2, num_micro_batches=4))
@@ -169,6 +171,23 @@ def test_a_searched_plan_with_its_batch_whole_still_reduces_once_per_step():
     ex = step._fast[1]
     assert ex.partial is not None and ex.partial.stages
     assert all(a in plan.stages[0].logical_mesh.axes for a in ex.partial.axes)
+
+def test_traces_are_matched_layer_by_layer_not_by_their_longest_common_run():
+    # two identical layers' backwards; the trace at one row lacks each
+    # layer's sum over the batch and its reshape: every equation must pair
+    # with its own layer's, not with the next layer's look-alike
+    from meshplan.runtime.pipeline_partial import _match
+    layer = [("dot_general", (2, 2), (2,)), ("mul", (2, 2), (2,)), ("add_any", (2, 2), (2,))]
+    summed = [("reduce_sum", (2,), (1,)), ("reshape", (1,), (2,))]
+    big = [("exp", (2,), (2,))] + layer + summed + layer + summed + [("log", (2,), (2,))]
+    small = [("exp", (2,), (2,))] + layer + layer + [("log", (2,), (2,))]
+    assert _match(big, small) == {0: 0, 1: 1, 2: 2, 3: 3, 6: 4, 7: 5, 8: 6, 11: 7}
+    # a rank that differs still pairs the primitive; an equation moved
+    # further than the band is not paired
+    assert _match([("reshape", (1,), (2,))], [("reshape", (1,), (1,))]) == {0: 0}
+    x, e = ("dot_general", (2, 2), (2,)), ("exp", (2,), (2,))
+    assert _match([x] + [e] * 40, [e] * 40 + [x]) == {k + 1: k for k in range(40)}
+
 
 # ... and the whole matrix of the acceptance criteria (slow)
 MATRIX = [(name, dp, tp, pp, mb, schedule)
