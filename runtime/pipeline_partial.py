@@ -232,6 +232,16 @@ def _match(big: Sequence[tuple], small: Sequence[tuple]) -> dict[int, int]:
     few equations, so the search keeps to a band around the diagonal (and,
     unlike a longest-common-run match, never pairs one layer's equations
     with the next identical layer's).  big index -> small index."""
+    # (the same equations at both ends, the forward mostly, pair one to one)
+    head = 0
+    while head < min(len(big), len(small)) and big[head] == small[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(big), len(small)) - head and big[-1 - tail] == small[-1 - tail]:
+        tail += 1
+    out = {k: k for k in range(head)}
+    out.update((len(big) - 1 - k, len(small) - 1 - k) for k in range(tail))
+    big, small = big[head:len(big) - tail], small[head:len(small) - tail]
     n, m = len(big), len(small)
     lo, hi = min(0, n - m) - _SLACK, max(0, n - m) + _SLACK      # bounds of i - j
     inf = float("inf")
@@ -255,12 +265,11 @@ def _match(big: Sequence[tuple], small: Sequence[tuple]) -> dict[int, int]:
                 best, how = cost[i, j - 1] + skip(small[j - 1]), 2
             if best < inf:
                 cost[i, j], move[i, j] = best, how
-    out: dict[int, int] = {}
     i, j = n, m
     while i or j:
         how = move[i, j]
         if how == 0:
-            out[i - 1] = j - 1
+            out[head + i - 1] = head + j - 1
         i, j = i - (how != 2), j - (how != 1)
     return out
 
