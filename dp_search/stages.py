@@ -254,12 +254,13 @@ class StageCosts:
         self.not_interleaved: str | None = None
         self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
         self._zb_kept: tuple[list[float], list[float]] | None = None   # .zero_bubble.kept_parts
-        # Where two layers of a stage disagree on the layout of a value one
-        # hands the other, the stage program reshards it, as the runtime
-        # constrains each layer to its plan: charged under any method (Alpa
-        # assumed a searched method's mismatches free, ties a joint solve
-        # would break alike; the compiled programs pay them)
-        self.flows = layer_flows(lay.subs)
+        # A hand-made method fixes the layouts layers hand each other (rows
+        # over the data axis, sequence parallelism's cuts), so a mismatch is
+        # the method's and runs as priced.  A searched method leaves them
+        # free in each layer's ILP: a mismatch there is one of ties that a
+        # joint solve would break alike, so it is not charged (Alpa's
+        # assumption, optimistic where the layers really disagree).
+        self.flows = layer_flows(lay.subs) if solver.options.input_filter is not None else ()
         self._flow_cost: dict[tuple[Flow, int, int, int], tuple[float, float]] = {}
         self._mesh_models: dict[tuple[int, int], MeshModel] = {}
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
