@@ -172,6 +172,7 @@ def test_a_searched_plan_with_its_batch_whole_still_reduces_once_per_step(name):
     assert ex.partial is not None and ex.partial.stages
     assert all(a in plan.stages[0].logical_mesh.axes for a in ex.partial.axes)
 
+
 def test_traces_are_matched_layer_by_layer_not_by_their_longest_common_run():
     # two identical layers' backwards; the trace at one row lacks each
     # layer's sum over the batch and its reshape: every equation must pair
