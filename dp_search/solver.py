@@ -16,7 +16,8 @@ from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
-from ..ilp import Built, IlpCaches, InputLayouts, IntraOpResult, build_intra_op, solve_intra_op
+from ..ilp import (Built, IlpCaches, InputLayouts, IntraOpResult, Pins, build_intra_op,
+                   solve_intra_op)
 from ..ilp.accumulation import held_copies
 from ..ilp.build import with_resident_cap
 from ..ilp.strategies import node_dtype
@@ -89,7 +90,7 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
     same layer reuses it: ``base`` in the job).  ``caches``: the session's,
     when solved in its process."""
     (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
-     options, resident_cap, base, forward) = job
+     options, resident_cap, base, forward, pins) = job
     t0 = time.perf_counter()
     keep = base is None and resident_cap is None
     try:
@@ -97,12 +98,13 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
             # (a layer runs in a stage's forward and backward programs)
             base = dataclasses.replace(build_intra_op(
                 sub, cluster, mesh, submesh=submesh, memory_budget=budget, accumulate=grads,
-                grad_accum=grad_accum, input_filter=filt, caches=caches), split_programs=forward)
+                grad_accum=grad_accum, input_filter=filt, caches=caches, pins=pins),
+                split_programs=forward)
         r = solve_intra_op(sub, cluster, mesh, submesh=submesh, backend=backend,
                            time_limit=time_limit, memory_budget=budget,
                            accumulate=grads, grad_accum=grad_accum, input_filter=filt,
                            options=options, caches=caches, resident_budget=resident_cap,
-                           built=base)
+                           built=base, pins=pins)
     except InfeasiblePlanError:
         r = None
     return r, time.perf_counter() - t0, base if keep and r is not None else None
@@ -135,9 +137,10 @@ def batches(keys: list[tuple], mesh_of: dict, workers: int) -> list[list[tuple]]
 TIGHTEN = tuple(2 ** (i / 4) for i in range(41))
 
 
-def _cap_key(tighten: float) -> tuple:
-    """What a layer's cache key adds for its cap (nothing uncapped)."""
-    return (tighten,) if tighten != 1 else ()
+def _cap_key(tighten: float, pins: Pins | None = None) -> tuple:
+    """What a layer's cache key adds for its cap (nothing uncapped) and its
+    pinned boundary layouts (nothing without)."""
+    return ((tighten,) if tighten != 1 else ()) + ((pins,) if pins else ())
 
 
 def _ignore_sigint() -> None:
@@ -160,7 +163,7 @@ class LayerSolver:
     ilp_work_s: float = 0.0     # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
     _pool: Any = None
-    # uncapped layer key -> its ILP as built: the capped solves of that layer
+    # uncapped layer key -> (the layer's graph, its ILP as built): the capped solves of that layer
     # add their cap row to it instead of building it again (this search's
     # current micro-batch count only: the keys hold it)
     _built: dict = field(default_factory=dict)
@@ -175,7 +178,7 @@ class LayerSolver:
         return min(self.session.workers, usable_cpus())
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-             grad_accum: int, tighten: float = 1) -> tuple:
+             grad_accum: int, tighten: float = 1, pins: Pins | None = None) -> tuple:
         mm = mesh_model(self.cluster, mesh, submesh=submesh)
         if len(self.cache) > LAYER_CACHE_MAX:
             self.cache.clear()
@@ -183,19 +186,20 @@ class LayerSolver:
         links = tuple((l.bandwidth, l.latency, l.local, l.phases) for l in mm.links)
         return (sub.fingerprint, mesh.shape, links, mm.intra, mm.inter,
                 grad_accum, o.input_filter, repr(self.cluster.device), o.backend, o.time_limit,
-                o.memory_fraction) + _cap_key(tighten)
+                o.memory_fraction) + _cap_key(tighten, pins)
 
     def _job(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
              grads: frozenset[int], grad_accum: int, tighten: float = 1,
-             forward_values: frozenset[int] = frozenset()) -> tuple:
+             forward_values: frozenset[int] = frozenset(), pins: Pins | None = None) -> tuple:
         """The arguments of :func:`solve_job` (only what a worker needs);
         ``tighten`` > 1: its parameters and optimizer state may use at most
         1 / tighten of the budget; ``forward_values``: the layer's forward
         values that its backward or other layers read (what marks its
         forward nodes, :func:`forward_of`)."""
         o = self.options
-        base = (self._built.get(self._key(sub, mesh, submesh, grad_accum)) if tighten > 1
-                else None)
+        # (a structurally equal layer's build has other tensor ids: not this one's)
+        hit = self._built.get(self._key(sub, mesh, submesh, grad_accum, pins=pins))
+        base = hit[1] if tighten > 1 and hit is not None and hit[0] is sub else None
         # (a gradient, or a contribution to one the layer sends on)
         used = frozenset(t for n in sub.nodes for t in n.inputs + n.outputs) & grads
         filt = o.input_filter
@@ -206,30 +210,33 @@ class LayerSolver:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,
                 self.cluster.device.memory_bytes * o.memory_fraction / tighten
-                if tighten > 1 else None, base, forward_of(sub, forward_values))
+                if tighten > 1 else None, base, forward_of(sub, forward_values), pins)
 
     def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-                      grad_accum: int, tighten: float) -> bool:
+                      grad_accum: int, tighten: float, pins: Pins | None = None) -> bool:
         """Has the layer no plan under a looser cap (or none)?  Then it has
         none under ``tighten`` either: a tighter cap only removes plans."""
         base = self._key(sub, mesh, submesh, grad_accum)
-        return any(self.cache.get(base + _cap_key(t), 0) is None for t in TIGHTEN if t < tighten)
+        return any(self.cache.get(base + _cap_key(t, pins), 0) is None
+                   for t in TIGHTEN if t < tighten)
 
     def _looser_fits(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-                     grad_accum: int, tighten: float) -> LayerCost | None:
+                     grad_accum: int, tighten: float, pins: Pins | None = None
+                     ) -> LayerCost | None:
         """A looser cap's plan of the layer (or its uncapped one), solved to
         optimality, that already meets 1 / ``tighten`` of the budget: it is
         the optimum under that cap too (a tighter cap only removes plans,
         and not this one), so the capped ILP need not be solved.  The
         tightest such cap's plan wins, so that one search asks the same."""
         base = self._key(sub, mesh, submesh, grad_accum)
-        built = self._built.get(base)
-        if built is None:
+        hit = self._built.get(base + _cap_key(1, pins))
+        if hit is None:
             return None
+        built = hit[1]
         capped = with_resident_cap(built, self.cluster.device.memory_bytes
                                    * self.options.memory_fraction / tighten).problem
         for t in sorted((t for t in TIGHTEN if t < tighten), reverse=True):
-            c = self.cache.get(base + _cap_key(t))
+            c = self.cache.get(base + _cap_key(t, pins))
             if c is not None and c.result.solution.status in ("optimal", "trivial") \
                     and capped.feasible(list(c.result.solution.choice)):
                 return c
@@ -322,7 +329,7 @@ class LayerSolver:
             self.solves += 1
             self.ilp_work_s += took
             if built is not None:
-                self._built[key] = built
+                self._built[key] = (sub, built)
             self.cache[key] = (None if r is None else
                                layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
                                                       entering, selective, self.cluster,
@@ -346,33 +353,34 @@ class LayerSolver:
                    crossing: frozenset[int] = frozenset(),
                    entering: frozenset[int] | None = None,
                    selective: tuple[frozenset[int], frozenset[int]] | None = None, *,
-                   tighten: float = 1) -> LayerCost | None:
+                   tighten: float = 1, pins: Pins | None = None) -> LayerCost | None:
         """The layer's cost; ``tighten`` > 1 solves its ILP with its
         parameters and optimizer state under 1 / tighten of the budget (a
         stage of many layers shares the budget: the fastest plan of a layer
-        alone may keep its weights replicated)."""
+        alone may keep its weights replicated); ``pins``: boundary layouts
+        the layers of its stage fix (StageCosts.member)."""
         self.session.progress.check()   # (called for every layer cost: a Ctrl-C checkpoint)
-        key = self._key(sub, mesh, submesh, grad_accum, tighten)
+        key = self._key(sub, mesh, submesh, grad_accum, tighten, pins)
         self.used.add(key)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
-        if tighten > 1 and self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
+        if tighten > 1 and self._looser_unfit(sub, mesh, submesh, grad_accum, tighten, pins):
             self.hits += 1       # (known from the looser problem's answer)
             self.cache[key] = None
             return None
         if tighten > 1:
-            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten)
+            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten, pins)
             if same is not None:
                 self.hits += 1
                 self.cache[key] = same
                 return same
         self.solves += 1
         t0 = time.perf_counter()
-        job = self._job(sub, mesh, submesh, grads, grad_accum, tighten, saved | crossing)
+        job = self._job(sub, mesh, submesh, grads, grad_accum, tighten, saved | crossing, pins)
         r, took, built = solve_job(job, self.session.ilp_caches)
         if built is not None:
-            self._built[key] = built
+            self._built[key] = (sub, built)
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
                            layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,

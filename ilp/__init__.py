@@ -20,7 +20,7 @@ Modules, in the order data flows through them:
 """
 from __future__ import annotations
 
-from .build import Built, InputFilter, build_problem
+from .build import Built, InputFilter, Pins, build_problem
 from .caches import IlpCaches
 from .decode import (IntraOpResult, PlannedCollective, decode, explain, peak_memory, peak_parts,
                      read_layouts)
@@ -34,5 +34,5 @@ __all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "
            "build_intra_op", "best_intra_op", "candidate_meshes",
            "within_host", "memory_floor", "decode", "peak_memory", "peak_parts", "SolverOptions",
            "IlpCaches", "IlpProblem", "Edge", "MemoryRow", "Solution", "brute_force", "solve",
-           "build_problem", "explain", "read_layouts", "Built", "InputFilter",
+           "build_problem", "explain", "read_layouts", "Built", "InputFilter", "Pins",
            "PlannedCollective")

@@ -35,6 +35,7 @@ from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
 from ..graph import (BATCH, CONST, IDENTITY_MARKERS, LITERAL, OPT_STATE, PARAM, STATE, Graph,
                      GraphInput, Tensor)
+from ..layout_moves import spec_from_names
 from .accumulation import (deferrable, gradient_only, held_copies, rows_axes, step_split,
                            summed_axes, update_nodes)
 from .caches import IlpCaches, ReshardMemo
@@ -201,6 +202,21 @@ def map_through(space, k: int, spec: ISpec, mesh_shape, out_shape) -> Mapped:
 InputFilter = Callable[[GraphInput, ISpec, Tensor], bool]
 
 
+@dataclass(frozen=True)
+class Pins:
+    """Layouts a layer's boundary values must meet, those of the layers it
+    shares a stage with (dp_search.stages.StageCosts.member): ``inputs``
+    (position in Graph.inputs, layout) are read as their maker leaves them;
+    ``outputs`` (position in Graph.outputs, layout) are wanted so by their
+    reader, and each layout of their maker pays the resharding to it.
+    Layouts as mesh-axis names (IntraOpResult's specs)."""
+    inputs: tuple[tuple[int, tuple], ...] = ()
+    outputs: tuple[tuple[int, tuple], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.outputs)
+
+
 def _restrict(g: Group, ok: list[int]) -> None:
     """Keep only the strategies ``ok`` of group ``g``."""
     for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
@@ -321,12 +337,15 @@ class _Builder:
         return self._spaces[sig]
 
     # ---- placeholders for inputs -----------------------------------------
-    def add_input_groups(self, input_filter: InputFilter | None) -> None:
+    def add_input_groups(self, input_filter: InputFilter | None, pins: Pins | None = None) -> None:
         graph, shape = self.graph, self.mm.shape
+        pinned = {k: spec_from_names(s, self.mm.mesh.axes) for k, s in (pins.inputs if pins else ())}
         for k, inp in enumerate(graph.inputs):
             t = graph.tensors[inp.tensor]
             specs = self.caches.specs(t.shape, shape) or (replicated(len(t.shape)),)
-            if input_filter is not None:
+            if k in pinned:
+                specs = (pinned[k],)
+            elif input_filter is not None:
                 specs = tuple(s for s in specs if input_filter(inp, s, t)) or \
                     (replicated(len(t.shape)),)
                 specs = _rows_cut(specs, inp, getattr(input_filter, "batch_axes", ()))
@@ -556,6 +575,21 @@ class _Builder:
             roofline_s *= whole / own
         return n * kernel_fixed_time(self.mm.device, roofline_s, node.primitive in MATMULS)
 
+    def add_output_wants(self, pins: Pins | None) -> None:
+        """Each layout of the maker of an output its reader wants in another
+        layout pays the resharding to it (in the objective only: what the
+        plan reports is the layer's own work, the stage charges a resharding
+        left between two layers: dp_search.joints)."""
+        for k, spec in (pins.outputs if pins else ()):
+            t = self.graph.outputs[k].tensor
+            g = self.groups[self.group_of_tensor[t]] if t in self.group_of_tensor else None
+            if g is None or not self.graph.tensors[t].shape:
+                continue
+            want = spec_from_names(spec, self.mm.mesh.axes)
+            for j in range(g.size):
+                if t in g.specs[j]:
+                    g.cost[j] += self.rs.cost(t, g.specs[j][t], want)[0]
+
     # ---- inputs a hand-made method pins to one layout ----------------------------
     def keep_pinned_reads(self) -> None:
         """(DataParallel's replicated weights and batch-split data, say): the
@@ -771,9 +805,11 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                   caches: IlpCaches | None = None,
                   resident_budget: float | None = None,
-                  host_inputs: frozenset[int] = frozenset()) -> Built:
+                  host_inputs: frozenset[int] = frozenset(),
+                  pins: Pins | None = None) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec, tensor)`` may restrict
-    the layouts an input can take (hand-made methods such as data parallel).
+    the layouts an input can take (hand-made methods such as data parallel);
+    ``pins`` fixes boundary layouts to those of neighbouring layers.
     ``accumulate`` names the parameter-gradient tensors: with ``grad_accum``
     micro-batches their reduction is paid once per iteration, so per
     micro-batch it costs ``1 / grad_accum``.  ``caches`` may carry memo
@@ -794,8 +830,9 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     b.defer_axes = None if batch_axes is None else frozenset(batch_axes)
     if grad_accum > 1:
         b.once = 1.0 / grad_accum
-    b.add_input_groups(input_filter)
+    b.add_input_groups(input_filter, pins)
     b.add_operator_groups()
+    b.add_output_wants(pins)
     if input_filter is not None:
         b.keep_pinned_reads()
     b.add_read_edges()

@@ -18,7 +18,7 @@ from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput, Tensor
 from ..plan import LogicalMesh
-from .build import Built, InputFilter, build_problem, stored_liveness, with_resident_cap
+from .build import Built, InputFilter, Pins, build_problem, stored_liveness, with_resident_cap
 from .caches import IlpCaches
 from .decode import IntraOpResult, decode
 from .options import SolverOptions
@@ -207,7 +207,7 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    caches: IlpCaches | None = None,
                    resident_budget: float | None = None,
                    host_inputs: frozenset[int] = frozenset(),
-                   built: Built | None = None) -> IntraOpResult:
+                   built: Built | None = None, pins: Pins | None = None) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
@@ -216,13 +216,15 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     (:func:`meshplan.ilp.build.build_problem`).  The result's peak still
     counts every input.  ``built``: the problem :func:`build_intra_op` made
     with these arguments (no ``host_inputs``), reused with
-    ``resident_budget`` added."""
+    ``resident_budget`` added.  ``pins``: boundary layouts fixed by
+    neighbouring layers (:class:`meshplan.ilp.build.Pins`)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     if built is None:
         built = build_intra_op(graph, cluster, mesh, submesh=submesh,
                                memory_budget=memory_budget, input_filter=input_filter,
                                accumulate=accumulate, grad_accum=grad_accum, caches=caches,
-                               resident_budget=resident_budget, host_inputs=host_inputs)
+                               resident_budget=resident_budget, host_inputs=host_inputs,
+                               pins=pins)
     elif host_inputs:
         raise ValueError("solve_intra_op: a prebuilt problem has no host inputs")
     elif resident_budget is not None:
@@ -236,7 +238,7 @@ def build_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    input_filter: InputFilter | None = None,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                    caches: IlpCaches | None = None, resident_budget: float | None = None,
-                   host_inputs: frozenset[int] = frozenset()) -> Built:
+                   host_inputs: frozenset[int] = frozenset(), pins: Pins | None = None) -> Built:
     """The ILP :func:`solve_intra_op` solves with these arguments
     (InfeasiblePlanError where no layout could fit, before building it)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
@@ -246,7 +248,8 @@ def build_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
         raise err       # (before building an ILP no layout could satisfy)
     return build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
                          accumulate=accumulate, grad_accum=grad_accum, caches=caches,
-                         resident_budget=resident_budget, host_inputs=host_inputs)
+                         resident_budget=resident_budget, host_inputs=host_inputs,
+                         pins=pins)
 
 
 def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
