@@ -139,7 +139,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         reads: dict[tuple[int, int], tuple] = {}
         compute = comm = cbytes = 0.0
         for l in range(st.first, st.last + 1):
-            lc = costs.layer(l, st.submesh, mesh_k, opt.tighten)
+            lc = costs.member(l, st.last, st.submesh, mesh_k, opt.tighten)
             compute += lc.compute_s
             if not opt.keep_casts:      # (GroupCost.casting_each)
                 again = not opt.recompute_layers or l < st.first + opt.recompute_layers

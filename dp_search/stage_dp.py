@@ -12,6 +12,11 @@ the tie goes to the smaller largest stage FLOPs: with one micro-batch the
 latency is the plain sum of the stages' whatever the cut, small differences
 (a send, a program launch) decided alone, and a fixed count of stages left
 one stage almost without work.  (2% is well inside the cost model's error.)
+And a stage with less than ``IDLE_SHARE`` of an even share of the FLOPs is
+not taken where the layers allow every stage more: a user who fixed the
+number of stages asked for that many stages doing work, and on a small
+model the resharding a stage's layers pay between each other can make a
+stage of the embedding alone the cheaper cut (dp_search.joints).
 
 The core is pure: ``cost(first, last, submesh_index, stages_left)`` gives a
 stage's latency per micro-batch, or ``None`` when it does not fit (memory may
@@ -29,6 +34,7 @@ from typing import Callable, Sequence
 
 StageCost = Callable[[int, int, int, int], "float | None"]
 BALANCE_TOLERANCE = 0.02
+IDLE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,23 @@ def stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
              balance: Sequence[float] | None = None) -> DPResult | None:
     """The optimal stages (between ``min_stages`` and ``max_stages`` of them),
     or ``None`` when no assignment fits."""
+    if balance is not None:
+        prefix = list(itertools.accumulate(balance, initial=0.0))
+        floor = IDLE_SHARE * prefix[-1] / (max_stages or num_layers)
+
+        def working(i: int, j: int, m: int, s: int) -> float | None:
+            return cost(i, j, m, s) if prefix[j + 1] - prefix[i] >= floor else None
+        res = _stage_dp(num_layers, submeshes, total_devices, num_micro_batches, working,
+                        max_stages, min_stages, balance)
+        if res is not None:
+            return res
+    return _stage_dp(num_layers, submeshes, total_devices, num_micro_batches, cost,
+                     max_stages, min_stages, balance)
+
+
+def _stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
+              num_micro_batches: int, cost: StageCost, max_stages: int | None,
+              min_stages: int, balance: Sequence[float] | None) -> DPResult | None:
     L, B = num_layers, num_micro_batches
     max_stages = min(max_stages or L, L)
     if min_stages > max_stages:

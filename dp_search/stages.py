@@ -27,6 +27,7 @@ from .joints import Flow, flow_cost, joint_cost, layer_flows
 from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
+from ..ilp import Pins
 from .solver import TIGHTEN, LayerCost, LayerSolver
 from .stage_dp import DPResult, stage_dp
 
@@ -254,14 +255,22 @@ class StageCosts:
         self.not_interleaved: str | None = None
         self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
         self._zb_kept: tuple[list[float], list[float]] | None = None   # .zero_bubble.kept_parts
-        # A hand-made method fixes the layouts layers hand each other (rows
-        # over the data axis, sequence parallelism's cuts), so a mismatch is
-        # the method's and runs as priced.  A searched method leaves them
-        # free in each layer's ILP: a mismatch there is one of ties that a
-        # joint solve would break alike, so it is not charged (Alpa's
-        # assumption, optimistic where the layers really disagree).
-        self.flows = layer_flows(lay.subs) if solver.options.input_filter is not None else ()
-        self._flow_cost: dict[tuple[Flow, int, int, int], tuple[float, float]] = {}
+        # Where two layers of a stage disagree on the layout of a value one
+        # hands the other, the stage program reshards it every micro-batch
+        # (the runtime constrains each layer to its plan): charged under any
+        # method.  A hand-made method fixes those layouts (rows over the data
+        # axis, sequence parallelism's cuts); under a searched one each
+        # layer's ILP picks them alone, so a layer is solved again to agree
+        # with the later layers of its stage (:meth:`member`), as a joint
+        # solve of the stage would.
+        self.flows = layer_flows(lay.subs)
+        self._pinning = solver.options.input_filter is None
+        self._flows_of: dict[int, list[Flow]] = {}
+        for f in self.flows:
+            for l in (f.maker, f.reader):
+                self._flows_of.setdefault(l, []).append(f)
+        self._members: dict[tuple[int, int, int, int, float], LayerCost | None] = {}
+        self._flow_cost: dict[tuple, tuple[float, float]] = {}
         self._mesh_models: dict[tuple[int, int], MeshModel] = {}
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
         for b, o in zip(lay.state_bytes, lay.optimizer_bytes):
@@ -274,18 +283,76 @@ class StageCosts:
                                                                    tighten=tighten)
         return self._layer[l, m, k, tighten]
 
+    def member(self, l: int, j: int, m: int, k: int, tighten: float = 1) -> LayerCost | None:
+        """Layer ``l``'s plan as a layer of a stage ending with layer ``j`` on
+        mesh ``k`` of submesh ``m``.  Under a searched method, where it
+        disagrees with the later layers of the stage on the layout of a value
+        they hand each other, its ILP is solved again with those layouts
+        pinned to theirs (what it reads as they leave it, what it makes
+        charged the resharding to how they read it): from right to left, so
+        the last layer keeps its own plan and the ends of a model
+        (embeddings) adapt to its blocks, which agree with each other."""
+        own = self.layer(l, m, k, tighten)
+        if l >= j or own is None or not self._pinning or l not in self._flows_of:
+            return own
+        key = (l, j, m, k, tighten)
+        if key not in self._members:
+            ins: dict[int, tuple] = {}
+            outs: dict[int, tuple] = {}
+            for f in self._flows_of[l]:
+                other = f.reader if f.maker == l else f.maker
+                them = self.member(other, j, m, k, tighten) if l < other <= j else None
+                if them is None:
+                    continue
+                if f.maker == l:
+                    want, have = them.result.input_specs[f.in_pos], own.result.output_specs[f.out_pos]
+                    if want is not None and want != have:
+                        outs[f.out_pos] = want
+                else:
+                    made, read = them.result.output_specs[f.out_pos], own.result.input_specs[f.in_pos]
+                    if made is not None and made != read:
+                        ins[f.in_pos] = made
+            pinned = None
+            if ins or outs:
+                pinned = self.solver.layer_cost(
+                    *self.lay.request(l, m, k), tighten=tighten,
+                    pins=Pins(tuple(sorted(ins.items())), tuple(sorted(outs.items()))))
+            self._members[key] = own if pinned is None else pinned
+        return self._members[key]
+
     def joint(self, i: int, j: int, m: int, k: int, tighten: float = 1) -> tuple[float, float]:
         """Seconds and bytes per micro-batch of resharding what layers
         ``i..j`` hand each other as one stage on mesh ``k`` of submesh ``m``
         (:mod:`.joints`)."""
         def cost(f: Flow) -> tuple[float, float]:
-            key = (f, m, k, tighten)
+            maker, reader = (self.member(l, j, m, k, tighten) for l in (f.maker, f.reader))
+            if maker is None or reader is None:
+                return 0.0, 0.0
+            # (what flow_cost reads of the two plans)
+            key = (f, m, k, maker.result.output_specs[f.out_pos],
+                   reader.result.input_specs[f.in_pos])
             if key not in self._flow_cost:
-                maker, reader = (self.layer(l, m, k, tighten) for l in (f.maker, f.reader))
                 self._flow_cost[key] = flow_cost(f, self.lay.g, maker, reader,
                                                  self._mesh_model(m, k))
             return self._flow_cost[key]
         return joint_cost(self.flows, i, j, cost)
+
+    def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float
+                    ) -> list[GroupCost | None]:
+        """The costs of groups ``gi..gj`` as one stage: :meth:`groups`' rows,
+        those with a layer planned again to agree with its stage
+        (:meth:`member`) summed anew."""
+        lay = self.lay
+        rows = self.groups(m, k, tighten)[gi:gj + 1]
+        if not self._pinning or any(r is None for r in rows):
+            return rows
+        j = lay.groups[gj][1]
+        out = []
+        for (a, b), row in zip(lay.groups[gi:gj + 1], rows):
+            parts = [self.member(l, j, m, k, tighten) for l in range(a, b + 1)]
+            same = all(p is self.layer(l, m, k, tighten) for l, p in zip(range(a, b + 1), parts))
+            out.append(row if same else GroupCost.of_layers(parts))
+        return out
 
     def _mesh_model(self, m: int, k: int) -> MeshModel:
         if (m, k) not in self._mesh_models:
@@ -445,7 +512,7 @@ class StageCosts:
         if key in self._prices:
             return self._prices[key]
         lay = self.lay
-        rows = self.groups(m, k, tighten)[gi:gj + 1]
+        rows = self._stage_rows(gi, gj, m, k, tighten)
         if any(r is None for r in rows):
             self._prices[key] = None
             return None
@@ -560,7 +627,8 @@ class StageCosts:
         if key not in self._largest:
             lay = self.lay
             rows = self.groups(m, k, tighten)[gi:gj + 1]
-            layers = [self.layer(l, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
+            j = lay.groups[gj][1]
+            layers = [self.member(l, j, m, k, tighten) for a, b in lay.groups[gi:gj + 1]
                       for l in range(a, b + 1)] if all(r is not None for r in rows) else []
             self._largest[key] = (None if not layers or any(c is None for c in layers)
                                   else max(c.resident_bytes for c in layers))

@@ -118,8 +118,10 @@ def test_capped_layer_plans_solved_in_the_workers_give_the_same_plan(monkeypatch
         prefetch(self, requests, tighten)
         capped.append((tighten, self.solves - before))
     monkeypatch.setattr(LayerSolver, "prefetch", spy)
-    _, g = _graph("gpt", {"layers": 8, "hidden": 4096, "batch": 32, "seq_len": 512,
-                          "heads": 32, "vocab": 128})
+    # (a vocabulary large enough that the embeddings and the head, not only
+    # the blocks, need capped plans at some cap the stage tries)
+    _, g = _graph("gpt", {"layers": 8, "hidden": 4096, "batch": 48, "seq_len": 512,
+                          "heads": 32, "vocab": 32768})
     cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x1.json")
     opts = PipelineOptions(num_stages=1, num_micro_batches=(1,), schedules=("1f1b",),
                            data_parallel_stages=True)

@@ -9,7 +9,7 @@ import pytest
 
 import meshplan
 from meshplan.api import trace_step
-from meshplan.dp_search.stage_dp import BALANCE_TOLERANCE, Submesh, stage_dp
+from meshplan.dp_search.stage_dp import BALANCE_TOLERANCE, IDLE_SHARE, Submesh, stage_dp
 from meshplan.models import build_model
 from test_libraries import LIBRARIES, _tokens
 
@@ -36,10 +36,26 @@ def test_near_ties_go_to_the_lighter_heaviest_stage():
     assert [(s.first, s.last) for s in fair.stages] == [(0, 1), (2, 3)]
     assert fair.total_s <= plain.total_s * (1 + BALANCE_TOLERANCE)
 
-    def far(i, j, m, s):        # a real difference beyond the tolerance is kept
-        return sum(flops[i:j + 1]) + (0.0 if i == 1 else 10.0)
-    r = stage_dp(4, subs, 8, 1, far, max_stages=2, min_stages=2, balance=flops)
+    # a real difference beyond the tolerance is kept ...
+    working = [20.0, 40.0, 21.0, 19.0]
+
+    def far(i, j, m, s):
+        return sum(working[i:j + 1]) + (0.0 if i == 1 else 10.0)
+    r = stage_dp(4, subs, 8, 1, far, max_stages=2, min_stages=2, balance=working)
     assert [(s.first, s.last) for s in r.stages] == [(0, 0), (1, 3)]
+
+    # ... unless it leaves a stage almost without work (under IDLE_SHARE of
+    # an even share), where the layers allow every stage more
+    def idle(i, j, m, s):
+        return sum(flops[i:j + 1]) + (0.0 if i == 1 else 10.0)
+    r = stage_dp(4, subs, 8, 1, idle, max_stages=2, min_stages=2, balance=flops)
+    assert [(s.first, s.last) for s in r.stages] == [(0, 1), (2, 3)]
+    assert IDLE_SHARE * sum(flops) / 2 > flops[0]
+    # (where they do not, the fastest cut stands)
+    lopsided = [1.0, 99.0]
+    r = stage_dp(2, subs, 8, 1, lambda i, j, m, s: sum(lopsided[i:j + 1]), max_stages=2,
+                 min_stages=2, balance=lopsided)
+    assert [(s.first, s.last) for s in r.stages] == [(0, 0), (1, 1)]
 
 
 @pytest.mark.parametrize("lib", ["flax_nnx", pytest.param("flax_linen", marks=pytest.mark.slow)])

@@ -111,15 +111,21 @@ def test_a_weight_gathered_for_the_forward_is_gathered_again_by_the_backward_pro
         assert abs(r.comm_rel_error) <= 0.1, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: a searched stage is not charged the resharding "
-                   "between its layers' layouts (Alpa's assumption), which its program runs; "
-                   "see benchmarks/results/verify_pipeline.md")
-def test_searched_pipeline_stages_communicate_as_predicted():
+@pytest.mark.parametrize("model", ["gpt", pytest.param("mlp", marks=pytest.mark.xfail(
+    strict=True, reason="issue 19: mlp's searched head stage computes on rows its plan leaves "
+    "whole, so the runtime reduces its gradients every micro-batch (the plan: once a step); "
+    "see benchmarks/results/verify_pipeline.md"))])
+def test_searched_pipeline_stages_communicate_as_predicted(model):
     # PipeshardParallel(stages=2, num_micro_batches=4) on 8 devices: each
-    # layer's ILP picks its layouts; gpt's embedding leaves its output cut
-    # along the hidden dimension and the next block reads it cut along the rows
+    # layer's ILP picks its layouts, a layer is solved again to agree with
+    # the later layers of its stage where they disagree, and what still
+    # disagrees is charged (dp_search.stages.StageCosts.member, .joints); a
+    # gradient's sum waits for the last micro-batch only over axes cutting
+    # its rows, and each stage keeps partial sums over its own data shards
+    # (gpt's stages get meshes of different shapes)
     from meshplan.tools.verify import verify_pipeline
 
-    rows = verify_pipeline("gpt", 1, 4, 2, 4, "1f1b", searched=True)
+    rows = verify_pipeline(model, 1, 4, 2, 4, "1f1b", searched=True)
+    assert len(rows) == 2 and any(r.actual_comm_bytes for r in rows)
     for r in rows:
         assert abs(r.comm_rel_error) <= 0.1, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
