@@ -35,10 +35,15 @@ others and cut once a step by the means program: the communication and the
 memory the plan charges (dp_search.solver counts such sums whole).
 The data axes are those the batch arguments are cut over; a searched plan
 may leave them whole (its first layer cuts the rows of what it makes), and
-then each run of mesh axes is checked against the stages' layouts.
-:func:`partial_sums` gives None when no stage qualifies, for a plan that
-reduces its gradients every micro-batch, or for one micro-batch, no common
-data axes, or a batch that does not divide.
+then each run of mesh axes is checked against the stages' layouts.  Each
+stage has its own ``D`` (a searched plan may give its stages meshes of
+different shapes): the step is traced once per distinct ``D``, and as the
+backwards hand each other cotangents of the whole micro-batch's scale, a
+stage of one ``D`` sits beside a stage of another.
+:func:`partial_sums` gives, per stage that qualifies, its
+:class:`PartialSums`; None when none does, for a plan that reduces its
+gradients every micro-batch, or for one micro-batch, no common data axes, or
+a batch that does not divide.
 """
 from __future__ import annotations
 
@@ -62,9 +67,9 @@ __all__ = ("PartialSums", "partial_sums", "partial_program", "acc_sharding", "st
 @dataclasses.dataclass(frozen=True)
 class PartialSums:
     axes: tuple[str, ...]       # the data-parallel mesh axes (manual inside the backwards)
-    size: int                   # D, the product of their sizes (the same on every stage)
+    size: int                   # D, the product of their sizes on these stages' meshes
     flat: FlatJaxpr             # the step at 1/D of the micro-batch
-    stages: frozenset[int]      # the stages whose backward keeps partial gradients
+    stages: frozenset[int]      # the stages (of this D) whose backward keeps partial gradients
     ids: frozenset[int]         # their running sums
     batch_dim: Mapping[int, int]    # value id -> its batch dimension (values cut by D)
     # stage -> its backward's equations in ``flat``; value id of the step ->
@@ -85,26 +90,24 @@ class PartialSums:
 
 
 def _data_axes(plan: Plan) -> tuple[str, ...] | None:
-    """The axes every batch argument is cut over along dimension 0 (one
-    answer for all of them), if any."""
+    """The axes the batch arguments cut along dimension 0 are cut over (one
+    answer for all of them), if any.  (One left whole, targets read by the
+    loss alone, say, is cut where it enters: :func:`_data_parallel`.)"""
     found = set()
     for _, spec in plan.batch:
         first = spec[0] if spec else None
-        if first is None:
-            found.add(())
-        else:
+        if first is not None:
             found.add(tuple(first) if isinstance(first, (list, tuple)) else (first,))
-    if len(found) != 1:
-        return None
-    axes = found.pop()
-    return axes or None
+    return found.pop() if len(found) == 1 else None
 
 
 def partial_sums(retrace: Callable[[int], TracedStep] | None, traced: TracedStep, plan: Plan,
                  meshes: Sequence[Mesh], split: StepSplit,
                  closure: Callable[..., list[int]],
-                 layout: Callable[[int, int], NamedSharding | None]) -> PartialSums | None:
-    """How the backwards keep partial gradients (see the module doc), or None.
+                 layout: Callable[[int, int], NamedSharding | None]
+                 ) -> dict[int, PartialSums] | None:
+    """How the backwards keep partial gradients (see the module doc): per
+    stage that does, its :class:`PartialSums`; or None.
     ``retrace(pieces)``: the step traced with its batch cut in ``pieces`` (the
     planner's ``trace_for_run``; without it, no partial sums);
     ``closure(task, split, flat)``: the equations a task's program replays;
@@ -138,17 +141,30 @@ def _candidate_axes(plan: Plan, meshes: Sequence[Mesh]) -> list[tuple[str, ...]]
 def _partial_sums(retrace: Callable[[int], TracedStep], traced: TracedStep, plan: Plan,
                   meshes: Sequence[Mesh], split: StepSplit, closure: Callable[..., list[int]],
                   layout: Callable[[int, int], NamedSharding | None], axes: tuple[str, ...]
-                  ) -> PartialSums | None:
-    m = int(plan.num_micro_batches)
-    sizes = set()
-    for mesh in meshes:
-        shape = dict(mesh.shape)
-        if not all(a in shape for a in axes):
-            return None
-        sizes.add(math.prod(shape[a] for a in axes))
-    if len(sizes) != 1 or sizes == {1}:
+                  ) -> dict[int, PartialSums] | None:
+    """Per stage whose mesh has ``axes``, over more than one device, and
+    whose backwards run data-parallel over them: its PartialSums."""
+    if not all(a in dict(mesh.shape) for mesh in meshes for a in axes):
         return None
-    d = sizes.pop()
+    m = int(plan.num_micro_batches)
+    by_size: dict[int, set[int]] = {}
+    for s, mesh in enumerate(meshes):
+        d = math.prod(dict(mesh.shape)[a] for a in axes)
+        if d > 1:
+            by_size.setdefault(d, set()).add(s)
+    found: dict[int, PartialSums] = {}
+    for d, stages in sorted(by_size.items()):
+        got = _of_size(retrace, traced, split, closure, layout, axes, m, d, stages)
+        if got is not None:
+            found.update((s, got) for s in got.stages)
+    return found or None
+
+
+def _of_size(retrace: Callable[[int], TracedStep], traced: TracedStep, split: StepSplit,
+             closure: Callable[..., list[int]],
+             layout: Callable[[int, int], NamedSharding | None], axes: tuple[str, ...],
+             m: int, d: int, of: set[int]) -> PartialSums | None:
+    """The PartialSums of the stages ``of`` whose data axes make ``d`` shards."""
     try:
         small = retrace(m * d)
     except MeshplanError:
@@ -161,7 +177,7 @@ def _partial_sums(retrace: Callable[[int], TracedStep], traced: TracedStep, plan
     made_by = {o: j for j, fe in enumerate(flat.eqns) for o in fe.outvars}
     stages, ids, batch_dim, eqns = set(), set(), {}, {}
     for key, t in split.tasks.items():
-        if key[0] != "B" or not t.accumulate:
+        if key[0] != "B" or not t.accumulate or key[1] not in of:
             continue
         mine = _small_eqns(t, closure(dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)),
                                       split, big), flat, eqn, value, made_by)

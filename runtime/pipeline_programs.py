@@ -185,7 +185,7 @@ def _norm(d: Any) -> Any:
 
 def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
                    donate: Mapping[tuple, tuple[int, ...]] | None = None,
-                   partial: PartialSums | None = None) -> dict[tuple, Program]:
+                   partial: Mapping[int, PartialSums] | None = None) -> dict[tuple, Program]:
     """One jitted program per task of ``split``; ``donate``: per task key, the
     positions of its inputs it takes over (see :func:`donations`);
     ``partial``: the backwards keep partial gradients (see
@@ -294,11 +294,13 @@ def _at_full_batch(flat: FlatJaxpr, eqn_ids: Sequence[int],
 
 
 def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
-             donate: tuple[int, ...] = (), partial: PartialSums | None = None) -> Program:
+             donate: tuple[int, ...] = (),
+             partial: Mapping[int, PartialSums] | None = None) -> Program:
     s = task.stage
-    if partial is not None and task.kind == "B" and s in partial.stages:
-        local = partial_program(task, split, layouts, partial, _sub)
-        acc_sh = [acc_sharding(partial, layouts.acc(x, s)) for x in task.accumulate]
+    ps = partial.get(s) if partial is not None else None
+    if ps is not None and task.kind == "B":
+        local = partial_program(task, split, layouts, ps, _sub)
+        acc_sh = [acc_sharding(ps, layouts.acc(x, s)) for x in task.accumulate]
 
         def backward(*xs: Any) -> tuple[list[Any], list[Any]]:
             plain, new = local(*xs)
@@ -356,9 +358,9 @@ class RunningSums:
     means of its sums (made on first use, one per stage and count)."""
 
     def __init__(self, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts, m: int,
-                 partial: PartialSums | None = None) -> None:
+                 partial: Mapping[int, PartialSums] | None = None) -> None:
         self.split, self.flat, self.layouts, self.m = split, flat, layouts, m
-        self.partial = partial
+        self.partial = partial or {}       # stage -> its PartialSums
         self._zeros: dict[int, tuple[list[int], Callable[[], list[Any]]]] = {}
         self._means: dict[tuple[int, int], Callable[..., Any]] = {}
 
@@ -380,10 +382,11 @@ class RunningSums:
         """The running sum of ``x`` on stage ``s``: the gradient's shape on its
         layout, or with partial sums ``(D, *shape)`` with one row per data shard."""
         aval, sh = self.flat.avals[x], self.layouts.acc(x, s)
-        if self.partial is None or x not in self.partial.ids:
+        ps = self.partial.get(s)
+        if ps is None or x not in ps.ids:
             return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
-        return jax.ShapeDtypeStruct((self.partial.size, *aval.shape), aval.dtype,
-                                    sharding=acc_sharding(self.partial, sh))
+        return jax.ShapeDtypeStruct((ps.size, *aval.shape), aval.dtype,
+                                    sharding=acc_sharding(ps, sh))
 
     def mean(self, s: int, n: int) -> Callable[..., Any]:
         """A jitted function dividing the ``n`` sums of stage ``s`` (in the
@@ -392,7 +395,7 @@ class RunningSums:
         of the step) and leaves each mean on its planned layout."""
         f = self._means.get((s, n))
         if f is None:
-            m, ps = self.m, self.partial
+            m, ps = self.m, self.partial.get(s)
             ids = self.zeros(s)[0]
             if ps is None or not ps.ids.intersection(ids):
                 def mean(*xs: Any) -> list[Any]:

@@ -256,9 +256,9 @@ def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: i
     compiled = step.lower(*args).compile()
     plan = step.plan
     ex = step._entry(args)[1]
-    config = (f"searched {len(plan.stages)}x("
-              f"{'x'.join(map(str, plan.stages[0].logical_mesh.shape))}) mb{micro_batches} "
-              f"{schedule}" if searched else f"{pp}x({dp}x{tp}) mb{micro_batches} {schedule}")
+    meshes = ", ".join("x".join(map(str, st.logical_mesh.shape)) for st in plan.stages)
+    config = (f"searched ({meshes}) mb{micro_batches} {schedule}" if searched
+              else f"{pp}x({dp}x{tp}) mb{micro_batches} {schedule}")
     rows = []
     for mem, st in zip(stage_memory(ex, compiled), plan.stages):
         kinds: dict[str, list[int]] = {}
