@@ -164,8 +164,8 @@ def test_a_searched_plan_still_reduces_once_per_step(name, examples, every):
     # stage of 4 data shards beside one of 2, ``every`` stage).  A stage
     # whose micro-batch does not divide over its data shards (gpt at batch
     # 8: 2 rows, 4 shards) reduces every micro-batch, as its plan charges;
-    # so does one that computes on rows its plan leaves whole (mlp's head:
-    # issue 19, benchmarks/results/verify_pipeline.md).
+    # so does one that hands on values its plan computes whole on every
+    # device (mlp's head: issue 19, benchmarks/results/verify_pipeline.md).
     m = build_model(name, {"optimizer": "sgd", "batch": examples})
     state, batch = jax.device_get(m.init(0))
     plan = meshplan.plan(m.train_step, state, batch,

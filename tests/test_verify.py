@@ -112,8 +112,9 @@ def test_a_weight_gathered_for_the_forward_is_gathered_again_by_the_backward_pro
 
 
 @pytest.mark.parametrize("model", ["gpt", pytest.param("mlp", marks=pytest.mark.xfail(
-    strict=True, reason="issue 19: mlp's searched head stage computes on rows its plan leaves "
-    "whole, so the runtime reduces its gradients every micro-batch (the plan: once a step); "
+    strict=True, reason="issue 19: mlp's searched head stage hands on cotangents its plan "
+    "computes whole on every device; replayed per data shard they would need gathering, so "
+    "the runtime reduces that stage's gradients every micro-batch (the plan: once a step); "
     "see benchmarks/results/verify_pipeline.md"))])
 def test_searched_pipeline_stages_communicate_as_predicted(model):
     # PipeshardParallel(stages=2, num_micro_batches=4) on 8 devices: each
