@@ -19,6 +19,7 @@ from ..cost_model.mesh import MeshModel, mesh_model
 from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import accumulation_s, in_flight, shared_compute_iteration_s, stage_send_s
 from ..errors import InfeasiblePlanError
+from ..ilp import Pins
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
 from ..units import human_bytes
@@ -27,7 +28,6 @@ from .joints import Flow, flow_cost, joint_cost, layer_flows
 from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
-from ..ilp import Pins
 from .solver import TIGHTEN, LayerCost, LayerSolver
 from .stage_dp import DPResult, stage_dp
 
@@ -291,7 +291,9 @@ class StageCosts:
         pinned to theirs (what it reads as they leave it, what it makes
         charged the resharding to how they read it): from right to left, so
         the last layer keeps its own plan and the ends of a model
-        (embeddings) adapt to its blocks, which agree with each other."""
+        (embeddings) adapt to its blocks, which agree with each other.  The
+        plan so solved is taken where it and the resharding still left are
+        faster than its own plan and the resharding that needs."""
         own = self.layer(l, m, k, tighten)
         if l >= j or own is None or not self._pinning or l not in self._flows_of:
             return own
@@ -299,11 +301,13 @@ class StageCosts:
         if key not in self._members:
             ins: dict[int, tuple] = {}
             outs: dict[int, tuple] = {}
+            partners = []
             for f in self._flows_of[l]:
                 other = f.reader if f.maker == l else f.maker
                 them = self.member(other, j, m, k, tighten) if l < other <= j else None
                 if them is None:
                     continue
+                partners.append((f, them))
                 if f.maker == l:
                     want, have = them.result.input_specs[f.in_pos], own.result.output_specs[f.out_pos]
                     if want is not None and want != have:
@@ -317,8 +321,26 @@ class StageCosts:
                 pinned = self.solver.layer_cost(
                     *self.lay.request(l, m, k), tighten=tighten,
                     pins=Pins(tuple(sorted(ins.items())), tuple(sorted(outs.items()))))
-            self._members[key] = own if pinned is None else pinned
+
+            def with_joints(c: LayerCost) -> float:
+                return c.time_s + sum(self._flow_s(f, c, them, l, m, k) for f, them in partners)
+            self._members[key] = (pinned if pinned is not None
+                                  and with_joints(pinned) < with_joints(own) else own)
         return self._members[key]
+
+    def _flow_s(self, f: Flow, c: LayerCost, them: LayerCost, l: int, m: int, k: int) -> float:
+        """Seconds per micro-batch of resharding flow ``f`` between layer
+        ``l``'s plan ``c`` and the other end's plan ``them``."""
+        maker, reader = (c, them) if f.maker == l else (them, c)
+        return self._flow(f, maker, reader, m, k)[0]
+
+    def _flow(self, f: Flow, maker: LayerCost, reader: LayerCost, m: int, k: int
+              ) -> tuple[float, float]:
+        """:func:`.joints.flow_cost`, memoised by what it reads of the two plans."""
+        key = (f, m, k, maker.result.output_specs[f.out_pos], reader.result.input_specs[f.in_pos])
+        if key not in self._flow_cost:
+            self._flow_cost[key] = flow_cost(f, self.lay.g, maker, reader, self._mesh_model(m, k))
+        return self._flow_cost[key]
 
     def joint(self, i: int, j: int, m: int, k: int, tighten: float = 1) -> tuple[float, float]:
         """Seconds and bytes per micro-batch of resharding what layers
@@ -328,13 +350,7 @@ class StageCosts:
             maker, reader = (self.member(l, j, m, k, tighten) for l in (f.maker, f.reader))
             if maker is None or reader is None:
                 return 0.0, 0.0
-            # (what flow_cost reads of the two plans)
-            key = (f, m, k, maker.result.output_specs[f.out_pos],
-                   reader.result.input_specs[f.in_pos])
-            if key not in self._flow_cost:
-                self._flow_cost[key] = flow_cost(f, self.lay.g, maker, reader,
-                                                 self._mesh_model(m, k))
-            return self._flow_cost[key]
+            return self._flow(f, maker, reader, m, k)
         return joint_cost(self.flows, i, j, cost)
 
     def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float

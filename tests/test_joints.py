@@ -98,3 +98,40 @@ def test_manual_middle_stages_run_data_parallel():
                          method=meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=2))
     for st in plan.stages:
         assert st.predicted.comm_bytes > 0, st
+
+
+def test_pins_fix_what_a_layer_reads_and_charge_what_it_makes_unlike_its_reader():
+    # dp_search.stages.StageCosts.member solves a layer again with the
+    # layouts of the later layers of its stage: an input read as its maker
+    # leaves it, an output charged the resharding to how its reader reads it
+    from pathlib import Path
+    from meshplan.ilp import Pins, solve_intra_op
+    from meshplan.plan import LogicalMesh
+
+    _, _, micro = _mlp()
+    lay = assign_layers(micro, 3)
+    subs = [layer_subgraph(micro, lay, l, l) for l in range(lay.num_layers)]
+    cluster = meshplan.load_cluster(Path(__file__).resolve().parents[1]
+                                     / "examples/clusters/dgx-a100-x1.json")
+    mesh = LogicalMesh(("x", "y"), (2, 4))
+    f = next(f for f in layer_flows(subs) if f.maker > f.reader and
+             len(micro.tensors[f.tensor].shape) == 2)       # a cotangent coming down
+    own = solve_intra_op(subs[f.reader], cluster, mesh)
+    spec = (None, ("x", "y")) if own.input_specs[f.in_pos] != (None, ("x", "y")) else ("x", "y")
+    pinned = solve_intra_op(subs[f.reader], cluster, mesh, pins=Pins(inputs=((f.in_pos, spec),)))
+    assert own.input_specs[f.in_pos] != spec and pinned.input_specs[f.in_pos] == spec
+    assert pinned.objective_s >= own.objective_s - 1e-12     # (a constraint added)
+    # wanting an output as the layer makes it anyway changes nothing
+    up = next(f for f in layer_flows(subs) if f.maker < f.reader)
+    free = solve_intra_op(subs[up.maker], cluster, mesh)
+    same = solve_intra_op(subs[up.maker], cluster, mesh,
+                          pins=Pins(outputs=((up.out_pos, free.output_specs[up.out_pos]),)))
+    assert same.objective_s == free.objective_s and same.output_specs == free.output_specs
+    # wanting it otherwise: made so, or the resharding to it paid
+    made = free.output_specs[up.out_pos]
+    want = tuple(None for _ in made) if made != tuple(None for _ in made) else \
+        (("x", "y"),) + made[1:]
+    moved = solve_intra_op(subs[up.maker], cluster, mesh, pins=Pins(outputs=((up.out_pos, want),)))
+    assert moved.output_specs[up.out_pos] == want or moved.objective_s > free.objective_s
+    assert moved.objective_s >= free.objective_s - 1e-12
+    assert not Pins() and Pins(outputs=((0, (None,)),))
