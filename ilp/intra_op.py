@@ -211,7 +211,8 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
-    ``resident_budget`` bounds the inputs' bytes per device and
+    ``resident_budget`` bounds the inputs' bytes per device (the MIP then
+    stops within ``options.capped_gap`` of its optimum) and
     ``host_inputs`` are kept out of the device's memory
     (:func:`meshplan.ilp.build.build_problem`).  The result's peak still
     counts every input.  ``built``: the problem :func:`build_intra_op` made
@@ -229,7 +230,10 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
         raise ValueError("solve_intra_op: a prebuilt problem has no host inputs")
     elif resident_budget is not None:
         built = with_resident_cap(built, resident_budget)
-    sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options)
+    # (a capped layer's MIP proves its last percent slowly, and the caps
+    # themselves are steps of 19%: SolverOptions.capped_gap)
+    sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
+                gap=options.capped_gap if resident_budget is not None else 0.0)
     return decode(graph, mm, built, sol)
 
 

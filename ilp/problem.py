@@ -61,6 +61,12 @@ class IlpProblem:
         return all(m <= row.budget * (1 + 1e-9) + 1e-6
                    for m, row in zip(self.memory_use(choice), self.memory))
 
+    def surely_infeasible(self) -> bool:
+        """No choice fits: a memory row's budget is below the sum of each
+        group's smallest entry (the tolerance as :meth:`feasible`'s)."""
+        return any(sum(float(c.min()) for c in row.coefs.values())
+                   > row.budget * (1 + 1e-9) + 1e-6 for row in self.memory)
+
     def min_memory(self) -> float:
         """A lower bound of the smallest achievable peak over the memory rows."""
         best = 0.0
@@ -93,6 +99,8 @@ class Solution:
     num_variables: int
     num_constraints: int
     backend: str
+    # the MIP was allowed to stop within this fraction of the optimum (0: optimal)
+    gap: float = 0.0
 
 
 def brute_force(p: IlpProblem) -> tuple[list[int] | None, float]:

@@ -200,7 +200,8 @@ DP_WORK_PER_GROUP = 2e6
 
 def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 60.0,
           threads: int = 1, reduce: bool = True, dp: bool = True,
-          dp_max_entries: int = 1 << 25, options: SolverOptions = SolverOptions()) -> Solution:
+          dp_max_entries: int = 1 << 25, options: SolverOptions = SolverOptions(),
+          gap: float = 0.0) -> Solution:
     """Optimal (or best within ``time_limit``) strategy choice for ``p``.
 
     The problem is first reduced exactly (:func:`~meshplan.ilp.presolve.presolve`).
@@ -213,6 +214,8 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
     (PuLP's bundled CBC).  ``reduce=False, dp=False`` hands the unreduced
     formulation to the back end."""
     t0 = time.perf_counter()
+    if p.surely_infeasible():      # (a capped layer's MIP would prove it in seconds)
+        raise _infeasible(p)
     if all(len(c) == 1 for c in p.costs):
         choice = tuple(0 for _ in p.costs)
         if not p.feasible(list(choice)):
@@ -241,11 +244,11 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
                 return Solution(tuple(choice), p.objective(choice), "optimal",
                                 time.perf_counter() - t0, 0, 0, "dp")
     return _solve_mip(p, pre, backend=backend, time_limit=time_limit, threads=threads,
-                      options=options, t0=t0)
+                      options=options, t0=t0, gap=gap)
 
 
 def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float | None,
-               threads: int, options: SolverOptions, t0: float) -> Solution:
+               threads: int, options: SolverOptions, t0: float, gap: float = 0.0) -> Solution:
     """The presolved problem as a MIP, solved by ``backend``; the answer as a choice of ``p``."""
     q = pre.problem
     scale = _cost_scale(q)
@@ -259,9 +262,9 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
     mip = _formulate(q, scale, names=backend == "cbc" or options.names)
     warm = greedy(q)
     if backend == "highs":
-        values, status = _run_highs(mip, warm, time_limit, threads, options)
+        values, status = _run_highs(mip, warm, time_limit, threads, options, gap)
     elif backend == "cbc":
-        values, status = _run_cbc(mip, time_limit, threads, options)
+        values, status = _run_cbc(mip, time_limit, threads, options, gap)
     else:
         raise SolverError(f"unknown ILP back end {backend!r}: use 'highs' or 'cbc'")
     elapsed = time.perf_counter() - t0
@@ -281,7 +284,7 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
     if not p.feasible(choice):
         raise _infeasible(p)
     return Solution(tuple(choice), p.objective(choice), status, elapsed, mip.num_cols,
-                    mip.num_rows, backend)
+                    mip.num_rows, backend, gap)
 
 
 def _new_highs(quiet: bool) -> Any:
@@ -304,7 +307,7 @@ def _new_highs(quiet: bool) -> Any:
 
 
 def _run_highs(mip: _Mip, warm: list[int] | None, time_limit: float | None, threads: int,
-               options: SolverOptions) -> tuple[list[float] | None, str]:
+               options: SolverOptions, gap: float = 0.0) -> tuple[list[float] | None, str]:
     import highspy
 
     h = _new_highs(quiet=not options.log)
@@ -313,7 +316,7 @@ def _run_highs(mip: _Mip, warm: list[int] | None, time_limit: float | None, thre
     # Our problems are solved at the root node or close to it; HiGHS's presolve
     # (probing on thousands of transportation rows) costs more than it saves.
     h.setOptionValue("presolve", options.highs_presolve)
-    h.setOptionValue("mip_rel_gap", 1e-7)
+    h.setOptionValue("mip_rel_gap", max(gap, 1e-7))
     h.setOptionValue("mip_abs_gap", 1e-9)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
@@ -374,8 +377,8 @@ def _complete_warm(mip: _Mip, warm: list[int]) -> np.ndarray:
     return x
 
 
-def _run_cbc(mip: _Mip, time_limit: float | None, threads: int, options: SolverOptions
-             ) -> tuple[list[float] | None, str]:
+def _run_cbc(mip: _Mip, time_limit: float | None, threads: int, options: SolverOptions,
+             gap: float = 0.0) -> tuple[list[float] | None, str]:
     import pulp
 
     prob = pulp.LpProblem("meshplan_intra_op", pulp.LpMinimize)
@@ -392,7 +395,8 @@ def _run_cbc(mip: _Mip, time_limit: float | None, threads: int, options: SolverO
     prob += pulp.LpAffineExpression([(x, float(c)) for x, c in zip(xs, cost) if c]) + mip.offset
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 still bundles CBC
-        solver = pulp.PULP_CBC_CMD(msg=bool(options.log), timeLimit=time_limit, threads=threads)
+        solver = pulp.PULP_CBC_CMD(msg=bool(options.log), timeLimit=time_limit, threads=threads,
+                                   gapRel=gap or None)
     if not solver.available():
         raise SolverError("no ILP solver available: install highspy (pip install highspy) "
                           "or make PuLP's bundled CBC executable")
