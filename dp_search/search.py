@@ -76,13 +76,18 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
 def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *,
                     method_name: str, session: Session,
                     retrace: Callable[[int], Graph] | None = None,
-                    by_stage_count: bool = False) -> tuple[Plan, SearchStats]:
+                    by_stage_count: bool = False,
+                    layered_memo: dict | None = None) -> tuple[Plan, SearchStats]:
     """The fastest pipeline plan (possibly one stage) for ``graph``, and the
     search's figures.  ``retrace(B)`` returns the step traced with the batch
     split into ``B`` micro-batches; without it only ``B = 1`` is considered.
     ``by_stage_count`` (explain; a searched number of stages only): the
     figures also hold the best plan with 1, 2, 4, ... stages
-    (``SearchStats.stage_counts``); the plan chosen is the same."""
+    (``SearchStats.stage_counts``); the plan chosen is the same.
+    ``layered_memo``: a dict shared by searches of one ``graph``, ``retrace``
+    and ``cluster`` that differ only in ``opts.input_filter`` (which the
+    layers do not depend on): each micro-batch count is traced and cut into
+    layers once for all of them."""
     batch = _batch_size(graph)
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
@@ -105,7 +110,15 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     logged = len(getattr(rescaling, "log", ()))
     regraphed = [0]
 
+    memo = {} if layered_memo is None else layered_memo
+    memo_opts = replace(opts, input_filter=None)
+
     def layered(B: int) -> LayerProblems | TraceError:
+        if (B, memo_opts) not in memo:
+            memo[B, memo_opts] = _layered(B)
+        return memo[B, memo_opts]
+
+    def _layered(B: int) -> LayerProblems | TraceError:
         t0 = time.perf_counter()
         try:
             if B > 1:

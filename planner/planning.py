@@ -222,10 +222,11 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     plan (the earlier pass's on a tie).  A hand-made method's layouts stay
     as they are."""
     opts = request.pipeline
+    layered: dict = {}      # (the passes cut each micro-batch count into the same layers)
 
     def run(o) -> tuple[Plan, SearchStats]:
         return search_pipeline(graph, cluster, o, method_name=request.method, retrace=retrace,
-                               session=session, by_stage_count=explain)
+                               session=session, by_stage_count=explain, layered_memo=layered)
 
     if opts.input_filter is not None or opts.fixed is not None:
         return run(opts)
