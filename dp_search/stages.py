@@ -552,8 +552,16 @@ class StageCosts:
             ways.append(Way(way, 0, c, way, t + fixed - self._hidden(c, way, send), kept, working))
         if self.opts.remat is None:
             # Mist's choice: the first g of the stage's groups recompute, the rest not
-            for g in range(1, len(rows)):
-                mixed = GroupCost.of_groups([r.as_full() for r in rows[:g]] + list(rows[g:]))
+            # (each split joins the first g rows recomputing and the rest as they are)
+            n = len(rows)
+            firsts, rests = [None] * n, [None] * n
+            for g in range(1, n):
+                full = rows[g - 1].as_full()
+                firsts[g] = full if g == 1 else GroupCost.of_groups([firsts[g - 1], full])
+                h = n - g
+                rests[h] = rows[h] if h == n - 1 else GroupCost.of_groups([rows[h], rests[h + 1]])
+            for g in range(1, n):
+                mixed = GroupCost.of_groups([firsts[g], rests[g]])
                 t, kept, working = mixed.way(NONE)
                 n = lay.groups[gi + g - 1][1] - lay.groups[gi][0] + 1
                 ways.append(Way(FULL, n, mixed, NONE,
