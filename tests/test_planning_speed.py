@@ -1,0 +1,119 @@
+"""What makes planning faster keeps its answers: a memory row no choice can
+meet is infeasible without the MIP; capped layer ILPs may stop within a
+stated gap of their optimum; the passes of one plan cut each micro-batch
+count into layers once; a stage's mixed recomputation splits are joins of
+running sums."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import meshplan
+import meshplan.planning as planning
+from meshplan.dp_search import Session, search_pipeline
+from meshplan.dp_search.stages import GroupCost
+from meshplan.cost_model.overlap import Backward
+from meshplan.errors import InfeasiblePlanError
+from meshplan.ilp import EachMicroBatch
+from meshplan.ilp.options import SolverOptions
+from meshplan.ilp.problem import Edge, IlpProblem, MemoryRow, brute_force
+from meshplan.ilp.solvers import solve
+from meshplan.models import build_model
+
+
+def _problem(rng, n=7, k=4, budget_share=0.5):
+    p = IlpProblem([f"g{i}" for i in range(n)], [rng.random(k) * 10 for _ in range(n)])
+    for _ in range(2 * n):
+        u, v = rng.choice(n, 2, replace=False)
+        p.edges.append(Edge(int(u), int(v), rng.random((k, k)) * 3))
+    coefs = {g: rng.random(k) * 10 for g in range(n)}
+    lo = sum(float(c.min()) for c in coefs.values())
+    hi = sum(float(c.max()) for c in coefs.values())
+    p.memory.append(MemoryRow(coefs, lo + budget_share * (hi - lo)))
+    return p
+
+
+def test_a_row_below_every_choice_is_infeasible_before_any_solver():
+    rng = np.random.default_rng(0)
+    p = _problem(rng, budget_share=-0.01)       # below the sum of the smallest entries
+    assert p.surely_infeasible()
+    assert brute_force(p)[0] is None
+    with pytest.raises(InfeasiblePlanError):
+        solve(p, dp=False)
+    # a row the smallest entries meet is left to the solvers, and they agree
+    q = _problem(np.random.default_rng(1), budget_share=0.0)
+    assert not q.surely_infeasible()
+    best, val = brute_force(q)
+    assert best is not None and solve(q).objective == pytest.approx(val, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_gapped_mip_stays_within_its_gap_and_says_so(seed):
+    p = _problem(np.random.default_rng(seed))
+    best, val = brute_force(p)
+    assert best is not None
+    sol = solve(p, dp=False, gap=0.05)
+    assert p.feasible(list(sol.choice))
+    assert val * (1 - 1e-9) <= sol.objective <= val * 1.05 + 1e-9
+    if sol.num_variables:       # (the MIP ran: what it was allowed is recorded)
+        assert sol.gap == 0.05
+    else:                       # (the presolve settled it exactly)
+        assert sol.gap == 0.0 and sol.objective == pytest.approx(val, rel=1e-9)
+    exact = solve(p, dp=False)
+    assert exact.gap == 0.0 and exact.objective == pytest.approx(val, rel=1e-9)
+
+
+def test_capped_gap_is_read_once_from_the_environment():
+    assert SolverOptions().capped_gap == 0.01
+    assert SolverOptions.from_env({"MESHPLAN_CAPPED_GAP": "0"}).capped_gap == 0.0
+    for bad in ("one", "-0.1", "1.5"):
+        with pytest.raises(ValueError, match="MESHPLAN_CAPPED_GAP"):
+            SolverOptions.from_env({"MESHPLAN_CAPPED_GAP": bad})
+
+
+def test_searches_differing_only_in_input_filter_cut_each_count_once():
+    m = build_model("gpt", {"optimizer": "sgd"})
+    session = Session.from_env()
+    traced = planning.trace_function(m.train_step, m.abstract_args, tuple(m.batch_argnums),
+                                     "gpt", session)
+    asked = []
+
+    def retrace(B):
+        asked.append(B)
+        return traced.retrace(B)
+
+    cluster = meshplan.ClusterSpec.local()
+    opts = meshplan.PipeshardParallel(stages=2, num_micro_batches=(2, 4)).request(8).pipeline
+    memo: dict = {}
+    plans = []
+    for filt in (None, EachMicroBatch()):
+        p, _ = search_pipeline(traced.graph, cluster, dataclasses.replace(opts, input_filter=filt),
+                               method_name="pipeshard", retrace=retrace, session=session,
+                               layered_memo=memo)
+        plans.append(p)
+    assert sorted(asked) == [2, 4]
+    # the same searches without the memo plan the same
+    for filt, want in zip((None, EachMicroBatch()), plans):
+        p, _ = search_pipeline(traced.graph, cluster, dataclasses.replace(opts, input_filter=filt),
+                               method_name="pipeshard", retrace=traced.retrace, session=Session())
+        assert p.to_json() == want.to_json()
+
+
+def _row(rng) -> GroupCost:
+    f = lambda: float(rng.random())     # noqa: E731
+    return GroupCost(f(), f(), f(), f(), f() + 1, f(), f(), f(), f(), f(), f(), f(),
+                     compute_s=f(), remat_compute_s=f(), selective_compute_s=f(),
+                     backward=Backward(f(), f(), f()), remat_backward=Backward(f(), f(), f()),
+                     selective_backward=Backward(f(), f(), f()), cast_s=f(), copy_bytes=f())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_joined_rows_equal_the_rows_summed_at_once(seed):
+    rng = np.random.default_rng(seed)
+    rows = [_row(rng) for _ in range(6)]
+    for g in range(1, 6):
+        once = GroupCost.of_groups([r.as_full() for r in rows[:g]] + rows[g:])
+        joined = GroupCost.of_groups([GroupCost.of_groups([r.as_full() for r in rows[:g]]),
+                                      GroupCost.of_groups(rows[g:])])
+        for a, b in zip(dataclasses.astuple(once), dataclasses.astuple(joined)):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
