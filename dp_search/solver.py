@@ -224,9 +224,10 @@ class LayerSolver:
                      grad_accum: int, tighten: float, pins: Pins | None = None
                      ) -> LayerCost | None:
         """A looser cap's plan of the layer (or its uncapped one), solved to
-        optimality, that already meets 1 / ``tighten`` of the budget: it is
-        the optimum under that cap too (a tighter cap only removes plans,
-        and not this one), so the capped ILP need not be solved.  The
+        optimality (a capped one: within ``SolverOptions.capped_gap``), that
+        already meets 1 / ``tighten`` of the budget: it is the optimum under
+        that cap too, or as near (a tighter cap only removes plans, and not
+        this one), so the capped ILP need not be solved.  The
         tightest such cap's plan wins, so that one search asks the same."""
         base = self._key(sub, mesh, submesh, grad_accum)
         hit = self._built.get(base + _cap_key(1, pins))
