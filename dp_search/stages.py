@@ -553,14 +553,15 @@ class StageCosts:
         if self.opts.remat is None:
             # Mist's choice: the first g of the stage's groups recompute, the rest not
             # (each split joins the first g rows recomputing and the rest as they are)
-            n = len(rows)
-            firsts, rests = [None] * n, [None] * n
-            for g in range(1, n):
+            size = len(rows)
+            firsts, rests = [None] * size, [None] * size
+            for g in range(1, size):
                 full = rows[g - 1].as_full()
                 firsts[g] = full if g == 1 else GroupCost.of_groups([firsts[g - 1], full])
-                h = n - g
-                rests[h] = rows[h] if h == n - 1 else GroupCost.of_groups([rows[h], rests[h + 1]])
-            for g in range(1, n):
+                h = size - g
+                rests[h] = (rows[h] if h == size - 1
+                            else GroupCost.of_groups([rows[h], rests[h + 1]]))
+            for g in range(1, size):
                 mixed = GroupCost.of_groups([firsts[g], rests[g]])
                 t, kept, working = mixed.way(NONE)
                 n = lay.groups[gi + g - 1][1] - lay.groups[gi][0] + 1

@@ -29,8 +29,8 @@ class SolverOptions:
     # fraction of its optimum: HiGHS finds such a layer's best plan early and
     # then spends most of its seconds proving the last percent (gpt-1.3b's
     # 12 hardest, benchmarks/capped_gap.py: 63 s exact, 30 s at 1%, at most
-    # 0.23% above the optimum), while
-    # the caps are steps of 19%.  0: exact.  MESHPLAN_CAPPED_GAP
+    # 0.23% above the optimum), while the caps are steps of 19%.
+    # 0: exact.  MESHPLAN_CAPPED_GAP
     capped_gap: float = 0.01
 
     @property
