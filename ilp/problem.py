@@ -33,6 +33,10 @@ class MemoryRow:
     budget: float
     name: str = ""
 
+    def least(self) -> float:
+        """The row's smallest possible use: each group's smallest entry."""
+        return sum(float(c.min()) for c in self.coefs.values())
+
     def can_bind(self) -> bool:
         """Whether some choice could exceed the budget (else the row holds whatever is chosen)."""
         return sum(float(np.max(c)) for c in self.coefs.values()) > self.budget
@@ -64,15 +68,11 @@ class IlpProblem:
     def surely_infeasible(self) -> bool:
         """No choice fits: a memory row's budget is below the sum of each
         group's smallest entry (the tolerance as :meth:`feasible`'s)."""
-        return any(sum(float(c.min()) for c in row.coefs.values())
-                   > row.budget * (1 + 1e-9) + 1e-6 for row in self.memory)
+        return any(row.least() > row.budget * (1 + 1e-9) + 1e-6 for row in self.memory)
 
     def min_memory(self) -> float:
         """A lower bound of the smallest achievable peak over the memory rows."""
-        best = 0.0
-        for row in self.memory:
-            best = max(best, sum(float(c.min()) for c in row.coefs.values()))
-        return best
+        return max([0.0, *(row.least() for row in self.memory)])
 
     def pair_tables(self) -> tuple[list[tuple[int, np.ndarray]], dict[tuple[int, int], np.ndarray]]:
         """The edges as cost tables: ``(group, diagonal)`` for each edge from a
