@@ -76,7 +76,7 @@ class LayerProblems:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""
         s = self.submeshes[m]
         return (self.subs[l], self.meshes_of[m][k], (s.hosts, s.devices_per_host),
-                self.fwd_flops[l], self.grads, self.B, self.saved[l], self.crossing[l],
+                self.grads, self.B, self.saved[l], self.crossing[l],
                 self.entering[l], self.selective[l])
 
     def requests(self) -> list[tuple]:

@@ -37,7 +37,9 @@ class LayerCost:
     activation_bytes: float    # peak of live intermediates (incl. incoming boundary) per micro-batch
     boundary_bytes: float      # incoming activations per micro-batch (what remat keeps)
     saved_bytes: float         # forward values the backward reads: kept per micro-batch in flight
-    forward_fraction: float    # share of the layer's time spent in its forward pass
+    # what full recomputation runs again, at the layouts chosen: the forward
+    # operators making what the backward reads (compute among compute_s)
+    replay_compute_s: float
     result: IntraOpResult
     # how many devices hold each byte of the activations the layer sends on
     # (bytes-weighted; 1 when they are split over the whole mesh)
@@ -59,11 +61,7 @@ class LayerCost:
     # seconds, and the copies' bytes among resident_bytes
     cast_s: float = 0.0
     copy_bytes: float = 0.0
-
-    @property
-    def forward_s(self) -> float:
-        """The forward's compute (by its share of the layer's FLOPs)."""
-        return self.compute_s * self.forward_fraction
+    replay_comm_s: float = 0.0     # and their collectives among comm_s
 
     @property
     def transient_bytes(self) -> float:
@@ -249,16 +247,16 @@ class LayerSolver:
         them to pay for the workers; :meth:`collect` waits for them.  (Those
         not sent are solved one by one when :meth:`layer_cost` asks.)"""
         todo: dict[tuple, tuple] = {}
-        counts = {r[5] for r in requests}
+        counts = {r[4] for r in requests}
         # (a new micro-batch count: the problems built for the last are not asked again)
         self._built = {k: v for k, v in self._built.items() if k[5] in counts}
-        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
-                selective in requests:
+        for sub, mesh, submesh, grads, grad_accum, saved, crossing, entering, selective \
+                in requests:
             key = self._key(sub, mesh, submesh, grad_accum)
             if key not in self.cache and key not in todo:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum,
                                        forward_values=saved | crossing), sub, mesh,
-                             fwd_flops, saved, crossing, entering, selective)
+                             saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 4 * self.workers:
             return None
         return self._send(todo)
@@ -277,8 +275,8 @@ class LayerSolver:
         DP asks for a capped mesh's layers one by one, each a MIP of seconds).
         The same problems give the same results wherever they are solved."""
         todo: dict[tuple, tuple] = {}
-        for sub, mesh, submesh, fwd_flops, grads, grad_accum, saved, crossing, entering, \
-                selective in requests:
+        for sub, mesh, submesh, grads, grad_accum, saved, crossing, entering, selective \
+                in requests:
             key = self._key(sub, mesh, submesh, grad_accum, tighten)
             if key in self.cache or key in todo \
                     or self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
@@ -289,7 +287,7 @@ class LayerSolver:
             else:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten,
                                        saved | crossing), sub, mesh,
-                             fwd_flops, saved, crossing, entering, selective)
+                             saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 2:
             return
         self.collect(self._send(todo))
@@ -326,13 +324,13 @@ class LayerSolver:
         got = {k: res for part, out in zip(parts, pending.get()) for k, res in zip(part, out)}
         for key in keys:        # (in the order asked, as one by one)
             r, took, built = got[key]
-            job, sub, mesh, fwd_flops, saved, crossing, entering, selective = todo[key]
+            job, sub, mesh, saved, crossing, entering, selective = todo[key]
             self.solves += 1
             self.ilp_work_s += took
             if built is not None:
                 self._built[key] = (sub, built)
             self.cache[key] = (None if r is None else
-                               layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
+                               layer_cost_from_result(sub, r, mesh, saved, crossing,
                                                       entering, selective, self.cluster,
                                                       *_accumulating(job)))
         self.ilp_s += time.perf_counter() - t0
@@ -349,7 +347,7 @@ class LayerSolver:
             self._pool = None
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
-                   fwd_flops: float, grads: frozenset[int] = frozenset(),
+                   grads: frozenset[int] = frozenset(),
                    grad_accum: int = 1, saved: frozenset[int] = frozenset(),
                    crossing: frozenset[int] = frozenset(),
                    entering: frozenset[int] | None = None,
@@ -384,7 +382,7 @@ class LayerSolver:
             self._built[key] = (sub, built)
         self.ilp_work_s += took
         self.cache[key] = (None if r is None else
-                           layer_cost_from_result(sub, r, mesh, fwd_flops, saved, crossing,
+                           layer_cost_from_result(sub, r, mesh, saved, crossing,
                                                   entering, selective, self.cluster,
                                                   *_accumulating(job)))
         self.ilp_s += time.perf_counter() - t0
@@ -416,7 +414,7 @@ def _accumulating(job: tuple) -> tuple[frozenset[int], int]:
     return job[7], job[8]
 
 
-def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_flops: float,
+def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                 saved: frozenset[int], crossing: frozenset[int],
                 entering: frozenset[int] | None = None,
                 selective: tuple[frozenset[int], frozenset[int]] | None = None,
@@ -460,25 +458,29 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, fwd_
     # (a backward reads the copy, not a micro-batch's own cast)
     saved = frozenset(saved) - copied
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
-    total_flops = sum(n.flops for n in sub.nodes) or 1.0
     # all devices together hold each byte of what the layer sends on this often
     sent = sum(sub.tensors[t].nbytes for t in crossing)
     held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
-    fwd = min(fwd_flops / total_flops, 1.0)
     steps = list(r.grad_steps)
     if steps:   # the forward runs before the backward: it hides no reduction
-        steps[0] = (max(steps[0][0] - r.compute_s * fwd, 0.0), steps[0][1])
+        forward, _ = r.seconds_of(forward_of(sub, frozenset(saved) | crossing))
+        steps[0] = (max(steps[0][0] - forward, 0.0), steps[0][1])
+    # Full recomputation runs again what makes the values the backward
+    # reads, from the layer's kept inputs; a forward value read only by the
+    # next layer (the block's last projection) is kept as a boundary, and
+    # XLA drops the replayed operators nothing reads
+    replay = r.seconds_of(frozenset(ancestor_nodes(sub, set(saved))))
     again, sel_saved = selective if selective else (frozenset(), saved)
     # (nor does its selective replay cast the weights again)
     again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
-                     fwd, r, max(held / sent, 1.0) if sent else 1.0,
+                     replay[0], r, max(held / sent, 1.0) if sent else 1.0,
                      canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
-                     sel_kept if again else None, cast_s, copies)
+                     sel_kept if again else None, cast_s, copies, replay[1])
 
 
 def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,

@@ -68,11 +68,11 @@ class GroupCost:
         bw = rbw = sbw = Backward()
         for p in reversed(parts):      # the backward runs from the last layer down
             bw = bw.then(p.backward)
-            rbw = rbw.then(Backward(p.forward_s)).then(p.backward)
+            rbw = rbw.then(Backward(p.replay_compute_s)).then(p.backward)
             sbw = sbw.then(Backward(p.selective_s)).then(p.backward)
         return GroupCost(sum(p.time_s for p in parts), sum(p.resident_bytes for p in parts),
                          sum(p.saved_bytes for p in parts), max(p.transient_bytes for p in parts),
-                         sum(p.time_s * (1 + p.forward_fraction) for p in parts),
+                         sum(p.time_s + p.replay_compute_s + p.replay_comm_s for p in parts),
                          sum(p.boundary_bytes for p in parts),
                          max(p.activation_bytes for p in parts), sum(p.grad_bytes for p in parts),
                          sum(p.optimizer_bytes for p in parts),
@@ -80,7 +80,7 @@ class GroupCost:
                          sum(p.selective_kept_bytes for p in parts),
                          max(p.selective_transient_bytes for p in parts),
                          compute_s=sum(p.compute_s for p in parts),
-                         remat_compute_s=sum(p.compute_s + p.forward_s for p in parts),
+                         remat_compute_s=sum(p.compute_s + p.replay_compute_s for p in parts),
                          selective_compute_s=sum(p.compute_s + p.selective_s for p in parts),
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
                          cast_s=sum(p.cast_s for p in parts),

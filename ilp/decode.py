@@ -255,6 +255,16 @@ class IntraOpResult:
     # the mesh axes over which gradient sums wait for the step's last
     # micro-batch (ilp.build Group.waits of the chosen strategies)
     waiting_axes: frozenset[int] = frozenset()
+    # (node id, compute_s, comm_s) of each group at its chosen strategy, the
+    # resharding of its reads included, under the group's first operator
+    # (-1: a placeholder's, e.g. element-wise updates of an input): what
+    # replaying part of the graph costs (recomputation)
+    node_seconds: tuple[tuple[int, float, float], ...] = ()
+
+    def seconds_of(self, nodes: frozenset[int]) -> tuple[float, float]:
+        """(compute, comm) of the groups whose first operator is among ``nodes``."""
+        mine = [(c, m) for n, c, m in self.node_seconds if n in nodes]
+        return sum(c for c, _ in mine), sum(m for _, m in mine)
 
     def describe(self) -> str:
         s = self.solution
@@ -301,14 +311,19 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
     comm = sum(pc.seconds for pc in planned)
     comm_bytes = sum(pc.nbytes for pc in planned)
     by_kind: dict[str, float] = {}
+    paid: dict[int, float] = {}     # group -> seconds of its collectives
     for pc in planned:
         by_kind[pc.kind] = by_kind.get(pc.kind, 0.0) + pc.nbytes
+        paid[pc.group] = paid.get(pc.group, 0.0) + pc.seconds
     return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
                          output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
                          tuple(sorted(by_kind.items())), planned, read_constraints,
                          grad_steps(built, choice, planned),
                          frozenset().union(*(g.waits[c] for g, c in zip(groups, choice)
-                                             if g.waits and built.grad_accum > 1)))
+                                             if g.waits and built.grad_accum > 1)),
+                         tuple((-1 if first_node(g) is None else graph.nodes[first_node(g)].id,
+                                g.compute[c], paid.get(g.gid, 0.0))
+                               for g, c in zip(groups, choice)))
 
 
 def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:
