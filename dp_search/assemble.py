@@ -119,7 +119,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     placements = place_stages(submeshes, res.stages[:p], cluster)
     placements = [placements[k % p] for k in range(n_stages)]
     stages, batch_specs = [], {}
-    recomputed = 0.0     # forward FLOPs run again by recomputing stages
+    recomputed = 0.0     # FLOPs run again by recomputing stages
     peak_mem = 0
     comm_bytes = 0.0
     for k, (st, devices) in enumerate(zip(res.stages, placements)):
@@ -129,7 +129,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
             recomputed += B * sum(lay.selective_flops[st.first:st.last + 1])
         elif remat:
             upto = st.first + opt.recompute_layers if opt.recompute_layers else st.last + 1
-            recomputed += B * sum(lay.fwd_flops[st.first:upto])
+            recomputed += B * sum(lay.replay_flops[st.first:upto])
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
         # the layers' planned layouts, keyed by tensor ids of the step traced

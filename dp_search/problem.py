@@ -32,7 +32,7 @@ class LayerProblems:
     layering: Layering
     groups: list[tuple[int, int]]   # consecutive layers the stage DP cuts between
     subs: list[Graph]               # one subgraph per layer
-    fwd_flops: list[float]
+    replay_flops: list[float]       # per layer: the FLOPs full recomputation runs again
     grads: frozenset[int]           # parameter gradients (what meshplan.grad marks)
     saved: list[frozenset[int]]     # per layer: what its backward reads
     crossing: list[frozenset[int]]  # per layer: forward values it sends to later layers
@@ -103,6 +103,19 @@ class LayerProblems:
         return out
 
 
+def _replayed_flops(graph: Graph, members, saved: frozenset[int]) -> float:
+    """FLOPs of a layer's operators (``members``) that make its ``saved``
+    values, what full recomputation runs again (the solver's LayerCost
+    prices the same operators; XLA drops a replayed operator nothing reads)."""
+    need, flops = set(saved), 0.0
+    for nid in sorted(members, reverse=True):
+        n = graph.nodes[nid]
+        if any(t in need for t in n.outputs):
+            need.update(n.inputs)
+            flops += n.flops
+    return flops
+
+
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions,
                    batch_dim: Mapping[int, int] | None = None) -> LayerProblems:
     """``g``: the step at ``B`` micro-batches; ``batch_dim``: its values'
@@ -130,14 +143,14 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         n_groups = S * (min(n_groups, L) // S)
     view = unmarked_view(g, layering)
     subs = [layer_subgraph(g, layering, l, l, view, batch_dim) for l in range(L)]
-    fwd_flops = [sum(view.graph.nodes[nid].flops for nid in members if view.forward[nid])
-                 for members in view.members]
     region = selective_nodes(view.graph, view.forward)
     again = recomputed_tensors(view.graph, view.forward, region)
     # what each backward reads, then what it keeps once XLA has fused it
     read = saved_for_backward(g, layering, view)
     saved = [kept_after_fusion(view.graph, view.forward, r, members)
              for members, r in zip(view.members, read)]
+    replay_flops = [_replayed_flops(view.graph, members, kept)
+                    for members, kept in zip(view.members, saved)]
     selective = []
     for members, r, kept in zip(view.members, read, saved):
         mine = frozenset(t for nid in members for t in view.graph.nodes[nid].outputs if t in again)
@@ -170,7 +183,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                          for S, sub in _many_stages(cluster, L, n_groups, max_stages))
     return LayerProblems(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
-        fwd_flops=fwd_flops,
+        replay_flops=replay_flops,
         grads=_gradients(g, layering),
         saved=saved,
         crossing=crossing_values(g, layering, subs, view),
