@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM
-from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
 # reduction's producers into its kernel, and on GPU the normalisation
@@ -31,6 +31,13 @@ FUSIBLE = LOOP_FUSIBLE | FUSED_REDUCTIONS
 # bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.
 NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_slice",
                                        "select_and_gather_add"})
+# A reshape of a value in the default (row-major) layout is a bitcast: the
+# same bytes read another way, nothing moved.  A slice copies the region it
+# takes, not its whole operand (the q/k/v slices of a fused projection:
+# reading all of it three times was priced 6x what an H100 measured,
+# benchmarks/results/gpu_profile.md).
+BITCASTS = frozenset({"reshape"})
+REGION_COPIES = frozenset({"slice", "dynamic_slice"})
 
 
 def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, float]:
@@ -62,6 +69,19 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, floa
         moved += sum(graph.tensors[t].nbytes for t in n.outputs if t in leaving)
         out[n.id] = moved
     return out
+
+
+def moved_bytes(graph: Graph, node: Node, traffic: dict[int, float]) -> float:
+    """Bytes ``node`` moves: a fusible operator's share of its fusion's
+    traffic (``traffic``, :func:`fused_bytes`), none for a bitcast, the
+    region read and written for a slice, else its operands and results."""
+    if node.id in traffic:
+        return traffic[node.id]
+    if node.primitive in BITCASTS:
+        return 0.0
+    if node.primitive in REGION_COPIES:
+        return 2.0 * sum(graph.tensors[t].nbytes for t in node.outputs)
+    return float(node.bytes_accessed)
 
 
 def fusion_bytes(graph: Graph, traffic: dict[int, float]) -> dict[int, float]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..cluster import ClusterSpec
 from ..cost_model.compute import compute_time
-from ..cost_model.fusion import fused_bytes
+from ..cost_model.fusion import fused_bytes, moved_bytes
 from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
@@ -502,7 +502,7 @@ def _nodes_s(sub: Graph, nodes: list, specs: dict, mesh: LogicalMesh,
     for n in nodes:
         t = n.outputs[0]
         shards = num_shards(spec_from_names(specs[t], mesh.axes), mesh.shape) if t in specs else 1
-        moved = traffic.get(n.id, n.bytes_accessed)
+        moved = moved_bytes(sub, n, traffic)
         total += compute_time(cluster.device, n.flops / shards, moved / shards,
                               node_dtype(sub, n))
     return total

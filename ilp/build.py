@@ -29,7 +29,7 @@ import numpy as np
 
 from ..cost_model.compute import compute_time, kernel_fixed_time
 from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialised,
-                                 materialised_results)
+                                 materialised_results, moved_bytes)
 from ..cost_model.memory import Liveness, live_bytes, liveness, peak_steps
 from ..cost_model.mesh import MeshModel
 from ..cost_model.sharding import ISpec, num_shards, price_moves, replicated, reshard_moves
@@ -381,7 +381,7 @@ class _Builder:
                 if node is None:
                     continue
             space = self._space(node)
-            moved = traffic.get(node.id, node.bytes_accessed)
+            moved = moved_bytes(graph, node, traffic)
             if space is not None and space.independent:
                 node = self._components(node, space, moved)
                 if node is None:
