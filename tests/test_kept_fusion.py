@@ -174,3 +174,32 @@ def test_sequence_parallel_layers_gather_their_split_activations():
                            if path.endswith("['w']") and any(spec))
     assert split[True] == split[False]
     assert params[True] == pytest.approx(params[False], rel=0.02), params
+
+
+def test_views_move_what_the_hardware_moves():
+    # a fused q/k/v projection cut apart: the reshape is a bitcast (nothing
+    # moved), each slice copies its third (read and written), not the whole
+    # projection (cost_model.fusion.moved_bytes)
+    from meshplan.cost_model.fusion import fused_bytes, moved_bytes
+    w = jax.ShapeDtypeStruct((64, 3 * 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 16, 64), jnp.float32)
+
+    def loss(w, x):
+        qkv = (x @ w).reshape(32, 16, 3, 64)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return jnp.sum(jnp.einsum("bsh,bth->bst", q, k) @ v)
+    g = _step_graph(loss, w, x)
+    traffic = fused_bytes(g)
+    fwd = forward_nodes(g)
+    third = 32 * 16 * 64 * 4
+    reshapes = [n for n in g.nodes if fwd[n.id] and n.primitive == "reshape"
+                and g.tensors[n.outputs[0]].shape == (32, 16, 3, 64)]
+    slices = [n for n in g.nodes if fwd[n.id] and n.primitive == "slice"]
+    assert len(reshapes) == 1 and len(slices) == 3
+    assert reshapes[0].bytes_accessed > 0 and moved_bytes(g, reshapes[0], traffic) == 0
+    for n in slices:
+        assert n.bytes_accessed >= 4 * third
+        assert moved_bytes(g, n, traffic) == 2 * third
+    # a transpose is a real copy: as traced
+    t = next(n for n in g.nodes if n.primitive == "transpose")
+    assert moved_bytes(g, t, traffic) == t.bytes_accessed
