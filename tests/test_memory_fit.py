@@ -88,6 +88,7 @@ def test_capped_plans_are_tried_where_the_fastest_fit_only_by_recomputing(monkey
     assert t < loose.predicted.iteration_s
 
 
+@pytest.mark.slow      # (the slowest default test: 89 s on a slow day; -m slow runs it)
 def test_issue_reproduction_plans_with_one_micro_batch():
     """The 4-layer, 4096-wide gpt at batch 64 x 2048 on two p3.16xlarge hosts
     (reported as refused with 29.9 GiB of activations per device)."""
