@@ -39,7 +39,7 @@ class GroupCost:
     resident_bytes: float    # parameters, optimizer and other state
     saved_bytes: float       # kept per micro-batch in flight (what the backward reads)
     transient_bytes: float   # the largest layer's temporaries beyond what it saves
-    remat_time_s: float      # time_s with each layer's forward run twice
+    remat_time_s: float      # time_s plus what full recomputation replays (LayerCost)
     boundary_bytes: float    # the layers' inputs: what recomputation keeps
     activation_bytes: float  # the largest layer's live intermediates
     grad_bytes: float = 0.0  # parameter gradients, accumulated over micro-batches
