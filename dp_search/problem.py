@@ -14,7 +14,7 @@ from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
 from ..recompute import recomputed_tensors, replay_reads, selective_nodes
@@ -103,19 +103,6 @@ class LayerProblems:
         return out
 
 
-def _replayed_flops(graph: Graph, members, saved: frozenset[int]) -> float:
-    """FLOPs of a layer's operators (``members``) that make its ``saved``
-    values, what full recomputation runs again (the solver's LayerCost
-    prices the same operators; XLA drops a replayed operator nothing reads)."""
-    need, flops = set(saved), 0.0
-    for nid in sorted(members, reverse=True):
-        n = graph.nodes[nid]
-        if any(t in need for t in n.outputs):
-            need.update(n.inputs)
-            flops += n.flops
-    return flops
-
-
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions,
                    batch_dim: Mapping[int, int] | None = None) -> LayerProblems:
     """``g``: the step at ``B`` micro-batches; ``batch_dim``: its values'
@@ -149,7 +136,10 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     read = saved_for_backward(g, layering, view)
     saved = [kept_after_fusion(view.graph, view.forward, r, members)
              for members, r in zip(view.members, read)]
-    replay_flops = [_replayed_flops(view.graph, members, kept)
+    # what full recomputation runs again: the makers of what each backward
+    # reads (the solver's LayerCost prices the same operators)
+    replay_flops = [sum(view.graph.nodes[nid].flops
+                        for nid in ancestor_nodes(view.graph, kept, among=members))
                     for members, kept in zip(view.members, saved)]
     selective = []
     for members, r, kept in zip(view.members, read, saved):

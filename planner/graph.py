@@ -340,11 +340,14 @@ IDENTITY_MARKERS = frozenset({PIPELINE_BOUNDARY, GRAD_BOUNDARY})
 
 
 def ancestor_nodes(graph: Graph, values: Iterable[int],
-                   skip: frozenset[int] | set[int] = frozenset()) -> set[int]:
+                   skip: frozenset[int] | set[int] = frozenset(),
+                   among: Iterable[int] | None = None) -> set[int]:
     """The nodes ``values`` are computed from (their makers, and theirs, ...),
-    not looking through the nodes ``skip``."""
+    not looking through the nodes ``skip``; ``among``: only these node ids
+    (one layer's, say; None: the whole graph)."""
     need, out = set(values), set()
-    for n in reversed(graph.nodes):
+    nodes = graph.nodes if among is None else [graph.nodes[i] for i in sorted(among)]
+    for n in reversed(nodes):
         if n.id not in skip and any(t in need for t in n.outputs):
             out.add(n.id)
             need.update(n.inputs)
