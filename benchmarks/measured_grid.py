@@ -577,6 +577,8 @@ def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
                                         session=session)
             pred.append(step.plan_for(state, batch).predicted.iteration_s * 1e3)
             meas.append(float(r["measured_ms"]))
+            out.append(f"  {name} {c.label()}: predicted {pred[-1]:.1f} ms, measured "
+                       f"{meas[-1]:.1f} ms, {pred[-1] / meas[-1]:.2f}")
         out.append(f"{name}: {len(mine)} rows, MAPE {mape(pred, meas):.1f}%, "
                    f"Spearman {spearman(pred, meas):.3f}")
     return out

@@ -13,8 +13,8 @@ iteration time, so the two are comparable.
 
     python benchmarks/megatron.py [--rows 18.4b,39.1b,145.6b] [--micro-batches searched|published]
 
-Writes benchmarks/results/megatron.md and .csv.  Planning only: nothing runs
-on a GPU; the figures are the cost model's.
+Writes benchmarks/results/megatron.md and .csv (`--name`: another file name).  Planning
+only: nothing runs on a GPU; the figures are the cost model's.
 """
 from __future__ import annotations
 
@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", choices=["searched", "published"], default="published")
     ap.add_argument("--published-only", action="store_true",
                     help="plan the published configurations only (no meshplan choice columns)")
+    ap.add_argument("--name", default="megatron",
+                    help="file name (no suffix) of the tables under benchmarks/results")
     args = ap.parse_args(argv)
     rows = []
     for name in args.rows.split(","):
@@ -127,20 +129,22 @@ def main(argv=None) -> int:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     keys = list(max(rows, key=len))
-    with open(out / "megatron.csv", "w", newline="") as f:
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, restval="")
         w.writeheader()
         w.writerows(rows)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     table = "\n".join(lines)
-    (out / "megatron.md").write_text(
+    (out / f"{args.name}.md").write_text(
         "# Megatron-LM Table 1 on DGX A100 (predicted by meshplan's cost model)\n\n"
         f"Command: `python benchmarks/megatron.py --rows {args.rows} --micro-batches "
-        f"{args.micro_batches}{' --published-only' if args.published_only else ''}`\n\n"
+        f"{args.micro_batches}{' --published-only' if args.published_only else ''}"
+        f"{'' if args.name == 'megatron' else ' --name ' + args.name}`\n\n"
         "Planning only: nothing ran on a GPU.  *published config*: `Manual(dp, tp, pp, mb, "
         "1f1b, remat=True)`, every stage recomputing its activations as Megatron-LM's runs "
-        "did; its TFLOP/s per GPU use Megatron-LM's FLOP count for full recomputation, "
+        "did, with Megatron-LM's dropout (0.1 on the attention probabilities and the residual "
+        "branches); its TFLOP/s per GPU use Megatron-LM's FLOP count for full recomputation, "
         "96 B s l h^2 (1 + s/6h + V/16lh), over meshplan's predicted iteration time, the same "
         "definition as the published figure.  *meshplan choice*: `PipeshardParallel` with the "
         "published micro-batch count, stages, meshes and recomputation searched; `choice "

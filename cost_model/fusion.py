@@ -25,7 +25,9 @@ from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
 # reduction's producers into its kernel, and on GPU the normalisation
 # patterns (softmax, layer norm) into one kernel with their consumers.
 FUSED_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
-LOOP_FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota"})
+# (bitcast_convert_type: a dropout's random bits read as floats, in registers)
+LOOP_FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota",
+                                        "bitcast_convert_type"})
 FUSIBLE = LOOP_FUSIBLE | FUSED_REDUCTIONS
 # Operators that are no kernel of their own: a change of view XLA makes a
 # bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.

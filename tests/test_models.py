@@ -149,6 +149,8 @@ def test_override_strings_are_converted():
     ("gpt", {"scan_layers": "maybe"}, "scan_layers"),
     ("gpt", {"compute_dtype": "float8"}, "compute_dtype"),
     ("gpt", {"hidden": "100", "heads": "3"}, "divisible"),
+    ("gpt", {"dropout": "1"}, "dropout"),
+    ("gpt", {"dropout": "-0.1"}, "dropout"),
     ("moe", {"num_experts": "1"}, "num_experts"),
     ("wresnet", {"layers": "7"}, "layers"),
     ("mlp", {"loss": "hinge"}, "loss"),
@@ -199,6 +201,23 @@ def test_scan_layers_matches_unrolled_layers():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     jaxpr = jax.make_jaxpr(scanned.train_step)(*scanned.abstract_args)
     assert any(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_gpt_dropout_draws_from_the_state_key(scan):
+    m = build_model("gpt", {"dropout": "0.3", "scan_layers": scan})
+    plain = build_model("gpt", {"scan_layers": scan})
+    state, batch = m.init(0)
+    s1, m1 = jax.jit(m.train_step)(state, batch)
+    s2, m2 = jax.jit(m.train_step)(s1, batch)
+    # the key advances every step, so the masks differ step to step
+    assert not np.array_equal(np.asarray(s1["rng"]), np.asarray(state["rng"]))
+    p_state, _ = plain.init(0)
+    _, pm = jax.jit(plain.train_step)(p_state, batch)
+    assert float(m1["loss"]) != float(pm["loss"])
+    assert "rng" not in p_state
+    jaxpr = jax.make_jaxpr(m.train_step)(*m.abstract_args)
+    assert "random_bits" in str(jaxpr)
 
 
 def test_mixed_precision_keeps_param_dtype():

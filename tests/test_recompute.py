@@ -13,6 +13,7 @@ import pytest
 
 import meshplan
 from _steps import assert_states_close, jit_losses, run_plan
+from meshplan.cost_model.fusion import backward_reads, kept_after_fusion
 from meshplan.dp_search.problem import layer_problems
 from meshplan.graph import forward_nodes
 from meshplan.models import build_model
@@ -252,3 +253,22 @@ def test_kept_between_forward_and_backward_follows_none_selective_full():
         kept[k] = [_kept_between(ex, s) for s in range(2)]
     for s in range(2):
         assert kept["none"][s] > kept["selective"][s] > kept["full"][s], kept
+
+
+def test_with_dropout_a_block_keeps_korthikanti_bytes():
+    """With Megatron-LM's dropout (the model's ``dropout``), what one more
+    block keeps for its backward without recomputation is Korthikanti et
+    al.'s whole count, s b h (34 + 5 a s / h) bytes: the two 1-byte masks on
+    the residual branches make 34, and per attention score the scores'
+    matmul result (2), the mask (1) and the dropped probabilities the PV
+    product reads (2) make 5.  (0.3 s b h more: the softmax's float32 row
+    statistics.)"""
+    def kept(layers, s, b=2, h=256, a=8):
+        g = _gpt_graph(batch=b, seq_len=s, hidden=h, heads=a, layers=layers, vocab=512,
+                       dtype="bfloat16", compute_dtype="bfloat16", dropout=0.1)
+        fwd = forward_nodes(g)
+        return sum(g.tensors[t].nbytes for t in kept_after_fusion(g, fwd, backward_reads(g, fwd)))
+    for s in (64, 256):
+        block = kept(3, s) - kept(2, s)
+        sbh, scores = s * 2 * 256, 8 * s * s * 2
+        assert 34 <= (block - 5 * scores) / sbh <= 34.5

@@ -133,7 +133,7 @@ def resolve_config(model: str, defaults: Mapping[str, object],
                    non_negative: tuple[str, ...] = ()) -> dict[str, object]:
     """Apply override dicts in order onto ``defaults`` with type conversion.
 
-    Integers must be >= 1 (>= 0 for keys in ``non_negative``), floats > 0.
+    Integers must be >= 1, floats > 0 (either >= 0 for keys in ``non_negative``).
     Keys may be spelled with '-' instead of '_'.
     """
     config = dict(defaults)
@@ -152,7 +152,9 @@ def resolve_config(model: str, defaults: Mapping[str, object],
             low = 0 if key in non_negative else 1
             if value < low:
                 raise _fail(model, key, value, f"an integer >= {low}")
-        elif isinstance(value, float) and value <= 0:
+        elif isinstance(value, float) and key in non_negative and value < 0:
+            raise _fail(model, key, value, "a number >= 0")
+        elif isinstance(value, float) and key not in non_negative and value <= 0:
             raise _fail(model, key, value, "a number > 0")
     return config
 

@@ -10,6 +10,12 @@ Layout (pre-LayerNorm, tied output embedding)::
                       "mlp": {"fc": {w [h, 4h], b}, "proj": {w [4h, h], b}}}
     params["ln_f"] {scale, bias}
 
+With ``dropout`` > 0 the step drops activations as Megatron-LM does (its
+default rate is 0.1 for both kinds): the attention probabilities, and the
+embeddings' sum and each block's two residual branches before they are
+added.  Its key is ``state["rng"]`` (a raw ``uint32[2]`` key), split every
+step.
+
 With ``scan_layers=True`` the blocks are stored once as ``params["h"]`` with a
 leading ``[layers]`` dimension on every leaf and applied with ``jax.lax.scan``.
 Parameter count: 12·l·h² + 13·l·h + (V + s)·h + 2h.
@@ -41,9 +47,10 @@ DEFAULTS: dict[str, Any] = {
     "scan_layers": False,
     "learning_rate": 1e-3,
     "optimizer": "adam",
+    "dropout": 0.0,
 }
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES}
-NON_NEGATIVE: tuple[str, ...] = ()
+NON_NEGATIVE: tuple[str, ...] = ("dropout",)
 
 INIT_STD = 0.02
 
@@ -57,7 +64,18 @@ def check_heads(model: str, config: Mapping[str, Any]) -> None:
 
 def finalize(config: dict[str, Any]) -> dict[str, Any]:
     check_heads("gpt", config)
+    if not config["dropout"] < 1:
+        raise ModelConfigError(f"model 'gpt': dropout ({config['dropout']}) must be below 1")
     return config
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """``x`` with each element zeroed at probability ``rate`` and the rest
+    scaled by 1 / (1 - rate); ``x`` itself without a key or at rate 0."""
+    if key is None or rate == 0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- building blocks
@@ -69,8 +87,10 @@ def init_attention(key: jax.Array, hidden: int, layers: int, dtype: jnp.dtype) -
             "proj": dense_init(k_proj, hidden, hidden, dtype, std=resid_std)}
 
 
-def attention(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
-    """Causal multi-head self-attention with a fused qkv projection.
+def attention(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype, rate: float = 0.0,
+              key: jax.Array | None = None) -> jax.Array:
+    """Causal multi-head self-attention with a fused qkv projection; with
+    ``key``, dropout at ``rate`` on the attention probabilities.
 
     The fused projection's columns are grouped by head (head-major, then q/k/v,
     then the head dimension, as Megatron-LM lays them out), so splitting its
@@ -82,7 +102,7 @@ def attention(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(F32) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
+    probs = dropout(jax.nn.softmax(scores, axis=-1).astype(cdt), rate, key)
     ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
     return dense(p["proj"], ctx, cdt)
 
@@ -106,9 +126,14 @@ def init_block(key: jax.Array, hidden: int, layers: int, dtype: jnp.dtype) -> Pa
             "mlp": init_mlp(k_mlp, hidden, 4 * hidden, layers, dtype)}
 
 
-def block(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype) -> jax.Array:
-    x = x + attention(p["attn"], layer_norm(p["ln1"], x), heads, cdt)
-    return x + mlp(p["mlp"], layer_norm(p["ln2"], x), cdt)
+def block(p: Params, x: jax.Array, heads: int, cdt: jnp.dtype, rate: float = 0.0,
+          key: jax.Array | None = None) -> jax.Array:
+    """One pre-LayerNorm block; with ``key``, dropout at ``rate`` on the
+    attention probabilities and on both residual branches."""
+    k = jax.random.split(key, 3) if key is not None else (None,) * 3
+    x = x + dropout(attention(p["attn"], layer_norm(p["ln1"], x), heads, cdt, rate, k[0]),
+                    rate, k[1])
+    return x + dropout(mlp(p["mlp"], layer_norm(p["ln2"], x), cdt), rate, k[2])
 
 
 def init_embeddings(key: jax.Array, vocab: int, seq_len: int, hidden: int,
@@ -148,17 +173,24 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
     scan_layers: bool = config["scan_layers"]
     dtype = to_dtype(config["dtype"])
     cdt = to_dtype(config["compute_dtype"])
+    rate: float = config["dropout"]
 
     def loss_fn(params: Params, extra: dict[str, Any], batch: Batch
                 ) -> tuple[jax.Array, dict[str, Any]]:
-        x = embed(params, batch["input_ids"], cdt)
+        keys: Any = [None] * (layers + 1)
+        if rate > 0:
+            rng, drawn = jax.random.split(extra["rng"])
+            extra = {**extra, "rng": rng}
+            keys = jax.random.split(drawn, layers + 1)
+        x = dropout(embed(params, batch["input_ids"], cdt), rate, keys[layers])
         if scan_layers:
-            def body(carry: jax.Array, p: Params) -> tuple[jax.Array, None]:
-                return block(p, carry, heads, cdt), None
-            x, _ = jax.lax.scan(body, x, params["h"])
+            def body(carry: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+                p, key = xs
+                return block(p, carry, heads, cdt, rate, key), None
+            x, _ = jax.lax.scan(body, x, (params["h"], keys[:layers] if rate > 0 else None))
         else:
             for i in range(layers):
-                x = block(params[f"h{i}"], x, heads, cdt)
+                x = block(params[f"h{i}"], x, heads, cdt, rate, keys[i])
         return lm_loss(params, x, batch["labels"], cdt), extra
 
     tx, train_step = adam_train_step(loss_fn, config["learning_rate"], config["optimizer"])
@@ -174,6 +206,8 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
                 params[f"h{i}"] = init_block(block_keys[i], hidden, layers, dtype)
         params["ln_f"] = layer_norm_init(hidden, dtype)
         state: State = {"params": params, "opt_state": tx.init(params)}
+        if rate > 0:
+            state["rng"] = jax.random.fold_in(k_data, 1)
         return state, lm_batch(k_data, batch_size, seq_len, vocab)
 
     return train_step, init
