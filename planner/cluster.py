@@ -86,7 +86,7 @@ CLUSTER_FORMAT = "meshplan.cluster/1"
 
 # dtype names a cluster file may give a peak FLOP/s figure for.
 KNOWN_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn",
-                "float8_e5m2", "int8", "tfloat32")
+                "float8_e5m2", "int8", "int32", "tfloat32")
 _DTYPE_ALIASES = {
     "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
     "fp32": "float32", "f32": "float32", "single": "float32",
@@ -100,6 +100,9 @@ _FLOPS_FALLBACK = {
     "float16": ("bfloat16",),
     "float8_e4m3fn": ("float8_e5m2", "bfloat16", "float16"),
     "float8_e5m2": ("float8_e4m3fn", "bfloat16", "float16"),
+    # integer operations (a random generator's) run on the 32-bit integer units
+    "uint32": ("int32",), "uint8": ("int32",), "uint16": ("int32",), "uint64": ("int32",),
+    "int16": ("int32",), "int64": ("int32",),
 }
 
 
@@ -220,7 +223,8 @@ class DeviceSpec:
 
         Without an exact figure: float16 and bfloat16 stand in for each other,
         a float8 uses the other float8 then the 16-bit figure, float64 is half
-        the float32 figure, and everything else (tfloat32, integers, bool,
+        the float32 figure, integers other than int8 use the int32 figure
+        when there is one, and everything else (tfloat32, integers, bool,
         unknown names) uses the float32 figure.  If float32 itself is missing
         the smallest figure given is used, a conservative guess.
         """

@@ -3,7 +3,11 @@
 
 Peak FLOP/s are dense (no structured sparsity) datasheet figures.  float32 is
 the non-tensor-core FMA rate; float64 on A100/H100 is the FP64 tensor-core
-rate that DGEMM reaches.  Intra-host links: NVLink per GPU per direction for
+rate that DGEMM reaches.  int32 (integer operations, a random generator's)
+is 64 per clock per SM (NVIDIA CUDA C++ Programming Guide, throughput of
+native arithmetic instructions: 32-bit integer add, shift and bitwise
+operations, compute capability 7.0-9.0) at the datasheet boost clock.
+Intra-host links: NVLink per GPU per direction for
 SXM parts, a PCIe x16 slot per direction otherwise.  Latencies are estimates.
 Links are ``(bandwidth bytes/s, latency s)``.
 """
@@ -100,18 +104,21 @@ H100_ACHIEVED = _achieved(matmul_efficiency=round(HOPPER_MATMUL_TFLOPS / 989.4, 
 H200_ACHIEVED = _achieved(**{**dict(H100_ACHIEVED),
                              "memory_efficiency": round(H200_STREAM_BYTES_PER_S / 4.8e12, 3)})
 
-_A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624)
+# int32: 108 SMs x 64 x 1.41 GHz (A100); 132 x 64 x 1.98 (H100 SXM); 114 x 64 x
+# 1.755 (H100 PCIe); 80 x 64 x 1.53 / 1.38 (V100 SXM2 / PCIe); 40 x 64 x 1.59 (T4)
+_A100 = _f(bfloat16=312, float16=312, tfloat32=156, float32=19.5, float64=19.5, int8=624,
+           int32=9.7)
 _H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, float64=66.9,
-               float8_e4m3fn=1978.9, float8_e5m2=1978.9, int8=1978.9)
+               float8_e4m3fn=1978.9, float8_e5m2=1978.9, int8=1978.9, int32=16.7)
 _H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=51.2,
-                float8_e4m3fn=1513, float8_e5m2=1513, int8=1513)
+                float8_e4m3fn=1513, float8_e5m2=1513, int8=1513, int32=12.8)
 _KNOWN_GPUS = (
-    Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8), 16 * _GIB, 900e9,
+    Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8, int32=7.8), 16 * _GIB, 900e9,
            _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)",
            achieved=V100_ACHIEVED, host_link=_HOST3),
-    Datasheet(("v100",), _f(float16=112, float32=14, float64=7), 16 * _GIB, 900e9,
+    Datasheet(("v100",), _f(float16=112, float32=14, float64=7, int32=7.1), 16 * _GIB, 900e9,
            _PCIE3, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 PCIe)", host_link=_HOST3),
-    Datasheet(("t4",), _f(float16=65, float32=8.1, int8=130), 16 * _GIB, 320e9,
+    Datasheet(("t4",), _f(float16=65, float32=8.1, int8=130, int32=4.1), 16 * _GIB, 320e9,
            _PCIE3, _GPU_NET, "NVIDIA T4 datasheet", host_link=_HOST3),
     Datasheet(("a100", "pcie"), _A100, 80 * _GIB, 1935e9, _PCIE4, _GPU_NET,
            "NVIDIA A100 Tensor Core GPU datasheet (A100 PCIe)", host_link=_HOST4),

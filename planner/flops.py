@@ -29,8 +29,9 @@ sinh sqrt square sub tan tanh xor shift_left shift_right_logical
 shift_right_arithmetic population_count clz stop_gradient
 bessel_i0e bessel_i1e zeta one_minus_square
 """.split())
-# Random bits and keys: one FLOP per element too, but planned replicated
-# (every device draws the same bits; the ILP has no rule for them).
+# Random bits and keys: one operation per element, but random_bits costs its
+# generator's integer work (below); the ILP splits random_bits where the
+# draw is partitionable and replicates the key operations.
 RANDOM = frozenset("""
 random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32
 random_clone
@@ -76,6 +77,24 @@ def conv_flops(ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> flo
     return 2.0 * _size(outs[0]) * per_output
 
 
+# Integer operations per 32-bit word a key's generator makes, counted from
+# the algorithms (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+# 3", SC'11).  Threefry-2x32, JAX's default: 20 rounds of add, rotate (two
+# shifts and an or) and xor on a pair of words, 5 key injections of 3 adds,
+# and the counter words (about 4): 120 per pair.  Philox-4x32-10 (XLA's
+# RngBitGenerator, under JAX's "rbg" keys): 10 rounds of two 32x32 -> 64-bit
+# products (a high and a low half each), two xors and the key bump, about 12,
+# plus the counter: 120 per four words.  They run on the integer units, the
+# ``int32`` rate of the device (meshplan.cluster.DeviceSpec.flops_for).
+GENERATOR_OPS_PER_WORD = {"threefry2x32": 60.0, "rbg": 30.0, "unsafe_rbg": 30.0}
+
+
+def random_bits_flops(ins, outs, params) -> float:
+    """The generator's integer operations for the words a draw takes."""
+    words = _size(outs[0]) * max(int(params.get("bit_width", 32)), 32) / 32
+    return words * GENERATOR_OPS_PER_WORD.get(params.get("generator", "threefry2x32"), 60.0)
+
+
 def elementwise_flops(ins, outs, params) -> float:
     return float(sum(_size(s) for s in outs))
 
@@ -116,6 +135,7 @@ FLOP_RULES: dict[str, FlopRule] = {
     "dot_general": dot_general_flops,
     "conv_general_dilated": conv_flops,
     **{p: elementwise_flops for p in PER_ELEMENT},
+    "random_bits": random_bits_flops,
     **{p: reduction_flops for p in REDUCTIONS},
     **{p: no_flops for p in DATA_MOVEMENT},
     **{p: elementwise_flops for p in SCATTERS},

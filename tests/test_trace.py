@@ -204,3 +204,24 @@ def test_params_are_plain_python_values():
             assert not (isinstance(v, str) and v.startswith("np."))
     for n in g.nodes:
         check(n.params)
+
+
+def test_random_bits_cost_their_generator_integer_work():
+    # threefry (JAX's default) about 60 integer operations per 32-bit word,
+    # Philox under "rbg" keys about 30; priced at the device's int32 rate
+    from pathlib import Path
+    from meshplan.cluster import load_cluster
+
+    def draw(key):
+        return jax.random.bernoulli(key, 0.9, (64, 128))
+    found = {}
+    for impl in ("threefry2x32", "rbg"):
+        g = trace(draw, jax.random.key(0, impl=impl), batch_argnums=())
+        bits = [n for n in g.nodes if n.primitive == "random_bits"]
+        assert len(bits) == 1 and dict(bits[0].params)["generator"] == impl
+        found[impl] = bits[0].flops / (64 * 128)
+    assert found == {"threefry2x32": 60.0, "rbg": 30.0}
+    root = Path(__file__).resolve().parents[1]
+    a100 = load_cluster(root / "examples/clusters/dgx-a100-x1.json").device
+    assert a100.flops_for(jnp.uint32) == a100.flops_for("int32") == 9.7e12
+    assert a100.flops_for("int8") == 624e12

@@ -43,6 +43,12 @@ LATENCY_NOTE = ("Latencies are estimates, not datasheet figures: the cost of one
 ACHIEVED_NOTE = ("achieved: what the hardware reaches, not its peak; matmul_efficiency is "
                  "a measured bf16 matmul rate over the dense peak (the sources say which); "
                  "figures marked as estimates in sources are not measurements.")
+INT32_SOURCE = (
+    "peak_flops.int32 (integer operations, a random generator's): 64 per clock per SM "
+    "(NVIDIA CUDA C++ Programming Guide, throughput of native arithmetic instructions: "
+    "32-bit integer add, shift and bitwise operations, compute capability 7.0-9.0) x the "
+    "SMs x the datasheet boost clock: V100 SXM2 80 x 1.53 GHz, A100 108 x 1.41, H100 SXM5 "
+    "132 x 1.98")
 # Fixed costs on NVIDIA GPUs (meshplan.datasheets holds the figures).
 FIXED_COSTS_SOURCE = (
     "Estimates, not measurements: kernel_launch_s 5 us (a CUDA kernel launch and its gap "
@@ -97,7 +103,7 @@ P3_DEVICE = DeviceSpec(
     # V100 has no bfloat16 units: XLA computes bf16 matmuls at about the fp32
     # rate, so bfloat16 gets the fp32 figure rather than the fp16 tensor-core one.
     peak_flops={"float16": 125 * T, "bfloat16": 15.7 * T, "float32": 15.7 * T,
-                "float64": 7.8 * T},
+                "float64": 7.8 * T, "int32": 7.8 * T},
     achieved=Achieved(**dict(V100_ACHIEVED)),
 )
 P3_INTRA = LinkSpec(bandwidth_bytes_per_s=150e9, latency_s=1e-6, efficiency=0.8)
@@ -129,6 +135,7 @@ P3_SOURCES = (
     "memory bandwidth of the 900 GB/s peak; compute_units 80 SMs (V100 whitepaper)",
     "links efficiency 0.8 (NVLink 2 and 25 Gbit/s TCP): estimates, not measurements",
     FIXED_COSTS_SOURCE,
+    INT32_SOURCE,
     OVERLAP_SOURCE,
     "links.host_device 15.75 GB/s: the V100-SXM2 of a p3.16xlarge attaches to its host over "
     "PCIe 3.0 x16 (NVIDIA DGX-1 with Tesla V100 system architecture whitepaper, the same "
@@ -143,7 +150,7 @@ A100_DEVICE = DeviceSpec(
     memory_bandwidth_bytes_per_s=2.039e12,
     # float64 is the FP64 tensor-core rate that DGEMM reaches (9.7 without).
     peak_flops={"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T,
-                "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T},
+                "float32": 19.5 * T, "float64": 19.5 * T, "int8": 624 * T, "int32": 9.7 * T},
     achieved=Achieved(**dict(A100_ACHIEVED)),
 )
 A100_INTRA = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=1e-6, efficiency=0.7)
@@ -177,6 +184,7 @@ A100_SOURCES = (
     "A100 with 4 x HDR each reached 96 GB/s bus bandwidth of 100 GB/s "
     "(github.com/NVIDIA/nccl-tests issue 119)",
     FIXED_COSTS_SOURCE,
+    INT32_SOURCE,
     OVERLAP_SOURCE,
     "links.host_device 31.5 GB/s: each A100 of a DGX A100 attaches to the host CPUs over "
     "PCIe 4.0 x16 through PCIe switches (NVIDIA DGX A100 system architecture whitepaper). "
@@ -191,7 +199,7 @@ H100_DEVICE = DeviceSpec(
     memory_bandwidth_bytes_per_s=3.35e12,
     peak_flops={"bfloat16": 989.4 * T, "float16": 989.4 * T, "tfloat32": 494.7 * T,
                 "float32": 66.9 * T, "float64": 66.9 * T, "float8_e4m3fn": 1978.9 * T,
-                "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T},
+                "float8_e5m2": 1978.9 * T, "int8": 1978.9 * T, "int32": 16.7 * T},
     achieved=Achieved(**dict(H100_ACHIEVED)),
 )
 H100_INTRA = LinkSpec(bandwidth_bytes_per_s=450e9, latency_s=1e-6, efficiency=0.8)
@@ -223,6 +231,7 @@ H100_SOURCES = (
     "links efficiency 0.8 (NVLink 4) and 0.9 (NDR InfiniBand): estimates, not measurements",
     HOPPER_FIXED_COSTS_SOURCE,
     HOPPER_FLOORS_SOURCE,
+    INT32_SOURCE,
     OVERLAP_SOURCE,
     "links.host_device 63 GB/s: each H100 of a DGX H100 attaches to the host CPUs over "
     "PCIe 5.0 x16 (NVIDIA DGX H100 user guide; H100 SXM5 datasheet: PCIe Gen5 128 GB/s "

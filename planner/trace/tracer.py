@@ -133,9 +133,19 @@ def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str]) -> tup
     if not flop_rules.is_known(name):
         warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
                      "and planned replicated")
+    params = dict(eqn.params, **random_generator(name, in_avals))
     f = flop_rules.flops_of(name, [_shape(a) for a in in_avals], [_shape(a) for a in out_avals],
-                            eqn.params)
+                            params)
     return f, nbytes
+
+
+def random_generator(name: str, in_avals: Sequence[Any]) -> dict[str, str]:
+    """{"generator": the key's implementation} for a random_bits (what its
+    bits cost, planner.flops.GENERATOR_OPS_PER_WORD), else {}."""
+    if name != "random_bits" or not in_avals:
+        return {}
+    impl = getattr(getattr(in_avals[0], "dtype", None), "_impl", None)
+    return {"generator": str(getattr(impl, "name", "threefry2x32"))}
 
 
 def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
@@ -295,7 +305,8 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
                                 str(jax.config.jax_default_matmul_precision)),)
         if prim == "random_bits":
             # whether a split draw equals the whole one (the ILP may split it then)
-            params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),)
+            params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),
+                               *random_generator(prim, [aval_of(i) for i in fe.invars]).items())
         nodes.append(Node(id=len(nodes), primitive=prim, inputs=in_ids, outputs=fe.outvars,
                           params=params, flops=f, bytes_accessed=b, remat=fe.remat,
                           repeat=repeat, scope=fe.scope))
