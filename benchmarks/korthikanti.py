@@ -26,6 +26,7 @@ import sys
 import time
 from collections import Counter
 
+import jax
 import meshplan
 from meshplan.api import plan_graph, retracer
 from meshplan.dp_search import Session
@@ -47,9 +48,17 @@ ROWS = {
 
 
 def run_row(name: str, auto: bool) -> dict:
+    """One row, its dropout drawn with Philox (JAX's "rbg" keys) as
+    Megatron-LM's PyTorch draws it (see the notes)."""
+    with jax.default_prng_impl("rbg"):
+        return _run_row(name, auto)
+
+
+def _run_row(name: str, auto: bool) -> dict:
     heads, hidden, layers, tp, pp, gpus, batch, pub_full, pub_sel = ROWS[name]
     config = {"batch": batch, "seq_len": 2048, "vocab": 51200, "hidden": hidden,
-              "layers": layers, "heads": heads, "dtype": "float32", "compute_dtype": "bfloat16"}
+              "layers": layers, "heads": heads, "dtype": "float32", "compute_dtype": "bfloat16",
+              "dropout": 0.1}
     m = build_model("gpt", {k: str(v) for k, v in config.items()})
     cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"dgx-a100-x{gpus // 8}.json")
     session = Session.from_env()      # the plans share their layer costs
@@ -157,10 +166,15 @@ NOTES = """Notes:
   layers arrive split along the sequence over the 8 tensor-parallel devices
   (`Manual(sequence_parallel=True)`); each layer ILP chooses where to gather them, and
   the kept bytes follow the shardings it chose.
+- Dropout 0.1 on the attention probabilities and the residual branches, as
+  Megatron-LM's runs (the paper counts the masks among a layer's activations): drawn
+  with Philox (JAX's "rbg" keys, XLA's RngBitGenerator) as Megatron-LM's PyTorch draws
+  them: 30 integer operations a 32-bit word at the A100's int32 rate (`planner/flops.py`;
+  JAX's default threefry costs four times that).
 - Kept bytes: what each layer's backward reads once XLA has fused its element-wise
-  chains (`cost_model.fusion.kept_after_fusion`): a GPT layer keeps 32 s b h / t with
-  sequence parallelism and selective recomputation (the paper's 34 s b h / t less its
-  two dropout masks: this model has no dropout).
+  chains (`cost_model.fusion.kept_after_fusion`): a GPT layer keeps the paper's
+  34 s b h / t with sequence parallelism and selective recomputation, and
+  34 s b h + 5 a s^2 b without recomputation (t = 1; tests/test_recompute.py).
 - The selective region is meshplan.recompute's (Q K^T, mask, softmax, P V); its replay
   is priced per operator at the planned split (arithmetic or fused memory traffic).
 - Weights: float32 parameters, bfloat16 compute.  With several micro-batches each stage

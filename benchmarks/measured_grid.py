@@ -65,6 +65,14 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "moe": {"hidden": 192, "layers": 4, "seq_len": 64, "batch": 16, "heads": 4,
             "num_experts": 8, "optimizer": "sgd"},
 }
+# the gpt with Megatron-LM's dropout: what drawing the masks costs
+MODEL_SIZES["gpt-dropout"] = {**MODEL_SIZES["gpt"], "dropout": 0.1}
+
+
+def build(name: str) -> Any:
+    """The built-in model a grid name stands for, at its size."""
+    from meshplan.models import build_model
+    return build_model(name.split("-")[0], MODEL_SIZES[name])
 
 MESHES = [(dp, tp, DEVICES // (dp * tp)) for dp in (8, 4, 2, 1) for tp in (1, 2, 4, 8)
           if DEVICES % (dp * tp) == 0]          # (dp, tp, pp), pp = 8 / (dp * tp)
@@ -370,8 +378,7 @@ def run_model(name: str, configs: Sequence[Config], cluster: Any, args: argparse
     import jax
     from meshplan import progress
     from meshplan.dp_search import Session
-    from meshplan.models import build_model
-    model = build_model(name, MODEL_SIZES[name])
+    model = build(name)
     state, batch = jax.device_get(model.init(0))
     session = Session.from_env(progress.Progress(progress.QUIET))
     entries = []
@@ -517,7 +524,8 @@ def header(args: argparse.Namespace, argv: Sequence[str], cluster: Any, how: str
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt,moe", help="comma-separated: gpt, moe")
+    ap.add_argument("--models", default="gpt,moe",
+                    help="comma-separated: gpt, moe, gpt-dropout")
     ap.add_argument("--quick", action="store_true",
                     help="two Manual configurations and Auto() per model, few repeats "
                          "(a smoke run)")
@@ -556,7 +564,6 @@ def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
     import meshplan
     from meshplan import progress
     from meshplan.dp_search import Session
-    from meshplan.models import build_model
     with open(path, newline="") as f:
         recorded = [r for r in csv.DictReader(f) if r.get("measured_ms")]
     session = Session.from_env(progress.Progress(progress.QUIET))
@@ -565,7 +572,7 @@ def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
         mine = [r for r in recorded if r["model"] == name]
         if not mine:
             continue
-        model = build_model(name, MODEL_SIZES[name])
+        model = build(name)
         state, batch = jax.eval_shape(lambda: model.init(0))
         pred, meas = [], []
         for r in mine:

@@ -77,22 +77,29 @@ def conv_flops(ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> flo
     return 2.0 * _size(outs[0]) * per_output
 
 
-# Integer operations per 32-bit word a key's generator makes, counted from
-# the algorithms (Salmon et al., "Parallel random numbers: as easy as 1, 2,
-# 3", SC'11).  Threefry-2x32, JAX's default: 20 rounds of add, rotate (two
-# shifts and an or) and xor on a pair of words, 5 key injections of 3 adds,
-# and the counter words (about 4): 120 per pair.  Philox-4x32-10 (XLA's
-# RngBitGenerator, under JAX's "rbg" keys): 10 rounds of two 32x32 -> 64-bit
-# products (a high and a low half each), two xors and the key bump, about 12,
-# plus the counter: 120 per four words.  They run on the integer units, the
-# ``int32`` rate of the device (meshplan.cluster.DeviceSpec.flops_for).
-GENERATOR_OPS_PER_WORD = {"threefry2x32": 60.0, "rbg": 30.0, "unsafe_rbg": 30.0}
+# Integer operations a key's generator spends, counted from the algorithms
+# (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
+# Threefry-2x32, JAX's default, makes two 32-bit words a call: 20 rounds of
+# add, rotate (two shifts and an or) and xor, 5 key injections of 2 adds, and
+# the counter words, about 120 operations.  Drawn partitionably (JAX's default,
+# each element's counter its index) every element takes a whole call, its two
+# words xored; otherwise each call gives two words of the draw.  Philox-4x32-10
+# (XLA's RngBitGenerator, under JAX's "rbg" keys) makes four words with 10
+# rounds of two 32x32 -> 64-bit products (high and low halves), xors and the
+# key bump, about 120 operations too: 30 a word.  They run on the integer
+# units, the device's int32 rate (meshplan.cluster.DeviceSpec.flops_for).
+THREEFRY_CALL_OPS = 120.0
+PHILOX_OPS_PER_WORD = 30.0
 
 
 def random_bits_flops(ins, outs, params) -> float:
-    """The generator's integer operations for the words a draw takes."""
-    words = _size(outs[0]) * max(int(params.get("bit_width", 32)), 32) / 32
-    return words * GENERATOR_OPS_PER_WORD.get(params.get("generator", "threefry2x32"), 60.0)
+    """The generator's integer operations for one draw."""
+    n = _size(outs[0])
+    words = n * max(int(params.get("bit_width", 32)), 32) / 32
+    if params.get("generator", "threefry2x32") != "threefry2x32":
+        return words * PHILOX_OPS_PER_WORD
+    calls = n if params.get("partitionable", True) else math.ceil(words / 2)
+    return calls * THREEFRY_CALL_OPS
 
 
 def elementwise_flops(ins, outs, params) -> float:

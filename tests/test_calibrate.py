@@ -94,6 +94,10 @@ def test_calibrate_with_constant_timer_is_deterministic():
     spec = cal.cluster
     n = opts.matmul_max_n        # a constant 1 ms never reaches the target: largest size
     assert dict(spec.device.peak_flops)["float32"] == pytest.approx(2 * n ** 3 / 1e-3)
+    # the integer rate: the largest draw's counted operations in 1 ms (under
+    # twice the 1 ms dispatch, the whole time is the kernel's)
+    assert dict(spec.device.peak_flops)["int32"] == pytest.approx(C.bits_ops(opts.bits_max) / 1e-3)
+    assert C.bits_ops(1000) == 1000 * 120
     assert spec.name == "fake" and spec.num_devices == len(jax.devices())
     assert meshplan.parse_cluster(json.loads(spec.to_json())) == spec
     # constant times: no slope, so no kernel cost; the intercept is the dispatch
@@ -125,7 +129,8 @@ def test_calibrate_quick_writes_a_cluster_that_plans(tmp_path, capsys):
     assert a.program_dispatch_s >= 0 and a.dispatch_per_device_s >= 0
     d = spec.description
     assert re.search(r"\d{4}-\d\d-\d\d", d) and jax.__version__ in d
-    for word in ("matmul", "x + y", "psum", "memory_bytes", "cpu", "inter_host",
+    assert "int32" in flops
+    for word in ("matmul", "x + y", "psum", "memory_bytes", "cpu", "inter_host", "random.bits",
                  "kernel_launch_s", "shared_host_compute"):
         assert word in d, word
     # a plan can be made with it

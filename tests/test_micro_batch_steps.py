@@ -245,13 +245,19 @@ def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
     assert step.plan.num_micro_batches == 4
 
 
-@pytest.mark.parametrize("method", [
-    meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2),
-    meshplan.Manual(dp=4, tp=2, pp=1, remat=True)])
-def test_builtin_gpt_with_dropout_matches_jit(method):
+@pytest.mark.parametrize("method,impl", [
+    (meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), "threefry2x32"),
+    (meshplan.Manual(dp=4, tp=2, pp=1, remat=True), "threefry2x32"),
+    (meshplan.Manual(dp=4, tp=2, pp=1), "rbg")])
+def test_builtin_gpt_with_dropout_matches_jit(method, impl):
     # Megatron-LM's dropout in the built-in gpt: each micro-batch draws its
-    # rows of the masks the plain step draws, and a recomputation draws the
-    # same bits again
+    # rows of the masks the plain step draws, a recomputation draws the same
+    # bits again, and a Philox ("rbg") draw split over devices is the whole one's
+    with jax.default_prng_impl(impl):
+        _gpt_dropout_matches_jit(method)
+
+
+def _gpt_dropout_matches_jit(method):
     m = build_model("gpt", {"dropout": "0.1", "optimizer": "sgd", "layers": "2",
                             "hidden": "64", "batch": "8", "seq_len": "16", "vocab": "64"})
     state, batch = m.init(0)

@@ -73,6 +73,8 @@ class Options:
     target_s: float = 0.2               # grow a size until one run takes this long
     matmul_min_n: int = 256
     matmul_max_n: int = 8192
+    bits_min: int = 1 << 12             # random words per device (the integer rate)
+    bits_max: int = 1 << 24
     memory_min_bytes: int = 1 << 20     # per device, per array
     memory_max_bytes: int = 1 << 30
     collective_small_bytes: int = 1 << 12
@@ -85,6 +87,7 @@ class Options:
     @classmethod
     def quick(cls) -> "Options":
         return cls(repeats=3, target_s=0.005, matmul_min_n=64, matmul_max_n=256,
+                   bits_min=1 << 10, bits_max=1 << 16,
                    memory_min_bytes=1 << 16, memory_max_bytes=1 << 22,
                    collective_small_bytes=1 << 10, collective_max_bytes=1 << 20,
                    collective_loop=4, launch_chain=(1, 16), quick_mode=True)
@@ -337,6 +340,27 @@ def _chain_fn(mesh) -> Callable[[int], Callable[[], Any]]:
     return lambda k: _per_device(mesh, body(k), [(8, 8), (8, 8)], jnp.float32, 0.125)
 
 
+def _bits_fn(mesh) -> Callable[[int], Callable[[], Any]]:
+    """n random 32-bit words per device from JAX's default generator, keyed
+    by the device's input (a constant key would be folded at compile time)."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(x):
+        key = jax.random.wrap_key_data(x[0, :2])
+        return jax.random.bits(key, x.shape, jnp.uint32)
+    return lambda n: _per_device(mesh, body, [(max(n, 2),)], jnp.uint32, 1)
+
+
+def bits_ops(n: int) -> float:
+    """The integer operations meshplan counts for drawing n 32-bit words
+    with JAX's default generator (planner.flops.random_bits_flops)."""
+    import jax
+    from ..flops import random_bits_flops
+    return random_bits_flops((), ((1, n),), {
+        "bit_width": 32, "partitionable": bool(jax.config.jax_threefry_partitionable)})
+
+
 def _supported(dtype: str, mesh) -> bool:
     try:
         _matmul_fn(mesh, dtype)(8)()
@@ -370,6 +394,7 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     achieved = _measure_fixed_costs(mesh, devices, opts, timer, reporter, measurements, how)
     dispatch = achieved.dispatch_s(len(devices))
     flops = _measure_matmuls(mesh, platform, opts, timer, reporter, measurements, how, dispatch)
+    flops["int32"] = _measure_integer(mesh, opts, timer, reporter, measurements, how, dispatch)
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how, dispatch)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
@@ -454,6 +479,22 @@ def _measure_matmuls(mesh, platform: str, opts: Options, timer: Timer, reporter,
                + (f" ({', '.join(skipped)} not supported, not listed)" if skipped else ""))
 
     return flops
+
+
+def _measure_integer(mesh, opts: Options, timer: Timer, reporter, measurements: list,
+                     how: list, dispatch_s: float) -> float:
+    """The int32 rate: the operations meshplan counts for a random draw over
+    its time (the rate a dropout mask's bits are made at here)."""
+    with reporter.step("calibrate: random bits"):
+        n, t = grow(_bits_fn(mesh), _doubling(opts.bits_min, opts.bits_max, 4), timer, opts,
+                    growth=4)
+    rate = bits_ops(n) / kernel_seconds(t, dispatch_s)
+    measurements.append(Measurement("random bits", rate, n, t))
+    how.append(f"peak_flops.int32: jax.random.bits of n 32-bit words on every device at once "
+               f"(JAX's default generator), the integer operations meshplan counts for them "
+               f"(planner/flops.py) / (median time less the program dispatch), n={n} "
+               f"{t * 1e3:.3g} ms")
+    return rate
 
 
 def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,

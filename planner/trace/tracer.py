@@ -139,13 +139,18 @@ def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str]) -> tup
     return f, nbytes
 
 
-def random_generator(name: str, in_avals: Sequence[Any]) -> dict[str, str]:
-    """{"generator": the key's implementation} for a random_bits (what its
-    bits cost, planner.flops.GENERATOR_OPS_PER_WORD), else {}."""
+def random_generator(name: str, in_avals: Sequence[Any]) -> dict[str, Any]:
+    """For a random_bits: the key's implementation and whether a split draw
+    equals the whole one (what its bits cost, planner.flops.random_bits_flops;
+    the ILP may split a partitionable draw); else {}."""
     if name != "random_bits" or not in_avals:
         return {}
     impl = getattr(getattr(in_avals[0], "dtype", None), "_impl", None)
-    return {"generator": str(getattr(impl, "name", "threefry2x32"))}
+    generator = str(getattr(impl, "name", "threefry2x32"))
+    # (XLA splits an RngBitGenerator's counter-based Philox draw exactly: on
+    # 8 CPU devices a split "rbg" draw equals the whole one, in 1/8 the work)
+    return {"partitionable": generator != "threefry2x32"
+            or bool(jax.config.jax_threefry_partitionable), "generator": generator}
 
 
 def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
@@ -303,10 +308,7 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
             # the precision a matmul without its own runs at (ilp.strategies.node_dtype)
             params = params + (("config_precision",
                                 str(jax.config.jax_default_matmul_precision)),)
-        if prim == "random_bits":
-            # whether a split draw equals the whole one (the ILP may split it then)
-            params = params + (("partitionable", bool(jax.config.jax_threefry_partitionable)),
-                               *random_generator(prim, [aval_of(i) for i in fe.invars]).items())
+        params = params + tuple(random_generator(prim, [aval_of(i) for i in fe.invars]).items())
         nodes.append(Node(id=len(nodes), primitive=prim, inputs=in_ids, outputs=fe.outvars,
                           params=params, flops=f, bytes_accessed=b, remat=fe.remat,
                           repeat=repeat, scope=fe.scope))
