@@ -14,7 +14,7 @@ from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, arithmetic_flops
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
 from ..recompute import recomputed_tensors, replay_reads, selective_nodes
@@ -138,7 +138,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
              for members, r in zip(view.members, read)]
     # what full recomputation runs again: the makers of what each backward
     # reads (the solver's LayerCost prices the same operators)
-    replay_flops = [sum(view.graph.nodes[nid].flops
+    replay_flops = [sum(arithmetic_flops(view.graph.nodes[nid])
                         for nid in ancestor_nodes(view.graph, kept, among=members))
                     for members, kept in zip(view.members, saved)]
     selective = []

@@ -103,6 +103,13 @@ class Node:
         return f"n{self.id} {outs} = {self.primitive}({ins}){extra}{remat}  flops={self.flops:.3g}"
 
 
+def arithmetic_flops(node: Node) -> float:
+    """The FLOPs of ``node`` a TFLOP/s figure counts: a random draw's
+    ``flops`` are its generator's integer operations (what prices it), not
+    arithmetic on the model's values."""
+    return 0.0 if node.primitive == "random_bits" else node.flops
+
+
 @dataclass(frozen=True)
 class GraphInput:
     tensor: int
@@ -191,7 +198,9 @@ class Graph:
     # ---- summary figures -------------------------------------------------
     @property
     def total_flops(self) -> float:
-        return float(sum(n.flops for n in self.nodes))
+        """The step's arithmetic (model FLOPs): a random draw's integer
+        operations (what its node's ``flops`` prices) are not counted."""
+        return float(sum(arithmetic_flops(n) for n in self.nodes))
 
     def flops_by_primitive(self) -> dict[str, float]:
         acc: Counter = Counter()

@@ -245,21 +245,24 @@ def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
     assert step.plan.num_micro_batches == 4
 
 
-@pytest.mark.parametrize("method,impl", [
-    (meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), "threefry2x32"),
-    (meshplan.Manual(dp=4, tp=2, pp=1, remat=True), "threefry2x32"),
-    (meshplan.Manual(dp=4, tp=2, pp=1), "rbg")])
-def test_builtin_gpt_with_dropout_matches_jit(method, impl):
+@pytest.mark.parametrize("method,impl,rows", [
+    (meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), "threefry2x32", 8),
+    (meshplan.Manual(dp=4, tp=2, pp=1, remat=True), "threefry2x32", 8),
+    (meshplan.Manual(dp=4, tp=2, pp=1), "rbg", 8),
+    (meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=4), "rbg", 4)])
+def test_builtin_gpt_with_dropout_matches_jit(method, impl, rows):
     # Megatron-LM's dropout in the built-in gpt: each micro-batch draws its
-    # rows of the masks the plain step draws, a recomputation draws the same
-    # bits again, and a Philox ("rbg") draw split over devices is the whole one's
+    # rows of the masks the plain step draws (also micro-batches of one
+    # example, whose trace JAX makes with fewer broadcasts), a recomputation
+    # draws the same bits again, and a Philox ("rbg") draw split over devices
+    # is the whole one's
     with jax.default_prng_impl(impl):
-        _gpt_dropout_matches_jit(method)
+        _gpt_dropout_matches_jit(method, rows)
 
 
-def _gpt_dropout_matches_jit(method):
+def _gpt_dropout_matches_jit(method, rows):
     m = build_model("gpt", {"dropout": "0.1", "optimizer": "sgd", "layers": "2",
-                            "hidden": "64", "batch": "8", "seq_len": "16", "vocab": "64"})
+                            "hidden": "64", "batch": str(rows), "seq_len": "16", "vocab": "64"})
     state, batch = m.init(0)
     ref, rm = jax.jit(m.train_step)(state, batch)
     step = meshplan.parallelize(m.train_step, method=method, batch_argnums=m.batch_argnums)

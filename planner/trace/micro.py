@@ -97,8 +97,11 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     if not infer or (marked and not draws):
         return closed, out_shape, flat, graph, ((), ())
     full = flatten(jax.make_jaxpr(fn)(*full_args))
-    per_example = _per_example(flat, full)
     batch = {i.tensor for i in graph.inputs if i.role == "batch"}
+    if marked and not _same_stream(flat, full):
+        # (a micro-batch of one example: JAX elides broadcasts over it)
+        return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch)
+    per_example = _per_example(flat, full)
     if not marked:
         metrics = {o.tensor for o in graph.outputs if o.updates is None}
         flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
@@ -140,17 +143,66 @@ def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any]
     return marked, rebuild(marked)
 
 
+OTHER_STREAM = ("the step traces to other operations at micro-batch size than at full batch "
+                "size, so meshplan cannot tell its gradients or its random draws over the batch "
+                "apart; mark the gradients with meshplan.value_and_grad and keep random draws "
+                "out of the batch, or use one micro-batch")
+
+
+def _same_stream(micro: FlatJaxpr, full: FlatJaxpr) -> bool:
+    """Whether the two traces are the same equations (their ids then match)."""
+    return len(micro.eqns) == len(full.eqns) and len(micro.avals) == len(full.avals) and all(
+        a.eqn.primitive is b.eqn.primitive for a, b in zip(micro.eqns, full.eqns))
+
+
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
     """Ids whose shape differs between the micro-batch and full-batch traces."""
-    # (ids match between the two traces only when the streams match)
-    if len(micro.eqns) != len(full.eqns) or len(micro.avals) != len(full.avals) or any(
-            a.eqn.primitive is not b.eqn.primitive for a, b in zip(micro.eqns, full.eqns)):
-        raise TraceError("the step traces to other operations at micro-batch size than at full "
-                         "batch size, so meshplan cannot tell its gradients or its random draws "
-                         "over the batch apart; mark the gradients with meshplan.value_and_grad "
-                         "and keep random draws out of the batch, or use one micro-batch")
+    if not _same_stream(micro, full):
+        raise TraceError(OTHER_STREAM)
     return {i for i, a in micro.avals.items()
             if i in full.avals and getattr(a, "shape", None) != getattr(full.avals[i], "shape", None)}
+
+
+def _draws_in_order(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int]
+                    ) -> tuple[tuple[BatchDraw, ...], tuple[tuple[int, Any], ...]]:
+    """(draws, draw equations) as :func:`_draws` and :func:`draw_equations`
+    give them, for a marked step whose micro-batch trace is not the full
+    trace's stream: the k-th random_bits of one is the k-th of the other,
+    when the two compute its key alike (the same equations at the same
+    shapes: no key per example); else refused."""
+    mine = [k for k, fe in enumerate(flat.eqns) if fe.eqn.primitive.name == "random_bits"]
+    theirs = [k for k, fe in enumerate(full.eqns) if fe.eqn.primitive.name == "random_bits"]
+    whole = [tuple(full.avals[full.eqns[k].outvars[0]].shape) for k in theirs]
+    dims = draw_batch_dims(whole, [tuple(flat.avals[flat.eqns[k].outvars[0]].shape)
+                                   for k in mine])
+    if isinstance(dims, str):
+        raise TraceError(dims)
+    if any(_key_chain(flat, a) != _key_chain(full, b) for a, b in zip(mine, theirs)):
+        raise TraceError(OTHER_STREAM)
+    over = [(a, b, d, w) for a, b, d, w in zip(mine, theirs, dims, whole) if d is not None]
+    _refuse_batch_keys(flat, [flat.eqns[a] for a, _, _, _ in over], batch)
+    return (tuple((a, d, w) for a, _, d, w in over),
+            tuple((a, full.eqns[b].eqn) for a, b, _, _ in over))
+
+
+def _key_chain(flat: FlatJaxpr, k: int) -> list[tuple[str, tuple]]:
+    """(primitive, result shapes) of the equations draw ``k`` is computed from."""
+    need = _ancestors(flat.eqns[:k], {x for x in flat.eqns[k].invars if isinstance(x, int)})
+    return [(fe.eqn.primitive.name, tuple(tuple(getattr(flat.avals[o], "shape", ()))
+                                          for o in fe.outvars))
+            for fe in flat.eqns[:k] if any(o in need for o in fe.outvars)]
+
+
+def _refuse_batch_keys(flat: FlatJaxpr, draws: Sequence[FlatEqn], batch: set[int]) -> None:
+    """A draw whose key is computed from the batch cannot be drawn once per step."""
+    bdep = set(batch)
+    for fe in flat.eqns:
+        if any(isinstance(x, int) and x in bdep for x in fe.invars):
+            bdep.update(fe.outvars)
+    if any(isinstance(x, int) and x in bdep for fe in draws for x in fe.invars):
+        raise TraceError("a random draw over the batch takes its key from the batch, so it cannot "
+                         "be drawn once per step; pass the key outside the batch arguments or use "
+                         "one micro-batch (num_micro_batches=1)")
 
 
 def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bool],
@@ -287,14 +339,7 @@ def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
     drawn once per step)."""
     found = [(k, fe) for k, fe in enumerate(flat.eqns) if fe.eqn.primitive.name == "random_bits"
              and fe.outvars and fe.outvars[0] in per_example]
-    bdep = set(batch)
-    for fe in flat.eqns:
-        if any(isinstance(x, int) and x in bdep for x in fe.invars):
-            bdep.update(fe.outvars)
-    if any(isinstance(x, int) and x in bdep for _, fe in found for x in fe.invars):
-        raise TraceError("a random draw over the batch takes its key from the batch, so it cannot "
-                         "be drawn once per step; pass the key outside the batch arguments or use "
-                         "one micro-batch (num_micro_batches=1)")
+    _refuse_batch_keys(flat, [fe for _, fe in found], batch)
     micro = [tuple(flat.avals[fe.outvars[0]].shape) for _, fe in found]
     whole = [tuple(full.avals[fe.outvars[0]].shape) for _, fe in found]
     dims = draw_batch_dims(whole, micro)

@@ -148,7 +148,7 @@ def random_generator(name: str, in_avals: Sequence[Any]) -> dict[str, Any]:
     impl = getattr(getattr(in_avals[0], "dtype", None), "_impl", None)
     generator = str(getattr(impl, "name", "threefry2x32"))
     # (XLA splits an RngBitGenerator's counter-based Philox draw exactly: on
-    # 8 CPU devices a split "rbg" draw equals the whole one, in 1/8 the work)
+    # 8 CPU devices a split "rbg" draw equals the whole one, in a ninth the time)
     return {"partitionable": generator != "threefry2x32"
             or bool(jax.config.jax_threefry_partitionable), "generator": generator}
 
