@@ -13,8 +13,8 @@ Layout (pre-LayerNorm, tied output embedding)::
 With ``dropout`` > 0 the step drops activations as Megatron-LM does (its
 default rate is 0.1 for both kinds): the attention probabilities, and the
 embeddings' sum and each block's two residual branches before they are
-added.  Its key is ``state["rng"]`` (a raw ``uint32[2]`` key), split every
-step.
+added.  Its key is ``state["rng"]`` (raw key data of JAX's default
+generator: ``uint32[2]`` for threefry), split every step.
 
 With ``scan_layers=True`` the blocks are stored once as ``params["h"]`` with a
 leading ``[layers]`` dimension on every leaf and applied with ``jax.lax.scan``.
