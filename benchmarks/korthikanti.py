@@ -26,7 +26,6 @@ import sys
 import time
 from collections import Counter
 
-import jax
 import meshplan
 from meshplan.api import plan_graph, retracer
 from meshplan.dp_search import Session
@@ -48,17 +47,10 @@ ROWS = {
 
 
 def run_row(name: str, auto: bool) -> dict:
-    """One row, its dropout drawn with Philox (JAX's "rbg" keys) as
-    Megatron-LM's PyTorch draws it (see the notes)."""
-    with jax.default_prng_impl("rbg"):
-        return _run_row(name, auto)
-
-
-def _run_row(name: str, auto: bool) -> dict:
     heads, hidden, layers, tp, pp, gpus, batch, pub_full, pub_sel = ROWS[name]
     config = {"batch": batch, "seq_len": 2048, "vocab": 51200, "hidden": hidden,
               "layers": layers, "heads": heads, "dtype": "float32", "compute_dtype": "bfloat16",
-              "dropout": 0.1}
+              "dropout": 0.1, "rng_impl": "rbg"}
     m = build_model("gpt", {k: str(v) for k, v in config.items()})
     cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / f"dgx-a100-x{gpus // 8}.json")
     session = Session.from_env()      # the plans share their layer costs

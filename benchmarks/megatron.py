@@ -24,7 +24,6 @@ import pathlib
 import sys
 import time
 
-import jax
 import meshplan
 from meshplan.errors import InfeasiblePlanError
 from meshplan.api import plan_graph, retracer
@@ -56,14 +55,6 @@ def megatron_flops(config: dict) -> float:
 
 
 def run_row(name: str, searched: bool, published_only: bool = False) -> dict:
-    """One row, its dropout drawn with Philox (JAX's "rbg" keys: XLA's
-    RngBitGenerator) as Megatron-LM's PyTorch draws it, not JAX's default
-    threefry (four times the integer work a 32-bit word, planner/flops.py)."""
-    with jax.default_prng_impl("rbg"):
-        return _run_row(name, searched, published_only)
-
-
-def _run_row(name: str, searched: bool, published_only: bool = False) -> dict:
     info = PRESET_INFO[f"megatron-{name}"]
     m = build_model(f"megatron-{name}")
     batch = m.config["batch"]

@@ -256,13 +256,9 @@ def test_builtin_gpt_with_dropout_matches_jit(method, impl, rows):
     # example, whose trace JAX makes with fewer broadcasts), a recomputation
     # draws the same bits again, and a Philox ("rbg") draw split over devices
     # is the whole one's
-    with jax.default_prng_impl(impl):
-        _gpt_dropout_matches_jit(method, rows)
-
-
-def _gpt_dropout_matches_jit(method, rows):
-    m = build_model("gpt", {"dropout": "0.1", "optimizer": "sgd", "layers": "2",
-                            "hidden": "64", "batch": str(rows), "seq_len": "16", "vocab": "64"})
+    m = build_model("gpt", {"dropout": "0.1", "rng_impl": impl, "optimizer": "sgd",
+                            "layers": "2", "hidden": "64", "batch": str(rows), "seq_len": "16",
+                            "vocab": "64"})
     state, batch = m.init(0)
     ref, rm = jax.jit(m.train_step)(state, batch)
     step = meshplan.parallelize(m.train_step, method=method, batch_argnums=m.batch_argnums)

@@ -151,6 +151,7 @@ def test_override_strings_are_converted():
     ("gpt", {"hidden": "100", "heads": "3"}, "divisible"),
     ("gpt", {"dropout": "1"}, "dropout"),
     ("gpt", {"dropout": "-0.1"}, "dropout"),
+    ("gpt", {"rng_impl": "philox"}, "rng_impl"),
     ("moe", {"num_experts": "1"}, "num_experts"),
     ("wresnet", {"layers": "7"}, "layers"),
     ("mlp", {"loss": "hinge"}, "loss"),
@@ -203,9 +204,9 @@ def test_scan_layers_matches_unrolled_layers():
     assert any(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_gpt_dropout_draws_from_the_state_key(scan):
-    m = build_model("gpt", {"dropout": "0.3", "scan_layers": scan})
+@pytest.mark.parametrize("scan,impl", [(False, "threefry2x32"), (True, "rbg")])
+def test_gpt_dropout_draws_from_the_state_key(scan, impl):
+    m = build_model("gpt", {"dropout": "0.3", "scan_layers": scan, "rng_impl": impl})
     plain = build_model("gpt", {"scan_layers": scan})
     state, batch = m.init(0)
     s1, m1 = jax.jit(m.train_step)(state, batch)
@@ -218,6 +219,9 @@ def test_gpt_dropout_draws_from_the_state_key(scan):
     assert "rng" not in p_state
     jaxpr = jax.make_jaxpr(m.train_step)(*m.abstract_args)
     assert "random_bits" in str(jaxpr)
+    assert state["rng"].shape == ((4,) if impl == "rbg" else (2,))
+    if impl == "rbg":       # the Megatron-LM presets draw as PyTorch does
+        assert build_model("megatron-1.7b").config["rng_impl"] == "rbg"
 
 
 def test_mixed_precision_keeps_param_dtype():

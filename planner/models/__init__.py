@@ -49,7 +49,8 @@ for _size, _h, _l, _heads, _gpus in [
 # GPUs, tensor-, pipeline-parallel degree, achieved TFLOP/s per GPU.  Dropout
 # 0.1 on the attention probabilities and the residual branches: Megatron-LM's
 # default --attention-dropout / --hidden-dropout, whose masks Korthikanti et
-# al. (2022, section 4.1) count among a layer's activations.
+# al. (2022, section 4.1) count among a layer's activations; drawn with
+# Philox, as PyTorch draws them (JAX's threefry does four times the work).
 for _size, _h, _l, _heads, _batch, _gpus, _tp, _pp, _tflops in [
         ("1.7b", 2304, 24, 24, 512, 32, 1, 1, 137),
         ("3.6b", 3072, 30, 32, 512, 64, 2, 1, 138),
@@ -63,7 +64,7 @@ for _size, _h, _l, _heads, _batch, _gpus, _tp, _pp, _tflops in [
         ("1t", 25600, 128, 160, 3072, 3072, 8, 64, 163)]:
     PRESETS[f"megatron-{_size}"] = ("gpt", {"batch": _batch, "seq_len": 2048, "vocab": 51200,
                                             "hidden": _h, "layers": _l, "heads": _heads,
-                                            "dropout": 0.1, **_MIXED})
+                                            "dropout": 0.1, "rng_impl": "rbg", **_MIXED})
     PRESET_INFO[f"megatron-{_size}"] = {
         "source": "Megatron-LM (Narayanan et al. 2021) Table 1", "gpus": _gpus,
         "tp": _tp, "pp": _pp, "dp": _gpus // (_tp * _pp), "tflops_per_gpu": _tflops}

@@ -13,8 +13,9 @@ Layout (pre-LayerNorm, tied output embedding)::
 With ``dropout`` > 0 the step drops activations as Megatron-LM does (its
 default rate is 0.1 for both kinds): the attention probabilities, and the
 embeddings' sum and each block's two residual branches before they are
-added.  Its key is ``state["rng"]`` (raw key data of JAX's default
-generator: ``uint32[2]`` for threefry), split every step.
+added.  Its key is ``state["rng"]``, the raw data of a key of ``rng_impl``
+(JAX's default threefry, ``uint32[2]``, or ``rbg``: Philox, as PyTorch and so
+Megatron-LM draw, ``uint32[4]``), split every step.
 
 With ``scan_layers=True`` the blocks are stored once as ``params["h"]`` with a
 leading ``[layers]`` dimension on every leaf and applied with ``jax.lax.scan``.
@@ -48,8 +49,10 @@ DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-3,
     "optimizer": "adam",
     "dropout": 0.0,
+    "rng_impl": "threefry2x32",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES}
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": FLOAT_DTYPES, "compute_dtype": FLOAT_DTYPES,
+                                       "rng_impl": ("threefry2x32", "rbg")}
 NON_NEGATIVE: tuple[str, ...] = ("dropout",)
 
 INIT_STD = 0.02
@@ -174,13 +177,14 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
     dtype = to_dtype(config["dtype"])
     cdt = to_dtype(config["compute_dtype"])
     rate: float = config["dropout"]
+    impl: str = config["rng_impl"]
 
     def loss_fn(params: Params, extra: dict[str, Any], batch: Batch
                 ) -> tuple[jax.Array, dict[str, Any]]:
         keys: Any = [None] * (layers + 1)
         if rate > 0:
-            rng, drawn = jax.random.split(extra["rng"])
-            extra = {**extra, "rng": rng}
+            rng, drawn = jax.random.split(jax.random.wrap_key_data(extra["rng"], impl=impl))
+            extra = {**extra, "rng": jax.random.key_data(rng)}
             keys = jax.random.split(drawn, layers + 1)
         x = dropout(embed(params, batch["input_ids"], cdt), rate, keys[layers])
         if scan_layers:
@@ -207,7 +211,7 @@ def make(config: Mapping[str, Any]) -> tuple[TrainStep, InitFn]:
         params["ln_f"] = layer_norm_init(hidden, dtype)
         state: State = {"params": params, "opt_state": tx.init(params)}
         if rate > 0:
-            state["rng"] = jax.random.fold_in(k_data, 1)
+            state["rng"] = jax.random.key_data(jax.random.key(seed + 1, impl=impl))
         return state, lm_batch(k_data, batch_size, seq_len, vocab)
 
     return train_step, init
