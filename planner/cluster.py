@@ -224,8 +224,8 @@ class DeviceSpec:
         Without an exact figure: float16 and bfloat16 stand in for each other,
         a float8 uses the other float8 then the 16-bit figure, float64 is half
         the float32 figure, integers other than int8 use the int32 figure
-        when there is one, and everything else (tfloat32, integers, bool,
-        unknown names) uses the float32 figure.  If float32 itself is missing
+        when there is one, and everything else (tfloat32, bool, unknown
+        names, integers without an int32 figure) uses the float32 figure.  If float32 itself is missing
         the smallest figure given is used, a conservative guess.
         """
         table = dict(self.peak_flops)

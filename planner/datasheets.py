@@ -113,7 +113,8 @@ _H100_SXM = _f(bfloat16=989.4, float16=989.4, tfloat32=494.7, float32=66.9, floa
 _H100_PCIE = _f(bfloat16=756, float16=756, tfloat32=378, float32=51.2, float64=51.2,
                 float8_e4m3fn=1513, float8_e5m2=1513, int8=1513, int32=12.8)
 _KNOWN_GPUS = (
-    Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8, int32=7.8), 16 * _GIB, 900e9,
+    Datasheet(("v100", "sxm2"), _f(float16=125, float32=15.7, float64=7.8, int32=7.8),
+           16 * _GIB, 900e9,
            _NVLINK2, _GPU_NET, "NVIDIA Tesla V100 datasheet (V100 SXM2)",
            achieved=V100_ACHIEVED, host_link=_HOST3),
     Datasheet(("v100",), _f(float16=112, float32=14, float64=7, int32=7.1), 16 * _GIB, 900e9,
