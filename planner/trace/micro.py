@@ -177,7 +177,7 @@ def _draws_in_order(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int]
                                    for k in mine])
     if isinstance(dims, str):
         raise TraceError(dims)
-    if any(_key_chain(flat, a) != _key_chain(full, b) for a, b in zip(mine, theirs)):
+    if _key_chains(flat, mine) != _key_chains(full, theirs):
         raise TraceError(OTHER_STREAM)
     over = [(a, b, d, w) for a, b, d, w in zip(mine, theirs, dims, whole) if d is not None]
     _refuse_batch_keys(flat, [flat.eqns[a] for a, _, _, _ in over], batch)
@@ -185,12 +185,31 @@ def _draws_in_order(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int]
             tuple((a, full.eqns[b].eqn) for a, b, _, _ in over))
 
 
-def _key_chain(flat: FlatJaxpr, k: int) -> list[tuple[str, tuple]]:
-    """(primitive, result shapes) of the equations draw ``k`` is computed from."""
-    need = _ancestors(flat.eqns[:k], {x for x in flat.eqns[k].invars if isinstance(x, int)})
-    return [(fe.eqn.primitive.name, tuple(tuple(getattr(flat.avals[o], "shape", ()))
-                                          for o in fe.outvars))
-            for fe in flat.eqns[:k] if any(o in need for o in fe.outvars)]
+def _key_chains(flat: FlatJaxpr, draws: Sequence[int]) -> list[list[tuple[str, tuple]]]:
+    """Per draw (equation index): (primitive, result shapes) of the equations
+    it is computed from, in stream order -- one backward walk for all draws
+    (a bit per draw on each value still needed)."""
+    need: dict[int, int] = {}
+    for bit, k in enumerate(draws):
+        for x in flat.eqns[k].invars:
+            if isinstance(x, int):
+                need[x] = need.get(x, 0) | 1 << bit
+    chains: list[list[tuple[str, tuple]]] = [[] for _ in draws]
+    for fe in reversed(flat.eqns[:max(draws, default=0)]):
+        mask = 0
+        for o in fe.outvars:
+            mask |= need.get(o, 0)
+        if not mask:
+            continue
+        sig = (fe.eqn.primitive.name,
+               tuple(tuple(getattr(flat.avals[o], "shape", ())) for o in fe.outvars))
+        for bit in range(len(draws)):
+            if mask >> bit & 1:
+                chains[bit].append(sig)
+        for x in fe.invars:
+            if isinstance(x, int):
+                need[x] = need.get(x, 0) | mask
+    return [c[::-1] for c in chains]
 
 
 def _refuse_batch_keys(flat: FlatJaxpr, draws: Sequence[FlatEqn], batch: set[int]) -> None:

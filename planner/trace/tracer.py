@@ -133,19 +133,18 @@ def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str]) -> tup
     if not flop_rules.is_known(name):
         warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
                      "and planned replicated")
-    params = dict(eqn.params, **random_generator(name, in_avals))
+    params = dict(eqn.params, **random_generator(in_avals)) if name == "random_bits" \
+        else eqn.params
     f = flop_rules.flops_of(name, [_shape(a) for a in in_avals], [_shape(a) for a in out_avals],
                             params)
     return f, nbytes
 
 
-def random_generator(name: str, in_avals: Sequence[Any]) -> dict[str, Any]:
-    """For a random_bits: the key's implementation and whether a split draw
-    equals the whole one (what its bits cost, planner.flops.random_bits_flops;
-    the ILP may split a partitionable draw); else {}."""
-    if name != "random_bits" or not in_avals:
-        return {}
-    impl = getattr(getattr(in_avals[0], "dtype", None), "_impl", None)
+def random_generator(in_avals: Sequence[Any]) -> dict[str, Any]:
+    """A random_bits' key implementation and whether a split draw equals the
+    whole one (what its bits cost, planner.flops.random_bits_flops; the ILP
+    may split a partitionable draw), from its operands."""
+    impl = getattr(getattr(in_avals[0], "dtype", None), "_impl", None) if in_avals else None
     generator = str(getattr(impl, "name", "threefry2x32"))
     # (XLA splits an RngBitGenerator's counter-based Philox draw exactly: on
     # 8 CPU devices a split "rbg" draw equals the whole one, in a ninth the time)
@@ -308,7 +307,8 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
             # the precision a matmul without its own runs at (ilp.strategies.node_dtype)
             params = params + (("config_precision",
                                 str(jax.config.jax_default_matmul_precision)),)
-        params = params + tuple(random_generator(prim, [aval_of(i) for i in fe.invars]).items())
+        if prim == "random_bits":
+            params = params + tuple(random_generator([aval_of(i) for i in fe.invars]).items())
         nodes.append(Node(id=len(nodes), primitive=prim, inputs=in_ids, outputs=fe.outvars,
                           params=params, flops=f, bytes_accessed=b, remat=fe.remat,
                           repeat=repeat, scope=fe.scope))
