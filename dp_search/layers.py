@@ -123,6 +123,19 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
     return []
 
 
+def _structure_params(n) -> tuple:
+    """``n``'s params as far as they decide its strategies and costs: a
+    scan's leading ones (its body is in the graph), and a ``slice``'s
+    strides without its position: the blocks of ``keys[i]`` (one key per
+    layer, split from one) differ there only, and a slice's rule and cost
+    depend on its shapes alone (ilp.rules.slice_like_rule)."""
+    if n.primitive == "scan":
+        return n.params[:3]
+    if n.primitive == "slice":
+        return tuple((k, v) for k, v in n.params if k not in ("start_indices", "limit_indices"))
+    return n.params
+
+
 def _signatures(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
     """One integer per forward node: equal when primitive, parameters and
     operand / result shapes are equal."""
@@ -130,8 +143,7 @@ def _signatures(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
     out = []
     for nid in fwd_ids:
         n = graph.nodes[nid]
-        params = n.params if n.primitive != "scan" else n.params[:3]
-        key = repr((n.primitive, params,
+        key = repr((n.primitive, _structure_params(n),
                     [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in n.inputs],
                     [(graph.tensors[t].shape, graph.tensors[t].dtype) for t in n.outputs]))
         out.append(codes.setdefault(key, len(codes)))
@@ -657,7 +669,7 @@ def structural_hash(graph: Graph) -> str:
             i.role if i.role != BOUNDARY else "b", i.batch_dim) for i in graph.inputs]
     nodes = [(n.primitive, tuple(r[t] for t in n.inputs), tuple(r[t] for t in n.outputs),
               tuple((ts[t].shape, ts[t].dtype) for t in n.outputs),
-              n.params if n.primitive != "scan" else n.params[:3])
+              _structure_params(n))
              for n in graph.nodes]
     outs = [(r[o.tensor], o.updates is not None) for o in graph.outputs]
     rows = sorted((r[t], d) for t, d in graph.batch_dims if t in r)

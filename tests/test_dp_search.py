@@ -55,9 +55,9 @@ def test_submesh_shapes():
         (1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
 
 
-def _gpt(layers=4, compute_dtype="float32"):
+def _gpt(layers=4, compute_dtype="float32", **extra):
     m = build_model("gpt", {"layers": str(layers), "hidden": "128", "seq_len": "64", "vocab": "512",
-                            "compute_dtype": compute_dtype})
+                            "compute_dtype": compute_dtype, **extra})
     return m, trace(m.train_step, *m.abstract_args)
 
 
@@ -290,9 +290,13 @@ def test_find_blocks_on_a_repeated_sequence():
     assert find_blocks(np.array(list(range(30)) + [1, 2, 1, 2]), np.ones(34)) is None
 
 
-@pytest.mark.parametrize("layers,compute_dtype", [(3, "float32"), (6, "float32"), (4, "float16")])
-def test_identical_transformer_blocks_are_layers_of_one_kind(layers, compute_dtype):
-    m, g = _gpt(layers, compute_dtype)
+@pytest.mark.parametrize("layers,compute_dtype,dropout", [
+    (3, "float32", 0), (6, "float32", 0), (4, "float16", 0),
+    # each block draws its masks from its own key, keys[i] of one split:
+    # the blocks differ only in the position of that slice
+    (4, "float32", 0.1)])
+def test_identical_transformer_blocks_are_layers_of_one_kind(layers, compute_dtype, dropout):
+    m, g = _gpt(layers, compute_dtype, dropout=dropout)
     lay = assign_layers(g)
     assert lay.num_layers == layers + 2       # embedding, the blocks, head + loss
     hashes = [layer_subgraph(g, lay, l, l).fingerprint for l in range(lay.num_layers)]
