@@ -83,8 +83,8 @@ def grid(cluster: meshplan.ClusterSpec, batch: int, layers: int):
                                               sequence_parallel=sp)
 
 
-# (seed 0, the slowest at 35 s, runs with -m slow)
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 0 else s
+# (seeds 0 and 2, the slowest, run with -m slow)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s != 1 else s
                                   for s in SEEDS])
 def test_auto_is_no_slower_than_any_manual_plan(seed):
     rng = random.Random(seed)

@@ -159,6 +159,8 @@ def test_restore_under_a_two_stage_pipeline_plan(gpt, trained):
     _assert_close(s, ref_states[3])
 
 
+# (a restore under a pipeline plan: test_restore_under_a_two_stage_pipeline_plan)
+@pytest.mark.slow
 def test_restore_then_train_under_the_pipeline_runtime(gpt, trained):
     model, state, batches, ref_states = gpt
     path, _ = trained

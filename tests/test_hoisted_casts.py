@@ -89,7 +89,8 @@ def test_a_cast_read_by_the_update_or_of_the_batch_stays_where_it_is():
     assert len(split.hoisted) == 1
 
 
-@pytest.mark.parametrize("remat,schedule", [("full", "1f1b"), ("none", "zb-h1")])
+@pytest.mark.parametrize("remat,schedule", [pytest.param("full", "1f1b", marks=pytest.mark.slow),
+                                             ("none", "zb-h1")])
 def test_a_mixed_precision_pipeline_matches_the_plain_step(remat, schedule):
     m = build_model("gpt", GPT)
     state, batch = m.init(0)

@@ -225,7 +225,7 @@ METHODS = {"auto": meshplan.Auto, "shard": meshplan.ShardParallel,
            "manual": lambda: meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=1)}
 # (library, method) pairs in the default run; the rest are marked slow
 # (pipelines of scanned layers: tests/test_unstack.py in the default run too)
-DEFAULT = {("flax_linen", "shard"), ("flax_nnx", "manual"), ("equinox", "auto"),
+DEFAULT = {("flax_linen", "shard"), ("flax_nnx", "manual"), ("equinox", "shard"),
            ("penzai", "shard")}
 
 

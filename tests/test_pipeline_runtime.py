@@ -151,8 +151,8 @@ def test_partial_sums_hold_with_one_row_per_data_shard():
     assert align(ex.traced.flat, small)[1] == ps.value
 
 
-@pytest.mark.parametrize("name,examples,every", [("gpt", 8, False), ("gpt", 16, True),
-                                                ("mlp", 16, False)])
+@pytest.mark.parametrize("name,examples,every", [
+    ("gpt", 8, False), pytest.param("gpt", 16, True, marks=pytest.mark.slow), ("mlp", 16, False)])
 def test_a_searched_plan_still_reduces_once_per_step(name, examples, every):
     # a searched plan may leave the batch arguments whole, all (the first
     # layer cuts the rows of what it makes: the runtime then finds the data

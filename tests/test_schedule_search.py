@@ -11,6 +11,7 @@ import pytest
 
 import meshplan
 from meshplan.cluster import load_cluster
+from meshplan.dp_search import Session
 from meshplan.errors import InfeasiblePlanError
 from meshplan.methods import AUTO_SCHEDULES
 from meshplan.models import build_model
@@ -22,13 +23,15 @@ GPT = {"layers": 4, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64, "batch
 
 @pytest.fixture(scope="module")
 def gpt():
+    # (one session: the plans share their layers' ILPs, which no schedule
+    # changes; tests/test_ilp_structure.py: a shared cache changes no result)
     m = build_model("gpt", GPT)
-    return m.train_step, tuple(m.abstract_args)
+    return m.train_step, tuple(m.abstract_args), Session.from_env()
 
 
 def _plan(gpt, method):
-    step, args = gpt
-    return meshplan.plan(step, *args, cluster=ONE_HOST, method=method)
+    step, args, session = gpt
+    return meshplan.plan(step, *args, cluster=ONE_HOST, method=method, session=session)
 
 
 def test_searched_schedule_is_the_fastest_named_one(gpt):

@@ -11,6 +11,7 @@ import pytest
 import meshplan
 from meshplan.cli import _method, build_parser
 from meshplan.cluster import load_cluster
+from meshplan.dp_search import Session
 from meshplan.errors import InfeasiblePlanError, MeshplanError
 from meshplan.ilp import candidate_meshes, within_host
 from meshplan.models import build_model
@@ -21,13 +22,16 @@ TWO_HOSTS = load_cluster(str(ROOT / "examples/clusters/dgx-a100-x2.json"))
 
 @pytest.fixture(scope="module")
 def gpt():
+    # (one session: the searches share their layers' ILPs; a shared cache
+    # changes no result, tests/test_ilp_structure.py)
     m = build_model("gpt", {})
-    return m.train_step, tuple(m.abstract_args)
+    return m.train_step, tuple(m.abstract_args), Session.from_env()
 
 
-def _plan(gpt, method):
-    step, args = gpt
-    return meshplan.plan(step, *args, cluster=TWO_HOSTS, method=method)
+def _plan(model, method):
+    step, args, *session = model
+    return meshplan.plan(step, *args, cluster=TWO_HOSTS, method=method,
+                         session=session[0] if session else None)
 
 
 def test_within_host_keeps_only_the_first_axis_across_hosts():
