@@ -36,10 +36,14 @@ class Replay:
     groups: tuple[tuple[int, ...], ...]     # equation indices, in stream order
     group_of: Mapping[int, int]             # recomputed value id -> its group
     forward: tuple[bool, ...]               # per equation
+    # the first equation after the forward's last: the backward.  Equations
+    # outside the forward but among it (a random key split for the next
+    # step's state) read the values the forward just made
+    backward_from: int = 0
 
     def reads(self, eqn: int, invars: Sequence[object]) -> list[int]:
         """The recomputed values a backward equation reads (none for the forward)."""
-        if self.forward[eqn]:
+        if self.forward[eqn] or eqn < self.backward_from:
             return []
         return [x for x in invars if isinstance(x, int) and x in self.group_of]
 
@@ -64,7 +68,8 @@ def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int],
     else:
         raise ValueError(f"recompute {recompute!r}")
     # only what the backward reads, and what making it needs
-    need = {t for n in nodes if not fwd[n.id] for t in n.inputs if t in again}
+    backward_from = 1 + max((n.id for n in nodes if fwd[n.id]), default=-1)
+    need = {t for n in nodes[backward_from:] if not fwd[n.id] for t in n.inputs if t in again}
     stack, replay = list(need), set()
     while stack:
         p = graph.producer.get(stack.pop())
@@ -80,4 +85,4 @@ def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int],
                 for t in nodes[nid].outputs if t in again}
     if not groups:
         return None
-    return Replay(groups, group_of, fwd)
+    return Replay(groups, group_of, fwd, backward_from)
