@@ -70,7 +70,9 @@ def _case(model, shape):
     assert_elementwise(par, ref)
 
 
-@pytest.mark.parametrize("model, shape", DEFAULT_CASES)
+# (wresnet, the slowest, runs with -m extended; convolutions against jit: test_fuzz_models)
+@pytest.mark.parametrize("model, shape", [pytest.param(*c, marks=pytest.mark.extended)
+                                          if c[0] == "wresnet" else c for c in DEFAULT_CASES])
 def test_models_match_unparallelized_step(model, shape):
     _case(model, shape)
 

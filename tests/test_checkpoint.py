@@ -160,7 +160,7 @@ def test_restore_under_a_two_stage_pipeline_plan(gpt, trained):
 
 
 # (a restore under a pipeline plan: test_restore_under_a_two_stage_pipeline_plan)
-@pytest.mark.slow
+@pytest.mark.extended
 def test_restore_then_train_under_the_pipeline_runtime(gpt, trained):
     model, state, batches, ref_states = gpt
     path, _ = trained

@@ -24,6 +24,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_two_processes_save_and_restore_under_other_plans(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")

@@ -75,6 +75,7 @@ def _same(a: dict[str, str], b: dict[str, str], what: str) -> None:
             pytest.fail(f"{label}: plan JSON differs {what}:\n{diff}")
 
 
+@pytest.mark.extended   # (in one process: test_planning_twice_in_one_process_...)
 def test_plan_json_is_byte_identical_across_runs_and_hash_seeds() -> None:
     # one other process with a fixed hash seed: this one's seed is random, so
     # the two differ (a second subprocess doubled the test's time on 2 cores)

@@ -154,7 +154,7 @@ def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
         assert st.predicted.memory.grads <= st.predicted.memory.params
 
 
-@pytest.mark.slow   # (such plans run: test_gradients_reduced_each_micro_batch_run_as_planned)
+@pytest.mark.extended   # (such plans run: test_gradients_reduced_each_micro_batch_run_as_planned)
 def test_the_runtime_keeps_no_partial_sums_for_such_a_plan():
     # (a Manual plan whose data-parallel sums the runtime keeps whole per
     # shard, marked as reducing them each micro-batch: the backwards reduce them)

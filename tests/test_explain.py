@@ -35,6 +35,7 @@ def explained(tmp_path_factory):
     return buf.getvalue(), meshplan.Plan.from_json(out.read_text())
 
 
+@pytest.mark.extended
 def test_explain_lists_at_least_four_alternatives_with_times(explained):
     text, plan = explained
     alts = plan.alternatives
@@ -60,6 +61,7 @@ def test_explain_lists_at_least_four_alternatives_with_times(explained):
     assert lines[2 + len(alts) + 1].startswith("Binding constraint: ")
 
 
+@pytest.mark.extended
 def test_chosen_plan_against_the_alternatives(explained):
     """The other numbers of stages come from Auto's own search: none beats its
     choice by more than the 5% by which it prefers the whole-graph ILP's
@@ -79,6 +81,7 @@ def test_chosen_plan_against_the_alternatives(explained):
             assert "slower" in a.why or "as fast" in a.why or "chosen plan is this" in a.why, a
 
 
+@pytest.mark.extended
 def test_alternatives_round_trip_through_json(explained):
     _, plan = explained
     data = json.loads(plan.to_json())

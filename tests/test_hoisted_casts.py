@@ -89,7 +89,7 @@ def test_a_cast_read_by_the_update_or_of_the_batch_stays_where_it_is():
     assert len(split.hoisted) == 1
 
 
-@pytest.mark.parametrize("remat,schedule", [pytest.param("full", "1f1b", marks=pytest.mark.slow),
+@pytest.mark.parametrize("remat,schedule", [pytest.param("full", "1f1b", marks=pytest.mark.extended),
                                              ("none", "zb-h1")])
 def test_a_mixed_precision_pipeline_matches_the_plain_step(remat, schedule):
     m = build_model("gpt", GPT)

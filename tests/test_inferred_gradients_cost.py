@@ -76,7 +76,7 @@ def test_inferred_gradients_are_the_marked_ones(B):
 
 
 @pytest.mark.parametrize("method", [
-    meshplan.Auto(),
+    pytest.param(meshplan.Auto(), marks=pytest.mark.extended),
     meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4),
     meshplan.PipeshardParallel(stages=1, num_micro_batches=2),
 ], ids=["auto", "manual-pp2-m4", "one-stage-m2"])

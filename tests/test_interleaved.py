@@ -47,7 +47,8 @@ def _check_run(name, plan, pp):
     _assert_close(state, losses, name)
 
 
-FAST = [("mlp", 2, 2, 2, 2), ("mlp", 2, 2, 2, 4), ("gpt", 2, 2, 2, 2)]
+FAST = [("mlp", 2, 2, 2, 2), ("mlp", 2, 2, 2, 4),
+        pytest.param("gpt", 2, 2, 2, 2, marks=pytest.mark.extended)]
 SLOW = [("gpt", 2, 2, 2, 4), ("mlp", 2, 2, 2, 8), ("gpt", 2, 2, 2, 8),
         ("mlp", 1, 2, 4, 4), ("mlp", 1, 2, 4, 8), ("gpt", 1, 2, 4, 4), ("gpt", 1, 2, 4, 8)]
 

@@ -108,6 +108,7 @@ def test_killing_process_1_stops_process_0_naming_it(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_killing_the_coordinator_stops_process_1_naming_it(tmp_path):
     rc, out, seconds = _run(tmp_path, "train", victim=0)
     assert rc != 0, out[-3000:]
@@ -122,6 +123,7 @@ def test_killing_the_coordinator_stops_process_1_naming_it(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_an_exception_in_process_1_stops_process_0_with_its_message(tmp_path):
     rc, out, seconds = _run(tmp_path, "raise-after-3", victim=None)
     assert rc == PEER_LOST_EXIT_CODE, out[-3000:]

@@ -105,7 +105,7 @@ def _kept_between(ex, s):
     return sum(np.prod(ex.flat.avals[x].shape) * ex.flat.avals[x].dtype.itemsize for x in kept)
 
 
-@pytest.mark.slow   # (one program: test_one_program_recomputing_its_first_layers_...)
+@pytest.mark.extended   # (one program: test_one_program_recomputing_its_first_layers_...)
 def test_a_stage_recomputing_its_first_layers_equals_the_undecorated_step():
     plan = _local({"recompute": "full", "recompute_layers": 2})
     ex, state, losses = _run(plan, steps=3)
@@ -125,7 +125,7 @@ def test_a_stage_recomputing_its_first_layers_equals_the_undecorated_step():
     assert later and not set(later) & set(b0.replay)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_what_a_stage_keeps_falls_as_more_of_its_layers_recompute():
     kept = []
     for stage0 in ({"recompute": "none"}, {"recompute": "full", "recompute_layers": 2},

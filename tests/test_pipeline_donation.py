@@ -88,7 +88,7 @@ def test_a_deleted_argument_is_refused_before_anything_runs():
     step(new, batch)      # the returned state still runs
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_weight_two_stages_read_is_deleted_after_the_step_not_taken_over():
     # a tied embedding: the first stage updates it, the last reads it again
     m = build_model("gpt", {"layers": "2", "hidden": "32", "heads": "2", "seq_len": "16",

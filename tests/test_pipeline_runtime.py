@@ -152,7 +152,7 @@ def test_partial_sums_hold_with_one_row_per_data_shard():
 
 
 @pytest.mark.parametrize("name,examples,every", [
-    ("gpt", 8, False), pytest.param("gpt", 16, True, marks=pytest.mark.slow), ("mlp", 16, False)])
+    ("gpt", 8, False), pytest.param("gpt", 16, True, marks=pytest.mark.extended), ("mlp", 16, False)])
 def test_a_searched_plan_still_reduces_once_per_step(name, examples, every):
     # a searched plan may leave the batch arguments whole, all (the first
     # layer cuts the rows of what it makes: the runtime then finds the data
@@ -338,7 +338,8 @@ def _with_remat(plan, remat):
                                                   for s, r in zip(plan.stages, remat)))
 
 
-@pytest.mark.parametrize("name,schedule,remat", [("gpt", "1f1b", (True, True)),
+@pytest.mark.parametrize("name,schedule,remat", [pytest.param("gpt", "1f1b", (True, True),
+                                                              marks=pytest.mark.extended),
                                                  ("mlp", "gpipe", (False, True))],
                          ids=["gpt-1f1b-both-stages", "mlp-gpipe-stage1"])
 def test_remat_stages_equal_undecorated_step(name, schedule, remat):

@@ -71,6 +71,7 @@ def test_capped_gap_is_read_once_from_the_environment():
             SolverOptions.from_env({"MESHPLAN_CAPPED_GAP": bad})
 
 
+@pytest.mark.extended
 def test_searches_differing_only_in_input_filter_cut_each_count_once():
     m = build_model("gpt", {"optimizer": "sgd"})
     session = Session.from_env()

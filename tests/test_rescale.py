@@ -92,6 +92,7 @@ FUZZ = settings(max_examples=8, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.extended   # (the built-in models: test_rewritten_graph_equals_a_trace_for_built_in_models)
 @FUZZ
 @given(desc=model_and_mesh(), batch=st.sampled_from([4, 8, 12]))
 def test_rewritten_graph_equals_a_trace_for_fuzzed_models(desc, batch):

@@ -364,6 +364,7 @@ def test_a_weight_read_twice_stays_off_the_slice_axis():
     assert len(wo) == 3 and all(s == ("y", None) for s in wo), wo
 
 
+@pytest.mark.extended
 def test_pipeline_stages_may_be_whole_slices():
     from meshplan.models import build_model
     m = build_model("gpt", {"layers": "4", "hidden": "64", "heads": "2", "seq_len": "32",

@@ -78,7 +78,7 @@ def test_no_rewrite_without_a_scan_over_stacked_inputs():
     assert _unstacked(m.train_step, m.abstract_args)[1] is None
 
 
-@pytest.mark.slow   # (one stage: test_gpt_scan_is_unrolled_per_layer_and_computes_the_same_step)
+@pytest.mark.extended   # (one stage: test_gpt_scan_is_unrolled_per_layer_and_computes_the_same_step)
 def test_pipeline_cuts_between_scanned_layers_and_matches_the_step():
     m = build_model("gpt", {**GPT, "optimizer": "sgd"})
     state, batch = jax.device_get(m.init(0))

@@ -73,7 +73,7 @@ def test_pipeline_rows_compare_each_stage():
     assert "| mlp | 4x(2x1) mb2 gpipe | 3 |" in pipeline_table(rows)
 
 
-@pytest.mark.slow   # (its numbers: tests/test_pipeline_runtime.py, the tied embedding)
+@pytest.mark.extended   # (its numbers: tests/test_pipeline_runtime.py, the tied embedding)
 def test_a_tied_embedding_gradient_is_reduced_once_a_step_at_the_last_stage():
     # gpt's output projection is its token embedding: the last stage sums its
     # contribution to that gradient over the micro-batches (planned cut over
