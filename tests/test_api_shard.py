@@ -70,7 +70,8 @@ def _case(model, shape):
     assert_elementwise(par, ref)
 
 
-# (wresnet, the slowest, runs with -m extended; convolutions against jit: test_fuzz_models)
+# (wresnet, the slowest, runs with -m extended; convolutions against jit: test_fuzz_models,
+# also -m extended)
 @pytest.mark.parametrize("model, shape", [pytest.param(*c, marks=pytest.mark.extended)
                                           if c[0] == "wresnet" else c for c in DEFAULT_CASES])
 def test_models_match_unparallelized_step(model, shape):
@@ -184,6 +185,7 @@ def test_data_parallel_refuses_indivisible_batch():
         meshplan.plan(m.train_step, *m.abstract_args, cluster=local(), method=meshplan.DataParallel())
 
 
+@pytest.mark.extended
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hidden=st.sampled_from([8, 12, 24, 64]), layers=st.integers(1, 3),
        batch=st.sampled_from([4, 6, 8, 12, 16, 20]),

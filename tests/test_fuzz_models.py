@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -279,6 +280,7 @@ def check(desc: dict, steps: int = 2) -> meshplan.Plan:
     return step.plan
 
 
+@pytest.mark.extended
 @FUZZ
 @given(desc=model_and_mesh())
 def test_random_models_plan_and_match_the_undecorated_step(desc):

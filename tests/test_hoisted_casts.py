@@ -171,6 +171,7 @@ def test_without_copies_a_stage_casts_in_its_own_programs_and_matches():
                for tr in [step._entry((state, batch))[1].flat] for k in split.tasks[("B", 1)].replay)
 
 
+@pytest.mark.extended
 def test_the_planner_holds_a_copy_once_not_per_micro_batch_in_flight(monkeypatch):
     # recomputing nothing, each micro-batch's backward read its own cast of
     # a weight, kept in flight; now every one reads the stage's copy

@@ -262,6 +262,7 @@ def test_comm_breakdown_adds_up(config, reshards):
         assert planned[operand] != spec
 
 
+@pytest.mark.extended
 def test_deep_gpt_plans_quickly():
     """A 12-layer GPT on 2 x 4: identical layers are solved once (exact), so
     the ILP is solved to optimality inside its time limit (how long it takes

@@ -229,10 +229,15 @@ DEFAULT = {("flax_linen", "shard"), ("flax_nnx", "manual"), ("equinox", "shard")
            ("penzai", "shard")}
 
 
+# (of those, run after the default run: .ci/run)
+EXTENDED = {("flax_linen", "shard")}
+
+
 def _cases():
     for lib in LIBRARIES:
         for method in METHODS:
-            marks = () if (lib, method) in DEFAULT else (pytest.mark.slow,)
+            marks = () if (lib, method) in DEFAULT - EXTENDED else \
+                (pytest.mark.extended,) if (lib, method) in EXTENDED else (pytest.mark.slow,)
             yield pytest.param(lib, method, marks=marks, id=f"{lib}-{method}")
 
 

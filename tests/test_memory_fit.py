@@ -73,6 +73,7 @@ def test_stage_takes_layer_plans_with_sharded_weights_when_memory_binds(monkeypa
     assert stage.predicted.memory.params < 8 * 12 * 4096 ** 2 * 4 / 4
 
 
+@pytest.mark.extended
 def test_capped_plans_are_tried_where_the_fastest_fit_only_by_recomputing(monkeypatch):
     """Where the layers' fastest plans fit only by recomputing, plans with
     their state capped are tried too, and win where they need no

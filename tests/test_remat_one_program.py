@@ -101,6 +101,7 @@ def test_memory_analysis_confirms_the_saving():
     assert temp["none"] > temp["selective"] > temp["full"], temp
 
 
+@pytest.mark.extended
 def test_shard_parallel_recomputes_on_its_fixed_mesh_with_the_plain_steps_numbers():
     # ShardParallel(remat=...) keeps its mesh, lets the ILP choose the layouts
     # (weights may split over both axes, unlike Manual's), and recomputes

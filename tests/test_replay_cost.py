@@ -79,6 +79,7 @@ def test_recomputation_adds_only_the_replay_to_the_stage(costs):
     assert 0 < replay < g.time_s / 2
 
 
+@pytest.mark.extended
 def test_recomputed_flops_are_those_xla_compiles():
     # hardware FLOPs count what the compiled step runs again: XLA's own
     # count of the remat'd step over the plain one (a full forward again

@@ -58,7 +58,8 @@ def test_near_ties_go_to_the_lighter_heaviest_stage():
     assert [(s.first, s.last) for s in r.stages] == [(0, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("lib", ["flax_nnx", pytest.param("flax_linen", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("lib", [pytest.param("flax_nnx", marks=pytest.mark.extended),
+                                 pytest.param("flax_linen", marks=pytest.mark.slow)])
 def test_two_stages_of_a_two_layer_flax_model_balance_flops(lib):
     step, state = LIBRARIES[lib]()
     args = (state, _tokens())
