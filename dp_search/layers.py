@@ -137,8 +137,8 @@ def _structure_params(n) -> tuple:
 
 
 def _signatures(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
-    """One integer per forward node: equal when primitive, parameters and
-    operand / result shapes are equal."""
+    """One integer per forward node: equal when primitive, parameters
+    (:func:`_structure_params`) and operand / result shapes are equal."""
     codes: dict[str, int] = {}
     out = []
     for nid in fwd_ids:
