@@ -84,6 +84,7 @@ def test_models_match_unparallelized_step_all_meshes(model, shape):
     _case(model, shape)
 
 
+@pytest.mark.extended   # (sgd: test_models_match_unparallelized_step)
 def test_adam_gpt_matches_within_adam_noise():
     # Adam divides by sqrt(v): gradients that cancel to rounding level flip the
     # sign of full-size updates (DESIGN.md, "JAX facts").  The loss must match

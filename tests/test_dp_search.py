@@ -425,10 +425,10 @@ def test_layers_inside_a_scan_are_reported_or_unrolled():
 @pytest.mark.parametrize("fits,untraceable,expected,fastest", [
     # counts that fit -> the counts searched, from the most micro-batches down:
     # once a count fits nothing after one that did, fewer are not tried
-    ({64, 32, 16}, (), [64, 32, 16, 8], 32),
+    pytest.param({64, 32, 16}, (), [64, 32, 16, 8], 32, marks=pytest.mark.extended),
     # nothing fits with 64 (the most of the usual counts): smaller micro-batches
     # are tried, fewer are not; 128 being the fastest, 256 is tried too
-    ({128}, (), [64, 128, 256], 32),
+    pytest.param({128}, (), [64, 128, 256], 32, marks=pytest.mark.extended),
     # micro-batches too small to trace (MoE token groups) do not stop the search
     ({16}, (64, 32), [16, 8], 32),
     # the most of the usual counts is the fastest that fits: more are tried

@@ -156,6 +156,7 @@ def test_each_stage_costs_the_sum_of_its_own_layers(stages):
             head + block * (last.layers[1] - last.layers[0]), rel=1e-9)
 
 
+@pytest.mark.extended
 def test_a_pipeline_of_one_layer_per_stage_equals_the_plain_step():
     # the gpt of the pipeline runtime tests: embedding, two blocks, head
     from test_pipeline_runtime import _plan

@@ -204,7 +204,8 @@ def test_scan_layers_matches_unrolled_layers():
     assert any(eqn.primitive.name == "scan" for eqn in jaxpr.jaxpr.eqns)
 
 
-@pytest.mark.parametrize("scan,impl", [(False, "threefry2x32"), (True, "rbg")])
+@pytest.mark.parametrize("scan,impl", [(False, "threefry2x32"),
+                                       pytest.param(True, "rbg", marks=pytest.mark.extended)])
 def test_gpt_dropout_draws_from_the_state_key(scan, impl):
     m = build_model("gpt", {"dropout": "0.3", "scan_layers": scan, "rng_impl": impl})
     plain = build_model("gpt", {"scan_layers": scan})

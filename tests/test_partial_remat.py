@@ -36,6 +36,7 @@ def _need(p) -> int:
     return max(s.predicted.memory_bytes for s in p.stages)
 
 
+@pytest.mark.extended
 def test_where_none_does_not_fit_some_layers_recompute_and_the_rest_not():
     none, sel, full = (_manual(r) for r in ("none", "selective", "full"))
     dev = meshplan.load_cluster(DGX).device.memory_bytes

@@ -152,7 +152,8 @@ def test_partial_sums_hold_with_one_row_per_data_shard():
 
 
 @pytest.mark.parametrize("name,examples,every", [
-    ("gpt", 8, False), pytest.param("gpt", 16, True, marks=pytest.mark.extended), ("mlp", 16, False)])
+    pytest.param("gpt", 8, False, marks=pytest.mark.extended),
+    pytest.param("gpt", 16, True, marks=pytest.mark.extended), ("mlp", 16, False)])
 def test_a_searched_plan_still_reduces_once_per_step(name, examples, every):
     # a searched plan may leave the batch arguments whole, all (the first
     # layer cuts the rows of what it makes: the runtime then finds the data

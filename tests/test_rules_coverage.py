@@ -148,7 +148,8 @@ def _adam_step(state, batch):
     return (optax.apply_updates(p, u), o), loss
 
 
-@pytest.mark.parametrize("method", [meshplan.ShardParallel(), meshplan.Auto(),
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(),
+                                    pytest.param(meshplan.Auto(), marks=pytest.mark.extended),
                                     meshplan.ShardParallel(mesh_shape=(2, 4))],
                          ids=["shard", "auto", "shard-2x4"])
 def test_multisteps_plans_its_state_like_the_plain_adam_step(method):
