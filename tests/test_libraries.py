@@ -229,8 +229,8 @@ DEFAULT = {("flax_linen", "shard"), ("flax_nnx", "manual"), ("equinox", "shard")
            ("penzai", "shard")}
 
 
-# (of those, run after the default run: .ci/run)
-EXTENDED = {("flax_linen", "shard")}
+# pairs run after the default run instead (-m extended: .ci/run)
+EXTENDED = {("flax_linen", "shard"), ("equinox", "auto")}
 
 
 def _cases():
