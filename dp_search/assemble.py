@@ -167,7 +167,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 else:
                     params.setdefault(key, spec)
         joint_s, joint_bytes = costs.joint(st.first, st.last, st.submesh, mesh_k, opt.tighten)
-        comm, cbytes = comm + joint_s, cbytes + joint_bytes
+        lost_s, lost_bytes = costs.undeferred(st.first, st.last, st.submesh, mesh_k, opt.tighten)
+        comm, cbytes = comm + joint_s + lost_s, cbytes + joint_bytes + lost_bytes
         sub = submeshes[st.submesh]
         stages.append(Stage(layers=(st.first, st.last),
                             devices=device_order(cluster, devices, mesh),

@@ -62,6 +62,15 @@ class LayerCost:
     cast_s: float = 0.0
     copy_bytes: float = 0.0
     replay_comm_s: float = 0.0     # and their collectives among comm_s
+    # the gradient reductions waiting for the step's last micro-batch: their
+    # seconds and bytes per micro-batch (a 1/grad_accum share, among comm_s
+    # and comm_bytes), and whether the layer runs data-parallel over the
+    # axes they wait on, as the runtime needs to keep partial sums
+    # (:func:`rows_cut_over`; else its stage reduces every micro-batch)
+    deferred_s: float = 0.0
+    deferred_bytes: float = 0.0
+    rows_cut: bool = True
+    cotangents_cut: bool = True
 
     @property
     def transient_bytes(self) -> float:
@@ -433,6 +442,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     # With several micro-batches a gradient's running sum waits unreduced
     # over the axes its makers' deferred sums cover: whole along them
     waiting = r.waiting_axes if grad_accum > 1 and accumulate else frozenset()
+    deferred = [pc for pc in r.collectives if pc.per_step and pc.gradient] if waiting else []
 
     def local(t: int, spec, skip: frozenset[int] = frozenset()) -> float:
         cut = tuple(tuple(a for a in d if a not in skip)
@@ -480,7 +490,42 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      replay[0], r, max(held / sent, 1.0) if sent else 1.0,
                      canonical_tensors(sub), grads, optimizer, Backward.of_steps(steps),
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
-                     sel_kept if again else None, cast_s, copies, replay[1])
+                     sel_kept if again else None, cast_s, copies, replay[1],
+                     sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
+                     *rows_cut_over(sub, r, mesh, waiting, saved, crossing))
+
+
+def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, axes: frozenset[int],
+                  saved: frozenset[int], crossing: frozenset[int]) -> tuple[bool, bool]:
+    """Whether plan ``r`` of layer ``sub`` lets a backward that holds it be
+    replayed on each data shard's rows over ``axes`` (mesh axis indices), as
+    runtime.pipeline_partial checks the values a backward program reads and
+    hands on: (what the backward reads from outside -- the layer's inputs,
+    the forward values it keeps -- is cut along its rows over ``axes``, those
+    axes first, or whole over them (cut where it enters); the cotangents the
+    layer hands back to an earlier layer are cut so).  The second matters
+    for a stage's first layer only: within a stage they stay in its program.
+    True where nothing waits or the rows are not known."""
+    dims = sub.rows_dim
+    if not axes or not dims:
+        return True, True
+    specs = dict(r.constraints)
+    specs.update((inp.tensor, spec) for inp, spec in zip(sub.inputs, r.input_specs))
+    read = {inp.tensor for inp in sub.inputs} | set(saved)
+    back = {o.tensor for o in sub.outputs if o.updates is None} - set(crossing)
+    reads_ok = sent_ok = True
+    for t, d in dims.items():
+        spec = specs.get(t)
+        if spec is None or (t not in read and t not in back):
+            continue
+        cut = spec_from_names(spec, mesh.axes)
+        if set(cut[d][:len(axes)] if d < len(cut) else ()) == axes:
+            continue
+        if t in back:
+            sent_ok = False
+        if t in read and any(a in e for e in cut for a in axes):
+            reads_ok = False
+    return reads_ok, sent_ok
 
 
 def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,

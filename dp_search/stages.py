@@ -353,6 +353,22 @@ class StageCosts:
             return self._flow(f, maker, reader, m, k)
         return joint_cost(self.flows, i, j, cost)
 
+    def undeferred(self, i: int, j: int, m: int, k: int, tighten: float = 1
+                   ) -> tuple[float, float]:
+        """Seconds and bytes per micro-batch that layers ``i..j`` as one stage
+        on mesh ``k`` of submesh ``m`` add where a layer does not run
+        data-parallel over the axes its gradient sums wait on
+        (``LayerCost.rows_cut``, and ``cotangents_cut`` of the first): the runtime then reduces the stage's
+        gradients every micro-batch (runtime.pipeline_partial), so each
+        waiting reduction, priced at a 1/B share, is paid whole each time."""
+        parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
+        if self.lay.B == 1 or any(p is None for p in parts) or (
+                all(p.rows_cut for p in parts) and parts[0].cotangents_cut):
+            return 0.0, 0.0
+        more = self.lay.B - 1
+        return (more * sum(p.deferred_s for p in parts),
+                more * sum(p.deferred_bytes for p in parts))
+
     def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float
                     ) -> list[GroupCost | None]:
         """The costs of groups ``gi..gj`` as one stage: :meth:`groups`' rows,
@@ -534,9 +550,11 @@ class StageCosts:
             return None
         send = self.send_s(lay.groups[gj][1], m, k, tighten)
         c = GroupCost.of_groups(rows)
-        joint_s = self.joint(lay.groups[gi][0], lay.groups[gj][1], m, k, tighten)[0]
+        i, j = lay.groups[gi][0], lay.groups[gj][1]
+        joint_s = self.joint(i, j, m, k, tighten)[0]
         # a stage launches a forward and a backward program per micro-batch
-        fixed = send + joint_s + 2 * lay.dispatch(m) + accumulation_s(
+        fixed = send + joint_s + self.undeferred(i, j, m, k, tighten)[0] + \
+            2 * lay.dispatch(m) + accumulation_s(
             c.grad_bytes, lay.B, lay.memory_bw, lay.accumulate_passes)
         # each micro-batch in flight keeps what its backward reads; the one
         # being processed also needs its layer's temporaries.  With remat

@@ -112,12 +112,7 @@ def test_a_weight_gathered_for_the_forward_is_gathered_again_by_the_backward_pro
         assert abs(r.comm_rel_error) <= 0.1, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
 
 
-@pytest.mark.parametrize("model", [pytest.param("gpt", marks=pytest.mark.extended),
-                                   pytest.param("mlp", marks=pytest.mark.xfail(
-    strict=True, reason="issue 19: mlp's searched head stage hands on cotangents its plan "
-    "computes whole on every device; replayed per data shard they would need gathering, so "
-    "the runtime reduces that stage's gradients every micro-batch (the plan: once a step); "
-    "see benchmarks/results/verify_pipeline.md"))])
+@pytest.mark.parametrize("model", [pytest.param("gpt", marks=pytest.mark.extended), "mlp"])
 def test_searched_pipeline_stages_communicate_as_predicted(model):
     # PipeshardParallel(stages=2, num_micro_batches=4) on 8 devices: each
     # layer's ILP picks its layouts, a layer is solved again to agree with
@@ -125,7 +120,10 @@ def test_searched_pipeline_stages_communicate_as_predicted(model):
     # disagrees is charged (dp_search.stages.StageCosts.member, .joints); a
     # gradient's sum waits for the last micro-batch only over axes cutting
     # its rows, and each stage keeps partial sums over its own data shards
-    # (gpt's stages get meshes of different shapes)
+    # (gpt's stages get meshes of different shapes); a stage whose backward
+    # cannot run on each data shard's rows (mlp's head computed whole on
+    # every device, handing back whole cotangents) reduces its gradients
+    # every micro-batch, as its plan now charges (StageCosts.undeferred)
     from meshplan.tools.verify import verify_pipeline
 
     rows = verify_pipeline(model, 1, 4, 2, 4, "1f1b", searched=True)
