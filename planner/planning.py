@@ -184,10 +184,12 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                           session))
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
-    if request.one_stage_by_whole_graph and len(p.stages) == 1:
+    if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1):
         # one stage: the whole-graph ILP is more exact than the sum of layer
         # costs; it is kept where it is no slower (so that Auto never predicts
-        # a plan slower than one it found, or than a Manual one of the search)
+        # a plan slower than one it found, or than a Manual one of the search).
+        # Stages of one micro-batch run one after the other: the whole-graph
+        # plan on every device (ShardParallel's) is compared with them too
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
