@@ -158,11 +158,20 @@ _KNOWN_TPUS = (
 # devices share one host's cores, so this is nominal.  XLA:CPU computes 16-bit
 # floats through float32, so flops_for gives them the float32 figure.  Devices
 # exchange data through host memory (~10 GB/s, ~10 us); processes on different
-# hosts talk over TCP (gloo), taken as 10 Gbit/s Ethernet at ~50 us.
+# hosts talk over TCP (gloo), taken as 10 Gbit/s Ethernet at ~50 us.  Each
+# program and kernel costs a fixed launch: what `meshplan calibrate` measured on
+# a 2-core x86-64 host with 8 fake devices, jax 0.10.2 (2026-11-28,
+# benchmarks/results/measured_grid_cluster.json: 20.8 us per program, 4.4 us
+# per kernel); without them a pipeline of tiny stages looked free.
+CPU_PROGRAM_DISPATCH_S = 20.8e-6
+CPU_KERNEL_LAUNCH_S = 4.4e-6
 _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               (10e9, 1e-5), (1.25e9, 5e-5),
-              "meshplan default for CPU devices (nominal, not measured)",
-              note="Peak FLOP/s is meshplan's nominal CPU default.")
+              "meshplan default for CPU devices (nominal, not measured; launch costs as "
+              "`meshplan calibrate` measured them on one 2-core x86-64 host)",
+              note="Peak FLOP/s is meshplan's nominal CPU default.",
+              achieved=_achieved(kernel_launch_s=CPU_KERNEL_LAUNCH_S,
+                                 program_dispatch_s=CPU_PROGRAM_DISPATCH_S))
 
 
 def known_device(platform: str, kind: str) -> Datasheet | None:

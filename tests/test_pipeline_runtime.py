@@ -335,8 +335,10 @@ def test_last_timeline_records_what_ran(tmp_path):
 # ---------------------------------------------------------------------------
 
 def _with_remat(plan, remat):
-    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, remat=r)
-                                                  for s, r in zip(plan.stages, remat)))
+    # (each stage recomputing all its layers or none, whatever the search chose)
+    return dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(s, remat=r, recompute="full" if r else "none", recompute_layers=0)
+        for s, r in zip(plan.stages, remat)))
 
 
 @pytest.mark.parametrize("name,schedule,remat", [pytest.param("gpt", "1f1b", (True, True),
