@@ -4,6 +4,7 @@ worker processes when there are enough of them to pay for the workers."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,13 +65,13 @@ class LayerCost:
     replay_comm_s: float = 0.0     # and their collectives among comm_s
     # the gradient reductions waiting for the step's last micro-batch: their
     # seconds and bytes per micro-batch (a 1/grad_accum share, among comm_s
-    # and comm_bytes), and whether the layer runs data-parallel over the
-    # axes they wait on, as the runtime needs to keep partial sums
-    # (:func:`rows_cut_over`; else its stage reduces every micro-batch)
+    # and comm_bytes); and, per set of mesh axes, whether the layer lets its
+    # stage's backward run on each data shard's rows over them, as the
+    # runtime needs to keep partial sums (:func:`rows_cut_over`; else the
+    # stage reduces every micro-batch)
     deferred_s: float = 0.0
     deferred_bytes: float = 0.0
-    rows_cut: bool = True
-    cotangents_cut: bool = True
+    rows_cut: tuple[tuple[tuple[int, ...], bool, bool], ...] = ()
 
     @property
     def transient_bytes(self) -> float:
@@ -492,40 +493,43 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
                      sel_kept if again else None, cast_s, copies, replay[1],
                      sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
-                     *rows_cut_over(sub, r, mesh, waiting, saved, crossing))
+                     rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else ())
 
 
-def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, axes: frozenset[int],
-                  saved: frozenset[int], crossing: frozenset[int]) -> tuple[bool, bool]:
+def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],
+                  crossing: frozenset[int]) -> tuple[tuple[tuple[int, ...], bool, bool], ...]:
     """Whether plan ``r`` of layer ``sub`` lets a backward that holds it be
-    replayed on each data shard's rows over ``axes`` (mesh axis indices), as
-    runtime.pipeline_partial checks the values a backward program reads and
-    hands on: (what the backward reads from outside -- the layer's inputs,
-    the forward values it keeps -- is cut along its rows over ``axes``, those
-    axes first, or whole over them (cut where it enters); the cotangents the
-    layer hands back to an earlier layer are cut so).  The second matters
-    for a stage's first layer only: within a stage they stay in its program.
-    True where nothing waits or the rows are not known."""
+    replayed on each data shard's rows, per set of mesh axes (indices) that
+    could be the data axes: ``(axes, reads, sent)``.  ``reads``: what the
+    backward reads from outside -- the layer's inputs, the forward values it
+    keeps -- is cut along its rows over ``axes``, those axes first, or whole
+    over them (cut where it enters); ``sent``: so are the cotangents the
+    layer hands back to an earlier layer (what matters for a stage's first
+    layer only: within a stage they stay in its program).  As
+    runtime.pipeline_partial checks a stage's backward program.  Empty
+    where the rows are not known."""
     dims = sub.rows_dim
-    if not axes or not dims:
-        return True, True
+    if not dims:
+        return ()
     specs = dict(r.constraints)
     specs.update((inp.tensor, spec) for inp, spec in zip(sub.inputs, r.input_specs))
     read = {inp.tensor for inp in sub.inputs} | set(saved)
     back = {o.tensor for o in sub.outputs if o.updates is None} - set(crossing)
-    reads_ok = sent_ok = True
-    for t, d in dims.items():
-        spec = specs.get(t)
-        if spec is None or (t not in read and t not in back):
-            continue
-        cut = spec_from_names(spec, mesh.axes)
-        if set(cut[d][:len(axes)] if d < len(cut) else ()) == axes:
-            continue
-        if t in back:
-            sent_ok = False
-        if t in read and any(a in e for e in cut for a in axes):
-            reads_ok = False
-    return reads_ok, sent_ok
+    cuts = [(spec_from_names(specs[t], mesh.axes), d, t in read, t in back)
+            for t, d in dims.items() if t in specs and (t in read or t in back)]
+    real = [a for a, n in enumerate(mesh.shape) if n > 1]
+    out = []
+    for k in range(1, len(real) + 1):
+        for axes in itertools.combinations(real, k):
+            want, reads_ok, sent_ok = set(axes), True, True
+            for cut, d, is_read, is_back in cuts:
+                if set(cut[d][:k] if d < len(cut) else ()) == want:
+                    continue
+                sent_ok = sent_ok and not is_back
+                if is_read and any(a in e for e in cut for a in axes):
+                    reads_ok = False
+            out.append((axes, reads_ok, sent_ok))
+    return tuple(out)
 
 
 def _region_s(sub: Graph, again: frozenset[int], specs: dict, mesh: LogicalMesh,

@@ -356,18 +356,28 @@ class StageCosts:
     def undeferred(self, i: int, j: int, m: int, k: int, tighten: float = 1
                    ) -> tuple[float, float]:
         """Seconds and bytes per micro-batch that layers ``i..j`` as one stage
-        on mesh ``k`` of submesh ``m`` add where a layer does not run
-        data-parallel over the axes its gradient sums wait on
-        (``LayerCost.rows_cut``, and ``cotangents_cut`` of the first): the runtime then reduces the stage's
-        gradients every micro-batch (runtime.pipeline_partial), so each
-        waiting reduction, priced at a 1/B share, is paid whole each time."""
+        on mesh ``k`` of submesh ``m`` add where the stage's backward cannot
+        run on each data shard's rows over the axes its gradient sums wait on
+        (``LayerCost.rows_cut`` of every layer, the cotangents it hands back
+        of the first): the runtime then reduces the stage's gradients every
+        micro-batch (runtime.pipeline_partial), so each waiting reduction,
+        priced at a 1/B share, is paid whole each time."""
         parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
-        if self.lay.B == 1 or any(p is None for p in parts) or (
-                all(p.rows_cut for p in parts) and parts[0].cotangents_cut):
+        if self.lay.B == 1 or any(p is None for p in parts):
+            return 0.0, 0.0
+        waiting = [p for p in parts if p.deferred_s or p.deferred_bytes]
+        if not waiting:
+            return 0.0, 0.0
+        axes = tuple(sorted(set().union(*(p.result.waiting_axes for p in waiting))))
+
+        def runs_per_shard(p: LayerCost, first: bool) -> bool:
+            reads, sent = next(((r, s) for a, r, s in p.rows_cut if a == axes), (True, True))
+            return reads and (sent or not first)
+        if all(runs_per_shard(p, n == 0) for n, p in enumerate(parts)):
             return 0.0, 0.0
         more = self.lay.B - 1
-        return (more * sum(p.deferred_s for p in parts),
-                more * sum(p.deferred_bytes for p in parts))
+        return (more * sum(p.deferred_s for p in waiting),
+                more * sum(p.deferred_bytes for p in waiting))
 
     def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float
                     ) -> list[GroupCost | None]:
