@@ -362,8 +362,10 @@ class StageCosts:
         of the first): the runtime then reduces the stage's gradients every
         micro-batch (runtime.pipeline_partial), so each waiting reduction,
         priced at a 1/B share, is paid whole each time."""
+        if self.lay.B == 1:
+            return 0.0, 0.0
         parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
-        if self.lay.B == 1 or any(p is None for p in parts):
+        if any(p is None for p in parts):
             return 0.0, 0.0
         waiting = [p for p in parts if p.deferred_s or p.deferred_bytes]
         if not waiting:
