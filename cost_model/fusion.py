@@ -56,8 +56,13 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, floa
     fusion = _fusions(graph, fusible)
     read: set[tuple[int, int]] = set()        # (fusion, tensor) already charged
     out: dict[int, float] = {}
+    ends = _kernel_ending_reductions(graph, fusible)
     for n in graph.nodes:
         if n.id not in fusible:
+            continue
+        if n.id in ends:
+            out[n.id] = ends[n.id] + sum(graph.tensors[t].nbytes for t in n.outputs
+                                         if t in leaving)
             continue
         moved = 0.0
         for t in dict.fromkeys(n.inputs):
@@ -71,6 +76,51 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, floa
         moved += sum(graph.tensors[t].nbytes for t in n.outputs if t in leaving)
         out[n.id] = moved
     return out
+
+
+def _kernel_ending_reductions(graph: Graph, fusible: set[int]) -> dict[int, float]:
+    """reduction node id -> the bytes its own kernel reads, for each reduction
+    whose result an element-wise operator goes on to use.
+
+    XLA ends a kernel at such a reduction: the operators using the reduced
+    value (softmax's ``exp(x - max) / sum``, a layer norm's ``(x - mean) *
+    rsqrt(var)``, gradients scaled by their global norm) run in another
+    kernel, which makes what they need again from memory.  So the reduction's
+    kernel reads, on its own, every value in memory its element-wise
+    producers read; the fusion's other operators read theirs once as before,
+    as does a reduction whose result only leaves the fusion (a bias
+    gradient, a loss).  A value several operators use is taken as read from
+    memory, not made again from its producers.  On an H100 XLA ran an attention
+    softmax as two passes forward and two backward over the probabilities,
+    where one fusion reading each value once was priced at 0.61 of their
+    time (benchmarks/results/gpu_profile.md)."""
+    producer, consumers = graph.producer, graph.consumers
+    by_id = {n.id: n for n in graph.nodes}
+    cones: dict[int, frozenset[int]] = {}
+
+    def cone(n: int) -> frozenset[int]:
+        """Tensors that node ``n`` and its element-wise producers read from
+        memory: a reduction's result, and a value other operators read too
+        (XLA duplicates a producer into each kernel using it only when it
+        is cheap; a value several kernels use is written once and read)."""
+        if n not in cones:
+            reads: set[int] = set()
+            for t in by_id[n].inputs:
+                if not graph.tensors[t].shape:
+                    continue
+                p = producer.get(t)
+                if p is None or p not in fusible or by_id[p].primitive in FUSED_REDUCTIONS \
+                        or len(consumers.get(t, ())) > 1:
+                    reads.add(t)
+                else:
+                    reads |= cone(p)
+            cones[n] = frozenset(reads)
+        return cones[n]
+
+    return {n.id: float(sum(graph.tensors[t].nbytes for t in cone(n.id)))
+            for n in graph.nodes
+            if n.id in fusible and n.primitive in FUSED_REDUCTIONS
+            and any(c in fusible for t in n.outputs for c in consumers.get(t, ()))}
 
 
 def moved_bytes(graph: Graph, node: Node, traffic: dict[int, float]) -> float:

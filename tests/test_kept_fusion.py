@@ -203,3 +203,31 @@ def test_views_move_what_the_hardware_moves():
     # a transpose is a real copy: as traced
     t = next(n for n in g.nodes if n.primitive == "transpose")
     assert moved_bytes(g, t, traffic) == t.bytes_accessed
+
+
+def test_a_reduction_used_by_its_fusion_ends_a_kernel():
+    # softmax over a matmul's scores: XLA ends a kernel at each reduction
+    # whose result element-wise operators go on to use, so the max and the
+    # sum each read the scores (or exp of them) on their own, and the
+    # normalising kernel reads them once more and writes the probabilities:
+    # four passes, not the two of one fusion reading each value once.  A
+    # reduction whose result only leaves (a sum returned) reads its operands
+    # once, as before.
+    from meshplan.cost_model.fusion import FUSIBLE, fused_bytes
+    w = jax.ShapeDtypeStruct((64, 48), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def probs(w, x):
+        return jax.nn.softmax(x @ w, axis=-1) @ w.T
+
+    def total(g):
+        traffic = fused_bytes(g)
+        return sum(traffic[n.id] for n in g.nodes if n.primitive in FUSIBLE)
+
+    scores = 32 * 48 * 4
+    g = trace(probs, w, x, batch_argnums=(1,))
+    assert sorted(n.primitive for n in g.nodes if n.primitive.startswith("reduce")) == \
+        ["reduce_max", "reduce_sum"]
+    assert total(g) == 4 * scores
+    g = trace(lambda w, x: jnp.sum(jnp.exp(x @ w)), w, x, batch_argnums=(1,))
+    assert total(g) == scores + 4
