@@ -25,9 +25,13 @@ from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
 # reduction's producers into its kernel, and on GPU the normalisation
 # patterns (softmax, layer norm) into one kernel with their consumers.
 FUSED_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
-# (bitcast_convert_type: a dropout's random bits read as floats, in registers)
+# (bitcast_convert_type: a dropout's random bits read as floats, in registers;
+# pad: the cotangent of a slice, whose zeros the kernel reading it makes in
+# registers -- a q/k/v projection's gradient, three pads summed, ran on an
+# H100 as one kernel reading the three parts, priced 4x as three padded
+# copies and their sums, benchmarks/results/gpu_profile.md)
 LOOP_FUSIBLE = PER_ELEMENT | frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "iota",
-                                        "bitcast_convert_type"})
+                                        "bitcast_convert_type", "pad"})
 FUSIBLE = LOOP_FUSIBLE | FUSED_REDUCTIONS
 # Operators that are no kernel of their own: a change of view XLA makes a
 # bitcast, or a slice/pad/concatenate it fuses into the kernel reading it.

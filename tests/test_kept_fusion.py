@@ -231,3 +231,27 @@ def test_a_reduction_used_by_its_fusion_ends_a_kernel():
     assert total(g) == 4 * scores
     g = trace(lambda w, x: jnp.sum(jnp.exp(x @ w)), w, x, batch_argnums=(1,))
     assert total(g) == scores + 4
+
+
+def test_a_slices_cotangent_is_made_in_the_kernel_reading_it():
+    # the gradient of a fused q/k/v projection cut apart: the three slices'
+    # cotangents are pads summed into the projection's gradient; XLA makes
+    # the pads' zeros inside the summing kernel, which reads the three parts
+    # and writes the whole once (before: each pad a padded copy in memory,
+    # the sums reading three wholes)
+    from meshplan.cost_model.fusion import fused_bytes, fusion_bytes
+    w = jax.ShapeDtypeStruct((64, 3 * 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 16, 64), jnp.float32)
+
+    def loss(w, x):
+        qkv = (x @ w).reshape(32, 16, 3, 64)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return jnp.sum(jnp.einsum("bsh,bth->bst", q, k) @ v)
+    g = _step_graph(loss, w, x)
+    fwd = forward_nodes(g)
+    pads = [n for n in g.nodes if not fwd[n.id] and n.primitive == "pad"]
+    sums = [n for n in g.nodes if not fwd[n.id] and n.primitive == "add_any"
+            and g.tensors[n.outputs[0]].shape == (32, 16, 3, 64)]
+    assert len(pads) == 3 and len(sums) == 2
+    whole = 32 * 16 * 3 * 64 * 4
+    assert fusion_bytes(g, fused_bytes(g))[sums[-1].id] == 2 * whole
