@@ -10,7 +10,9 @@ five-fold, which makes sharding such work look far more valuable than it is.
 :func:`fused_bytes` gives, per fusible operator, the bytes it moves under
 that rule: the operands it reads from memory (made by a non-fusible operator
 or an input of the step) plus its result when the result is materialised
-(read by a non-fusible operator, or an output of the step).
+(read by a non-fusible operator, or an output of the step); a reduction
+whose result the fusion goes on to use is a kernel of its own, which reads
+its producers' operands again (a softmax, a layer norm).
 :func:`materialised` names the values that exist in memory at all, and
 :func:`kept_after_fusion` what a backward keeps of its forward once fused.
 """
@@ -22,8 +24,8 @@ from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM
 from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
-# reduction's producers into its kernel, and on GPU the normalisation
-# patterns (softmax, layer norm) into one kernel with their consumers.
+# reduction's producers into its kernel; one whose result the fusion goes on
+# to use ends its kernel there (:func:`_kernel_ending_reductions`).
 FUSED_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"})
 # (bitcast_convert_type: a dropout's random bits read as floats, in registers;
 # pad: the cotangent of a slice, whose zeros the kernel reading it makes in

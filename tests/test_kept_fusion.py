@@ -176,11 +176,8 @@ def test_sequence_parallel_layers_gather_their_split_activations():
     assert params[True] == pytest.approx(params[False], rel=0.02), params
 
 
-def test_views_move_what_the_hardware_moves():
-    # a fused q/k/v projection cut apart: the reshape is a bitcast (nothing
-    # moved), each slice copies its third (read and written), not the whole
-    # projection (cost_model.fusion.moved_bytes)
-    from meshplan.cost_model.fusion import fused_bytes, moved_bytes
+def _qkv_step_graph():
+    """The train step of a fused q/k/v projection cut apart by slices."""
     w = jax.ShapeDtypeStruct((64, 3 * 64), jnp.float32)
     x = jax.ShapeDtypeStruct((32, 16, 64), jnp.float32)
 
@@ -188,7 +185,15 @@ def test_views_move_what_the_hardware_moves():
         qkv = (x @ w).reshape(32, 16, 3, 64)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         return jnp.sum(jnp.einsum("bsh,bth->bst", q, k) @ v)
-    g = _step_graph(loss, w, x)
+    return _step_graph(loss, w, x)
+
+
+def test_views_move_what_the_hardware_moves():
+    # a fused q/k/v projection cut apart: the reshape is a bitcast (nothing
+    # moved), each slice copies its third (read and written), not the whole
+    # projection (cost_model.fusion.moved_bytes)
+    from meshplan.cost_model.fusion import fused_bytes, moved_bytes
+    g = _qkv_step_graph()
     traffic = fused_bytes(g)
     fwd = forward_nodes(g)
     third = 32 * 16 * 64 * 4
@@ -240,14 +245,7 @@ def test_a_slices_cotangent_is_made_in_the_kernel_reading_it():
     # and writes the whole once (before: each pad a padded copy in memory,
     # the sums reading three wholes)
     from meshplan.cost_model.fusion import fused_bytes, fusion_bytes
-    w = jax.ShapeDtypeStruct((64, 3 * 64), jnp.float32)
-    x = jax.ShapeDtypeStruct((32, 16, 64), jnp.float32)
-
-    def loss(w, x):
-        qkv = (x @ w).reshape(32, 16, 3, 64)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        return jnp.sum(jnp.einsum("bsh,bth->bst", q, k) @ v)
-    g = _step_graph(loss, w, x)
+    g = _qkv_step_graph()
     fwd = forward_nodes(g)
     pads = [n for n in g.nodes if not fwd[n.id] and n.primitive == "pad"]
     sums = [n for n in g.nodes if not fwd[n.id] and n.primitive == "add_any"
