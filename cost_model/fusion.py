@@ -101,30 +101,46 @@ def _kernel_ending_reductions(graph: Graph, fusible: set[int]) -> dict[int, floa
     each value once priced at 9.8 (benchmarks/results/gpu_profile.md)."""
     producer, consumers = graph.producer, graph.consumers
     kind = {n.id: n.primitive for n in graph.nodes}
-    # node -> the tensors it and its element-wise producers read from memory:
-    # a reduction's result, and a value other operators read too (XLA
-    # duplicates a producer into each kernel using it only when it is cheap;
-    # a value several kernels use is written once and read).  Producers come
-    # first in the node order.
+    ends = [n for n in graph.nodes if n.id in fusible and n.primitive in FUSED_REDUCTIONS
+            and any(c in fusible for t in n.outputs for c in consumers.get(t, ()))]
+    inputs_of = {n.id: n.inputs for n in graph.nodes}
+
+    def made_here(t: int) -> int | None:
+        """The producer a kernel reading ``t`` makes it with, or None where
+        the kernel reads ``t`` from memory: a reduction's result, a value
+        other operators read too (XLA duplicates a producer into each kernel
+        using it only when it is cheap; a value several kernels use is
+        written once and read), anything a non-fusible operator makes."""
+        p = producer.get(t)
+        if p is None or p not in fusible or kind[p] in FUSED_REDUCTIONS \
+                or len(consumers.get(t, ())) > 1:
+            return None
+        return p
+
+    # node -> the tensors it and the producers it makes again read from
+    # memory; walked up from the reductions only (an explicit stack: element-
+    # wise chains can be long)
     cone: dict[int, frozenset[int]] = {}
-    for n in graph.nodes:
-        if n.id not in fusible:
-            continue
-        reads: set[int] = set()
-        for t in n.inputs:
-            if not graph.tensors[t].shape:
+    for r in ends:
+        stack = [r.id]
+        while stack:
+            n = stack[-1]
+            if n in cone:
+                stack.pop()
                 continue
-            p = producer.get(t)
-            if p is None or p not in cone or kind[p] in FUSED_REDUCTIONS \
-                    or len(consumers.get(t, ())) > 1:
-                reads.add(t)
-            else:
-                reads |= cone[p]
-        cone[n.id] = frozenset(reads)
-    return {n.id: float(sum(graph.tensors[t].nbytes for t in cone[n.id]))
-            for n in graph.nodes
-            if n.id in fusible and n.primitive in FUSED_REDUCTIONS
-            and any(c in fusible for t in n.outputs for c in consumers.get(t, ()))}
+            below = [p for t in inputs_of[n] if graph.tensors[t].shape
+                     for p in (made_here(t),) if p is not None and p not in cone]
+            if below:
+                stack.extend(below)
+                continue
+            reads: set[int] = set()
+            for t in inputs_of[n]:
+                if graph.tensors[t].shape:
+                    p = made_here(t)
+                    reads |= {t} if p is None else cone[p]
+            cone[n] = frozenset(reads)
+            stack.pop()
+    return {r.id: float(sum(graph.tensors[t].nbytes for t in cone[r.id])) for r in ends}
 
 
 def moved_bytes(graph: Graph, node: Node, traffic: dict[int, float]) -> float:
