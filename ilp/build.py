@@ -66,6 +66,9 @@ class Group:
     # per strategy: HLO collective kind -> bytes of the comm_bytes above
     comm_kinds: list[dict[str, float]] = field(default_factory=list)
     members: list[int] = field(default_factory=list)   # follower node ids
+    # per member, per strategy: its own compute among ``compute`` (a group can
+    # hold forward and backward operators: recomputation replays only some)
+    member_compute: list[list[float]] = field(default_factory=list)
     # per strategy: the (tensor id, layout) reads made by an operator that
     # runs every micro-batch; the other reads are the update's, once a step
     steady_reads: list[set[tuple[int, ISpec]]] = field(default_factory=list)
@@ -220,9 +223,11 @@ class Pins:
 def _restrict(g: Group, ok: list[int]) -> None:
     """Keep only the strategies ``ok`` of group ``g``."""
     for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
-                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes", "update"):
+                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes", "waits",
+                 "update"):
         vals = getattr(g, name)
         setattr(g, name, [vals[j] for j in ok])
+    g.member_compute = [[per[j] for j in ok] for per in g.member_compute]
 
 
 def _add_kinds(d: dict[str, float], steps) -> None:
@@ -512,6 +517,7 @@ class _Builder:
                 if steady:
                     g.steady_reads[i].update(self._steady(node, row[5]))
         g.members.append(node.id)
+        g.member_compute.append([row[1] for row in got])
         self.group_of_tensor[out_t] = g.gid
 
     def _add_operator(self, node, moved: float, strat_cache: dict[tuple, list[Strategy]]) -> None:

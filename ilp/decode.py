@@ -255,10 +255,11 @@ class IntraOpResult:
     # the mesh axes over which gradient sums wait for the step's last
     # micro-batch (ilp.build Group.waits of the chosen strategies)
     waiting_axes: frozenset[int] = frozenset()
-    # (node id, compute_s, comm_s) of each group at its chosen strategy, the
-    # resharding of its reads included, under the group's first operator
-    # (-1: a placeholder's, e.g. element-wise updates of an input): what
-    # replaying part of the graph costs (recomputation)
+    # (node id, compute_s, comm_s) at the chosen strategies: each follower's
+    # compute under its own node, the rest of its group's (the resharding of
+    # its reads included) under the group's first operator (-1: a
+    # placeholder's, e.g. element-wise updates of an input): what replaying
+    # part of the graph costs (recomputation)
     node_seconds: tuple[tuple[int, float, float], ...] = ()
 
     def seconds_of(self, nodes: frozenset[int]) -> tuple[float, float]:
@@ -321,9 +322,24 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
                          grad_steps(built, choice, planned),
                          frozenset().union(*(g.waits[c] for g, c in zip(groups, choice)
                                              if g.waits and built.grad_accum > 1)),
-                         tuple((-1 if first_node(g) is None else graph.nodes[first_node(g)].id,
-                                g.compute[c], paid.get(g.gid, 0.0))
-                               for g, c in zip(groups, choice)))
+                         node_seconds(graph, built, choice, paid))
+
+
+def node_seconds(graph: Graph, built: Built, choice, paid: dict[int, float]
+                 ) -> tuple[tuple[int, float, float], ...]:
+    """``IntraOpResult.node_seconds``: each follower's own compute under its
+    node, the rest of its group's compute and all of its collectives under
+    the group's first operator."""
+    once = 1.0 / built.grad_accum if built.grad_accum > 1 else 1.0
+    out = []
+    for g, c in zip(built.groups, choice):
+        first = first_node(g)
+        own = [(nid, mc[c] * (once if nid in built.update_nodes else 1.0))
+               for nid, mc in zip(g.members, g.member_compute)]
+        rest = g.compute[c] - sum(s for _, s in own)
+        out.append((-1 if first is None else graph.nodes[first].id, rest, paid.get(g.gid, 0.0)))
+        out.extend((nid, s, 0.0) for nid, s in own)
+    return tuple(out)
 
 
 def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:

@@ -17,13 +17,14 @@ from meshplan.dp_search.problem import layer_problems
 from meshplan.dp_search.solver import LayerSolver, forward_of
 from meshplan.dp_search.stages import GroupCost
 from meshplan.graph import ancestor_nodes
+from meshplan.ilp.build import first_node
 from meshplan.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def costs():
+def solved():
     m = build_model("gpt", {"layers": "2", "hidden": "64", "batch": "8", "seq_len": "16",
                             "heads": "2", "vocab": "64"})
     g = trace_step(m.train_step, m.abstract_args, tuple(m.batch_argnums), "gpt")[0]
@@ -35,7 +36,12 @@ def costs():
     for l in range(len(lay.subs)):
         req = lay.request(l, 0, 0)
         out.append((req, solver.layer_cost(*req)))
-    return out
+    return solver, out
+
+
+@pytest.fixture(scope="module")
+def costs(solved):
+    return solved[1]
 
 
 def test_each_operator_group_is_priced_once(costs):
@@ -64,6 +70,35 @@ def test_recomputation_replays_what_the_backward_reads_and_no_more(costs):
         dots = {n.id for n in sub.nodes if n.primitive == "dot_general"}
         dropped += len((dots & forward) - replayed)
     assert dropped >= 2
+
+
+def test_backward_operators_in_a_replayed_group_are_not_replayed(solved):
+    # an element-wise backward operator can join the group of a forward
+    # matmul (the activation's gradient follows the matmul's result): the
+    # replay charges the group's forward operators, not all of it
+    solver, costs = solved
+    built_of = {id(sub): built for sub, built in solver._built.values()}
+    fewer = 0
+    for req, c in costs:
+        sub, saved, crossing = req[0], req[5], req[6]
+        built = built_of.get(id(sub))
+        if built is None:       # (a block like one solved before)
+            continue
+        choice = c.result.solution.choice
+        forward = forward_of(sub, frozenset(saved) | crossing)
+        replayed = frozenset(ancestor_nodes(sub, set(saved)))
+        whole = sum(g.compute[k] for g, k in zip(built.groups, choice)
+                    if first_node(g) in replayed)
+        mixed = [g for g in built.groups if first_node(g) in replayed
+                 and any(m not in forward for m in g.members)]
+        assert c.replay_compute_s <= whole + 1e-15
+        if mixed:
+            fewer += 1
+            assert c.replay_compute_s < whole
+        for g in built.groups:      # (one figure per strategy kept)
+            assert all(len(per) == g.size for per in g.member_compute)
+            assert len(g.waits) == g.size
+    assert fewer >= 2
 
 
 def test_recomputation_adds_only_the_replay_to_the_stage(costs):
