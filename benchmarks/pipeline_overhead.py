@@ -26,6 +26,10 @@ second pass, to show what observing the schedule costs.
 
     python benchmarks/pipeline_overhead.py [--calls 20] [--repeats 5]
                                            [--out benchmarks/results/pipeline_overhead.md]
+
+With ``--grid`` it times the pipelines of ``benchmarks/measured_grid.py``'s
+gpt instead (``Manual(dp, tp, pp, m)`` on that grid's calibrated cluster,
+timeline off) and prints their table: what the driver costs the grid's rows.
 """
 from __future__ import annotations
 
@@ -49,9 +53,10 @@ from meshplan.models import build_model  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def measure(m, state, batch, pp: int, mb: int, calls: int, repeats: int, timeline: bool):
-    plan = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(
-        dp=1, tp=8 // pp, pp=pp, num_micro_batches=mb, schedule="1f1b"))
+def measure(m, state, batch, pp: int, mb: int, calls: int, repeats: int, timeline: bool,
+            dp: int = 1, cluster=None):
+    plan = meshplan.plan(m.train_step, state, batch, cluster=cluster, method=meshplan.Manual(
+        dp=dp, tp=8 // pp // dp, pp=pp, num_micro_batches=mb, schedule="1f1b"))
     step = meshplan.parallelize(m.train_step, plan=plan)
     state, _ = step(state, batch)
     ex = step._fast[1]
@@ -94,7 +99,7 @@ def measure(m, state, batch, pp: int, mb: int, calls: int, repeats: int, timelin
     if timeline:
         blocks = step.last_timeline
         assert blocks
-    return {"pp": pp, "mb": mb, "tasks": ex.last_stats["tasks"],
+    return {"dp": dp, "pp": pp, "mb": mb, "tasks": ex.last_stats["tasks"],
             "dispatch": statistics.median(dispatch), "in_jit": statistics.median(in_jit),
             "step": statistics.median(stepped), "driver_cpu": statistics.median(cpu)}
 
@@ -104,7 +109,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/pipeline_overhead.md"))
+    ap.add_argument("--grid", action="store_true",
+                    help="time the measured grid's gpt pipelines instead (printed, nothing written)")
     args = ap.parse_args()
+    if args.grid:
+        return grid(args.calls, args.repeats)
     m = build_model("mlp", {"optimizer": "sgd", "layers": "8"})
     state, batch = jax.device_get(m.init(0))
     rows = {True: [], False: []}
@@ -166,6 +175,26 @@ def main() -> None:
         print(lines[-2])
     pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+
+
+# the pipelines of benchmarks/measured_grid.py's gpt: (dp, pp, micro-batches)
+GRID_ROWS = ((2, 4, 4), (2, 4, 8), (1, 4, 4), (1, 4, 8), (1, 8, 8), (4, 2, 2), (4, 2, 4))
+
+
+def grid(calls: int, repeats: int) -> None:
+    """What a call of the measured grid's gpt pipelines costs the driver,
+    planned on that grid's calibrated cluster."""
+    from measured_grid import MODEL_SIZES    # (benchmarks/ is on sys.path)
+    m = build_model("gpt", MODEL_SIZES["gpt"])
+    state, batch = jax.device_get(m.init(0))
+    cluster = meshplan.load_cluster(ROOT / "benchmarks/results/measured_grid_cluster.json")
+    print("| dp | tp | pp | micro-batches | programs | dispatch ms | in jit ms | step ms | "
+          "dispatch per program us |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dp, pp, mb in GRID_ROWS:
+        r = measure(m, state, batch, pp, mb, calls, repeats, False, dp=dp, cluster=cluster)
+        print(f"| {dp} | {8 // pp // dp} | {pp} | {mb} | {r['tasks']} | {r['dispatch'] * 1e3:.1f} | "
+              f"{r['in_jit'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | "
+              f"{r['dispatch'] / r['tasks'] * 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
