@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM
+from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM, SCATTERS
 from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
@@ -46,6 +46,17 @@ NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_sl
 # benchmarks/results/gpu_profile.md).
 BITCASTS = frozenset({"reshape"})
 REGION_COPIES = frozenset({"slice", "dynamic_slice"})
+# A gather reads the rows it takes (and its indices), not its whole operand:
+# the loss's take_along_axis over a 350M gpt's logits was priced as a read of
+# all 1.6 GiB of them (benchmarks/results/gpu_profile.md).
+GATHERS = frozenset({"gather"})
+# Updates XLA makes in the operand's buffer when nothing else reads it: the
+# kernel reads and writes the updated region, not the whole operand (the
+# logits' gradient of a cross-entropy is a scatter-add of the labels' terms
+# into zeros: priced as a copy of the 1.6 GiB logits, 1.1 ms of a 350M gpt
+# step on an H100, benchmarks/results/gpu_profile.md): the operands after the
+# first (indices, updates) are read, and the updates' region read and written.
+IN_PLACE = SCATTERS | frozenset({"dynamic_update_slice"})
 
 
 def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, float]:
@@ -146,14 +157,30 @@ def _kernel_ending_reductions(graph: Graph, fusible: set[int]) -> dict[int, floa
 def moved_bytes(graph: Graph, node: Node, traffic: dict[int, float]) -> float:
     """Bytes ``node`` moves: a fusible operator's share of its fusion's
     traffic (``traffic``, :func:`fused_bytes`), none for a bitcast, the
-    region read and written for a slice, else its operands and results."""
+    region read and written for a slice, a gather (and its indices) or an
+    update made in place, else its operands and results."""
     if node.id in traffic:
         return traffic[node.id]
     if node.primitive in BITCASTS:
         return 0.0
     if node.primitive in REGION_COPIES:
         return 2.0 * sum(graph.tensors[t].nbytes for t in node.outputs)
+    if node.primitive in GATHERS:
+        return float(2 * sum(graph.tensors[t].nbytes for t in node.outputs)
+                     + sum(graph.tensors[t].nbytes for t in node.inputs[1:]))
+    if node.primitive in IN_PLACE and _updates_in_place(graph, node):
+        k = 1 if node.primitive == "dynamic_update_slice" else 2     # (the updates)
+        return float(sum(graph.tensors[t].nbytes for t in node.inputs[1:])
+                     + 2 * graph.tensors[node.inputs[k]].nbytes)
     return float(node.bytes_accessed)
+
+
+def _updates_in_place(graph: Graph, node: Node) -> bool:
+    """Whether XLA gives ``node`` its operand's buffer: an intermediate value
+    nothing else reads (a step's input is the caller's, copied first)."""
+    t = node.inputs[0] if node.inputs else None
+    return (t is not None and t in graph.producer
+            and len(graph.consumers.get(t, ())) == 1)
 
 
 def fusion_bytes(graph: Graph, traffic: dict[int, float]) -> dict[int, float]:

@@ -253,3 +253,41 @@ def test_a_slices_cotangent_is_made_in_the_kernel_reading_it():
     assert len(pads) == 3 and len(sums) == 2
     whole = 32 * 16 * 3 * 64 * 4
     assert fusion_bytes(g, fused_bytes(g))[sums[-1].id] == 2 * whole
+
+
+def test_an_update_of_a_buffer_nothing_else_reads_is_made_in_place_and_a_gather_reads_its_rows():
+    # the logits' gradient of a cross-entropy over take_along_axis is a
+    # scatter-add of the labels' terms into zeros: XLA gives the scatter the
+    # zeros' buffer, and its kernel reads and writes the 32 updated elements
+    # (and the indices), not the 32 x 1000 operand twice.  Updating a step's
+    # own input copies it first: the whole operand, as traced.
+    from meshplan.cost_model.fusion import fused_bytes, moved_bytes
+    w = jax.ShapeDtypeStruct((64, 1000), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    labels = jnp.arange(32) % 1000
+
+    def xent(w, x):
+        logp = jax.nn.log_softmax(x @ w, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+    g = _step_graph(xent, w, x)
+    scatter = [n for n in g.nodes if n.primitive.startswith("scatter")]
+    assert len(scatter) == 1
+    n = scatter[0]
+    operand = 32 * 1000 * 4
+    assert n.bytes_accessed >= 2 * operand
+    indices = g.tensors[n.inputs[1]].nbytes
+    updates = g.tensors[n.inputs[2]].nbytes
+    assert updates == 32 * 4
+    assert moved_bytes(g, n, fused_bytes(g)) == indices + 3 * updates
+    # (the loss's gather reads the 32 values it takes and their indices)
+    gather = next(n for n in g.nodes if n.primitive == "gather")
+    assert gather.bytes_accessed >= operand
+    assert moved_bytes(g, gather, fused_bytes(g)) == \
+        2 * 32 * 4 + g.tensors[gather.inputs[1]].nbytes
+
+    def update_input(w, x):
+        return x.at[labels, 0].add(1.0) @ w
+    g = trace(update_input, w, x, batch_argnums=(1,))
+    n = next(n for n in g.nodes if n.primitive.startswith("scatter"))
+    assert moved_bytes(g, n, fused_bytes(g)) == n.bytes_accessed
