@@ -122,8 +122,8 @@ class Built:
     # pipeline stage's), the forward's nodes: a resharding that readers in
     # both need runs in each (None: one program)
     split_programs: frozenset[int] | None = None
-    # the operators that run once a step (ilp.accumulation.update_nodes)
-    # where ``grad_accum`` > 1; empty otherwise
+    # the optimizer update's operators (ilp.accumulation.update_nodes): once
+    # a step where ``grad_accum`` > 1, and after the gradient reductions
     update_nodes: frozenset[int] = frozenset()
 
 
@@ -868,7 +868,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
                  grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes,
-                 update_nodes=b.update_nodes if grad_accum > 1 else frozenset())
+                 update_nodes=b.update_nodes)
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

@@ -343,9 +343,10 @@ def node_seconds(graph: Graph, built: Built, choice, paid: dict[int, float]
 
 
 def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]:
-    """The gradient reductions of ``choice`` in program order (groups by their
-    first operator) as :class:`meshplan.cost_model.overlap.StageWork` takes
-    them: ``(compute_s, reduce_s)``, the compute since the previous reduction
+    """The gradient reductions of ``choice`` in program order (each operator
+    at its own place, as :func:`node_seconds` prices it) as
+    :class:`meshplan.cost_model.overlap.StageWork` takes them:
+    ``(compute_s, reduce_s)``, the compute since the previous reduction
     (the first one's includes the forward), then a reduction (once per
     iteration: not divided over the micro-batches); a last pair holds the
     compute after the last gradient.  Reductions run merged
@@ -362,13 +363,26 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
             reduce[pc.group] = (sec + pc.seconds * once, b + pc.nbytes * once)
     if not any(sec for sec, _ in reduce.values()):
         return ()
-    order = sorted((first_node(g), g.gid)
-                   for g in built.groups
-                   if g.gid not in built.update_groups and (g.root_node is not None or g.members))
+    # (program position, compute, group reducing there or -1): each follower
+    # at its own node (a backward operator can join a forward operator's
+    # group), the rest of a group at its first, its reductions right after
+    # the operator making its gradient; the update waits for them all
+    events: list[tuple[float, float, int]] = []
+    for g in built.groups:
+        first = first_node(g)
+        if g.gid in built.update_groups or first is None:
+            continue
+        c = choice[g.gid]
+        own = [(nid, mc[c]) for nid, mc in zip(g.members, g.member_compute)
+               if nid not in built.update_nodes]
+        events.append((first, g.compute[c] - g.update[c][0] - sum(s for _, s in own), -1))
+        events.extend((nid, s, -1) for nid, s in own)
+        if g.gid in reduce:
+            makers = [n for n in [g.root_node, *g.members] if n in built.grad_nodes]
+            events.append((max(makers, default=first) + 0.5, 0.0, g.gid))
     steps, compute, held, merged, nbytes = [], 0.0, 0.0, 0.0, 0.0
-    for _, gid in order:
-        g, c = built.groups[gid], choice[gid]
-        compute += g.compute[c] - g.update[c][0]      # (the update waits for them)
+    for _, work, gid in sorted(events):
+        compute += work
         sec, b = reduce.get(gid, (0.0, 0.0))
         if sec > 0:
             held, merged, nbytes, compute = held + compute, merged + sec, nbytes + b, 0.0

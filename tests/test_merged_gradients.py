@@ -54,16 +54,23 @@ def test_a_merged_reduction_waits_for_its_last_gradient():
     a tail; merged reductions close once they hold COMBINE_BYTES.  The last
     gradient's group holds 1.0 of the update's compute, which waits for
     the reductions and hides none."""
-    groups = [SimpleNamespace(gid=i, root_node=i, members=[], compute=[c],
+    groups = [SimpleNamespace(gid=i, root_node=i, members=[], member_compute=[], compute=[c],
                               update=[[1.0 if i == 3 else 0.0, 0.0, 0.0]])
               for i, c in enumerate([5.0, 1.0, 2.0, 4.0, 4.0])]
     built = SimpleNamespace(groups=groups, grad_groups=frozenset({1, 2, 3}),
-                            update_groups=frozenset(), grad_accum=1)
+                            update_groups=frozenset(), grad_accum=1,
+                            grad_nodes=frozenset({1, 2, 3}), update_nodes=frozenset())
     planned = [PlannedCollective("all-reduce", s, b * MIB, 0, "", group=g, gradient=True)
                for g, s, b in ((1, 0.1, 10), (2, 0.2, 25), (3, 0.3, 10))]
     assert 35 * MIB >= COMBINE_BYTES
     assert grad_steps(built, [0] * 5, planned) == ((8.0, pytest.approx(0.3)), (3.0, 0.3),
                                                    (4.0, 0.0))
+    # a backward operator (node 5, 1.5 of compute) that joined the forward
+    # group 0 runs after the first gradient, not with the forward: the
+    # second merged reduction has it to hide behind
+    groups[0].members, groups[0].member_compute, groups[0].compute = [5], [[1.5]], [6.5]
+    assert grad_steps(built, [0] * 5, planned) == ((8.0, pytest.approx(0.3)), (3.0, 0.3),
+                                                   (5.5, 0.0))
 
 
 def test_xla_merges_the_gradient_all_reduces_of_a_data_parallel_step():
