@@ -133,3 +133,21 @@ def test_recomputed_flops_are_those_xla_compiles():
         planned = p.hardware_tflops_per_device / p.tflops_per_device
     assert jax.device_count() == 8
     assert planned == pytest.approx(xla[True] / xla[False], rel=0.1)
+
+
+def test_dropping_strategies_keeps_every_per_strategy_figure_aligned():
+    # ilp.build._restrict (an input pinned by the method rules strategies
+    # out) cut every per-strategy list but the gradient sums' waiting axes:
+    # waits[choice] then named another strategy's axes
+    from meshplan.ilp.build import Group, _restrict
+    per = ["a", "b", "c"]
+    g = Group(0, "n0", 0, None, list(per))
+    for name in ("specs", "reads", "cost", "compute", "comm", "comm_bytes", "comm_kinds",
+                 "steady_reads", "grad_comm", "grad_comm_bytes", "update"):
+        setattr(g, name, list(per))
+    g.waits = [frozenset({0}), frozenset(), frozenset({1})]
+    g.member_compute = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    _restrict(g, [0, 2])
+    assert g.strategies == ["a", "c"] and g.size == 2
+    assert g.waits == [frozenset({0}), frozenset({1})]
+    assert g.member_compute == [[1.0, 3.0], [4.0, 6.0]]
