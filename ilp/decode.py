@@ -322,23 +322,33 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
                          grad_steps(built, choice, planned),
                          frozenset().union(*(g.waits[c] for g, c in zip(groups, choice)
                                              if g.waits and built.grad_accum > 1)),
-                         node_seconds(graph, built, choice, paid))
+                         node_seconds(built, choice, paid))
 
 
-def node_seconds(graph: Graph, built: Built, choice, paid: dict[int, float]
+def _compute_by_node(g, c: int, built: Built) -> list[tuple[int, float, bool]]:
+    """``(node, compute_s, is the update's)`` making up ``g.compute[c]``: each
+    follower's own, the rest under the group's first operator (-1: none),
+    the update's share of that rest apart (it runs once a step)."""
+    first = first_node(g)
+    once = 1.0 / built.grad_accum if built.grad_accum > 1 else 1.0
+    own = [(nid, mc[c] * once, True) if nid in built.update_nodes else (nid, mc[c], False)
+           for nid, mc in zip(g.members, g.member_compute)]
+    root_update = g.update[c][0] - sum(s for _, s, upd in own if upd)
+    rest = g.compute[c] - sum(s for _, s, _ in own) - root_update
+    first = -1 if first is None else first
+    return [(first, rest, False), (first, root_update, True), *own]
+
+
+def node_seconds(built: Built, choice, paid: dict[int, float]
                  ) -> tuple[tuple[int, float, float], ...]:
     """``IntraOpResult.node_seconds``: each follower's own compute under its
     node, the rest of its group's compute and all of its collectives under
     the group's first operator."""
-    once = 1.0 / built.grad_accum if built.grad_accum > 1 else 1.0
     out = []
     for g, c in zip(built.groups, choice):
-        first = first_node(g)
-        own = [(nid, mc[c] * (once if nid in built.update_nodes else 1.0))
-               for nid, mc in zip(g.members, g.member_compute)]
-        rest = g.compute[c] - sum(s for _, s in own)
-        out.append((-1 if first is None else graph.nodes[first].id, rest, paid.get(g.gid, 0.0)))
-        out.extend((nid, s, 0.0) for nid, s in own)
+        parts = _compute_by_node(g, c, built)
+        out.append((parts[0][0], parts[0][1] + parts[1][1], paid.get(g.gid, 0.0)))
+        out.extend((nid, s, 0.0) for nid, s, _ in parts[2:])
     return tuple(out)
 
 
@@ -372,11 +382,8 @@ def grad_steps(built: Built, choice, planned) -> tuple[tuple[float, float], ...]
         first = first_node(g)
         if g.gid in built.update_groups or first is None:
             continue
-        c = choice[g.gid]
-        own = [(nid, mc[c]) for nid, mc in zip(g.members, g.member_compute)
-               if nid not in built.update_nodes]
-        events.append((first, g.compute[c] - g.update[c][0] - sum(s for _, s in own), -1))
-        events.extend((nid, s, -1) for nid, s in own)
+        events.extend((nid, s, -1) for nid, s, upd in _compute_by_node(g, choice[g.gid], built)
+                      if not upd)
         if g.gid in reduce:
             makers = [n for n in [g.root_node, *g.members] if n in built.grad_nodes]
             events.append((max(makers, default=first) + 0.5, 0.0, g.gid))
