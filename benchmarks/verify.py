@@ -100,7 +100,8 @@ def pipelines(a: argparse.Namespace) -> None:
     table = pipeline_table(rows)
     print(table, flush=True)
     ok = sum(r.comm_ok for r in rows)
-    print(f"\n{ok}/{len(rows)} stages within 10% on communication")
+    mem = sum(abs(r.memory_rel_error) <= 0.10 for r in rows)
+    print(f"\n{ok}/{len(rows)} stages within 10% on communication, {mem}/{len(rows)} on memory")
     if not a.no_write:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -113,8 +114,10 @@ def pipelines(a: argparse.Namespace) -> None:
               "sums the means program holds the step's one data-parallel gradient reduction, "
               "see meshplan.runtime.pipeline_partial).  Memory: the stage's predicted `memory_bytes` vs its "
               "state + running sums + activations of the micro-batches in flight + the largest "
-              "`temp` of its programs (`memory_analysis()`).", "", table, "",
-              f"{ok}/{len(rows)} stages within 10% on communication.", ""]
+              "`temp` of its programs (`memory_analysis()`); *pred temporaries*: the plan's "
+              "part for the latter.", "", table, "",
+              f"{ok}/{len(rows)} stages within 10% on communication, {mem}/{len(rows)} on "
+              "memory.", ""]
         (out / "verify_pipeline.md").write_text("\n".join(md))
 
 

@@ -8,7 +8,7 @@ Inputs are resident for the whole step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -70,3 +70,48 @@ def peak_steps(live: Liveness, k: int) -> list[int]:
             chosen.append(int(i))
     return sorted(chosen)
 
+
+
+def program_temp_bytes(graph: Graph, intervals: Mapping[int, tuple[int, int]],
+                       forward: Sequence[bool], handed_out: Collection[int],
+                       grads: Collection[int], summed: bool,
+                       nbytes: Callable[[int], float]) -> float:
+    """The largest arena of intermediates (XLA's ``temp``) of the forward,
+    backward and update programs a pipeline stage runs for ``graph`` (one layer).
+
+    The forward's temps are the forward values it does not hand out
+    (``handed_out``: what the backward reads and what the next layer does are
+    its outputs).  The backward receives the kept values as arguments, which
+    stay allocated for the whole program however early it is done with them,
+    so its temps are the values it makes itself, on top of those.  A
+    parameter's gradient is added into its running sum as it is made
+    (``summed``, several micro-batches: a temp for that moment) or is an
+    output.  What reads a gradient is the update's program: its temps are
+    what it makes beyond the new state (which takes the old state's buffers).
+    ``intervals``: the stored values' liveness (first, last node)."""
+    made_by = graph.producer
+    update: set[int] = set()
+    after = set(grads)
+    for node in graph.nodes:
+        if any(t in after for t in node.inputs):
+            after.update(node.outputs)
+            update.add(node.id)
+    fwd: dict[int, tuple[int, int]] = {}
+    bwd: dict[int, tuple[int, int]] = {}
+    upd: dict[int, tuple[int, int]] = {}
+    for t, (a, b) in intervals.items():
+        p = made_by.get(t)
+        if p is None or t in handed_out:
+            continue
+        if t in grads:
+            if summed:
+                bwd[t] = (a, a)
+        elif p in update:
+            upd[t] = (a, b)
+        elif forward[p]:
+            fwd[t] = (a, b)
+        else:
+            bwd[t] = (a, b)
+    n = len(graph.nodes)
+    return max((float(live_bytes(iv, n, nbytes).max()) for iv in (fwd, bwd, upd) if iv and n),
+               default=0.0)

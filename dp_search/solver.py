@@ -11,6 +11,7 @@ from typing import Any
 
 from ..cluster import ClusterSpec
 from ..cost_model.compute import compute_time
+from ..cost_model.memory import program_temp_bytes
 from ..cost_model.fusion import fused_bytes, moved_bytes
 from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
@@ -20,7 +21,7 @@ from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import (Built, IlpCaches, InputLayouts, IntraOpResult, Pins, build_intra_op,
                    solve_intra_op)
 from ..ilp.accumulation import held_copies
-from ..ilp.build import with_resident_cap
+from ..ilp.build import stored_liveness, with_resident_cap
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -72,10 +73,17 @@ class LayerCost:
     deferred_s: float = 0.0
     deferred_bytes: float = 0.0
     rows_cut: tuple[tuple[tuple[int, ...], bool, bool], ...] = ()
+    # the largest arena of intermediates of its forward and backward
+    # programs (cost_model.memory.program_temp_bytes); None: not known
+    program_temp: float | None = None
 
     @property
     def transient_bytes(self) -> float:
-        """What one micro-batch's passes need beyond the saved activations."""
+        """What one micro-batch's passes need beyond the saved activations:
+        the backward program holds what it makes on top of every kept value
+        (its arguments), however early it is done with them."""
+        if self.program_temp is not None:
+            return self.program_temp
         return max(self.activation_bytes - self.saved_bytes, 0.0)
 
     @property
@@ -86,8 +94,9 @@ class LayerCost:
     @property
     def selective_transient_bytes(self) -> float:
         """With selective recomputation: the layer's working set beyond what
-        it keeps (the recomputed region is live again during its backward)."""
-        return max(self.activation_bytes - self.selective_kept_bytes, 0.0)
+        it keeps (the recomputed region is live again during its backward),
+        no less than what its programs need without recomputation."""
+        return max(self.activation_bytes - self.selective_kept_bytes, self.program_temp or 0.0)
 
 
 def solve_job(job: tuple, caches: IlpCaches | None = None
@@ -474,8 +483,9 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
     steps = list(r.grad_steps)
+    fwd_nodes = forward_of(sub, frozenset(saved) | crossing)
     if steps:   # the forward runs before the backward: it hides no reduction
-        forward, _ = r.seconds_of(forward_of(sub, frozenset(saved) | crossing))
+        forward, _ = r.seconds_of(fwd_nodes)
         steps[0] = (max(steps[0][0] - forward, 0.0), steps[0][1])
     # Full recomputation runs again what makes the values the backward
     # reads, from the layer's kept inputs; a forward value read only by the
@@ -486,6 +496,11 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     # (nor does its selective replay cast the weights again)
     again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
+    # the arena of intermediates its forward and backward programs need
+    temps = program_temp_bytes(
+        sub, stored_liveness(sub).intervals, [n.id in fwd_nodes for n in sub.nodes],
+        saved | crossing | copied, accumulate, grad_accum > 1,
+        lambda t: local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,
                      replay[0], r, max(held / sent, 1.0) if sent else 1.0,
@@ -493,7 +508,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      _region_s(sub, again, specs, mesh, cluster) if again else 0.0,
                      sel_kept if again else None, cast_s, copies, replay[1],
                      sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
-                     rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else ())
+                     rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else (),
+                     temps)
 
 
 def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],

@@ -87,7 +87,6 @@ def test_a_tied_embedding_gradient_is_reduced_once_a_step_at_the_last_stage():
     assert abs(last.comm_rel_error) <= 0.01, (last.predicted_comm_bytes, last.actual_by_kind)
     # and each stage keeps between its forward and backward what the plan's
     # activation memory counts: the backward makes again the element-wise
-    # chains XLA would fuse into it in one program (api.fused_replay)
     # chains XLA would fuse into it in one program (api.fused_replay); its
     # state and running gradient sums (whole per data shard, though the
     # plan cuts some gradients over the data axis) are what the plan counts

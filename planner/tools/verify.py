@@ -285,12 +285,14 @@ def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: i
 
 def pipeline_table(rows: Sequence[PipelineVerifyRow]) -> str:
     head = ("| model | stages x (mesh), micro-batches, schedule | stage | pred comm | HLO comm | "
-            "err | HLO by kind | pred mem | measured mem | mem err |")
-    lines = [head, "|" + "---|" * 10]
+            "err | HLO by kind | pred mem | measured mem | mem err | pred temporaries | "
+            "largest program temp |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
+        temps = dict(r.predicted_memory_parts).get("temporaries", 0)
         lines.append(
             f"| {r.model} | {r.config} | {r.stage} | {r.predicted_comm_bytes:,} | "
             f"{r.actual_comm_bytes:,} | {r.comm_rel_error:+.1%} | {_kinds(r.actual_by_kind)} | "
             f"{r.predicted_memory_bytes:,} | {r.actual_memory_bytes:,} | "
-            f"{r.memory_rel_error:+.1%} |")
+            f"{r.memory_rel_error:+.1%} | {temps:,} | {dict(r.memory_parts).get('programs', 0):,} |")
     return "\n".join(lines)
