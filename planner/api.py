@@ -114,6 +114,9 @@ class Parallelized:
         on first use), with the output shardings of this step:
         ``mesh, in_s, out_s = step.shardings(state, batch)``."""
         p, executable = self._entry(args)
+        rolled = getattr(executable, "stacked_shardings", None)
+        if rolled is not None:      # (the scan runs rolled: the plan's layouts stacked)
+            return rolled
         if isinstance(executable, _Unstacking):
             raise MeshplanError(
                 "this step's lax.scan over stacked layers was unrolled for planning, so the plan "
@@ -169,7 +172,8 @@ class Parallelized:
         if unstacked is not None:
             # arguments already in per-layer form (split_layers) run as they are
             self._cache[_signature(abstract)] = (p, executable)
-            executable = _Unstacking(executable, unstacked, jax.tree.structure(tuple(args)))
+            executable = (_rolled(self.fn, p, traced, _abstract(args), self._donate(graph))
+                          or _Unstacking(executable, unstacked, jax.tree.structure(tuple(args))))
         self._cache[sig] = (p, executable)
         self._last = p
         return p, executable
@@ -247,6 +251,22 @@ class Parallelized:
 
     def __repr__(self) -> str:
         return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
+
+
+def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[Any],
+            donate_argnums: tuple[int, ...]) -> Any:
+    """[lax.scan over stacked layers] The user's step with its scan rolled
+    (:mod:`meshplan.runtime.rolled`), for a one-stage plan of a step that
+    recomputes (a ``jax.checkpoint`` keeps its saving only in the loop) whose
+    layers were each planned alike; else None.  (One process: several take
+    their rows of the batch through the runtime's own assembly.)"""
+    from meshplan.runtime.rolled import RolledScan, rolled_shardings
+    one_program = len(p.stages) == 1 and p.num_micro_batches == 1
+    if (not one_program or jax.process_count() > 1
+            or not any(n.remat for n in traced.graph.nodes)):
+        return None
+    shardings = rolled_shardings(p, traced.unstacked, abstract)
+    return None if shardings is None else RolledScan(fn, shardings, abstract, donate_argnums)
 
 
 class _Unstacking:
