@@ -3,7 +3,7 @@ XLA's temporaries (``compiled.memory_analysis().temp_size_in_bytes``) of the
 same train step under ``jax.jit`` and under ``meshplan.parallelize(...,
 ShardParallel())`` on one CPU device:
 
-    python benchmarks/checkpoint_memory.py
+    python benchmarks/checkpoint_memory.py [--json CASE ...]
 
 meshplan unrolls scans over stacked layers and inlines checkpoint calls; each
 differentiated call's operands then pass through one optimization barrier,
@@ -103,14 +103,25 @@ def _temp(compiled) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / MIB
 
 
-def main() -> None:
+def temps(name: str) -> tuple[float, float]:
+    """(jax.jit's, meshplan's) temp MiB of one of :data:`CASES`."""
+    step, args = CASES[name]()
+    return (_temp(jax.jit(step).lower(*args).compile()),
+            _temp(meshplan.parallelize(step, method=meshplan.ShardParallel())
+                  .lower(*args).compile()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--json"]:      # (the tests: {case: [jit, meshplan]} for the cases named)
+        print(json.dumps({name: temps(name) for name in argv[1:]}))
+        return
     print("| step | jax.jit temp (MiB) | meshplan temp (MiB) | meshplan / jit |")
     print("|---|---:|---:|---:|")
-    for name, make in CASES.items():
-        step, args = make()
-        ref = _temp(jax.jit(step).lower(*args).compile())
-        ours = _temp(meshplan.parallelize(step, method=meshplan.ShardParallel())
-                     .lower(*args).compile())
+    for name in CASES:
+        ref, ours = temps(name)
         print(f"| {name} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |", flush=True)
 
 

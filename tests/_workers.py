@@ -114,3 +114,14 @@ def reference_run(model_name: str, config: dict, steps: int):
     params = {jax.tree_util.keystr(p): np.asarray(v)
               for p, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
     return state0, batches, losses, params
+
+
+def checkpoint_temps(*cases: str) -> dict[str, list[float]]:
+    """``benchmarks/checkpoint_memory.py``'s (jax.jit, meshplan) temp MiB of
+    ``cases``, in a process of its own: one device and XLA's memory-aware
+    CPU scheduler, which the benchmark sets before jax starts."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "benchmarks/checkpoint_memory.py", "--json", *cases],
+                         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+                         timeout=900).stdout
+    return json.loads(out.strip().splitlines()[-1])

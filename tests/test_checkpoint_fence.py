@@ -81,34 +81,10 @@ def test_a_step_without_checkpoint_has_no_fence():
     assert "optimization_barrier" not in text
 
 
-_MEMORY = r"""
-import json
-import benchmarks.checkpoint_memory as bench   # (sets XLA_FLAGS before jax starts)
-import jax
-import meshplan
-out = {}
-for name in ("mlp, no checkpoint", "mlp, jax.checkpoint per layer (Python loop)"):
-    step, args = bench.CASES[name]()
-    out[name] = [bench._temp(jax.jit(step).lower(*args).compile()),
-                 bench._temp(meshplan.parallelize(step, method=meshplan.ShardParallel())
-                             .lower(*args).compile())]
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_the_fenced_checkpoint_saves_what_jax_jit_saves():
-    # (a process of its own: one device and XLA's memory-aware CPU scheduler,
-    # set by the benchmark module before jax starts)
-    import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", _MEMORY], cwd=root, env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout
-    temp = json.loads(out.strip().splitlines()[-1])
+    from _workers import checkpoint_temps
+    temp = checkpoint_temps("mlp, no checkpoint", "mlp, jax.checkpoint per layer (Python loop)")
     plain_jit, plain_ours = temp["mlp, no checkpoint"]
     ckpt_jit, ckpt_ours = temp["mlp, jax.checkpoint per layer (Python loop)"]
     assert ckpt_jit < 0.9 * plain_jit                # jax.jit's saving is real here

@@ -1,11 +1,6 @@
 """A one-stage plan of a step that recomputes inside a ``lax.scan`` over
 stacked layers runs with the scan rolled (meshplan.runtime.rolled): the
 numbers of ``jax.jit``, the plan's layouts stacked, ``jax.jit``'s memory."""
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,30 +77,12 @@ def test_layers_planned_apart_are_not_rolled():
     assert _restack([None, None, b], [2, 0]) is None
 
 
-_MEMORY = r"""
-import json
-import benchmarks.checkpoint_memory as bench   # (sets XLA_FLAGS before jax starts)
-import jax
-import meshplan
-out = {}
-for name in ("mlp, jax.checkpoint in lax.scan", "flax decoder, nn.scan(nn.remat(Block))"):
-    step, args = bench.CASES[name]()
-    out[name] = [bench._temp(jax.jit(step).lower(*args).compile()),
-                 bench._temp(meshplan.parallelize(step, method=meshplan.ShardParallel())
-                             .lower(*args).compile())]
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.extended
 def test_a_scanned_checkpoint_keeps_the_saving_jax_jit_keeps():
     # issue 17: temp memory within 20% of jax.jit's; unrolled, these took
-    # 1.40x and 2.52x (a process of its own: one device and XLA's
-    # memory-aware CPU scheduler, set by the benchmark module)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", _MEMORY], cwd=root, env=env, check=True,
-                         capture_output=True, text=True, timeout=900).stdout
-    temp = json.loads(out.strip().splitlines()[-1])
+    # 1.40x and 2.52x (one device, XLA's memory-aware CPU scheduler)
+    from _workers import checkpoint_temps
+    temp = checkpoint_temps("mlp, jax.checkpoint in lax.scan",
+                            "flax decoder, nn.scan(nn.remat(Block))")
     for name, (jit, ours) in temp.items():
         assert ours <= 1.2 * jit, (name, temp)
