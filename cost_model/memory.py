@@ -71,7 +71,6 @@ def peak_steps(live: Liveness, k: int) -> list[int]:
     return sorted(chosen)
 
 
-
 def program_temp_bytes(graph: Graph, intervals: Mapping[int, tuple[int, int]],
                        forward: Sequence[bool], handed_out: Collection[int],
                        grads: Collection[int], summed: bool,

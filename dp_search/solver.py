@@ -73,7 +73,7 @@ class LayerCost:
     deferred_s: float = 0.0
     deferred_bytes: float = 0.0
     rows_cut: tuple[tuple[tuple[int, ...], bool, bool], ...] = ()
-    # the largest arena of intermediates of its forward and backward
+    # the largest arena of intermediates of its forward, backward and update
     # programs (cost_model.memory.program_temp_bytes); None: not known
     program_temp: float | None = None
 
@@ -496,7 +496,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     # (nor does its selective replay cast the weights again)
     again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
-    # the arena of intermediates its forward and backward programs need
+    # the arena of intermediates its forward, backward and update programs need
     temps = program_temp_bytes(
         sub, stored_liveness(sub).intervals, [n.id in fwd_nodes for n in sub.nodes],
         saved | crossing | copied, accumulate, grad_accum > 1,

@@ -258,11 +258,12 @@ def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[An
     """[lax.scan over stacked layers] The user's step with its scan rolled
     (:mod:`meshplan.runtime.rolled`), for a one-stage plan of a step that
     recomputes (a ``jax.checkpoint`` keeps its saving only in the loop) whose
-    layers were each planned alike; else None.  (One process: several take
-    their rows of the batch through the runtime's own assembly.)"""
+    layers were each planned alike, and where the plan adds no recomputation
+    of its own; else None.  (One process: several take their rows of the
+    batch through the runtime's own assembly.)"""
     from meshplan.runtime.rolled import RolledScan, rolled_shardings
     one_program = len(p.stages) == 1 and p.num_micro_batches == 1
-    if (not one_program or jax.process_count() > 1
+    if (not one_program or jax.process_count() > 1 or p.stages[0].recompute != NONE
             or not any(n.remat for n in traced.graph.nodes)):
         return None
     shardings = rolled_shardings(p, traced.unstacked, abstract)

@@ -51,7 +51,7 @@ class Replay:
 def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int],
                 below: int | None = None) -> Replay | None:
     """What a one-program step with ``recompute`` (a :data:`meshplan.recompute.RECOMPUTE`
-    name) binds again; ``graph`` numbers its nodes and tensors as the flat
+    name) binds again (None: ``none``); ``graph`` numbers its nodes and tensors as the flat
     equation stream; ``layer_of_node``: the layer of every node; ``below``:
     with ``full``, only the layers numbered below it (None: all)."""
     if recompute == NONE:
@@ -83,6 +83,6 @@ def plan_replay(graph: Graph, recompute: str, layer_of_node: Sequence[int],
     groups = tuple(tuple(v) for _, v in sorted(by_layer.items()))
     group_of = {t: g for g, eqns in enumerate(groups) for nid in eqns
                 for t in nodes[nid].outputs if t in again}
-    if not groups:
-        return None
+    # (no groups: the backward reads nothing left to make again -- the
+    # step's own jax.checkpoint calls recompute it already)
     return Replay(groups, group_of, fwd, backward_from)

@@ -68,6 +68,19 @@ def test_a_scan_without_checkpoint_stays_unrolled():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_plan_that_recomputes_on_its_own_stays_unrolled():
+    # (the runtime's recomputation is the plan's, layer by layer; the step's
+    # own checkpoints leave it nothing to replay, which it once refused)
+    ws, x = _args()
+    step = meshplan.parallelize(_step(True), method=meshplan.ShardParallel(remat=True),
+                                donate_argnums=())
+    new_ws, _ = step(ws, x)
+    assert step.plan.stages[0].recompute != "none"
+    assert isinstance(step._entry((ws, x))[1], _Unstacking)
+    np.testing.assert_allclose(np.asarray(new_ws), np.asarray(jax.jit(_step(True))(ws, x)[0]),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_layers_planned_apart_are_not_rolled():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
     a, b = NamedSharding(mesh, P("x", None)), NamedSharding(mesh, P(None, "y"))
