@@ -6,6 +6,7 @@ This module sits on top of every pass: it plans through
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -262,12 +263,28 @@ def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[An
     of its own; else None.  (One process: several take their rows of the
     batch through the runtime's own assembly.)"""
     from meshplan.runtime.rolled import RolledScan, rolled_shardings
+    from meshplan.units import human_bytes
     one_program = len(p.stages) == 1 and p.num_micro_batches == 1
     if (not one_program or jax.process_count() > 1 or p.stages[0].recompute != NONE
             or not any(n.remat for n in traced.graph.nodes)):
         return None
     shardings = rolled_shardings(p, traced.unstacked, abstract)
-    return None if shardings is None else RolledScan(fn, shardings, abstract, donate_argnums)
+    if shardings is None:
+        return None
+    rolled = RolledScan(fn, shardings, abstract, donate_argnums)
+    # (XLA lays out the loop body itself: kept where it moves what the plan does)
+    moved, planned = rolled.comm_bytes(abstract), p.predicted.comm_bytes_per_device
+    if moved > ROLLED_COMM_SLACK * planned + 2 ** 16:
+        warnings.warn(f"meshplan: the lax.scan over stacked layers runs unrolled: rolled, the "
+                      f"layouts XLA chose inside it move {human_bytes(moved)} a step per device "
+                      f"against the plan's {human_bytes(planned)} (a jax.checkpoint inside it "
+                      "keeps less of its saving unrolled)", stacklevel=4)
+        return None
+    return rolled
+
+
+# a rolled scan may communicate this much more than the plan predicts
+ROLLED_COMM_SLACK = 1.1
 
 
 class _Unstacking:

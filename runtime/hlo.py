@@ -13,7 +13,8 @@ sum, over collective instructions, of the bytes of each one's *result* on one
 device.  A tuple-shaped result counts all its elements; ``/*index=N*/``
 comments inside long tuples are stripped first.  Every instruction counts
 once, wherever it sits (a collective in a while body counts once, not once
-per trip).
+per trip); :func:`collective_bytes_per_call` counts it once per trip where XLA
+knows the trip count (``known_trip_count``: a rolled ``lax.scan``).
 
 Asynchronous pairs count once, at the ``-start``, with the size of what the
 pair produces:
@@ -40,8 +41,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Union
 
-__all__ = ("Collective", "KINDS", "parse_collectives", "collective_bytes", "summary",
-           "shape_bytes", "parse_shape",)
+__all__ = ("Collective", "KINDS", "parse_collectives", "collective_bytes",
+           "collective_bytes_per_call", "summary", "shape_bytes", "parse_shape",)
 
 KINDS: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                           "collective-permute")
@@ -56,6 +57,9 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?")
 _COLLECTIVE_OP = re.compile(r"^(?P<kind>%s)(?P<suffix>-start|-done)?$" % "|".join(KINDS))
+# a computation's first line: ``%name (params) -> shape {`` or ``ENTRY %name ... {``
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{$")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class Collective:
     line: str                   # the HLO line, comments stripped
     name: str = ""              # the instruction name
     is_async: bool = False      # a -start / -done pair
+    # times one call runs it: the known trip counts of the while loops
+    # around it (a rolled lax.scan's body), 1 outside any
+    runs: int = 1
 
 
 def dtype_bits(dtype: str) -> int:
@@ -181,6 +188,7 @@ class _Instr:
     operands: str
     attrs: str
     line: str
+    computation: str = ""       # the computation it belongs to
 
 
 def _balanced(text: str, i: int) -> int:
@@ -199,8 +207,13 @@ def _balanced(text: str, i: int) -> int:
 
 
 def _instructions(text: str) -> Iterator[_Instr]:
+    computation = ""
     for raw in text.splitlines():
         line = _COMMENT.sub("", raw).rstrip()
+        header = _HEADER.match(line)
+        if header:
+            computation = header.group("name")
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -216,7 +229,29 @@ def _instructions(text: str) -> Iterator[_Instr]:
             continue
         close = _balanced(tail, om.end() - 1)
         yield _Instr(m.group("name"), shape_text, om.group(1), tail[om.end():close - 1],
-                     tail[close:], line.strip())
+                     tail[close:], line.strip(), computation)
+
+
+def _runs(instrs: list[_Instr]) -> dict[str, int]:
+    """computation -> how many times one call of the program runs it: the
+    product of the known trip counts of the ``while`` loops around it (1 for
+    the entry, and where XLA does not know a count)."""
+    loops = []
+    for ins in instrs:
+        if ins.opcode == "while":
+            m = _TRIP_COUNT.search(ins.attrs)
+            loops.append((ins.computation, _attr(ins.attrs, "body").lstrip("%"),
+                          int(m.group(1)) if m else 1))
+    runs: dict[str, int] = {}
+    for _ in range(len(loops) + 1):     # (nested loops: until nothing changes)
+        changed = False
+        for outer, body, n in loops:
+            r = runs.get(outer, 1) * n
+            if runs.get(body) != r:
+                runs[body], changed = r, True
+        if not changed:
+            break
+    return runs
 
 
 def _attr(attrs: str, key: str) -> str:
@@ -260,6 +295,7 @@ def _as_text(hlo: Any) -> str:
 def parse_collectives(hlo: Any) -> list[Collective]:
     """The collectives of an HLO module text (or of anything with ``as_text()``)."""
     instrs = list(_instructions(_as_text(hlo)))
+    runs = _runs(instrs)
     done_shape: dict[str, str] = {}
     for ins in instrs:
         m = _COLLECTIVE_OP.match(ins.opcode)
@@ -284,13 +320,19 @@ def parse_collectives(hlo: Any) -> list[Collective]:
         out.append(Collective(kind=kind, result_bytes=sum(a.nbytes for a in counted),
                               shapes=tuple(str(a) for a in counted),
                               replica_groups_text=groups, line=ins.line, name=ins.name,
-                              is_async=is_async))
+                              is_async=is_async, runs=runs.get(ins.computation, 1)))
     return out
 
 
 def collective_bytes(hlo: Any) -> int:
     """Sum over the collectives of their result bytes on one device."""
     return sum(c.result_bytes for c in parse_collectives(hlo))
+
+
+def collective_bytes_per_call(hlo: Any) -> int:
+    """:func:`collective_bytes` with each collective counted as many times as
+    one call runs it (a rolled loop's body once per trip: ``Collective.runs``)."""
+    return sum(c.result_bytes * c.runs for c in parse_collectives(hlo))
 
 
 def summary(hlo: Any) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,11 @@ layout, the plan's layouts are the stacked leaf's too, unsplit along the
 layers, and the user's step runs as written under ``jax.jit`` with them: the
 numbers and the memory are ``jax.jit``'s.  Inside the scanned body XLA
 propagates the layouts from the parameters and the batch; the plan's
-constraints on the body's intermediates are not applied there.
+constraints on the body's intermediates are not applied there.  So the
+rolled program is compiled first and kept only where it communicates no more
+than the plan predicts (:meth:`RolledScan.comm_bytes`, each collective of
+the loop body once per trip): a flax decoder under ``Manual(dp=1, tp=8)``
+rolled moved 137.6 MB a step where the plan predicted 26.3.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .hlo import collective_bytes_per_call
 from .shard import FastPathMiss
 
 __all__ = ("RolledScan", "rolled_shardings")
@@ -100,3 +105,9 @@ class RolledScan:
 
     def lower(self, *args: Any) -> Any:
         return self.jitted.lower(*args)
+
+    def comm_bytes(self, abstract: Sequence[Any]) -> int:
+        """Bytes of the collectives one call runs on one device, as XLA
+        compiled the program for ``abstract`` (``jax.jit`` keeps the
+        compilation for the calls)."""
+        return collective_bytes_per_call(self.jitted.lower(*abstract).compile().as_text())

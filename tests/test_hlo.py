@@ -205,3 +205,26 @@ def test_other_instructions_are_ignored():
   %gte = f32[4]{0} get-tuple-element(%all-to-all), index=0
 """
     assert parse_collectives(text) == []
+
+
+def test_a_collective_in_a_loop_body_runs_once_per_trip(mesh):
+    # a lax.scan of 5 steps, each summing over the mesh: one all-reduce in
+    # the while body, counted once by collective_bytes (DESIGN.md) and 5
+    # times a call by collective_bytes_per_call; nested loops multiply
+    from meshplan.runtime.hlo import collective_bytes_per_call
+
+    def body(c, _):
+        return c + jax.lax.psum(c, "x") * 0.5, None
+
+    def inner(x):
+        return jax.lax.scan(body, x, None, length=5)[0]
+
+    def outer(x):
+        return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=3)[0]
+
+    for fn, trips in ((inner, 5), (outer, 15)):
+        text = _compiled_text(_shard_map(fn, mesh, P("x"), P("x")), _sds((8, 16)))
+        (c,) = parse_collectives(text)
+        assert c.kind == "all-reduce" and c.runs == trips
+        assert collective_bytes(text) == 16 * 4
+        assert collective_bytes_per_call(text) == trips * 16 * 4

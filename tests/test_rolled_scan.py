@@ -40,7 +40,10 @@ def test_a_scanned_checkpoint_runs_rolled_with_the_numbers_of_jax_jit():
     step = meshplan.parallelize(_step(True), method=meshplan.Manual(dp=2, tp=4),
                                 donate_argnums=())
     new_ws, loss = step(ws, x)
-    assert isinstance(step._entry((ws, x))[1], RolledScan)
+    ex = step._entry((ws, x))[1]
+    assert isinstance(ex, RolledScan)
+    # it moves what the plan predicts, or less (each loop-body collective once per trip)
+    assert 0 < ex.comm_bytes((ws, x)) <= 1.1 * step.plan.predicted.comm_bytes_per_device
     ref_ws, ref_loss = jax.jit(_step(True))(ws, x)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(new_ws), np.asarray(ref_ws), rtol=1e-5, atol=1e-6)
@@ -76,6 +79,24 @@ def test_a_plan_that_recomputes_on_its_own_stays_unrolled():
                                 donate_argnums=())
     new_ws, _ = step(ws, x)
     assert step.plan.stages[0].recompute != "none"
+    assert isinstance(step._entry((ws, x))[1], _Unstacking)
+    np.testing.assert_allclose(np.asarray(new_ws), np.asarray(jax.jit(_step(True))(ws, x)[0]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_rolled_scan_that_moves_more_than_the_plan_runs_unrolled(monkeypatch):
+    # XLA lays out the loop body itself: the rolled program is kept only
+    # where its collectives, each once per trip, move no more than the plan
+    # predicts (a flax decoder under Manual(dp=1, tp=8) moved 5x).  Here the
+    # allowance is cut to nothing, so the rolled program moves too much
+    import meshplan.api
+    monkeypatch.setattr(meshplan.api, "ROLLED_COMM_SLACK", 0.0)
+    ws, x = _args()
+    step = meshplan.parallelize(_step(True), method=meshplan.Manual(dp=2, tp=4),
+                                donate_argnums=())
+    with pytest.warns(UserWarning, match=r"runs unrolled: rolled, .* KiB a step per device "
+                                         r"against the plan's .* KiB"):
+        new_ws, _ = step(ws, x)
     assert isinstance(step._entry((ws, x))[1], _Unstacking)
     np.testing.assert_allclose(np.asarray(new_ws), np.asarray(jax.jit(_step(True))(ws, x)[0]),
                                rtol=1e-5, atol=1e-6)
