@@ -21,8 +21,10 @@ import os
 
 from meshplan.tools.remat_memory import SCHEDULER_FLAG
 
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {SCHEDULER_FLAG}"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":     # (run as a script: one device, before jax starts;
+    # the tests import the steps into their own 8-device process)
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {SCHEDULER_FLAG}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

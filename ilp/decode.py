@@ -153,13 +153,17 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
     if dedupe:
         # (a resharding that both a micro-batch's programs and the update
         # do runs in each: they are separate programs; so are a pipeline
-        # stage's forward and backward)
+        # stage's forward and backward.  A jax.checkpoint's replay reads its
+        # operands through the runtime's fence, so what it reshards is
+        # resharded again, apart from the forward's)
         fwd = built.split_programs
+        replayed = _replayed(graph)
 
         def program(pc: PlannedCollective) -> tuple:
-            if fwd is None or pc.group < 0:
+            if pc.group < 0:
                 return (pc.per_step,)
-            return (pc.per_step, first_node(groups[pc.group]) in fwd)
+            node = first_node(groups[pc.group])
+            return (pc.per_step, fwd is not None and node in fwd, node in replayed)
         seen_keys: set[tuple] = set()
         kept = []
         for pc in out:
@@ -170,6 +174,15 @@ def explain(graph: Graph, mm: MeshModel, built: Built, choice, *,
             kept.append(pc)
         out = kept
     return merge_gradients(mm, out, f) if merge else out
+
+
+def _replayed(graph: Graph) -> frozenset[int]:
+    """The operators a user's ``jax.checkpoint`` runs again in the backward:
+    traced under remat, outside the forward."""
+    if not any(n.remat for n in graph.nodes):
+        return frozenset()
+    fwd = forward_nodes(graph)
+    return frozenset(n.id for n in graph.nodes if n.remat and not fwd[n.id])
 
 
 def merge_gradients(mm: MeshModel, planned: list[PlannedCollective], f: float = 1.0
