@@ -73,7 +73,7 @@ def peak_steps(live: Liveness, k: int) -> list[int]:
 
 def program_temp_bytes(graph: Graph, intervals: Mapping[int, tuple[int, int]],
                        forward: Sequence[bool], handed_out: Collection[int],
-                       grads: Collection[int], summed: bool,
+                       grads: Collection[int], update: Collection[int], summed: bool,
                        nbytes: Callable[[int], float]) -> float:
     """The largest arena of intermediates (XLA's ``temp``) of the forward,
     backward and update programs a pipeline stage runs for ``graph`` (one layer).
@@ -85,16 +85,12 @@ def program_temp_bytes(graph: Graph, intervals: Mapping[int, tuple[int, int]],
     so its temps are the values it makes itself, on top of those.  A
     parameter's gradient is added into its running sum as it is made
     (``summed``, several micro-batches: a temp for that moment) or is an
-    output.  What reads a gradient is the update's program: its temps are
-    what it makes beyond the new state (which takes the old state's buffers).
-    ``intervals``: the stored values' liveness (first, last node)."""
+    output.  The optimizer update's operators (``update``,
+    :func:`meshplan.ilp.accumulation.update_nodes`) are a program of their
+    own: its temps are what it makes beyond the new state (which takes the
+    old state's buffers).  ``intervals``: the stored values' liveness (first,
+    last node)."""
     made_by = graph.producer
-    update: set[int] = set()
-    after = set(grads)
-    for node in graph.nodes:
-        if any(t in after for t in node.inputs):
-            after.update(node.outputs)
-            update.add(node.id)
     fwd: dict[int, tuple[int, int]] = {}
     bwd: dict[int, tuple[int, int]] = {}
     upd: dict[int, tuple[int, int]] = {}

@@ -20,7 +20,7 @@ from ..errors import InfeasiblePlanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
 from ..ilp import (Built, IlpCaches, InputLayouts, IntraOpResult, Pins, build_intra_op,
                    solve_intra_op)
-from ..ilp.accumulation import held_copies
+from ..ilp.accumulation import held_copies, update_nodes
 from ..ilp.build import stored_liveness, with_resident_cap
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
@@ -499,7 +499,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     # the arena of intermediates its forward, backward and update programs need
     temps = program_temp_bytes(
         sub, stored_liveness(sub).intervals, [n.id in fwd_nodes for n in sub.nodes],
-        saved | crossing | copied, accumulate, grad_accum > 1,
+        saved | crossing | copied, accumulate, update_nodes(sub, frozenset(accumulate))[0],
+        grad_accum > 1,
         lambda t: local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
     return LayerCost(r.compute_s + r.comm_s, r.compute_s, r.comm_s, r.comm_bytes, resident,
                      max(r.peak_memory_bytes - resident, 0.0), boundary, kept,

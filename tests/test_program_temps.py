@@ -8,6 +8,7 @@ import meshplan
 from meshplan.cost_model.fusion import backward_reads, kept_after_fusion
 from meshplan.cost_model.memory import program_temp_bytes
 from meshplan.graph import forward_nodes
+from meshplan.ilp.accumulation import update_nodes
 from meshplan.ilp.build import stored_liveness
 from meshplan.trace import trace
 
@@ -36,7 +37,8 @@ def test_the_backward_holds_what_it_makes_on_top_of_every_kept_value():
     kept = kept_after_fusion(g, fwd, backward_reads(g, fwd))
     intervals = stored_liveness(g).intervals
     made = g.producer
-    got = program_temp_bytes(g, intervals, fwd, kept, (), True, lambda t: g.tensors[t].nbytes)
+    got = program_temp_bytes(g, intervals, fwd, kept, (), (), True,
+                             lambda t: g.tensors[t].nbytes)
     backward = _peak_by_hand(g, intervals, lambda t: not fwd[made[t]] and t not in kept)
     forward = _peak_by_hand(g, intervals, lambda t: fwd[made[t]] and t not in kept)
     assert got == max(backward, forward) > 0
@@ -56,9 +58,10 @@ def test_a_gradient_summed_as_it_is_made_counts_only_then_and_an_output_not_at_a
     # (the marker's operand: the gradient the backward makes)
     made = g.nodes[g.producer[grad]].inputs[0]
     size = g.tensors[made].nbytes
+    update = update_nodes(g, frozenset({made}))[0]
 
     def temps(summed: bool) -> float:
-        return program_temp_bytes(g, intervals, fwd, kept, {made}, summed,
+        return program_temp_bytes(g, intervals, fwd, kept, {made}, update, summed,
                                   lambda t: g.tensors[t].nbytes)
     # as an output it is not a temp; summed, it is one at the node making it
     a, _ = intervals[made]
