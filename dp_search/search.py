@@ -125,7 +125,9 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 regraphed[0] += 1
             g = graph if B == 1 else retrace(B)  # type: ignore[misc]
         except TraceError as e:
-            return e
+            # (kept for later: without its traceback, whose frames would hold
+            # this search's graphs in a reference cycle until a full collection)
+            return e.with_traceback(None)
         finally:
             search.trace_s += time.perf_counter() - t0
         why = batch_shaped_draws(graph, g) if B > 1 else None
@@ -156,7 +158,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
             except InfeasiblePlanError as e:
                 errors[B] = str(e)
                 if isinstance(e, StageMemoryError) and e.stage is not None:
-                    unfit[B] = e
+                    unfit[B] = e.with_traceback(None)     # (as in _layered)
                 # (only a power of two prunes, as before the other divisors
                 # were searched: 48 of 1536 may fit nothing where 32, whose
                 # micro-batches more replicas divide, does)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 
 from .cluster import ClusterSpec
+from .collector import with_relaxed_gc
 from .dp_search import SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
@@ -105,6 +106,7 @@ def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ..
     return retrace if graph is None else Rescaling(graph, retrace)
 
 
+@with_relaxed_gc
 def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
               retrace: Callable[[int], Graph] | None = None,
               session: Session | None = None, explain: bool = False) -> Planned:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .. import flops as flop_rules
+from ..collector import with_relaxed_gc
 from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
@@ -241,6 +242,7 @@ def _mark_whole_batch(fn: Callable, args: Sequence[Any], batch_argnums: tuple[in
                                    name=graph.name, argnames=_argnames(fn, len(args)), flat=f))
 
 
+@with_relaxed_gc
 def _traced(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
             name: str | None) -> tuple[Any, Any, FlatJaxpr, Graph]:
     """``(closed jaxpr, output shapes, flat stream, Graph)`` of ``fn(*args)``."""
@@ -382,6 +384,7 @@ def _with_fingerprint(g: Graph) -> Graph:
 # the step as the runtime runs it
 # --------------------------------------------------------------------------
 
+@with_relaxed_gc
 def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                   micro_batches: int | None = None) -> TracedStep:
     """``fn(*args)`` traced for the runtime (:class:`~meshplan.traced.TracedStep`).
@@ -428,6 +431,7 @@ def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequen
     return _micro(fn, args, micro, batch_argnums, name or getattr(fn, "__name__", "fn"), B)[3]
 
 
+@with_relaxed_gc
 def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
            batch_argnums: tuple[int, ...], name: str, m: int) -> tuple[Any, ...]:
     def build(closed: Any, a: Sequence[Any], out_shape: Any, flat: FlatJaxpr) -> Graph:
