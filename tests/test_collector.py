@@ -1,6 +1,7 @@
 """meshplan.collector: the garbage collector's thresholds while tracing and
 planning, and the caller's put back."""
 import gc
+import weakref
 
 import pytest
 
@@ -40,26 +41,28 @@ def test_nests_and_never_collects_more_often_than_the_caller_asked(thresholds):
 
 
 def test_tracing_and_planning_run_relaxed_and_restore(thresholds, monkeypatch):
-    """The planning entry points run under relaxed thresholds (seen from
-    inside the search) and leave the caller's as they were."""
-    import meshplan.dp_search.search as search
+    """Tracing and planning run under relaxed thresholds (seen from inside
+    JAX's trace and the pipeline search) and leave the caller's as they were."""
+    import importlib
+    tracer = importlib.import_module("meshplan.trace.tracer")
+    planning = importlib.import_module("meshplan.planning")
+    seen: dict[str, list] = {"trace": [], "search": []}
 
-    seen = []
-    real = search.search_pipeline
-
-    def spy(*args, **kwargs):
-        seen.append(gc.get_threshold())
-        return real(*args, **kwargs)
-    monkeypatch.setattr(search, "search_pipeline", spy)
-    import meshplan.planning as planning
-    monkeypatch.setattr(planning, "search_pipeline", spy)
+    def spy(what, real):
+        def wrapped(*args, **kwargs):
+            seen[what].append(gc.get_threshold())
+            return real(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(tracer, "jaxpr_of", spy("trace", tracer.jaxpr_of))
+    monkeypatch.setattr(planning, "search_pipeline", spy("search", planning.search_pipeline))
     gc.set_threshold(700, 10, 10)
     from meshplan.models import build_model
     m = build_model("mlp", {"layers": "2", "hidden": "32", "batch": "8"})
     plan = meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.Cluster.local(),
                          method=meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=2))
     assert len(plan.stages) == 2
-    assert seen and all(t == RELAXED_THRESHOLDS for t in seen)
+    for what, thresholds_seen in seen.items():
+        assert thresholds_seen and all(t == RELAXED_THRESHOLDS for t in thresholds_seen), what
     assert gc.get_threshold() == (700, 10, 10)
 
 
@@ -71,7 +74,6 @@ def test_the_stage_dp_leaves_no_cycle_behind():
         def __call__(self, i, j, m, s):
             return float(j - i + 1)
 
-    import weakref
     cost = Cost()
     alive = weakref.ref(cost)
     was = gc.isenabled()
