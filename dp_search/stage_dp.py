@@ -208,7 +208,7 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
     # (F reaches itself through its closure, a reference cycle: unbound, its
     # memo and the stage costs it reaches are freed now, not at the next
     # full collection, meshplan.collector)
-    F = None  # type: ignore[assignment]  # noqa: F841
+    F = None  # type: ignore[assignment]
     if best[0] == INF:
         return None
     return best
