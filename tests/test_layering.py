@@ -22,6 +22,7 @@ LAYER_OF = {
     "schedule": "types", "datasheets": "types", "primitives": "types", "units": "types",
     "alternatives": "types",    # what --explain records in a plan
     "recompute": "types",       # the recomputation choices and the selective region
+    "collector": "types",       # the garbage collector's thresholds while tracing and planning
     "contributions": "types",   # gradient sums run once a step (planner and runtime)
     "flops": "types",           # the per-primitive FLOP table (the ILP's rules read it too)
     "specs": "types",           # the PartitionSpec vocabulary of plans (plain Python)
