@@ -254,6 +254,10 @@ class Parallelized:
         return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
 
 
+# a rolled scan may communicate this much more than the plan predicts (and 64 KiB)
+ROLLED_COMM_SLACK = 1.1
+
+
 def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[Any],
             donate_argnums: tuple[int, ...]) -> Any:
     """[lax.scan over stacked layers] The user's step with its scan rolled
@@ -281,10 +285,6 @@ def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[An
                       "keeps less of its saving unrolled)", stacklevel=4)
         return None
     return rolled
-
-
-# a rolled scan may communicate this much more than the plan predicts
-ROLLED_COMM_SLACK = 1.1
 
 
 class _Unstacking:
