@@ -520,15 +520,25 @@ class _Builder:
         g.member_compute.append([row[1] for row in got])
         self.group_of_tensor[out_t] = g.gid
 
+    def _offered(self, t: int) -> frozenset[ISpec] | None:
+        """The layouts the group making ``t`` can leave it in (None: not made
+        by a group yet, a literal or constant, read as it comes)."""
+        h = self.group_of_tensor.get(t)
+        if h is None:
+            return None
+        return frozenset(sp[t] for sp in self.groups[h].specs if t in sp)
+
     def _add_operator(self, node, moved: float, strat_cache: dict[tuple, list[Strategy]]) -> None:
         """A group of its own for ``node``, one strategy per way to split it."""
         graph = self.graph
+        offered = tuple(self._offered(t) for t in node.inputs)
         key = (node.primitive, tuple(graph.tensors[t].shape for t in node.inputs),
                tuple(graph.tensors[t].shape for t in node.outputs), node.params,
-               node.flops, moved)
+               node.flops, moved, offered)
         strategies = strat_cache.get(key)
         if strategies is None:
-            strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved)
+            strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved,
+                                         offered=offered)
             strat_cache[key] = strategies
         g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
         steady = node.id not in self.update_nodes

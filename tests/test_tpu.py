@@ -346,6 +346,69 @@ def test_a_weight_gradient_reduce_scatters_on_ici_and_all_reduces_its_shard_over
                                   + cluster.device.achieved.kernel_launch_s)
 
 
+def _small_gpt_graph(layers: str = "1"):
+    from meshplan.graph import GRAD_BOUNDARY, strip_markers
+    from meshplan.models import build_model
+    from meshplan.trace import trace
+    m = build_model("gpt", {"layers": layers, "hidden": "256", "heads": "4", "seq_len": "128",
+                            "vocab": "1024", "batch": "1024", "dtype": "bfloat16",
+                            "compute_dtype": "bfloat16"})
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, warn=False)
+    grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    return strip_markers(graph), grads
+
+
+def test_the_strategy_cut_keeps_a_gradient_summed_over_a_batch_split_three_ways():
+    """On a 4x16x16 multi-slice mesh a weight gradient has hundreds of
+    strategies.  The one that reads both activations as the forward left
+    them (batch split over all three axes) pays its reduce-scatter itself,
+    so the cheapest 64 by own cost leave it out; the cut keeps it when its
+    operands' makers offer that layout."""
+    from meshplan.ilp.strategies import MAX_STRATEGIES, enumerate_strategies, node_space, \
+        node_strategies
+    graph, _ = _small_gpt_graph()
+    mm = mesh_model(load_cluster(TPU / "tpu-v5e-256-x4.json"),
+                    LogicalMesh(("x", "y", "z"), (4, 16, 16)))
+    # the first MLP weight's gradient: (batch, seq, 256) x (batch, seq, 1024) -> (256, 1024)
+    node = next(n for n in graph.nodes if n.primitive == "dot_general"
+                and graph.tensors[n.outputs[0]].shape == (256, 1024)
+                and graph.tensors[n.inputs[0]].shape[0] == 1024)
+    split = ((0, 1, 2), (), ())
+    aligned = [s for s in enumerate_strategies(graph, node, node_space(graph, node), mm)
+               if s.in_specs == (split, split)]
+    assert aligned and len(enumerate_strategies(graph, node, node_space(graph, node), mm)) \
+        > 2 * MAX_STRATEGIES
+    blind = node_strategies(graph, node, mm)
+    assert len(blind) == MAX_STRATEGIES
+    assert not any(s.in_specs == (split, split) for s in blind)
+    offered = (frozenset({split}), frozenset({split}))
+    kept = node_strategies(graph, node, mm, offered=offered)
+    assert kept[:MAX_STRATEGIES] == blind        # (the cheapest first, as before)
+    assert {s.name for s in kept if s.in_specs == (split, split)} == {s.name for s in aligned}
+    # every strategy kept beyond the cheapest reads its operands as offered
+    assert all(s.in_specs == (split, split) for s in kept[MAX_STRATEGIES:])
+
+
+@pytest.mark.extended
+def test_the_cut_ilp_finds_the_optimum_over_every_strategy_on_a_three_axis_mesh():
+    """The layer ILP over the cut strategies against the same ILP over all of
+    them (no cut) on a 4x16x16 two-level mesh: the same objective."""
+    from meshplan.ilp.intra_op import solve_intra_op
+    from meshplan.ilp import strategies
+    graph, grads = _small_gpt_graph()
+    cluster = load_cluster(TPU / "tpu-v5e-256-x4.json")
+    mesh = LogicalMesh(("x", "y", "z"), (4, 16, 16))
+    cut = solve_intra_op(graph, cluster, mesh, accumulate=grads, time_limit=120)
+    every = pytest.MonkeyPatch()
+    every.setattr(strategies, "_cut", lambda ranked, keep, offered: ranked)
+    try:
+        full = solve_intra_op(graph, cluster, mesh, accumulate=grads, time_limit=300)
+    finally:
+        every.undo()
+    assert cut.solution.status == full.solution.status == "optimal"
+    assert cut.objective_s == pytest.approx(full.objective_s, rel=1e-6)
+
+
 def test_a_weight_read_twice_stays_off_the_slice_axis():
     """Sharding a weight over the slices too costs a DCN phase (1/512 of it)
     in every gather and in the gradient's reduce-scatter; keeping it to ICI
