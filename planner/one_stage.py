@@ -12,7 +12,8 @@ from .dp_search import Session
 from .dp_search.assemble import plan_from_intra_op
 from .errors import InfeasiblePlanError
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
-from .ilp import InputLayouts, best_intra_op, candidate_meshes, solve_intra_op, within_host
+from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
+                  within_host)
 from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
                       with_offload)
 from .plan import LogicalMesh, Plan
@@ -73,11 +74,42 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
                              reporter=session.progress, options=session.solver,
                              caches=session.ilp_caches, accumulate=grads, host_inputs=host)
     plan = plan_from_intra_op(graph, cluster, r, request.method)
+    same = replicated_axes(graph, r)
+    if same:
+        plan = replace(plan, notes=plan.notes + (same,))
     if r.solution.status == "time_limit":
         plan = replace(plan, ilp_time_limit_hit=True)
     if offload:
         plan = with_offload(plan, graph, cluster, dict(plan.arg_prefixes))
     return plan
+
+
+# a mesh axis worth a note: this share of the operators' FLOPs runs unsplit over it
+REPLICATED_AXIS_SHARE = 0.5
+
+
+def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
+    """A note where the plan runs most of the step's FLOPs identically on
+    every device of a mesh axis (the ILP, within the method's layouts, found
+    no faster split: for a tiny step the collectives cost more than the work
+    they would split), else None.
+    FLOPs of the operators that choose layouts (matmuls among them); an
+    element-wise follower splits as its operand does."""
+    flops = {n.id: n.flops for n in graph.nodes}
+    chosen = [(flops.get(i, 0.0), {part.split(":")[0] for part in name.split()})
+              for i, name in r.strategies]
+    total = sum(f for f, _ in chosen)
+    if not total:
+        return None
+    same = [(axis, size, sum(f for f, used in chosen if axis not in used) / total)
+            for axis, size in zip(r.mesh.axes, r.mesh.shape) if size > 1]
+    same = [x for x in same if x[2] >= REPLICATED_AXIS_SHARE]
+    if not same:
+        return None
+    where = "; ".join(f"{share:.0%} of the operators' FLOPs run identically on each of the "
+                      f"{size} devices of mesh axis {axis}" for axis, size, share in same)
+    return (f"replicated work: {where} (no layout that splits them was predicted faster); "
+            "a larger batch, or fewer devices, would put them to use")
 
 
 def check_batch_divisible(graph: Graph, n: int, what: str) -> None:

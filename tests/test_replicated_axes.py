@@ -1,0 +1,38 @@
+"""A one-stage plan says so when it runs most of the step's FLOPs
+identically on every device of a mesh axis (no silent replication of work):
+the ILP may find that splitting a tiny step costs more in collectives than
+it saves, and the user should hear that the devices along that axis idle."""
+import jax
+import jax.numpy as jnp
+
+import meshplan
+from meshplan.one_stage import REPLICATED_AXIS_SHARE
+
+
+def _step(rows: int):
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w[0]) @ w[1])
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+    w = jax.ShapeDtypeStruct((2, 256, 256), jnp.float32)
+    return step, w, jax.ShapeDtypeStruct((rows, 256), jnp.float32)
+
+
+def _notes(rows: int, method) -> list[str]:
+    step, w, x = _step(rows)
+    plan = meshplan.plan(step, w, x, method=method, batch_argnums=(1,))
+    return [n for n in plan.notes if n.startswith("replicated work")]
+
+
+def test_a_step_too_small_to_split_says_which_axis_repeats_it():
+    # one row: nothing to split along the batch, and a 256x256 matmul is
+    # cheaper whole than any collective that splitting it would need
+    (note,) = _notes(1, meshplan.ShardParallel(mesh_shape=(8,)))
+    assert "mesh axis x" in note and "8 devices" in note and "fewer devices" in note
+    share = float(note.split("% of the operators")[0].split()[-1]) / 100
+    assert REPLICATED_AXIS_SHARE <= share <= 1.0
+
+
+def test_a_data_parallel_plan_has_no_such_note():
+    assert _notes(512, meshplan.ShardParallel(mesh_shape=(8,))) == []
