@@ -63,7 +63,8 @@ def _flax(remat: bool, scanned: bool = True):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, _):
-            x = x + nn.SelfAttention(num_heads=4, deterministic=True)(nn.LayerNorm()(x))
+            attend = nn.MultiHeadDotProductAttention(num_heads=4, deterministic=True)
+            x = x + attend(nn.LayerNorm()(x))
             return x + nn.Dense(H)(nn.gelu(nn.Dense(4 * H)(nn.LayerNorm()(x)))), None
 
     class LM(nn.Module):
