@@ -1,7 +1,8 @@
 """A one-stage plan says so when it runs most of the step's FLOPs
 identically on every device of a mesh axis (no silent replication of work):
 the ILP may find that splitting a tiny step costs more in collectives than
-it saves, and the user should hear that the devices along that axis idle."""
+it saves, and the user should hear that the devices along that axis repeat
+each other's work."""
 import jax
 import jax.numpy as jnp
 
