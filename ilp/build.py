@@ -41,8 +41,8 @@ from .accumulation import (deferrable, gradient_only, held_copies, rows_axes, st
 from .caches import IlpCaches, ReshardMemo
 from .problem import Edge, IlpProblem, MemoryRow
 from .rules import OpSpace
-from .strategies import (MATMULS, Strategy, collectives_of, merged_comm_s, node_dtype,
-                         node_space, node_strategies, sum_all_reduces, unmerged_s)
+from .strategies import (MATMULS, Strategy, all_strategies, collectives_of, keep_strategies,
+                         merged_comm_s, node_dtype, node_space, sum_all_reduces, unmerged_s)
 
 
 TIE_BREAK_S_PER_BYTE = 1e-18
@@ -531,15 +531,14 @@ class _Builder:
     def _add_operator(self, node, moved: float, strat_cache: dict[tuple, list[Strategy]]) -> None:
         """A group of its own for ``node``, one strategy per way to split it."""
         graph = self.graph
-        offered = tuple(self._offered(t) for t in node.inputs)
         key = (node.primitive, tuple(graph.tensors[t].shape for t in node.inputs),
                tuple(graph.tensors[t].shape for t in node.outputs), node.params,
-               node.flops, moved, offered)
-        strategies = strat_cache.get(key)
-        if strategies is None:
-            strategies = node_strategies(graph, node, self.mm, bytes_accessed=moved,
-                                         offered=offered)
-            strat_cache[key] = strategies
+               node.flops, moved)
+        every = strat_cache.get(key)
+        if every is None:
+            every = strat_cache[key] = all_strategies(graph, node, self.mm, bytes_accessed=moved)
+        # (what the operands' makers offer matters only where there is a cut)
+        strategies = keep_strategies(every, lambda: [self._offered(t) for t in node.inputs])
         g = Group(len(self.groups), f"n{node.id}_{node.primitive}", node.id, None, list(strategies))
         steady = node.id not in self.update_nodes
         for s in strategies:

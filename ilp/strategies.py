@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..cost_model.collectives import all_reduce, fixed_s, reduce_scatter, reduce_scatter_kind
 from ..cost_model.compute import compute_time
@@ -262,25 +262,39 @@ def node_strategies(graph: Graph, node: Node, mm: MeshModel,
                     bytes_accessed: float | None = None,
                     offered: Sequence[frozenset[ISpec] | None] | None = None
                     ) -> list[Strategy]:
-    """The strategies of ``node``; a single replicated one when it has no rule.
+    """The strategies of ``node`` the ILP gets (:func:`keep_strategies` of
+    :func:`all_strategies`)."""
+    return keep_strategies(all_strategies(graph, node, mm, bytes_accessed), offered,
+                           max_strategies)
 
-    On meshes of three or more axes an operator can have hundreds of
-    strategies; only the ``max_strategies`` cheapest by their own compute and
-    communication time are kept (ties broken by name, so the cut is
-    deterministic), and with them up to twice ``max_strategies`` more that read
-    every operand in a layout its maker can leave it in (``offered``, per
-    operand; None: any): see :func:`_cut`.  The ILP is exact over the
-    strategies it is given.
-    """
+
+def all_strategies(graph: Graph, node: Node, mm: MeshModel,
+                   bytes_accessed: float | None = None) -> list[Strategy]:
+    """Every strategy of ``node``; a single replicated one when it has no rule."""
     space = node_space(graph, node)
     if space is None or space.independent:
         # (independent components are laid out one by one by the ILP builder;
         # one strategy over all of them would be a product of their layouts)
         return [replicated_strategy(graph, node, mm, bytes_accessed)]
-    strategies = enumerate_strategies(graph, node, space, mm, bytes_accessed)
-    if len(strategies) > max_strategies:
-        strategies = _cut(strategies, max_strategies, offered)
-    return strategies or [replicated_strategy(graph, node, mm, bytes_accessed)]
+    return (enumerate_strategies(graph, node, space, mm, bytes_accessed)
+            or [replicated_strategy(graph, node, mm, bytes_accessed)])
+
+
+def keep_strategies(strategies: list[Strategy],
+                    offered: Sequence[frozenset[ISpec] | None] | None
+                    | Callable[[], Sequence[frozenset[ISpec] | None]] = None,
+                    max_strategies: int = MAX_STRATEGIES) -> list[Strategy]:
+    """``strategies`` as the ILP gets them.  On meshes of three or more axes
+    an operator can have hundreds; then only the ``max_strategies`` cheapest
+    by their own compute and communication time are kept (ties broken by
+    name, so the cut is deterministic), and with them up to twice
+    ``max_strategies`` more that read every operand in a layout its maker
+    can leave it in (``offered``, per operand, None: any; or a function
+    giving them, asked only where there is a cut): see :func:`_cut`.  The
+    ILP is exact over the strategies it is given."""
+    if len(strategies) <= max_strategies:
+        return strategies
+    return _cut(strategies, max_strategies, offered() if callable(offered) else offered)
 
 
 def _cut(strategies: list[Strategy], keep: int,
