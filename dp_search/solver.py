@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..cluster import ClusterSpec
 from ..cost_model.compute import compute_time
@@ -287,25 +287,29 @@ class LayerSolver:
             solve_jobs, [[todo[k][0] for k in part] for part in parts], chunksize=1)
         return list(todo), todo, (parts, pending)
 
-    def prefetch(self, requests: list[tuple], tighten: float) -> None:
+    def prefetch(self, requests: list[tuple], tighten: float,
+                 pins: Sequence[Pins | None] | None = None) -> None:
         """Solve the distinct uncached layer ILPs of ``requests`` (arguments
-        of :meth:`layer_cost`) under 1 / ``tighten`` of the budget side by
-        side in the worker processes, when there are two or more (the stage
-        DP asks for a capped mesh's layers one by one, each a MIP of seconds).
-        The same problems give the same results wherever they are solved."""
+        of :meth:`layer_cost`) under 1 / ``tighten`` of the budget, each with
+        its ``pins`` (default none), side by side in the worker processes,
+        when there are two or more (the stage DP asks for a capped mesh's
+        layers, and for the layers solved again to agree with their stage,
+        one by one, each a MIP of seconds).  The same problems give the same
+        results wherever they are solved."""
         todo: dict[tuple, tuple] = {}
-        for sub, mesh, submesh, grads, grad_accum, saved, crossing, entering, selective \
-                in requests:
-            key = self._key(sub, mesh, submesh, grad_accum, tighten)
+        for (sub, mesh, submesh, grads, grad_accum, saved, crossing, entering, selective), pin \
+                in zip(requests, pins or [None] * len(requests)):
+            key = self._key(sub, mesh, submesh, grad_accum, tighten, pin)
             if key in self.cache or key in todo \
-                    or self._looser_unfit(sub, mesh, submesh, grad_accum, tighten):
+                    or self._looser_unfit(sub, mesh, submesh, grad_accum, tighten, pin):
                 continue
-            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten)
+            same = self._looser_fits(sub, mesh, submesh, grad_accum, tighten, pin) \
+                if tighten > 1 else None
             if same is not None:
                 self.cache[key] = same
             else:
                 todo[key] = (self._job(sub, mesh, submesh, grads, grad_accum, tighten,
-                                       saved | crossing), sub, mesh,
+                                       saved | crossing, pin), sub, mesh,
                              saved, crossing, entering, selective)
         if self.workers <= 1 or len(todo) < 2:
             return

@@ -299,34 +299,67 @@ class StageCosts:
             return own
         key = (l, j, m, k, tighten)
         if key not in self._members:
-            ins: dict[int, tuple] = {}
-            outs: dict[int, tuple] = {}
-            partners = []
-            for f in self._flows_of[l]:
-                other = f.reader if f.maker == l else f.maker
-                them = self.member(other, j, m, k, tighten) if l < other <= j else None
-                if them is None:
-                    continue
-                partners.append((f, them))
-                if f.maker == l:
-                    want, have = them.result.input_specs[f.in_pos], own.result.output_specs[f.out_pos]
-                    if want is not None and want != have:
-                        outs[f.out_pos] = want
-                else:
-                    made, read = them.result.output_specs[f.out_pos], own.result.input_specs[f.in_pos]
-                    if made is not None and made != read:
-                        ins[f.in_pos] = made
+            partners, pins = self._pins(l, j, m, k, tighten, own)
             pinned = None
-            if ins or outs:
-                pinned = self.solver.layer_cost(
-                    *self.lay.request(l, m, k), tighten=tighten,
-                    pins=Pins(tuple(sorted(ins.items())), tuple(sorted(outs.items()))))
+            if pins:
+                pinned = self.solver.layer_cost(*self.lay.request(l, m, k), tighten=tighten,
+                                                pins=pins)
 
             def with_joints(c: LayerCost) -> float:
                 return c.time_s + sum(self._flow_s(f, c, them, l, m, k) for f, them in partners)
             self._members[key] = (pinned if pinned is not None
                                   and with_joints(pinned) < with_joints(own) else own)
         return self._members[key]
+
+    def _pins(self, l: int, j: int, m: int, k: int, tighten: float, own: LayerCost
+              ) -> tuple[list[tuple[Flow, LayerCost]], Pins]:
+        """For :meth:`member`: the flows between layer ``l`` and the later
+        layers of its stage (to ``j``) with their plans, and the boundary
+        layouts of ``l`` where its own plan ``own`` disagrees with theirs."""
+        ins: dict[int, tuple] = {}
+        outs: dict[int, tuple] = {}
+        partners = []
+        for f in self._flows_of[l]:
+            other = f.reader if f.maker == l else f.maker
+            them = self.member(other, j, m, k, tighten) if l < other <= j else None
+            if them is None:
+                continue
+            partners.append((f, them))
+            if f.maker == l:
+                want, have = them.result.input_specs[f.in_pos], own.result.output_specs[f.out_pos]
+                if want is not None and want != have:
+                    outs[f.out_pos] = want
+            else:
+                made, read = them.result.output_specs[f.out_pos], own.result.input_specs[f.in_pos]
+                if made is not None and made != read:
+                    ins[f.in_pos] = made
+        return partners, Pins(tuple(sorted(ins.items())), tuple(sorted(outs.items())))
+
+    def _prefetch_members(self, gi: int, gj: int, m: int, meshes: list[int],
+                          tighten: float) -> None:
+        """Solve the layers of groups ``gi..gj`` solved again to agree with
+        their stage (:meth:`member`) on ``meshes`` of submesh ``m`` side by
+        side, from the stage's end: a layer's pins need the plans of the
+        layers after it, so each step solves one layer of every mesh's stage
+        (:meth:`LayerSolver.prefetch`; one such problem alone is solved
+        when :meth:`member` asks, as before)."""
+        lay = self.lay
+        if not self._pinning or self.solver.workers <= 1 or len(meshes) < 2:
+            return
+        i, j = lay.groups[gi][0], lay.groups[gj][1]
+        ks = [k for k in meshes if all(r is not None for r in self.groups(m, k, tighten)[gi:gj + 1])]
+        for l in range(j - 1, i - 1, -1):
+            if l not in self._flows_of:
+                continue
+            asks = []
+            for k in ks:
+                own = self.layer(l, m, k, tighten)
+                if own is not None and (l, j, m, k, tighten) not in self._members:
+                    pins = self._pins(l, j, m, k, tighten, own)[1]
+                    if pins:
+                        asks.append((lay.request(l, m, k), pins))
+            if len(asks) > 1:
+                self.solver.prefetch([r for r, _ in asks], tighten, [p for _, p in asks])
 
     def _flow_s(self, f: Flow, c: LayerCost, them: LayerCost, l: int, m: int, k: int) -> float:
         """Seconds per micro-batch of resharding flow ``f`` between layer
@@ -642,6 +675,7 @@ class StageCosts:
                 # (every mesh's layers at this cap side by side, not one mesh at a time)
                 self._prefetch(m, [k for k in asked if (m, k, tighten) not in self._groups],
                                tighten)
+            self._prefetch_members(gi, gj, m, asked, tighten)
             for k in asked:
                 yield tighten, k
                 largest = self._largest_state(gi, gj, m, k, tighten)

@@ -115,9 +115,9 @@ def test_capped_layer_plans_solved_in_the_workers_give_the_same_plan(monkeypatch
     capped = []
     prefetch = LayerSolver.prefetch
 
-    def spy(self, requests, tighten):
+    def spy(self, requests, tighten, pins=None):
         before = self.solves
-        prefetch(self, requests, tighten)
+        prefetch(self, requests, tighten, pins)
         capped.append((tighten, self.solves - before))
     monkeypatch.setattr(LayerSolver, "prefetch", spy)
     # (a vocabulary large enough that the embeddings and the head, not only
@@ -131,3 +131,30 @@ def test_capped_layer_plans_solved_in_the_workers_give_the_same_plan(monkeypatch
                            session=Session(workers=w)).to_json() for w in (1, 2)]
     assert plans[0] == plans[1]
     assert any(t > 1 and n >= 2 for t, n in capped), capped
+
+
+def test_layers_solved_again_for_their_stage_in_the_workers_give_the_same_plan(monkeypatch):
+    """The layers a searched stage solves again with their boundary layouts
+    pinned to its later layers' (StageCosts.member) are solved side by side
+    in the worker pool, one layer of every mesh's stage at a time
+    (StageCosts._prefetch_members): the plan is byte-identical to solving
+    them one by one in the planning process, and the workers did solve
+    pinned ones."""
+    from meshplan.dp_search import Session
+    from meshplan.dp_search.solver import LayerSolver
+    pinned = []
+    prefetch = LayerSolver.prefetch
+
+    def spy(self, requests, tighten, pins=None):
+        before = self.solves
+        prefetch(self, requests, tighten, pins)
+        if pins:
+            pinned.append(self.solves - before)
+    monkeypatch.setattr(LayerSolver, "prefetch", spy)
+    _, g = _graph("gpt", {"layers": 2, "hidden": 128, "seq_len": 64, "vocab": 256, "batch": 16})
+    cluster = meshplan.load_cluster(ROOT / "examples/clusters/aws-p3.16xlarge-x1.json")
+    opts = PipelineOptions(num_micro_batches=(1,), schedules=("1f1b",))
+    plans = [plan_pipeline(g, cluster, meshplan.PipeshardParallel(), options=opts,
+                           session=Session(workers=w)).to_json() for w in (1, 2)]
+    assert plans[0] == plans[1]
+    assert any(n >= 2 for n in pinned), pinned
