@@ -270,6 +270,8 @@ class StageCosts:
             for l in (f.maker, f.reader):
                 self._flows_of.setdefault(l, []).append(f)
         self._members: dict[tuple[int, int, int, int, float], LayerCost | None] = {}
+        # (j, m, k, tighten) -> the first layer whose pinned plans _prefetch_members asked
+        self._prefetched: dict[tuple[int, int, int, float], int] = {}
         self._flow_cost: dict[tuple, tuple[float, float]] = {}
         self._mesh_models: dict[tuple[int, int], MeshModel] = {}
         self.state_prefix, self.optimizer_prefix = [0.0], [0.0]
@@ -347,12 +349,21 @@ class StageCosts:
         if not self._pinning or self.solver.workers <= 1 or len(meshes) < 2:
             return
         i, j = lay.groups[gi][0], lay.groups[gj][1]
-        ks = [k for k in meshes if all(r is not None for r in self.groups(m, k, tighten)[gi:gj + 1])]
-        for l in range(j - 1, i - 1, -1):
+        # (a stage ending at j down to a later layer was done before: only the rest)
+        done = {k: self._prefetched.get((j, m, k, tighten), j) for k in meshes}
+        ks = [k for k in meshes if done[k] > i
+              and all(r is not None for r in self.groups(m, k, tighten)[gi:gj + 1])]
+        if len(ks) < 2:
+            return
+        for k in ks:
+            self._prefetched[j, m, k, tighten] = i
+        for l in range(max(done[k] for k in ks) - 1, i - 1, -1):
             if l not in self._flows_of:
                 continue
             asks = []
             for k in ks:
+                if l >= done[k]:
+                    continue
                 own = self.layer(l, m, k, tighten)
                 if own is not None and (l, j, m, k, tighten) not in self._members:
                     pins = self._pins(l, j, m, k, tighten, own)[1]
