@@ -61,10 +61,17 @@ _GRAD_PASS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze
                         "reduce_precision", "reduce_sum"})
 
 
+def name_axes(name: str) -> tuple[tuple[str, str], ...]:
+    """(mesh axis, what it splits: ``o0``, ``i1.0``, ``sum``, ``sum>rs2``) of
+    each part of a strategy named ``name`` (ilp.strategies; none for ``R``)."""
+    return tuple((axis, what) for axis, _, what in (part.partition(":") for part in name.split())
+                 if what)
+
+
 def summed_axes(name: str, axis_names) -> frozenset[int]:
     """The mesh axes a strategy named ``name`` (ilp.strategies) sums over."""
-    return frozenset(axis_names.index(part.split(":")[0]) for part in name.split()
-                     if ":" in part and part.split(":")[1].startswith("sum"))
+    return frozenset(axis_names.index(axis) for axis, what in name_axes(name)
+                     if what.startswith("sum"))
 
 
 def deferrable(axes: frozenset[int], defer_axes: frozenset[int] | None,

@@ -14,6 +14,7 @@ from .errors import InfeasiblePlanError
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
                   within_host)
+from .ilp.accumulation import name_axes
 from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
                       with_offload)
 from .plan import LogicalMesh, Plan
@@ -96,7 +97,7 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
     FLOPs of the operators that choose layouts (matmuls among them); an
     element-wise follower splits as its operand does."""
     flops = {n.id: n.flops for n in graph.nodes}
-    chosen = [(flops.get(i, 0.0), {part.split(":")[0] for part in name.split()})
+    chosen = [(flops.get(i, 0.0), {axis for axis, _ in name_axes(name)})
               for i, name in r.strategies]
     total = sum(f for f, _ in chosen)
     if not total:
