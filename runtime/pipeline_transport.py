@@ -107,6 +107,7 @@ class Transfers:
         self.leaf_readers = leaf_readers
         self.cross = SendOnce()
         self._in_place: dict[tuple[int, int], Any] = {}  # (leaf, stage) -> sharding found in place
+        self._cutters: dict[tuple, Any] = {}    # shardings -> :meth:`_cutter`'s program
         # the batch leaves each stage reads
         self._batch_on = [sorted(i for i in layouts.is_batch if s in leaf_readers.get(i, ()))
                           for s in range(len(self.meshes))]
@@ -136,24 +137,46 @@ class Transfers:
     def split_batches(self, leaf_of: Mapping[int, Any], i: int, s: int) -> dict[int, list[Any]]:
         """Batch argument leaf ``i`` and every other one stage ``s`` reads
         (``leaf_of``: id -> leaf) on stage ``s``, one piece per micro-batch.
-        The leaves on the host cross in one put, all their pieces together
-        (one dispatch's overhead)."""
+        The leaves on the host cross in one put, each whole, and one program
+        cuts them there."""
         out: dict[int, list[Any]] = {}
-        host: list[tuple[int, list[Any], NamedSharding]] = []
+        host: list[tuple[int, np.ndarray, NamedSharding]] = []
         mb, m = self.mb, self.m
         for j in self._batch_on[s] if i in self._batch_on[s] else [i]:
             x, sh = leaf_of[j], self.layouts.arg(j, s)
             if isinstance(x, jax.Array):
                 out[j] = [place(x, sh)] if m == 1 else jax.device_put(_split_rows(x, m), sh)
             else:
-                x = np.asarray(x)
-                host.append((j, [x[k * mb:(k + 1) * mb] for k in range(m)] if m > 1 else [x], sh))
-        if host:
-            flat = jax.device_put([p for _, pieces, _ in host for p in pieces],
-                                  [sh for _, pieces, sh in host for _ in pieces])
+                host.append((j, np.asarray(x), sh))
+        if host and m == 1:
+            for (j, _, _), v in zip(host, jax.device_put([x for _, x, _ in host],
+                                                         [sh for _, _, sh in host])):
+                out[j] = [v]
+        elif host:
+            # each leaf crosses whole as (m, mb, ...), one put for all, and one
+            # program cuts the micro-batches on the devices: a put per piece
+            # costs the driver about as much as the whole leaf's
+            stacked = jax.device_put(
+                [x.reshape((m, mb) + x.shape[1:]) for _, x, _ in host],
+                [NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec),
+                               memory_kind=sh.memory_kind) for _, _, sh in host])
+            pieces = self._cutter(tuple(sh for _, _, sh in host))(*stacked)
             for k, (j, _, _) in enumerate(host):
-                out[j] = flat[k * m:(k + 1) * m]
+                out[j] = list(pieces[k * m:(k + 1) * m])
         return out
+
+    def _cutter(self, shardings: tuple[NamedSharding, ...]) -> Any:
+        """A jitted function taking leaves stacked as (m, mb, ...) to their
+        m micro-batches each, on ``shardings`` (one per leaf)."""
+        fn = self._cutters.get(shardings)
+        if fn is None:
+            m = self.m
+
+            def cut(*xs: Any) -> tuple[Any, ...]:
+                return tuple(x[k] for x in xs for k in range(m))
+            fn = self._cutters[shardings] = jax.jit(
+                cut, out_shardings=tuple(sh for sh in shardings for _ in range(m)))
+        return fn
 
     # ---- multi-host ---------------------------------------------------------
     def arguments(self, given: dict[int, Any], placed: dict[tuple[int, int], Any]

@@ -603,3 +603,39 @@ def test_the_fast_path_checks_every_call_against_the_built_signature():
         ex.call_fast((other, batch))
     state, metrics = ex.call_fast((state, batch))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_host_batch_crosses_to_a_stage_in_one_put(monkeypatch):
+    """The batch's leaves on the host go to each stage reading them in one
+    put, a leaf as one array of its micro-batches, and are cut there: the
+    pieces are the rows the undecorated step's micro-batches hold, on the
+    layout the stage's programs read."""
+    from meshplan.runtime import pipeline_transport
+    m, state, batch = _model("mlp")
+    plan = _plan("mlp", 2, 2, 2, 4, "gpipe")
+    step = meshplan.parallelize(m.train_step, plan=plan)
+    step(state, batch)
+    ex = step._fast[1]
+    tr = ex.transfers
+    puts = []
+    real = pipeline_transport.jax.device_put
+
+    def counting(x, *a, **kw):
+        puts.append(x)
+        return real(x, *a, **kw)
+    monkeypatch.setattr(pipeline_transport.jax, "device_put", counting)
+    leaf_of = dict(zip(ex.flat.invars, jax.tree_util.tree_leaves((state, batch))))
+    readers = [(s, ids) for s, ids in enumerate(tr._batch_on) if ids]
+    assert readers
+    for s, ids in readers:
+        before = len(puts)
+        got = tr.split_batches(leaf_of, ids[0], s)
+        # (one array per leaf, not one per micro-batch: each costs the driver a put's time)
+        assert len(puts) == before + 1 and len(puts[-1]) == len(ids)
+        assert all(a.shape[:2] == (4, 4) for a in puts[-1])
+        for j in ids:
+            host = np.asarray(leaf_of[j])
+            assert len(got[j]) == 4
+            for k, piece in enumerate(got[j]):
+                assert piece.sharding.is_equivalent_to(tr.layouts.arg(j, s), piece.ndim)
+                np.testing.assert_array_equal(np.asarray(piece), host[k * 4:(k + 1) * 4])
