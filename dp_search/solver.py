@@ -107,7 +107,7 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
     same layer reuses it: ``base`` in the job).  ``caches``: the session's,
     when solved in its process."""
     (sub, cluster, mesh, submesh, backend, time_limit, budget, grads, grad_accum, filt,
-     options, resident_cap, base, forward, pins) = job
+     options, resident_cap, base, forward, pins, seed) = job
     t0 = time.perf_counter()
     keep = base is None and resident_cap is None
     try:
@@ -121,7 +121,7 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
                            time_limit=time_limit, memory_budget=budget,
                            accumulate=grads, grad_accum=grad_accum, input_filter=filt,
                            options=options, caches=caches, resident_budget=resident_cap,
-                           built=base, pins=pins)
+                           built=base, pins=pins, seed=seed)
     except InfeasiblePlanError:
         r = None
     return r, time.perf_counter() - t0, base if keep and r is not None else None
@@ -219,6 +219,12 @@ class LayerSolver:
         base = hit[1] if tighten > 1 and hit is not None and hit[0] is sub else None
         # (a gradient, or a contribution to one the layer sends on)
         used = frozenset(t for n in sub.nodes for t in n.inputs + n.outputs) & grads
+        # (a capped MIP starts from the layer's uncapped plan made to fit: never
+        # a looser cap's, which would make the answer depend on what this
+        # session happened to solve before)
+        loose = self.cache.get(self._key(sub, mesh, submesh, grad_accum, pins=pins)) \
+            if tighten > 1 else None
+        seed = loose.result.solution.choice if loose is not None else None
         filt = o.input_filter
         if isinstance(filt, str):       # "model", or "model+sequence" (sequence parallel)
             mode, _, seq = filt.partition("+")
@@ -227,7 +233,7 @@ class LayerSolver:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,
                 self.cluster.device.memory_bytes * o.memory_fraction / tighten
-                if tighten > 1 else None, base, forward_of(sub, forward_values), pins)
+                if tighten > 1 else None, base, forward_of(sub, forward_values), pins, seed)
 
     def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                       grad_accum: int, tighten: float, pins: Pins | None = None) -> bool:

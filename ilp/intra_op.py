@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from .. import progress
 from ..cluster import ClusterSpec
@@ -207,7 +208,8 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    caches: IlpCaches | None = None,
                    resident_budget: float | None = None,
                    host_inputs: frozenset[int] = frozenset(),
-                   built: Built | None = None, pins: Pins | None = None) -> IntraOpResult:
+                   built: Built | None = None, pins: Pins | None = None,
+                   seed: Sequence[int] | None = None) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
@@ -218,7 +220,9 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     counts every input.  ``built``: the problem :func:`build_intra_op` made
     with these arguments (no ``host_inputs``), reused with
     ``resident_budget`` added.  ``pins``: boundary layouts fixed by
-    neighbouring layers (:class:`meshplan.ilp.build.Pins`)."""
+    neighbouring layers (:class:`meshplan.ilp.build.Pins`).  ``seed``: a
+    plan of the problem without ``resident_budget`` (the MIP starts from it,
+    :func:`meshplan.ilp.solvers.solve`)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     if built is None:
         built = build_intra_op(graph, cluster, mesh, submesh=submesh,
@@ -233,7 +237,7 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     # (a capped layer's MIP proves its last percent slowly, and the caps
     # themselves are steps of 19%: SolverOptions.capped_gap)
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
-                gap=options.capped_gap if resident_budget is not None else 0.0)
+                gap=options.capped_gap if resident_budget is not None else 0.0, seed=seed)
     return decode(graph, mm, built, sol)
 
 

@@ -325,6 +325,20 @@ class Presolved:
             choice = step.lift(choice)
         return choice
 
+    def project(self, choice: Sequence[int]) -> list[int]:
+        """A choice of the original problem as one of :attr:`problem` (for a
+        warm start): eliminated groups dropped, and a strategy removed as
+        dominated replaced by the cheapest kept one of its group."""
+        ch = [int(c) for c in choice]
+        for step in self.steps:
+            if isinstance(step, Elimination):
+                ch = [ch[old] for old in step.remaining]
+            else:
+                ch = [int(np.flatnonzero(keep == c)[0]) if np.any(keep == c)
+                      else int(np.argmin(cost)) for c, keep, cost
+                      in zip(ch, step.keep, step.problem.costs)]
+        return ch
+
 
 def presolve(p: IlpProblem) -> Presolved:
     """Dominated strategies, then variable elimination of groups with at most
@@ -362,4 +376,68 @@ def greedy(p: IlpProblem) -> list[int] | None:
                 c += mat[:, choice[h]] if is_u else mat[choice[h], :]
         choice[g] = int(np.argmin(c))
     ch = [int(x) for x in choice]
+    return ch if p.feasible(ch) else None
+
+
+def repair(p: IlpProblem, seed: Sequence[int], passes: int = 20) -> list[int] | None:
+    """A choice of ``p`` that fits its memory rows, made from ``seed`` (a
+    choice that may not fit, such as the plan of the same layer under a
+    looser cap): while a row is over its budget, the strategy change that
+    frees the most excess bytes per unit of added cost (given the
+    neighbours' strategies) is taken; then each group in turn takes its
+    cheapest strategy that still fits, until a pass changes nothing.  A warm
+    start for the solver (None: nothing fitting was reached)."""
+    n = p.num_groups
+    adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    loops = [np.zeros(len(c)) for c in p.costs]
+    for e in p.edges:
+        if e.u == e.v:
+            loops[e.u] = loops[e.u] + np.diag(e.cost)
+        else:
+            adj[e.u].append((e.v, e.cost))
+            adj[e.v].append((e.u, e.cost.T))
+    budget = np.array([row.budget * (1 + 1e-9) + 1e-6 for row in p.memory])
+    # group -> its bytes in each row, per strategy (rows x strategies)
+    rows = [np.array([np.asarray(row.coefs[g], dtype=float) if g in row.coefs
+                      else np.zeros(len(p.costs[g])) for row in p.memory]).reshape(
+                          len(p.memory), len(p.costs[g])) for g in range(n)]
+    ch = [int(c) for c in seed]
+    use = np.array(p.memory_use(ch)) if p.memory else np.zeros(0)
+
+    def local(g: int) -> np.ndarray:
+        c = np.asarray(p.costs[g], dtype=float) + loops[g]
+        for h, mat in adj[g]:
+            c = c + mat[:, ch[h]]
+        return c
+
+    while np.any(use > budget):
+        over = np.maximum(use - budget, 0.0).sum()
+        best = None
+        for g in range(n):
+            d = rows[g] - rows[g][:, [ch[g]]]
+            freed = over - np.maximum(use[:, None] + d - budget[:, None], 0.0).sum(0)
+            if not np.any(freed > 0):
+                continue
+            c = local(g)
+            score = np.where(freed > 0, np.maximum(c - c[ch[g]], 0.0) / np.maximum(freed, 1e-300),
+                             np.inf)
+            i = int(np.argmin(score))
+            if best is None or score[i] < best[0]:
+                best = (score[i], g, i)
+        if best is None:
+            return None
+        _, g, i = best
+        use = use + rows[g][:, i] - rows[g][:, ch[g]]
+        ch[g] = i
+    for _ in range(passes):
+        changed = False
+        for g in range(n):
+            d = rows[g] - rows[g][:, [ch[g]]]
+            c = np.where(np.all(use[:, None] + d <= budget[:, None], axis=0), local(g), np.inf)
+            i = int(np.argmin(c))
+            if c[i] < c[ch[g]]:
+                use = use + d[:, i]
+                ch[g], changed = i, True
+        if not changed:
+            break
     return ch if p.feasible(ch) else None

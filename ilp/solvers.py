@@ -18,14 +18,14 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import InfeasiblePlanError, SolverError
 from .dp import min_sum_eliminate
 from .options import SolverOptions
-from .presolve import Presolved, classes, greedy, presolve
+from .presolve import Presolved, classes, greedy, presolve, repair
 from .problem import IlpProblem, Solution
 
 
@@ -201,7 +201,7 @@ DP_WORK_PER_GROUP = 2e6
 def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 60.0,
           threads: int = 1, reduce: bool = True, dp: bool = True,
           dp_max_entries: int = 1 << 25, options: SolverOptions = SolverOptions(),
-          gap: float = 0.0) -> Solution:
+          gap: float = 0.0, seed: Sequence[int] | None = None) -> Solution:
     """Optimal (or best within ``time_limit``) strategy choice for ``p``.
 
     The problem is first reduced exactly (:func:`~meshplan.ilp.presolve.presolve`).
@@ -212,7 +212,11 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
     (``Solution.backend == "dp"``).
     Otherwise the MIP goes to ``backend``: ``"highs"`` (highspy) or ``"cbc"``
     (PuLP's bundled CBC).  ``reduce=False, dp=False`` hands the unreduced
-    formulation to the back end."""
+    formulation to the back end.  ``seed``: a choice of ``p`` near the
+    optimum that may not fit its memory rows (the plan of the same problem
+    with a looser row): the MIP starts from it made to fit
+    (:func:`~meshplan.ilp.presolve.repair`).  It changes where the solver
+    starts, not what it proves."""
     t0 = time.perf_counter()
     if p.surely_infeasible():      # (a capped layer's MIP would prove it in seconds)
         raise _infeasible(p)
@@ -244,11 +248,12 @@ def solve(p: IlpProblem, *, backend: str = "highs", time_limit: float | None = 6
                 return Solution(tuple(choice), p.objective(choice), "optimal",
                                 time.perf_counter() - t0, 0, 0, "dp")
     return _solve_mip(p, pre, backend=backend, time_limit=time_limit, threads=threads,
-                      options=options, t0=t0, gap=gap)
+                      options=options, t0=t0, gap=gap, seed=seed)
 
 
 def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float | None,
-               threads: int, options: SolverOptions, t0: float, gap: float = 0.0) -> Solution:
+               threads: int, options: SolverOptions, t0: float, gap: float = 0.0,
+               seed: Sequence[int] | None = None) -> Solution:
     """The presolved problem as a MIP, solved by ``backend``; the answer as a choice of ``p``."""
     q = pre.problem
     scale = _cost_scale(q)
@@ -260,7 +265,12 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
             warnings.warn("meshplan: highspy is not available; falling back to CBC", stacklevel=3)
             backend = "cbc"
     mip = _formulate(q, scale, names=backend == "cbc" or options.names)
-    warm = greedy(q)
+    # (HiGHS spends most of a capped layer's MIP at its root looking for
+    # plans that its uncapped plan, made to fit, nearly is already)
+    warm = repair(q, pre.project(seed)) if seed is not None and len(seed) == p.num_groups \
+        else None
+    if warm is None:
+        warm = greedy(q)
     if backend == "highs":
         values, status = _run_highs(mip, warm, time_limit, threads, options, gap)
     elif backend == "cbc":

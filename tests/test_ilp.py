@@ -13,6 +13,7 @@ from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import OPT_STATE, PARAM
 from meshplan.ilp import best_intra_op, build_problem, candidate_meshes, solve_intra_op
 from meshplan.ilp.problem import Edge, IlpProblem, MemoryRow, brute_force
+from meshplan.ilp.presolve import presolve, repair
 from meshplan.ilp.solvers import solve
 from meshplan.models import build_model
 from meshplan.plan import LogicalMesh
@@ -49,6 +50,69 @@ def test_core_equals_brute_force_on_random_instances(seed):
     sol = solve(p)
     assert sol.objective == pytest.approx(best_val, rel=1e-6, abs=1e-9)
     assert p.feasible(list(sol.choice))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_seeded_mip_is_still_optimal_and_its_start_fits(seed):
+    """A capped layer's MIP starts from its uncapped plan made to fit
+    (``repair``): the start fits where it is returned, and the solve from it
+    proves the same optimum as brute force."""
+    rng = np.random.default_rng(100 + seed)
+    p = random_problem(rng, int(rng.integers(3, 8)), memory=True)
+    best, val = brute_force(p)
+    loose, _ = brute_force(IlpProblem(p.names, p.costs, p.edges))
+    pre = presolve(p)
+    start = repair(pre.problem, pre.project(loose))
+    if start is not None:
+        assert pre.problem.feasible(start)
+    # (a choice of the presolved problem comes back through lift and project)
+    some = [int(rng.integers(len(c))) for c in pre.problem.costs]
+    assert pre.project(pre.lift(some)) == some
+    if best is None:
+        with pytest.raises(InfeasiblePlanError):
+            solve(p, dp=False, seed=loose)
+        return
+    sol = solve(p, dp=False, seed=loose)
+    assert sol.objective == pytest.approx(val, rel=1e-6, abs=1e-9)
+    assert p.feasible(list(sol.choice))
+
+
+def test_repair_finds_a_fitting_start_from_the_unconstrained_optimum():
+    """From the optimum without memory rows, repair reaches a choice that fits
+    on nearly every feasible random instance (a greedy: not on all), close
+    to the optimum with them."""
+    found, feasible, excess = 0, 0, []
+    for seed in range(100):
+        rng = np.random.default_rng(1000 + seed)
+        p = random_problem(rng, int(rng.integers(3, 8)), memory=True)
+        best, val = brute_force(p)
+        if best is None:
+            continue
+        feasible += 1
+        loose, _ = brute_force(IlpProblem(p.names, p.costs, p.edges))
+        got = repair(p, loose)
+        if got is not None:
+            assert p.feasible(got)
+            found += 1
+            excess.append(p.objective(got) / val - 1)
+    assert feasible >= 80 and found >= 0.95 * feasible
+    assert float(np.median(excess)) < 0.05
+
+
+def test_repair_only_improves_a_start_that_fits():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        p = random_problem(rng, 7, memory=True)
+        fits, _ = brute_force(p)
+        if fits is None:
+            continue
+        worse = list(fits)
+        g = int(rng.integers(len(worse)))
+        worse[g] = (worse[g] + 1) % len(p.costs[g])
+        start = worse if p.feasible(worse) else fits
+        got = repair(p, start)
+        assert got is not None and p.feasible(got)
+        assert p.objective(got) <= p.objective(start) + 1e-12
 
 
 def test_cbc_backend_agrees_with_highs():
