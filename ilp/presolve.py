@@ -388,6 +388,9 @@ def repair(p: IlpProblem, seed: Sequence[int], passes: int = 20) -> list[int] | 
     cheapest strategy that still fits, until a pass changes nothing.  A warm
     start for the solver (None: nothing fitting was reached)."""
     n = p.num_groups
+    ch = [int(c) for c in seed]
+    if len(ch) != n or any(not 0 <= c < len(k) for c, k in zip(ch, p.costs)):
+        return None     # (not a choice of this problem)
     adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     loops = [np.zeros(len(c)) for c in p.costs]
     for e in p.edges:
@@ -401,7 +404,6 @@ def repair(p: IlpProblem, seed: Sequence[int], passes: int = 20) -> list[int] | 
     rows = [np.array([np.asarray(row.coefs[g], dtype=float) if g in row.coefs
                       else np.zeros(len(p.costs[g])) for row in p.memory]).reshape(
                           len(p.memory), len(p.costs[g])) for g in range(n)]
-    ch = [int(c) for c in seed]
     use = np.array(p.memory_use(ch)) if p.memory else np.zeros(0)
 
     def local(g: int) -> np.ndarray:

@@ -113,6 +113,9 @@ def test_repair_only_improves_a_start_that_fits():
         got = repair(p, start)
         assert got is not None and p.feasible(got)
         assert p.objective(got) <= p.objective(start) + 1e-12
+    # (what is not a choice of the problem is no start)
+    assert repair(p, [0] * (p.num_groups + 1)) is None
+    assert repair(p, [len(c) for c in p.costs]) is None
 
 
 def test_cbc_backend_agrees_with_highs():
