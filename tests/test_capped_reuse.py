@@ -52,7 +52,7 @@ def test_capped_layer_ilps_reuse_the_uncapped_build(monkeypatch):
     # every ILP built afresh: no prebuilt problem in the jobs
     def fresh_job(self, *a, **k):
         job = real_job(self, *a, **k)
-        return job[:-3] + (None,) + job[-2:]     # (the prebuilt problem: none)
+        return job[:12] + (None,) + job[13:]     # (the prebuilt problem, job[12]: none)
     monkeypatch.setattr(LayerSolver, "_job", fresh_job)
     fresh, n_fresh = plan()
     assert reused == fresh
