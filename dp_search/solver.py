@@ -214,16 +214,16 @@ class LayerSolver:
         values that its backward or other layers read (what marks its
         forward nodes, :func:`forward_of`)."""
         o = self.options
+        uncapped = self._key(sub, mesh, submesh, grad_accum, pins=pins)
         # (a structurally equal layer's build has other tensor ids: not this one's)
-        hit = self._built.get(self._key(sub, mesh, submesh, grad_accum, pins=pins))
+        hit = self._built.get(uncapped)
         base = hit[1] if tighten > 1 and hit is not None and hit[0] is sub else None
         # (a gradient, or a contribution to one the layer sends on)
         used = frozenset(t for n in sub.nodes for t in n.inputs + n.outputs) & grads
         # (a capped MIP starts from the layer's uncapped plan made to fit: never
         # a looser cap's, which would make the answer depend on what this
         # session happened to solve before)
-        loose = self.cache.get(self._key(sub, mesh, submesh, grad_accum, pins=pins)) \
-            if tighten > 1 else None
+        loose = self.cache.get(uncapped) if tighten > 1 else None
         seed = loose.result.solution.choice if loose is not None else None
         filt = o.input_filter
         if isinstance(filt, str):       # "model", or "model+sequence" (sequence parallel)
