@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..flops import BARRIERS, DATA_MOVEMENT, PER_ELEMENT, RANDOM, SCATTERS
-from ..graph import OPT_STATE, PARAM, STATE, Graph, Node
+from ..graph import Graph, Node
 
 # Reductions fuse with the element-wise operators around them: XLA fuses a
 # reduction's producers into its kernel; one whose result the fusion goes on
@@ -301,10 +301,8 @@ def kept_after_fusion(graph: Graph, forward: Sequence[bool], reads: Iterable[int
     another layer: the value entering it is kept); default all."""
     nodes, producer, consumers = graph.nodes, graph.producer, graph.consumers
     own = set(range(len(nodes))) if members is None else set(members)
-    free = {i.tensor for i in graph.inputs if i.role in (PARAM, OPT_STATE, STATE)}
-    free |= graph.constant_tensors
-    free |= graph.folded_tensors
-    outputs = {o.tensor for o in graph.outputs}
+    free = graph.resident_tensors
+    outputs = graph.output_tensors
 
     def in_memory(t: int) -> bool:
         p = producer.get(t)

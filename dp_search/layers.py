@@ -527,11 +527,16 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     # only the layer's own tensors (ids keep their numbering): a layer sent
     # to an ILP worker process pickles what it uses, not the whole step
     tensors: list = [None] * len(graph.tensors)
+    used: set[int] = set()
     for n in keep:
-        for t in n.inputs + n.outputs:
-            tensors[t] = graph.tensors[t]
-    rows = tuple((t, d) for t, d in sorted((batch_dim or {}).items())
-                 if t < len(tensors) and tensors[t] is not None)
+        used.update(n.inputs)
+        used.update(n.outputs)
+    for t in used:
+        tensors[t] = graph.tensors[t]
+    # (the layer's own values only: the step's whole map, once per layer,
+    # cost seconds for a 96-block model)
+    dims = batch_dim or {}
+    rows = tuple(sorted((t, dims[t]) for t in used if t in dims))
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
                               tensors=tuple(tensors), inputs=tuple(inputs),
                               outputs=tuple(outputs), warnings=(), batch_dims=rows)

@@ -159,6 +159,18 @@ class Graph:
         return {t: tuple(v) for t, v in acc.items()}
 
     @functools.cached_property
+    def output_tensors(self) -> frozenset[int]:
+        """The values the step returns."""
+        return frozenset(o.tensor for o in self.outputs)
+
+    @functools.cached_property
+    def resident_tensors(self) -> frozenset[int]:
+        """Parameters, optimizer state and other state, constants and
+        literals: values in memory for the whole step, never an activation."""
+        return frozenset(i.tensor for i in self.inputs if i.role in (PARAM, OPT_STATE, STATE)) \
+            | self.constant_tensors | self.folded_tensors
+
+    @functools.cached_property
     def constant_tensors(self) -> frozenset[int]:
         """Intermediates that depend on no input of the step: values computed
         from literals and constants alone (causal masks, iotas, filled arrays)."""
@@ -447,7 +459,10 @@ def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> G
     for n in graph.nodes:
         if n.primitive in markers:
             continue
-        nodes.append(dataclasses.replace(n, id=len(nodes), inputs=tuple(a(t) for t in n.inputs)))
+        inputs = tuple(a(t) for t in n.inputs)
+        # (nodes before the first marker stay as they are: no copy)
+        nodes.append(n if n.id == len(nodes) and inputs == n.inputs
+                     else dataclasses.replace(n, id=len(nodes), inputs=inputs))
     outputs = tuple(dataclasses.replace(o, tensor=a(o.tensor)) for o in graph.outputs)
     return dataclasses.replace(graph, nodes=tuple(nodes), outputs=outputs)
 

@@ -147,10 +147,17 @@ def replicated_work(graph: Graph) -> str | None:
     total_flops = graph.total_flops or 1.0
     total_bytes = sum(graph.tensors[t].nbytes for n in graph.nodes for t in n.outputs) or 1.0
     by: dict[str, list[float]] = {}
+    # (an operator's space depends on its primitive, shapes and params alone:
+    # a model's repeated blocks ask the same few hundred)
+    ruled: dict[tuple, bool] = {}
     for n in graph.nodes:
         if n.primitive in IDENTITY_MARKERS or not any(graph.tensors[t].shape for t in n.outputs):
             continue        # (markers change nothing; scalars have nothing to split)
-        if node_space(graph, n) is None:
+        key = (n.primitive, tuple(graph.tensors[t].shape for t in n.inputs),
+               tuple(graph.tensors[t].shape for t in n.outputs), n.params)
+        if key not in ruled:
+            ruled[key] = node_space(graph, n) is not None
+        if not ruled[key]:
             f, b = by.setdefault(n.primitive, [0.0, 0.0])
             by[n.primitive] = [f + n.flops, b + sum(graph.tensors[t].nbytes for t in n.outputs)]
     flops = sum(f for f, _ in by.values()) / total_flops

@@ -122,22 +122,26 @@ def _body_cost(body: Any, warnings: set[str]) -> tuple[float, int]:
     return total_f, total_b
 
 
-def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str]) -> tuple[float, int]:
+def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str],
+              sized: Callable[[Any], tuple[tuple[int, ...], int]] | None = None
+              ) -> tuple[float, int]:
+    """FLOPs and bytes of one flat equation.  ``sized(var)``: its (shape,
+    bytes), if the caller has them (default: from ``aval_of``)."""
     eqn = fe.eqn
     name = eqn.primitive.name
-    in_avals = [aval_of(i) for i in fe.invars]
-    out_avals = [aval_of(o) for o in fe.outvars]
-    nbytes = sum(_nbytes(a) for a in in_avals + out_avals)
+    size = sized or (lambda x: _sized(aval_of(x)))
+    ins = [size(i) for i in fe.invars]
+    outs = [size(o) for o in fe.outvars]
+    nbytes = sum(b for _, b in ins) + sum(b for _, b in outs)
     if name in COMPOSITES:
         f, b, _ = _composite_cost(eqn, warnings)
         return f, b + nbytes
     if not flop_rules.is_known(name):
         warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
                      "and planned replicated")
-    params = dict(eqn.params, **random_generator(in_avals)) if name == "random_bits" \
-        else eqn.params
-    f = flop_rules.flops_of(name, [_shape(a) for a in in_avals], [_shape(a) for a in out_avals],
-                            params)
+    params = dict(eqn.params, **random_generator([aval_of(i) for i in fe.invars])) \
+        if name == "random_bits" else eqn.params
+    f = flop_rules.flops_of(name, [s for s, _ in ins], [s for s, _ in outs], params)
     return f, nbytes
 
 
@@ -174,11 +178,17 @@ def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
     raise AssertionError(name)
 
 
-def _nbytes(aval: Any) -> int:
+def _nbytes(aval: Any, shape: tuple[int, ...] | None = None) -> int:
     try:
-        return math.prod(_shape(aval)) * dtype_bytes(_dtype_name(aval))
+        return math.prod(_shape(aval) if shape is None else shape) * \
+            dtype_bytes(_dtype_name(aval))
     except Exception:
         return 0
+
+
+def _sized(aval: Any) -> tuple[tuple[int, ...], int]:
+    shape = _shape(aval)
+    return shape, _nbytes(aval, shape)
 
 
 def _argnames(fn: Callable, nargs: int) -> list[str]:
@@ -283,13 +293,21 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
         next_id += 1
         return t.id
 
+    # (each value's shape and bytes once: a value is read by several equations)
+    known = {i: (t.shape, _nbytes(flat.avals[i], t.shape)) for i, t in tensors.items()}
+
+    def sized(x: int | Lit) -> tuple[tuple[int, ...], int]:
+        return known[x] if isinstance(x, int) else _sized(x.aval)
+
+    def aval_of(i: int | Lit) -> Any:
+        return flat.avals[i] if isinstance(i, int) else i.aval
+
     nodes: list[Node] = []
     for fe in flat.eqns:
         eqn = fe.eqn
         prim = eqn.primitive.name
         in_ids = tuple(tid(x) for x in fe.invars)
-        aval_of = (lambda i: flat.avals[i] if isinstance(i, int) else i.aval)
-        f, b = _eqn_cost(fe, aval_of, warnings)
+        f, b = _eqn_cost(fe, aval_of, warnings, sized)
         params = _node_params(eqn)
         repeat = 1
         if prim in COMPOSITES:
