@@ -180,6 +180,9 @@ class LayerSolver:
     ilp_work_s: float = 0.0     # seconds the layer ILPs took, wherever they ran
     dp_s: float = 0.0           # wall time in the stage DP, its ILPs excluded
     _pool: Any = None
+    # (the CPUs this process may use, asked once: the stage DP reads
+    # :attr:`workers` hundreds of thousands of times)
+    _cpus: int = field(default_factory=usable_cpus)
     # uncapped layer key -> (the layer's graph, its ILP as built): the capped solves of that layer
     # add their cap row to it instead of building it again (this search's
     # current micro-batch count only: the keys hold it)
@@ -192,7 +195,7 @@ class LayerSolver:
     @property
     def workers(self) -> int:
         # (never more processes than cores, whatever the session says)
-        return min(self.session.workers, usable_cpus())
+        return min(self.session.workers, self._cpus)
 
     def _key(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
              grad_accum: int, tighten: float = 1, pins: Pins | None = None) -> tuple:

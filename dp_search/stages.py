@@ -88,24 +88,42 @@ class GroupCost:
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
+        # (one pass over the rows, as sum() and max() would take them: the
+        # stage DP joins groups hundreds of thousands of times)
         bw = rbw = sbw = Backward()
         for r in reversed(rows):
             bw, rbw = bw.then(r.backward), rbw.then(r.remat_backward)
             sbw = sbw.then(r.selective_backward)
-        return GroupCost(sum(r.time_s for r in rows), sum(r.resident_bytes for r in rows),
-                         sum(r.saved_bytes for r in rows), max(r.transient_bytes for r in rows),
-                         sum(r.remat_time_s for r in rows), sum(r.boundary_bytes for r in rows),
-                         max(r.activation_bytes for r in rows), sum(r.grad_bytes for r in rows),
-                         sum(r.optimizer_bytes for r in rows),
-                         sum(r.selective_time_s for r in rows),
-                         sum(r.selective_saved_bytes for r in rows),
-                         max(r.selective_transient_bytes for r in rows),
-                         compute_s=sum(r.compute_s for r in rows),
-                         remat_compute_s=sum(r.remat_compute_s for r in rows),
-                         selective_compute_s=sum(r.selective_compute_s for r in rows),
+        first = rows[0]
+        time_s = resident = saved = remat = boundary = grads = optimizer = 0
+        selective = selective_saved = compute = remat_compute = selective_compute = 0
+        cast = copy = 0
+        transient, activation = first.transient_bytes, first.activation_bytes
+        selective_transient = first.selective_transient_bytes
+        for r in rows:
+            time_s += r.time_s
+            resident += r.resident_bytes
+            saved += r.saved_bytes
+            remat += r.remat_time_s
+            boundary += r.boundary_bytes
+            grads += r.grad_bytes
+            optimizer += r.optimizer_bytes
+            selective += r.selective_time_s
+            selective_saved += r.selective_saved_bytes
+            compute += r.compute_s
+            remat_compute += r.remat_compute_s
+            selective_compute += r.selective_compute_s
+            cast += r.cast_s
+            copy += r.copy_bytes
+            transient = max(transient, r.transient_bytes)
+            activation = max(activation, r.activation_bytes)
+            selective_transient = max(selective_transient, r.selective_transient_bytes)
+        return GroupCost(time_s, resident, saved, transient, remat, boundary, activation, grads,
+                         optimizer, selective, selective_saved, selective_transient,
+                         compute_s=compute, remat_compute_s=remat_compute,
+                         selective_compute_s=selective_compute,
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
-                         cast_s=sum(r.cast_s for r in rows),
-                         copy_bytes=sum(r.copy_bytes for r in rows))
+                         cast_s=cast, copy_bytes=copy)
 
     def work(self, recompute: str, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
