@@ -10,6 +10,7 @@ activations and their gradients to the next stage
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
@@ -162,9 +163,12 @@ class GroupCost:
         (what :meth:`way` and :meth:`work` read for ``none``): a stage whose
         first groups recompute and the rest not is the ``none`` way of
         ``of_groups`` over these and the rest."""
-        return replace(self, time_s=self.remat_time_s, saved_bytes=self.boundary_bytes,
-                       transient_bytes=self.activation_bytes, compute_s=self.remat_compute_s,
-                       backward=self.remat_backward)
+        # (a splat of the fields: half what dataclasses.replace takes, and
+        # the mixed recomputation choices make one per group of every stage)
+        return GroupCost(**{**vars(self), "time_s": self.remat_time_s,
+                            "saved_bytes": self.boundary_bytes,
+                            "transient_bytes": self.activation_bytes,
+                            "compute_s": self.remat_compute_s, "backward": self.remat_backward})
 
     def casting_each(self, num_micro_batches: int) -> "GroupCost":
         """These layers keeping no narrowed copy of their parameters, where
@@ -174,14 +178,15 @@ class GroupCost:
         micro-batch in flight) or, recomputing, casts them again."""
         once = self.cast_s / num_micro_batches
         more, again = self.cast_s - once, 2 * self.cast_s - once
-        return replace(self, time_s=self.time_s + more, remat_time_s=self.remat_time_s + again,
-                       selective_time_s=self.selective_time_s + again,
-                       compute_s=self.compute_s + more,
-                       remat_compute_s=self.remat_compute_s + again,
-                       selective_compute_s=self.selective_compute_s + again,
-                       saved_bytes=self.saved_bytes + self.copy_bytes,
-                       resident_bytes=self.resident_bytes - self.copy_bytes,
-                       cast_s=0.0, copy_bytes=0.0)
+        return GroupCost(**{**vars(self), "time_s": self.time_s + more,
+                            "remat_time_s": self.remat_time_s + again,
+                            "selective_time_s": self.selective_time_s + again,
+                            "compute_s": self.compute_s + more,
+                            "remat_compute_s": self.remat_compute_s + again,
+                            "selective_compute_s": self.selective_compute_s + again,
+                            "saved_bytes": self.saved_bytes + self.copy_bytes,
+                            "resident_bytes": self.resident_bytes - self.copy_bytes,
+                            "cast_s": 0.0, "copy_bytes": 0.0})
 
     def held_grads(self, one_program: bool) -> float:
         """The gradient bytes held beside the working set.  A pipeline's
@@ -687,8 +692,11 @@ class StageCosts:
         prev: dict[int, float] = {}     # mesh -> its layers' largest state at the last level
         good: dict[int, int] = {}       # mesh -> the ladder step of its last level with plans
         tried, last = 0, 0              # caps solved; the ladder step of the last
+        top = math.inf                  # the largest of prev over the live meshes
         for step, tighten in enumerate(TIGHTEN):
             cap = lay.budget / tighten
+            if tighten > 1 and cap >= top:
+                continue    # (no mesh's layers reach this cap: nothing to ask, nothing changes)
             if tighten > 1:
                 if room[0] is None or state > room[0]:
                     return          # even split evenly, the state leaves no room
@@ -719,6 +727,7 @@ class StageCosts:
                 tried, last = tried + 1, step
             if not alive:
                 return
+            top = max(prev[k] for k in alive)
 
     def _bisect(self, gi: int, gj: int, m: int, k: int, lo: int, hi: int, largest: float):
         """(tighten, mesh ``k``) pairs between ladder steps ``lo`` (its layers
