@@ -21,11 +21,13 @@ table says whether the pruned search chose the same plan.
 Rows beyond Alpa's suite (:data:`EXTRA`, on DGX A100 clusters): Megatron-LM's
 39.1B on 512 GPUs and 1T on 3072 with ``--method auto``, and one manual
 configuration of a GPT-3 175B on 512 (the unit cost of a grid search).
+With ``--grid``, a grid of such configurations planned one after another in
+one session (``planning_time_grid.md``): what each further one costs.
 ``rewrite_s`` is the part of the per-count Graphs made by rewriting the first
 trace's shapes (:mod:`meshplan.trace.rescale`), ``retrace_s`` the part traced.
 
     python benchmarks/planning_time.py [--rows gpt-350m,gpt-1.3b] [--workers N] [--check-pruning]
-                                       [--no-cli] [--out DIR]
+                                       [--no-cli] [--out DIR] [--grid]
 
 Writes benchmarks/results/planning_time.md and .csv.  The figures depend on
 the machine and on what else runs on it: the committed ones say where they
@@ -73,6 +75,10 @@ EXTRA = {
                           "--micro-batches", "96"]),
 }
 CHECK_KEYS = ["exhaustive_s", "exhaustive_counts", "exhaustive_plan", "same_choice"]
+# --grid: hand plans (dp, tp, pp, micro-batches) of the GPT-3 175B shape on
+# dgx-a100-x64, one after another in one session, as a user's grid search runs
+GRID = ((8, 8, 8, 96), (4, 8, 16, 96), (2, 8, 32, 96), (8, 8, 8, 192), (4, 8, 16, 192),
+        (8, 8, 8, 48))
 
 
 def cli_seconds(name: str, gpus: int) -> float:
@@ -130,6 +136,41 @@ def run_row(name: str, check_pruning: bool, cli: bool = True) -> dict:
     if check_pruning and isinstance(method, meshplan.Auto):
         row.update(check_row(graph, cluster, rt, session))
     return row
+
+
+def grid(out: pathlib.Path) -> None:
+    """:data:`GRID` planned with ``meshplan.plan`` in one session: the seconds
+    of each configuration and how the session gave it the step's Graph."""
+    cluster = meshplan.load_cluster(ROOT / "examples" / "clusters" / "dgx-a100-x64.json")
+    m = build_model("gpt", GPT3_175B)
+    session = Session.from_env()
+    lines = ["| dp | tp | pp | micro-batches | seconds | micro-batch Graph | TFLOP/s per GPU |",
+             "|---:|---:|---:|---:|---:|---|---:|"]
+    for dp, tp, pp, mb in GRID:
+        t0 = time.perf_counter()
+        try:
+            p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                              method=meshplan.Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=mb),
+                              session=session)
+            tflops = f"{p.predicted.tflops_per_device:.1f}"
+        except InfeasiblePlanError as e:
+            tflops = f"does not fit ({str(e)[:40]})"
+        dt = time.perf_counter() - t0
+        how = next(iter(session.traces.values())).retrace.log[-1][1]
+        lines.append(f"| {dp} | {tp} | {pp} | {mb} | {dt:.1f} | {how} | {tflops} |")
+        print(lines[-1], flush=True)
+    text = ["# Planning time of a grid of hand plans in one session (GPT-3 175B shape, "
+            "dgx-a100-x64)", "",
+            f"Command: `python benchmarks/planning_time.py --grid`, {time.strftime('%Y-%m-%d')}, "
+            f"{os.cpu_count()} CPUs.  Each row `meshplan.plan(train_step, state, batch, "
+            "method=Manual(dp, tp, pp, num_micro_batches), session=session)` in turn, one "
+            "session: the first traces the step at its batch and at the micro-batch size; "
+            "later ones reuse the trace, the micro-batch Graph (`kept`: that count's Graph "
+            "again; `rewritten`: from the first trace's shapes) and its layer analysis, and "
+            "solve only the layer ILPs of meshes not yet seen.", ""] + lines
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planning_time_grid.md").write_text("\n".join(text) + "\n")
+    print(f"wrote {out / 'planning_time_grid.md'}")
 
 
 def check_row(graph, cluster, rt, session) -> dict:
@@ -211,9 +252,14 @@ def main(argv=None) -> int:
                     help="skip the end-to-end CLI run of each row (half the time)")
     ap.add_argument("--out", type=pathlib.Path, default=OUT,
                     help=f"folder for planning_time.md and .csv (default {OUT})")
+    ap.add_argument("--grid", action="store_true",
+                    help="instead, time a grid of 175B hand plans planned in one session")
     args = ap.parse_args(argv)
     if args.workers is not None:
         os.environ["MESHPLAN_WORKERS"] = str(args.workers)
+    if args.grid:
+        grid(args.out)
+        return 0
     workers = Session.from_env().workers
     keys = KEYS + (CHECK_KEYS if args.check_pruning else [])
     rows = []

@@ -63,6 +63,9 @@ class Layering:
     flops: tuple[float, ...]              # per layer, all phases
     cut_bytes: tuple[int, ...]            # bytes of forward values crossing each cut (L-1)
     marked: bool                          # cuts came from user marks
+    # the cuts are the user's marks or the repeated blocks, whatever number
+    # of layers was asked for by default
+    fixed_cuts: bool = False
 
 
 def _cut_profile(graph: Graph, fwd_ids: list[int]) -> np.ndarray:
@@ -228,11 +231,13 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     flops = np.array([graph.nodes[nid].flops for nid in fwd_ids])
     cut = _cut_profile(graph, fwd_ids) if fwd_ids else np.zeros(0)
     blocks = None if marks or len(fwd_ids) < 4 else find_blocks(_signatures(graph, fwd_ids), cut)
+    fixed_cuts = True
     if marks and num_layers is None:
         cuts, marked = marks, True
     elif blocks is not None and num_layers in (None, len(blocks) + 1):
         cuts, marked = blocks, False
     else:
+        fixed_cuts = False
         L = num_layers or default_layers
         if marks:
             cands = marks
@@ -334,7 +339,8 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     for l, members in enumerate(layer_members(graph, layer, L)):
         flops_per_layer[l] = sum(graph.nodes[nid].flops for nid in members)
     cut_bytes = tuple(int(cut[c]) for c in cuts)
-    return Layering(L, tuple(layer), tuple(fwd), tuple(flops_per_layer), cut_bytes, marked)
+    return Layering(L, tuple(layer), tuple(fwd), tuple(flops_per_layer), cut_bytes, marked,
+                    fixed_cuts)
 
 
 def _read_layer(layers: set[int], below: int | None) -> int:

@@ -5,7 +5,7 @@ stage may take."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from ..cluster import ClusterSpec
 from ..contributions import graph_ops, once_a_step
@@ -103,10 +103,40 @@ class LayerProblems:
         return out
 
 
+@dataclass(frozen=True)
+class LayerAnalysis:
+    """What the layer problems read of the step alone (no cluster): its
+    layers, their subgraphs, what each backward keeps and each layer sends
+    on.  Plans of one step on other meshes reuse it (``Session.analyses``)."""
+    layering: Layering
+    subs: tuple[Graph, ...]
+    replay_flops: tuple[float, ...]
+    grads: frozenset[int]
+    saved: tuple[frozenset[int], ...]
+    crossing: tuple[frozenset[int], ...]
+    entering: tuple[frozenset[int], ...]
+    selective: tuple[tuple[frozenset[int], frozenset[int]], ...]
+    selective_flops: tuple[float, ...]
+    wanted: int             # the layers asked for by default
+    need: int               # ... and at least
+    finer: bool             # too few repeated blocks for ``need``: cut finer
+
+    def serves(self, wanted: int, need: int) -> bool:
+        """Is this the analysis :func:`analyse_layers` makes with ``wanted``
+        and ``need`` (which decide only clustered layers, or too few blocks)?"""
+        if (wanted, need) == (self.wanted, self.need):
+            return True
+        return (self.layering.fixed_cuts and not self.finer
+                and self.layering.num_layers >= need)
+
+
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions,
-                   batch_dim: Mapping[int, int] | None = None) -> LayerProblems:
+                   batch_dim: Mapping[int, int] | None = None,
+                   analyses: MutableMapping | None = None) -> LayerProblems:
     """``g``: the step at ``B`` micro-batches; ``batch_dim``: its values'
-    dimensions holding a micro-batch's rows (graph.batch_dims_between)."""
+    dimensions holding a micro-batch's rows (graph.batch_dims_between).
+    ``analyses``: the session's :class:`LayerAnalysis` by step and layering
+    (read and filled; None: made afresh)."""
     # at least as many layers as a fixed number of stages needs
     need = max(opts.fixed[2] if opts.fixed else 1, opts.num_stages or 1)
     if opts.schedules == ("interleaved",):
@@ -114,10 +144,15 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         # schedules, interleaved takes the layers there are
         need *= CHUNKS
     wanted = max(default_layers(g, cluster), need)
-    layering = assign_layers(g, opts.num_layers, default_layers=wanted)
-    if layering.num_layers < need and opts.num_layers is None:
-        # fewer repeated blocks than the stages asked for: finer layers
-        layering = assign_layers(g, need)
+    key = None
+    if analyses is not None and g.fingerprint:      # (a fingerprint names the content)
+        key = (g.fingerprint, opts.num_layers, frozenset(batch_dim.items()) if batch_dim else None)
+    a = analyses.get(key) if key is not None else None
+    if a is None or not a.serves(wanted, need):
+        a = analyse_layers(g, wanted, need, opts.num_layers, batch_dim)
+        if key is not None:
+            analyses[key] = a
+    layering = a.layering
     L = layering.num_layers
     # the stage DP cuts between groups of consecutive layers (repeated blocks
     # make many small layers; each kind is costed once, and a stage's cost is
@@ -128,6 +163,69 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
             raise MeshplanError("equal_layers needs a number of stages of at most the layers")
         S = opts.num_stages
         n_groups = S * (min(n_groups, L) // S)
+    many: tuple = ()
+    if opts.fixed is not None:
+        dp, tp, pp = opts.fixed
+        submeshes = [fixed_submesh(cluster, dp * tp)]
+        max_stages = pp
+    elif opts.mesh_shape is not None:       # one stage on every device
+        submeshes = [fixed_submesh(cluster, cluster.num_devices)]
+        max_stages = 1
+    else:
+        # whole hosts: powers of two, and the divisors of the host count (so
+        # that equal stages can cover every host)
+        submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+                     if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
+        max_stages = opts.num_stages or opts.max_stages
+        if opts.num_stages is None and not opts.equal_layers and opts.num_layers is None:
+            many = tuple((S, sub, tuple(stage_meshes(cluster, sub, None, opts.data_parallel_stages,
+                                                     opts.tp_within_host)))
+                         for S, sub in _many_stages(cluster, L, n_groups, max_stages))
+    return LayerProblems(
+        B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups),
+        subs=list(a.subs), replay_flops=list(a.replay_flops), grads=a.grads, saved=list(a.saved),
+        crossing=list(a.crossing), entering=list(a.entering), selective=list(a.selective),
+        selective_flops=list(a.selective_flops),
+        submeshes=submeshes,
+        meshes_of=[given_meshes(cluster, s, opts.mesh_shape, opts.axis_names)
+                   if opts.mesh_shape is not None else
+                   stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
+                                opts.tp_within_host) for s in submeshes],
+        max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
+        budget=cluster.device.memory_bytes * opts.memory_fraction,
+        p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
+                if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
+        # inside one host the send stays priced by bandwidth alone, as before:
+        # the link is the gather's own, so sending once saves nothing there,
+        # and its microseconds of latency would only tip the cut of tiny models
+        p2p_lat=cluster.inter_host.latency_s if cluster.num_hosts > 1 else 0.0,
+        fast_bw=cluster.intra_host.achieved_bandwidth,
+        fast_lat=cluster.intra_host.latency_s if cluster.num_hosts > 1 else 0.0,
+        dispatch_s=cluster.device.achieved.program_dispatch_s,
+        dispatch_per_device_s=cluster.device.achieved.dispatch_per_device_s,
+        memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
+                   * cluster.device.achieved.memory_efficiency),
+        accumulate_passes=3 if is_cpu(cluster.device) else 1,
+        state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
+                                            if i.role in (PARAM, OPT_STATE, STATE)))
+                     for sub in a.subs],
+        optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
+                             if i.role == OPT_STATE) for sub in a.subs],
+        exact_stages=opts.num_stages is not None or opts.fixed is not None,
+        many_stages=many)
+
+
+
+def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
+                   batch_dim: Mapping[int, int] | None) -> LayerAnalysis:
+    """``g`` cut into layers (``wanted`` by default, at least ``need``, or
+    the ``num_layers`` asked for) and what each layer's problem reads."""
+    layering = assign_layers(g, num_layers, default_layers=wanted)
+    finer = layering.num_layers < need and num_layers is None
+    if finer:
+        # fewer repeated blocks than the stages asked for: finer layers
+        layering = assign_layers(g, need)
+    L = layering.num_layers
     view = unmarked_view(g, layering)
     subs = [layer_subgraph(g, layering, l, l, view, batch_dim) for l in range(L)]
     region = selective_nodes(view.graph, view.forward)
@@ -153,60 +251,13 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     selective_flops = [sum(view.graph.nodes[nid].flops for nid in members
                            if all(t in again for t in view.graph.nodes[nid].outputs))
                        for members in view.members]
-    many: tuple = ()
-    if opts.fixed is not None:
-        dp, tp, pp = opts.fixed
-        submeshes = [fixed_submesh(cluster, dp * tp)]
-        max_stages = pp
-    elif opts.mesh_shape is not None:       # one stage on every device
-        submeshes = [fixed_submesh(cluster, cluster.num_devices)]
-        max_stages = 1
-    else:
-        # whole hosts: powers of two, and the divisors of the host count (so
-        # that equal stages can cover every host)
-        submeshes = [s for s in submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-                     if s.hosts & (s.hosts - 1) == 0 or cluster.num_hosts % s.hosts == 0]
-        max_stages = opts.num_stages or opts.max_stages
-        if opts.num_stages is None and not opts.equal_layers and opts.num_layers is None:
-            many = tuple((S, sub, tuple(stage_meshes(cluster, sub, None, opts.data_parallel_stages,
-                                                     opts.tp_within_host)))
-                         for S, sub in _many_stages(cluster, L, n_groups, max_stages))
-    return LayerProblems(
-        B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups), subs=subs,
-        replay_flops=replay_flops,
-        grads=_gradients(g, layering),
-        saved=saved,
-        crossing=crossing_values(g, layering, subs, view),
-        entering=entering_values(g, layering, subs, view),
-        selective=selective, selective_flops=selective_flops,
-        submeshes=submeshes,
-        meshes_of=[given_meshes(cluster, s, opts.mesh_shape, opts.axis_names)
-                   if opts.mesh_shape is not None else
-                   stage_meshes(cluster, s, opts.fixed, opts.data_parallel_stages,
-                                opts.tp_within_host) for s in submeshes],
-        max_stages=max_stages, min_stages=(opts.num_stages or 1) if opts.fixed is None else 1,
-        budget=cluster.device.memory_bytes * opts.memory_fraction,
-        p2p_bw=(cluster.inter_host.achieved_bandwidth / cluster.devices_per_host
-                if cluster.num_hosts > 1 else cluster.intra_host.achieved_bandwidth),
-        # inside one host the send stays priced by bandwidth alone, as before:
-        # the link is the gather's own, so sending once saves nothing there,
-        # and its microseconds of latency would only tip the cut of tiny models
-        p2p_lat=cluster.inter_host.latency_s if cluster.num_hosts > 1 else 0.0,
-        fast_bw=cluster.intra_host.achieved_bandwidth,
-        fast_lat=cluster.intra_host.latency_s if cluster.num_hosts > 1 else 0.0,
-        dispatch_s=cluster.device.achieved.program_dispatch_s,
-        dispatch_per_device_s=cluster.device.achieved.dispatch_per_device_s,
-        memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
-                   * cluster.device.achieved.memory_efficiency),
-        accumulate_passes=3 if is_cpu(cluster.device) else 1,
-        state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
-                                            if i.role in (PARAM, OPT_STATE, STATE)))
-                     for sub in subs],
-        optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
-                             if i.role == OPT_STATE) for sub in subs],
-        exact_stages=opts.num_stages is not None or opts.fixed is not None,
-        many_stages=many)
-
+    return LayerAnalysis(
+        layering=layering, subs=tuple(subs), replay_flops=tuple(replay_flops),
+        grads=_gradients(g, layering), saved=tuple(saved),
+        crossing=tuple(crossing_values(g, layering, subs, view)),
+        entering=tuple(entering_values(g, layering, subs, view)),
+        selective=tuple(selective), selective_flops=tuple(selective_flops),
+        wanted=wanted, need=need, finer=finer)
 
 def _many_stages(cluster: ClusterSpec, L: int, n_groups: int, max_stages: int | None
                  ) -> list[tuple[int, Submesh]]:

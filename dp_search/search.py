@@ -133,7 +133,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         why = batch_shaped_draws(graph, g) if B > 1 else None
         if why:     # (never plan what the runtime would refuse)
             return TraceError(why)
-        return layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
+        return layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B),
+                              session.analyses)
 
     try:
         while todo:

@@ -17,6 +17,23 @@ from ..plan import Plan
 from ..progress import Progress
 
 LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
+# steps (and their micro-batch Graphs' layer analyses) a session keeps: a
+# grid over one model's configurations reuses them; each holds whole Graphs
+RECENT_STEPS = 2
+
+
+class Recent(dict):
+    """A dict keeping its ``limit`` most recently added entries."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        self.pop(key, None)
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 def usable_cpus() -> int:
@@ -40,6 +57,11 @@ class Session:
     # resharding costs and layouts, shared by the ILPs solved in this process
     # (a worker process keeps its own per job)
     ilp_caches: IlpCaches = field(default_factory=IlpCaches)
+    # steps traced for planning, by function and argument signature (as
+    # jax.jit caches its traces: a function changed in place is not seen),
+    # and the layer analyses of their micro-batch Graphs (problem.LayerAnalysis)
+    traces: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
+    analyses: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
 
     @classmethod
     def from_env(cls, progress: Progress | None = None) -> "Session":

@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+import jax
 
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
@@ -29,7 +30,7 @@ from .recompute import NONE
 from .request import PlanRequest
 from .trace import issue_warnings, trace_both
 from .trace.tracer import trace_micro
-from .traced import TracedStep
+from .traced import TracedStep, signature
 from .trace.rescale import Rescaling
 from .trace.unstack import Unstacked, layer_counts, unstack_scanned_layers
 
@@ -67,7 +68,26 @@ def trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[i
                    name: str, session: Session) -> TracedFunction:
     """Trace ``fn`` for planning.  When a ``lax.scan`` iterates over stacked
     parameters, the step planned (and run) is its rewrite with one input per
-    layer (:mod:`meshplan.trace.unstack`)."""
+    layer (:mod:`meshplan.trace.unstack`).  The session keeps the trace: the
+    same function at the same argument shapes is not traced again (nor, by
+    the kept :attr:`TracedFunction.retrace`, at a micro-batch size it was)."""
+    # (the configuration a trace reads: precision, x64, the default PRNG)
+    config = tuple(str(getattr(jax.config, k, None)) for k in
+                   ("jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl"))
+    key = (fn, signature(tuple(abstract), weak_types=True), tuple(batch_argnums), name, config)
+    try:
+        hit = session.traces.get(key)
+    except TypeError:       # (an unhashable callable: traced each time)
+        return _trace_function(fn, abstract, batch_argnums, name, session)
+    if hit is None:
+        hit = session.traces[key] = _trace_function(fn, abstract, batch_argnums, name, session)
+    else:
+        issue_warnings(hit.graph)
+    return hit
+
+
+def _trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
+                    name: str, session: Session) -> TracedFunction:
     with session.progress.step(f"tracing {name}"):
         graph, run = trace_both(fn, *abstract, batch_argnums=batch_argnums, name=name)
     issue_warnings(graph)       # (once: the retraces per micro-batch count stay silent)

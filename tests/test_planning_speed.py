@@ -1,16 +1,19 @@
 """What makes planning faster keeps its answers: a memory row no choice can
 meet is infeasible without the MIP; capped layer ILPs may stop within a
 stated gap of their optimum; the passes of one plan cut each micro-batch
-count into layers once; a stage's mixed recomputation splits are joins of
+count into layers once, and plans of one step in one session trace it and
+cut each count once; a stage's mixed recomputation splits are joins of
 running sums."""
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 import meshplan
 import meshplan.planning as planning
-from meshplan.dp_search import Session, search_pipeline
+from meshplan.dp_search import Session, problem, search_pipeline
+from meshplan.dp_search.session import Recent
 from meshplan.dp_search.stages import GroupCost
 from meshplan.cost_model.overlap import Backward
 from meshplan.errors import InfeasiblePlanError
@@ -118,3 +121,60 @@ def test_joined_rows_equal_the_rows_summed_at_once(seed):
                                       GroupCost.of_groups(rows[g:])])
         for a, b in zip(dataclasses.astuple(once), dataclasses.astuple(joined)):
             np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_plans_of_one_step_in_a_session_trace_and_cut_it_once(monkeypatch, model):
+    """A grid of hand plans over one step in one session: the step is traced
+    once, each micro-batch count once, and (gpt's blocks) each count's
+    layers are analysed once; every plan equals the one a fresh session
+    makes (mlp: layers clustered to the stages asked)."""
+    m = build_model(model, {"optimizer": "sgd"})
+    state, batch = m.abstract_args
+    traces = []
+    real = planning._trace_function
+
+    def counted(*a, **k):
+        traces.append(a[3])
+        return real(*a, **k)
+
+    monkeypatch.setattr(planning, "_trace_function", counted)
+    analysed = []
+    real_analyse = problem.analyse_layers
+
+    def counted_analyse(g, *a):
+        analysed.append(g.fingerprint)
+        return real_analyse(g, *a)
+
+    monkeypatch.setattr(problem, "analyse_layers", counted_analyse)
+    grid = [dict(dp=2, tp=2, pp=2, num_micro_batches=2), dict(dp=1, tp=4, pp=2, num_micro_batches=2),
+            dict(dp=2, tp=1, pp=4, num_micro_batches=4), dict(dp=1, tp=2, pp=4, num_micro_batches=4),
+            dict(dp=4, tp=1, pp=2, num_micro_batches=2)]
+    session = Session.from_env()
+    plans = [meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(**c),
+                           session=session) for c in grid]
+    assert traces == ["train_step"]
+    if model == "gpt":
+        # (counts 2 and 4: its blocks make layers enough for two and four stages)
+        assert len(set(analysed)) == len(analysed) == 2
+    traced = next(iter(session.traces.values()))
+    assert sorted(B for B, how, _ in traced.retrace.log if how != "kept") == [2, 4]
+    for c, p in zip(grid, plans):
+        fresh = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(**c))
+        assert p.to_json() == fresh.to_json()
+    # another argument shape is another trace
+    traces.clear()
+    wider = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((2 * x.shape[0],) + x.shape[1:], x.dtype), batch)
+    meshplan.plan(m.train_step, state, wider, method=meshplan.Manual(**grid[0]), session=session)
+    assert traces == ["train_step"]
+
+
+def test_a_session_keeps_its_most_recent_steps():
+    r = Recent(2)
+    for k in "abc":
+        r[k] = k.upper()
+    assert list(r) == ["b", "c"]
+    r["b"] = "B2"           # (set again: the most recent)
+    r["d"] = "D"
+    assert list(r.items()) == [("b", "B2"), ("d", "D")]

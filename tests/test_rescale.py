@@ -77,6 +77,11 @@ def test_rewritten_graph_equals_a_trace_for_built_in_models(label):
                             and batch // b // g > 1), r.dims
     if g > 1:
         assert rewritten >= 1
+    # the probe's count and the last one made are given again as they were
+    n = len(r.log)
+    assert r(counts[0]) is r.probe[1] and r(counts[-1]) is r.last[1]
+    assert [how for _, how, _ in r.log[n:]] == ["kept", "kept"]
+    assert r.counts() == (rewritten, traced, r.counts()[2])
 
 
 def test_the_moe_presets_are_rewritten():
