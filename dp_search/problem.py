@@ -215,7 +215,6 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         many_stages=many)
 
 
-
 def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
                    batch_dim: Mapping[int, int] | None) -> LayerAnalysis:
     """``g`` cut into layers (``wanted`` by default, at least ``need``, or

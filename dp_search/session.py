@@ -17,22 +17,29 @@ from ..plan import Plan
 from ..progress import Progress
 
 LAYER_CACHE_MAX = 50_000      # layer costs kept before the cache starts afresh
-# steps (and their micro-batch Graphs' layer analyses) a session keeps: a
-# grid over one model's configurations reuses them; each holds whole Graphs
+# steps a session keeps traced, and layer analyses of their micro-batch
+# Graphs (one per count: an explain grid asks each point's counts again),
+# at most this many nodes among the latter (about 1.5 KB of memory a node)
 RECENT_STEPS = 2
+RECENT_ANALYSES = 16
+ANALYSED_NODES = 200_000
 
 
 class Recent(dict):
-    """A dict keeping its ``limit`` most recently added entries."""
+    """A dict keeping its ``limit`` most recently added entries, and with
+    ``weight``, as many of them as weigh at most ``budget`` (the newest
+    always)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, weight=None, budget: float = float("inf")) -> None:
         super().__init__()
-        self.limit = limit
+        self.limit, self.weight, self.budget = limit, weight, budget
 
     def __setitem__(self, key, value) -> None:
         self.pop(key, None)
         super().__setitem__(key, value)
-        while len(self) > self.limit:
+        w = self.weight
+        while len(self) > 1 and (len(self) > self.limit
+                                 or (w is not None and sum(map(w, self.values())) > self.budget)):
             del self[next(iter(self))]
 
 
@@ -61,7 +68,8 @@ class Session:
     # jax.jit caches its traces: a function changed in place is not seen),
     # and the layer analyses of their micro-batch Graphs (problem.LayerAnalysis)
     traces: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
-    analyses: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
+    analyses: Recent = field(default_factory=lambda: Recent(
+        RECENT_ANALYSES, lambda a: len(a.layering.layer_of_node), ANALYSED_NODES))
 
     @classmethod
     def from_env(cls, progress: Progress | None = None) -> "Session":

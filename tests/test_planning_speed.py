@@ -178,3 +178,9 @@ def test_a_session_keeps_its_most_recent_steps():
     r["b"] = "B2"           # (set again: the most recent)
     r["d"] = "D"
     assert list(r.items()) == [("b", "B2"), ("d", "D")]
+    w = Recent(10, len, budget=5)
+    for k in ("aa", "bb", "ccc"):
+        w[k] = k
+    assert list(w) == ["bb", "ccc"]
+    w["dddddd"] = "dddddd"      # (over the budget alone: kept, the newest)
+    assert list(w) == ["dddddd"]
