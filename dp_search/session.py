@@ -70,6 +70,9 @@ class Session:
     traces: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
     analyses: Recent = field(default_factory=lambda: Recent(
         RECENT_ANALYSES, lambda a: len(a.layering.layer_of_node), ANALYSED_NODES))
+    # what a step runs replicated for want of sharding rules ("" for nothing
+    # worth a word), by its Graph's fingerprint (planning.replicated_work)
+    replicated: Recent = field(default_factory=lambda: Recent(RECENT_STEPS))
 
     @classmethod
     def from_env(cls, progress: Progress | None = None) -> "Session":

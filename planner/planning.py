@@ -148,8 +148,13 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         alts = alternatives(graph, cluster, planned.plan, planned.search, request,
                             retrace=retrace, session=session)
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
-    why = replicated_work(graph)
+    # (a fingerprint names the Graph's content: plans of one step ask once)
+    why = session.replicated.get(graph.fingerprint) if graph.fingerprint else None
     if why is None:
+        why = replicated_work(graph)
+        if graph.fingerprint:
+            session.replicated[graph.fingerprint] = why or ""
+    if not why:
         return planned
     warnings.warn(f"meshplan: {why}", stacklevel=3)
     p = planned.plan

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import meshplan
+from meshplan.dp_search import Session
 
 OPT = optax.sgd(0.1)
 
@@ -180,6 +181,14 @@ def test_replicated_control_flow_is_named_once_per_plan():
     said = [str(c.message) for c in caught if "run replicated" in str(c.message)]
     assert len(said) == 1 and "cond (" in said[0], said
     assert any("cond (" in n for n in plan.notes)
+    # each plan says it, also a second of one step in one session
+    session = Session.from_env()
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = meshplan.plan(step, state, batch, cluster=cluster, session=session)
+        assert [str(c.message) for c in caught if "run replicated" in str(c.message)] == said
+        assert again.notes == plan.notes
     # a step with nothing replicated says nothing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
