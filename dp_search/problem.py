@@ -117,6 +117,8 @@ class LayerAnalysis:
     entering: tuple[frozenset[int], ...]
     selective: tuple[tuple[frozenset[int], frozenset[int]], ...]
     selective_flops: tuple[float, ...]
+    state_bytes: tuple[float, ...]
+    optimizer_bytes: tuple[float, ...]
     wanted: int             # the layers asked for by default
     need: int               # ... and at least
     finer: bool             # too few repeated blocks for ``need``: cut finer
@@ -206,11 +208,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
         memory_bw=(cluster.device.memory_bandwidth_bytes_per_s
                    * cluster.device.achieved.memory_efficiency),
         accumulate_passes=3 if is_cpu(cluster.device) else 1,
-        state_bytes=[sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
-                                            if i.role in (PARAM, OPT_STATE, STATE)))
-                     for sub in a.subs],
-        optimizer_bytes=[sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
-                             if i.role == OPT_STATE) for sub in a.subs],
+        state_bytes=list(a.state_bytes), optimizer_bytes=list(a.optimizer_bytes),
         exact_stages=opts.num_stages is not None or opts.fixed is not None,
         many_stages=many)
 
@@ -256,6 +254,11 @@ def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
         crossing=tuple(crossing_values(g, layering, subs, view)),
         entering=tuple(entering_values(g, layering, subs, view)),
         selective=tuple(selective), selective_flops=tuple(selective_flops),
+        state_bytes=tuple(sum(t.nbytes for t in (sub.tensors[i.tensor] for i in sub.inputs
+                                                 if i.role in (PARAM, OPT_STATE, STATE)))
+                          for sub in subs),
+        optimizer_bytes=tuple(sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
+                                  if i.role == OPT_STATE) for sub in subs),
         wanted=wanted, need=need, finer=finer)
 
 def _many_stages(cluster: ClusterSpec, L: int, n_groups: int, max_stages: int | None

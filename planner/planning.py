@@ -149,11 +149,11 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
                             retrace=retrace, session=session)
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (a fingerprint names the Graph's content: plans of one step ask once)
-    why = session.replicated.get(graph.fingerprint) if graph.fingerprint else None
+    why = session.replicated.get(graph.fingerprint)
     if why is None:
-        why = replicated_work(graph)
+        why = replicated_work(graph) or ""
         if graph.fingerprint:
-            session.replicated[graph.fingerprint] = why or ""
+            session.replicated[graph.fingerprint] = why
     if not why:
         return planned
     warnings.warn(f"meshplan: {why}", stacklevel=3)
