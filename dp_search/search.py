@@ -9,6 +9,7 @@ each schedule (:mod:`.stages`), keeping the fastest plan that fits
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import replace
@@ -105,6 +106,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     ahead: dict[int, LayerProblems | TraceError] = {}
     counts = _StageCounts() if by_stage_count and opts.num_stages is None and not opts.fixed \
         else None
+    # A count is searched in full only where its relaxed search (every stage
+    # fitting its fastest way) beats the best plan so far (explain keeps
+    # every count: its per-stage-count table reads them all)
+    bounding = opts.prune_micro_batches and counts is None and len(mbs) > 1
+    bounded: list[int] = []
     # (a meshplan.trace.rescale.Rescaling logs which counts it rewrote)
     rescaling = getattr(retrace, "__wrapped__", retrace)
     logged = len(getattr(rescaling, "log", ()))
@@ -151,10 +157,17 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         # trace the next count while the workers solve this one's ILPs
                         ahead[todo[0]] = layered(todo[0])
                     search.collect(pending)
-                    p = _plan_for(graph, lay, cluster, opts, search, method_name)
+                    p = None
+                    if bounding and best is not None \
+                            and _relaxed_s(lay, cluster, opts, search) >= best[0]:
+                        # even with memory to spare no plan of this count
+                        # beats the best: its capped ILPs are not solved
+                        bounded.append(B)
+                    else:
+                        p = _plan_for(graph, lay, cluster, opts, search, method_name)
                     if counts is not None:
                         counts.add(graph, lay, cluster, opts, search, method_name)
-                if best is None or p.predicted.iteration_s < best[0]:
+                if p is not None and (best is None or p.predicted.iteration_s < best[0]):
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors[B] = str(e)
@@ -206,13 +219,16 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         plan = replace(plan, ilp_time_limit_hit=True)
     note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
+    if bounded:
+        note += (f"; {len(bounded)} count(s) passed over, as even with memory to spare they "
+                 f"plan no faster ({', '.join(map(str, sorted(bounded)))})")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
     stats = search.stats(len(searched))
     rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
                                else (0, 0, 0.0))
     stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
-                    rewrite_s=rewrite_s)
+                    rewrite_s=rewrite_s, bounded=len(bounded))
     if counts is not None:
         stats = replace(stats, stage_counts=counts.bests())
     return replace(plan, notes=plan.notes + (note,)), stats
@@ -306,6 +322,21 @@ def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
                  "sharding (--method shard / auto)")
     hints.append("or use devices with more memory")
     return "; ".join(hints)
+
+
+def _relaxed_s(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
+               solver: LayerSolver) -> float:
+    """The iteration time of ``lay``'s count if memory bound no stage (its
+    layers' uncapped plans, no recomputation needed).  A cap or recomputation
+    only slows a layer down, so no plan of the count should be faster; what a
+    stage hides under compute and the gradients it sums are not monotone in
+    its layers' plans, so that is checked (``tests/test_count_bound.py`` per
+    count on random cases; ``benchmarks/planning_time.py --check-pruning``
+    against the exhaustive search), not proven."""
+    try:
+        return best_pipeline(lay, cluster, opts, solver, relaxed=True)[0].total_s
+    except InfeasiblePlanError:
+        return math.inf
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

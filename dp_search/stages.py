@@ -264,8 +264,13 @@ MAX_CAPS = 3
 class StageCosts:
     """Stage costs of one micro-batch count, from layer costs asked of ``solver`` once each."""
 
-    def __init__(self, lay: LayerProblems, opts: PipelineOptions, solver: LayerSolver) -> None:
+    def __init__(self, lay: LayerProblems, opts: PipelineOptions, solver: LayerSolver,
+                 relaxed: bool = False) -> None:
         self.lay, self.opts, self.solver = lay, opts, solver
+        # relaxed: every stage whose state split evenly fits takes its
+        # fastest way on its layers' uncapped plans (no memory check, no
+        # caps) -- a bound on the count's best (best_pipeline)
+        self.relaxed = relaxed
         self._layer: dict[tuple[int, int, int, int], LayerCost | None] = {}
         self._groups: dict[tuple[int, int, int], list[GroupCost | None]] = {}
         # (gi, gj, m, k, tighten) -> _priced's answer; -> _levels' largest layer state
@@ -601,7 +606,8 @@ class StageCosts:
                 left = lay.budget - min(held, grads_floor) - n_kept * w.kept - w.working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
-                if mem <= lay.budget and (best is None or w.latency_s < best.latency_s):
+                if (mem <= lay.budget or self.relaxed) \
+                        and (best is None or w.latency_s < best.latency_s):
                     best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
                                        w.cost.memory(n_kept, w.as_way, whole), w.recompute,
                                        tighten, w.layers, w.keep_casts)
@@ -695,6 +701,8 @@ class StageCosts:
         top = math.inf                  # the largest of prev over the live meshes
         for step, tighten in enumerate(TIGHTEN):
             cap = lay.budget / tighten
+            if tighten > 1 and self.relaxed:
+                return      # (a cap only removes plans)
             if tighten > 1 and cap >= top:
                 continue    # (no mesh's layers reach this cap: nothing to ask, nothing changes)
             if tighten > 1:
@@ -784,15 +792,19 @@ def _ways(remat: bool | str | None) -> tuple[str, ...]:
 
 
 def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
-                  solver: LayerSolver) -> tuple[PipelineChoice, StageCosts]:
+                  solver: LayerSolver, relaxed: bool = False
+                  ) -> tuple[PipelineChoice, StageCosts]:
     """The fastest schedule's pipeline for ``lay``'s micro-batch count, and
     the stage costs it was priced with (``costs.lay``: the problems it cuts,
-    ``lay`` or one of its :meth:`~LayerProblems.many_stage_views`)."""
-    costs = StageCosts(lay, opts, solver)
+    ``lay`` or one of its :meth:`~LayerProblems.many_stage_views`).
+    ``relaxed``: as if every device had memory to spare (each stage its
+    fastest way on its layers' uncapped plans): what
+    :func:`meshplan.dp_search.search.search_pipeline` bounds a count with."""
+    costs = StageCosts(lay, opts, solver, relaxed)
     found = []
     priced_all = []
     for view in [lay] + lay.many_stage_views():
-        priced = costs if view is lay else StageCosts(view, opts, solver)
+        priced = costs if view is lay else StageCosts(view, opts, solver, relaxed)
         priced_all.append(priced)
         dps: dict[str, tuple] = {}      # the stage DPs run on this view, by _dp_kind
         for schedule in opts.schedules:

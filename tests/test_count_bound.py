@@ -1,0 +1,70 @@
+"""The search passes over a micro-batch count whose relaxed search (every
+stage its fastest way on its layers' uncapped plans, as if memory bound
+nothing) already plans no faster than the best so far.  That is exact only
+if the relaxed figure never exceeds the count's own best: checked here per
+count on random small models and clusters (the generator of
+``test_auto_contains_manual``), and the pruned search against the
+exhaustive one."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+import meshplan
+from meshplan.api import plan_graph, retracer
+from meshplan.dp_search import Session
+from meshplan.dp_search.problem import layer_problems
+from meshplan.dp_search.search import _micro_batch_candidates
+from meshplan.dp_search.solver import LayerSolver
+from meshplan.dp_search.stages import best_pipeline
+from meshplan.errors import InfeasiblePlanError
+from meshplan.graph import batch_dims_between
+from meshplan.trace import trace
+from test_auto_contains_manual import random_cluster, random_model
+
+
+def _total(lay, cluster, opts, solver, relaxed: bool) -> float:
+    try:
+        return best_pipeline(lay, cluster, opts, solver, relaxed=relaxed)[0].total_s
+    except InfeasiblePlanError:
+        return math.inf
+
+
+# (seconds each on 2 busy cores: 0 and 2 under 10, the extended ones under 25,
+# the slow ones 45-280)
+DEFAULT, SLOW = (0, 2), (1, 5, 6, 11, 14, 15)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=() if s in DEFAULT else pytest.mark.slow
+                                               if s in SLOW else pytest.mark.extended)
+                                  for s in range(16)])
+def test_relaxed_bound_is_below_every_counts_best(seed):
+    rng = random.Random(100 + seed)
+    cluster, m = random_cluster(rng), random_model(rng)
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    solver = LayerSolver(cluster, opts, session)
+    planned = 0
+    for B in _micro_batch_candidates(m.config["batch"], None):
+        g = graph if B == 1 else rt(B)
+        lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
+        best, bound = (_total(lay, cluster, opts, solver, relaxed) for relaxed in (False, True))
+        assert bound <= best * (1 + 1e-9), (
+            f"{cluster.name}, {m.config}, {B} micro-batches: relaxed {bound:.6g} s above the "
+            f"count's best {best:.6g} s")
+        planned += best < math.inf
+    assert planned, "no micro-batch count has a plan: the case tests nothing"
+    # the pruned search plans as the exhaustive one does
+    pruned = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
+    every = dataclasses.replace(opts, prune_micro_batches=False)
+    from meshplan.dp_search import search_pipeline
+    full, _ = search_pipeline(graph, cluster, every, method_name="auto", retrace=rt,
+                              session=session)
+    if len(pruned.stages) > 1 or pruned.num_micro_batches > 1:
+        assert pruned.predicted.iteration_s == full.predicted.iteration_s
+        assert pruned.num_micro_batches == full.num_micro_batches
