@@ -158,8 +158,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         ahead[todo[0]] = layered(todo[0])
                     search.collect(pending)
                     p = None
+                    # (a count with no relaxed plan has none at all: searched,
+                    # its error names why and prunes as any count that fits
+                    # nothing)
                     if bounding and best is not None \
-                            and _relaxed_s(lay, cluster, opts, search) >= best[0]:
+                            and best[0] <= _relaxed_s(lay, cluster, opts, search) < math.inf:
                         # even with memory to spare no plan of this count
                         # beats the best: its capped ILPs are not solved
                         bounded.append(B)
