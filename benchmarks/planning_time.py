@@ -58,7 +58,8 @@ OUT = ROOT / "benchmarks" / "results"
 ROWS = ["gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b", "gpt-39b"]
 KEYS = ["model", "gpus", "cli_s", "total_s", "trace_s", "rewrite_s", "retrace_s", "ilp_wait_s",
         "ilp_work_s", "dp_s", "other_s", "searches", "micro_batch_counts", "bounded", "rewritten",
-        "retraced", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate", "plan", "tflops_per_gpu"]
+        "retraced", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate", "plan",
+        "tflops_per_gpu"]
 # GPT-3 175B (Brown et al. 2020: hidden 12288, 96 layers, 96 heads, seq 2048),
 # batch 1536 and precision as Megatron-LM's rows
 GPT3_175B = {"hidden": 12288, "layers": 96, "heads": 96, "seq_len": 2048, "vocab": 51200,

@@ -14,8 +14,8 @@ import random
 import pytest
 
 import meshplan
-from meshplan.api import plan_graph, retracer
-from meshplan.dp_search import Session
+from meshplan.api import retracer
+from meshplan.dp_search import Session, search_pipeline
 from meshplan.dp_search.problem import layer_problems
 from meshplan.dp_search.search import _micro_batch_candidates
 from meshplan.dp_search.solver import LayerSolver
@@ -60,11 +60,9 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
         planned += best < math.inf
     assert planned, "no micro-batch count has a plan: the case tests nothing"
     # the pruned search plans as the exhaustive one does
-    pruned = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
-    every = dataclasses.replace(opts, prune_micro_batches=False)
-    from meshplan.dp_search import search_pipeline
-    full, _ = search_pipeline(graph, cluster, every, method_name="auto", retrace=rt,
-                              session=session)
-    if len(pruned.stages) > 1 or pruned.num_micro_batches > 1:
-        assert pruned.predicted.iteration_s == full.predicted.iteration_s
-        assert pruned.num_micro_batches == full.num_micro_batches
+    pruned, full = (search_pipeline(graph, cluster, dataclasses.replace(
+        opts, prune_micro_batches=prune), method_name="auto", retrace=rt, session=session)[0]
+        for prune in (True, False))
+    assert pruned.predicted.iteration_s == full.predicted.iteration_s
+    assert (pruned.num_micro_batches, len(pruned.stages)) == \
+        (full.num_micro_batches, len(full.stages))
