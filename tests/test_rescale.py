@@ -25,6 +25,9 @@ SMALL = {
     "gpt": {},
     "gpt-scan": {"scan_layers": True, "layers": 3},
     "gpt-bf16": {"compute_dtype": "bfloat16"},
+    # (dropout: a draw's bits made floats, with JAX's two generators)
+    "gpt-dropout": {"dropout": 0.1, "rng_impl": "rbg"},
+    "gpt-threefry": {"dropout": 0.1, "rng_impl": "threefry2x32"},
     "moe": {},
     "moe-groups": {"expert_group_size": 16, "batch": 16},
     # (expert groups of two sequences, as the Alpa presets' 2048 tokens of

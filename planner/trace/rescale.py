@@ -417,6 +417,21 @@ class _Solver:
             self.scatter(n)
         elif p == "iota":
             pass                # (its dimensions are whatever they meet)
+        elif p == "bitcast_convert_type":
+            # (a random draw's bits made floats: the same shape at the same
+            # width, else a trailing dimension of the widths' ratio comes or goes)
+            a, b = ins[0], outs[0]
+            for d in range(min(self.rank(a), self.rank(b))):
+                self.same(a, d, b, d)
+            for t in (a, b):
+                if self.rank(t) > min(self.rank(a), self.rank(b)):
+                    self.fixed(t, self.rank(t) - 1)
+        elif p == "random_bits":
+            # a draw's dimensions are whatever they meet (a dropout mask: the
+            # activations'); its key's, leading the result's, never scale
+            self.fixed(ins[0])
+            if self.rank(ins[0]):
+                self.fixed(outs[0], *range(self.rank(ins[0])))
         elif p == "slice":
             for d, (lo, hi) in enumerate(zip(n.param("start_indices"), n.param("limit_indices"))):
                 strides = n.param("strides")
@@ -686,6 +701,8 @@ def _node(n: Node, tensors: list[Tensor], old: tuple[Tensor, ...]) -> Node:
     p = n.primitive
     if p in ("broadcast_in_dim", "iota"):
         params["shape"] = outs[0]
+    elif p == "random_bits":
+        params["shape"] = outs[0][len(ins[0]):]
     elif p == "reshape":
         params["new_sizes"] = outs[0]
         if ins[0] == outs[0]:
