@@ -10,7 +10,8 @@ its dimensions are the same (an element-wise op: all of them; a matmul: its
 batch and contracting dimensions; a reshape: the batch keeps its place in the
 row-major order).  Dimension 0 of the batch arguments scales; dimensions of
 parameters, constants and literals do not; dimensions an op makes from
-nothing (``iota``, ``broadcast_in_dim``) take whatever they are unified with.
+nothing (``iota``, ``broadcast_in_dim``, a random draw's ``random_bits``) take
+whatever they are unified with.
 Anything that does not fit (an operator without a rule here touching a
 scaled dimension, a batch dimension sliced, padded or folded in a way the
 rule cannot follow, a made dimension linked to nothing, a dimension that
@@ -463,7 +464,7 @@ class _Solver:
                 self.all_same(ins[0], t)
         else:
             # no rule here: nothing it touches may scale (control flow,
-            # random draws, windows, primitives met nowhere yet)
+            # key splits, primitives met nowhere yet)
             for t in ins + outs:
                 self.fixed(t)
 
