@@ -95,7 +95,10 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
     # The most micro-batches first: fewer, larger micro-batches need more
     # memory, so once a count fits nothing after one that did, fewer are not
-    # tried (prune_micro_batches).
+    # tried (prune_micro_batches).  Where counts are bounded, each queued
+    # count is first screened (its relaxed figure, below) and the full
+    # searches then go from the least relaxed figure up: the best plan comes
+    # early and passes over more of the rest.
     todo = sorted(mbs, reverse=True)
     searched: list[int] = []
     untraceable: set[int] = set()
@@ -108,7 +111,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         else None
     # A count is searched in full only where its relaxed search (every stage
     # fitting its fastest way) beats the best plan so far (explain keeps
-    # every count: its per-stage-count table reads them all)
+    # every count, in order: its per-stage-count table reads them all)
     bounding = opts.prune_micro_batches and counts is None and len(mbs) > 1
     bounded: list[int] = []
     # (a meshplan.trace.rescale.Rescaling logs which counts it rewrote)
@@ -142,8 +145,44 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         return layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B),
                               session.analyses)
 
+    def screen(queued: list[int]) -> None:
+        # each queued count's relaxed figure (its layers' uncapped ILPs and
+        # the stage DP without memory), so the full searches go best first
+        for n, B in enumerate(list(queued)):
+            if B in relaxed or B not in queued:
+                continue
+            with session.progress.step(f"pipeline search with {B} micro-batch(es) "
+                                       f"(uncapped layer ILPs and relaxed stage DP)"):
+                lay = ahead.pop(B) if B in ahead else layered(B)
+                if isinstance(lay, TraceError):
+                    relaxed[B] = math.inf       # (the full search names why)
+                    continue
+                pending = search.submit(lay.requests())
+                later = [b for b in queued[n + 1:] if b not in relaxed]
+                if pending is not None and later and later[0] not in ahead:
+                    # trace the next count while the workers solve this one's ILPs
+                    ahead[later[0]] = layered(later[0])
+                search.collect(pending)
+                relaxed[B] = _relaxed_s(lay, cluster, opts, search)
+            if relaxed[B] == math.inf and _pow2(B):
+                # no plan even with memory to spare: fewer, larger
+                # micro-batches need more (as prune_micro_batches below)
+                queued[:] = [b for b in queued if b >= B]
+
+    def beats(t: float, B: int) -> bool:
+        # (ties go to the most micro-batches, whatever the order searched)
+        return best is None or (t, -B) < (best[0], -best[1].num_micro_batches)
+
+    relaxed: dict[int, float] = {}
+    memory_binds = False
     try:
         while todo:
+            if bounding:
+                if any(b not in relaxed for b in todo):
+                    screen(todo)
+                # (once a count fits nothing, the most micro-batches first
+                # again: they need the least memory, and prune the rest)
+                todo.sort(key=(lambda b: -b) if memory_binds else (lambda b: (relaxed[b], -b)))
             B = todo.pop(0)
             searched.append(B)
             try:
@@ -158,11 +197,10 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         ahead[todo[0]] = layered(todo[0])
                     search.collect(pending)
                     p = None
-                    # (a count with no relaxed plan has none at all: searched,
-                    # its error names why and prunes as any count that fits
-                    # nothing)
-                    if bounding and best is not None \
-                            and best[0] <= _relaxed_s(lay, cluster, opts, search) < math.inf:
+                    # (a count with no relaxed plan has none at all: searched
+                    # while nothing has a plan, its error names why and
+                    # prunes as any count that fits nothing)
+                    if bounding and best is not None and not beats(relaxed[B], B):
                         # even with memory to spare no plan of this count
                         # beats the best: its capped ILPs are not solved
                         bounded.append(B)
@@ -170,10 +208,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         p = _plan_for(graph, lay, cluster, opts, search, method_name)
                     if counts is not None:
                         counts.add(graph, lay, cluster, opts, search, method_name)
-                if p is not None and (best is None or p.predicted.iteration_s < best[0]):
+                if p is not None and beats(p.predicted.iteration_s, B):
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors[B] = str(e)
+                memory_binds = True
                 if isinstance(e, StageMemoryError) and e.stage is not None:
                     unfit[B] = e.with_traceback(None)     # (as in _layered)
                 # (only a power of two prunes, as before the other divisors
@@ -181,7 +220,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 # micro-batches more replicas divide, does)
                 more = [b for b in searched if b > B and b not in untraceable and _pow2(b)]
                 if opts.prune_micro_batches and _pow2(B) and (best is not None or not more):
-                    todo.clear()     # fewer micro-batches fit no better
+                    todo[:] = [b for b in todo if b > B]   # fewer micro-batches fit no better
             except TraceError as e:
                 if B == 1:
                     raise
@@ -220,14 +259,15 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # the plan must not depend on the process's history)
     if search.time_limit_hit():
         plan = replace(plan, ilp_time_limit_hit=True)
-    note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
+    examined = len(set(searched) | set(relaxed))   # (screened and pruned ones too)
+    note = (f"inter-operator search: {examined} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     if bounded:
         note += (f"; {len(bounded)} count(s) passed over, as even with memory to spare they "
                  f"plan no faster ({', '.join(map(str, sorted(bounded)))})")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
-    stats = search.stats(len(searched))
+    stats = search.stats(examined)
     rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
                                else (0, 0, 0.0))
     stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
