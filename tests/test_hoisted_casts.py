@@ -153,6 +153,7 @@ def test_where_the_copies_do_not_fit_a_recomputing_stage_casts_per_micro_batch()
     assert '"keep_casts"' not in kept.to_json()
 
 
+@pytest.mark.extended      # (about 35 s)
 def test_without_copies_a_stage_casts_in_its_own_programs_and_matches():
     m = build_model("gpt", GPT)
     state, batch = m.init(0)
@@ -203,6 +204,7 @@ def test_the_planner_holds_a_copy_once_not_per_micro_batch_in_flight(monkeypatch
                             and made[x].invars[0] in set(flat.invars))
 
 
+@pytest.mark.extended      # (about 40 s)
 def test_a_mixed_precision_stage_keeps_what_the_plan_counts():
     # the runtime replays the element-wise chains layer by layer, as the
     # planner counts them (a float32 layer-norm chain is made again from its

@@ -230,7 +230,7 @@ DEFAULT = {("flax_linen", "shard"), ("flax_nnx", "manual"), ("equinox", "shard")
 
 
 # pairs run after the default run instead (-m extended: .ci/run)
-EXTENDED = {("flax_linen", "shard"), ("equinox", "auto")}
+EXTENDED = {("flax_linen", "shard"), ("equinox", "auto"), ("penzai", "shard")}
 
 
 def _cases():

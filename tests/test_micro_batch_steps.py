@@ -252,7 +252,8 @@ def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
                  marks=pytest.mark.extended),
     # (one program recomputing its blocks, which split the next step's key
     # among their forward: runtime.remat.Replay.backward_from)
-    (meshplan.Manual(dp=4, tp=2, pp=1, remat=True), "threefry2x32", 8),
+    pytest.param(meshplan.Manual(dp=4, tp=2, pp=1, remat=True), "threefry2x32", 8,
+                 marks=pytest.mark.extended),
     pytest.param(meshplan.Manual(dp=4, tp=2, pp=1), "rbg", 8, marks=pytest.mark.extended),
     (meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=4), "rbg", 4)])
 def test_builtin_gpt_with_dropout_matches_jit(method, impl, rows):

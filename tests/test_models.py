@@ -25,7 +25,9 @@ def _gpt_formula(l: int, h: int, v: int, s: int) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
 
-@pytest.fixture(scope="module", params=BASE_MODELS)
+# (wresnet's five steps take about 50 s: after the default run)
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.extended)
+                                        if m == "wresnet" else m for m in BASE_MODELS])
 def trained(request):
     """Each base model with defaults, run for 5 jitted steps on a fixed batch."""
     model = build_model(request.param)

@@ -40,6 +40,7 @@ CASES = [
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended      # (about a minute: two jax processes)
 def test_two_processes_match_a_single_process_reference(tmp_path: pathlib.Path) -> None:
     data, cases, references = {}, [], {}
     for case in CASES:

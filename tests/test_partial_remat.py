@@ -136,6 +136,7 @@ def test_what_a_stage_keeps_falls_as_more_of_its_layers_recompute():
     assert kept[0] > kept[1] > kept[2], kept
 
 
+@pytest.mark.extended      # (about 45 s)
 def test_one_program_recomputing_its_first_layers_equals_the_undecorated_step():
     m, state, batch = _model()
     p = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(dp=4, tp=2, remat="full"))

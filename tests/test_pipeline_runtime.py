@@ -120,6 +120,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
 
 
 
+@pytest.mark.extended      # (about 35 s)
 def test_partial_sums_hold_with_one_row_per_data_shard():
     # gpt (its default sizes, batch 8) in micro-batches of 2 sequences over 2
     # data shards: the step traced at one row differs from the full trace
