@@ -57,8 +57,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
 ROWS = ["gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b", "gpt-39b"]
 KEYS = ["model", "gpus", "cli_s", "total_s", "trace_s", "rewrite_s", "retrace_s", "ilp_wait_s",
-        "ilp_work_s", "dp_s", "other_s", "searches", "micro_batch_counts", "bounded", "rewritten",
-        "retraced", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate", "plan",
+        "ilp_work_s", "dp_s", "other_s", "searches", "micro_batch_counts", "bounded", "relaxed_fit",
+        "rewritten", "retraced", "distinct_layer_ilps", "solved", "cache_hits", "hit_rate", "plan",
         "tflops_per_gpu"]
 # GPT-3 175B (Brown et al. 2020: hidden 12288, 96 layers, 96 heads, seq 2048),
 # batch 1536 and precision as Megatron-LM's rows
@@ -127,7 +127,7 @@ def run_row(name: str, check_pruning: bool, cli: bool = True) -> dict:
                dp_s=s.get("dp_s", 0.0))
     row["other_s"] = row["total_s"] - sum(row[k] for k in ("trace_s", "rewrite_s", "retrace_s",
                                                            "ilp_wait_s", "dp_s"))
-    for k in ("searches", "micro_batch_counts", "bounded", "rewritten", "retraced",
+    for k in ("searches", "micro_batch_counts", "bounded", "relaxed_fit", "rewritten", "retraced",
               "distinct_layer_ilps", "solved", "cache_hits"):
         row[k] = s.get(k, "")
     looked_up = s.get("solved", 0) + s.get("cache_hits", 0)
@@ -229,7 +229,9 @@ def write(rows: list[dict], keys: list[str], command: str, workers: int,
         "one, with every gradient reduced each micro-batch, where memory binds); the "
         "counts and seconds after it sum them.  `bounded`: micro-batch counts (among "
         "`micro batch counts`) passed over because even with memory to spare (every stage its "
-        "fastest way on its layers' uncapped plans) they plan no faster than the best so far.  "
+        "fastest way on its layers' uncapped plans) they plan no faster than the best so far; "
+        "`relaxed fit`: counts whose relaxed plan fit the memory as it was, which is then "
+        "their plan (no capped layer ILP solved).  "
         "`ilp work`: what the layer ILPs took, summed "
         "over the worker processes.  `distinct layer ilps`: the problems the search needed "
         "(identical blocks count once); `hit rate`: layer costs found in the cache over all "

@@ -95,10 +95,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
     # The most micro-batches first: fewer, larger micro-batches need more
     # memory, so once a count fits nothing after one that did, fewer are not
-    # tried (prune_micro_batches).  Where counts are bounded, each queued
-    # count is first screened (its relaxed figure, below) and the full
-    # searches then go from the least relaxed figure up: the best plan comes
-    # early and passes over more of the rest.
+    # tried (prune_micro_batches).
     todo = sorted(mbs, reverse=True)
     searched: list[int] = []
     untraceable: set[int] = set()
@@ -111,9 +108,10 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         else None
     # A count is searched in full only where its relaxed search (every stage
     # fitting its fastest way) beats the best plan so far (explain keeps
-    # every count, in order: its per-stage-count table reads them all)
+    # every count: its per-stage-count table reads them all)
     bounding = opts.prune_micro_batches and counts is None and len(mbs) > 1
     bounded: list[int] = []
+    relaxed_fit: list[int] = []     # counts whose relaxed plan fits: not searched again
     # (a meshplan.trace.rescale.Rescaling logs which counts it rewrote)
     rescaling = getattr(retrace, "__wrapped__", retrace)
     logged = len(getattr(rescaling, "log", ()))
@@ -145,44 +143,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         return layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B),
                               session.analyses)
 
-    def screen(queued: list[int]) -> None:
-        # each queued count's relaxed figure (its layers' uncapped ILPs and
-        # the stage DP without memory), so the full searches go best first
-        for n, B in enumerate(list(queued)):
-            if B in relaxed or B not in queued:
-                continue
-            with session.progress.step(f"pipeline search with {B} micro-batch(es) "
-                                       f"(uncapped layer ILPs and relaxed stage DP)"):
-                lay = ahead.pop(B) if B in ahead else layered(B)
-                if isinstance(lay, TraceError):
-                    relaxed[B] = math.inf       # (the full search names why)
-                    continue
-                pending = search.submit(lay.requests())
-                later = [b for b in queued[n + 1:] if b not in relaxed]
-                if pending is not None and later and later[0] not in ahead:
-                    # trace the next count while the workers solve this one's ILPs
-                    ahead[later[0]] = layered(later[0])
-                search.collect(pending)
-                relaxed[B] = _relaxed_s(lay, cluster, opts, search)
-            if relaxed[B] == math.inf and _pow2(B):
-                # no plan even with memory to spare: fewer, larger
-                # micro-batches need more (as prune_micro_batches below)
-                queued[:] = [b for b in queued if b >= B]
-
-    def beats(t: float, B: int) -> bool:
-        # (ties go to the most micro-batches, whatever the order searched)
-        return best is None or (t, -B) < (best[0], -best[1].num_micro_batches)
-
-    relaxed: dict[int, float] = {}
-    memory_binds = False
     try:
         while todo:
-            if bounding:
-                if any(b not in relaxed for b in todo):
-                    screen(todo)
-                # (once a count fits nothing, the most micro-batches first
-                # again: they need the least memory, and prune the rest)
-                todo.sort(key=(lambda b: -b) if memory_binds else (lambda b: (relaxed[b], -b)))
             B = todo.pop(0)
             searched.append(B)
             try:
@@ -197,22 +159,28 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                         ahead[todo[0]] = layered(todo[0])
                     search.collect(pending)
                     p = None
-                    # (a count with no relaxed plan has none at all: searched
-                    # while nothing has a plan, its error names why and
-                    # prunes as any count that fits nothing)
-                    if bounding and best is not None and not beats(relaxed[B], B):
+                    # (a count with no relaxed plan has none at all: searched,
+                    # its error names why and prunes as any count that fits
+                    # nothing)
+                    bound, fitting = _relaxed(graph, lay, cluster, opts, search, method_name) \
+                        if bounding else (math.inf, None)
+                    if best is not None and best[0] <= bound < math.inf:
                         # even with memory to spare no plan of this count
                         # beats the best: its capped ILPs are not solved
                         bounded.append(B)
+                    elif fitting is not None:
+                        # its relaxed plan fits as it is: no plan of the
+                        # count is faster, nor needs its capped ILPs
+                        p = fitting
+                        relaxed_fit.append(B)
                     else:
                         p = _plan_for(graph, lay, cluster, opts, search, method_name)
                     if counts is not None:
                         counts.add(graph, lay, cluster, opts, search, method_name)
-                if p is not None and beats(p.predicted.iteration_s, B):
+                if p is not None and (best is None or p.predicted.iteration_s < best[0]):
                     best = (p.predicted.iteration_s, p)
             except InfeasiblePlanError as e:
                 errors[B] = str(e)
-                memory_binds = True
                 if isinstance(e, StageMemoryError) and e.stage is not None:
                     unfit[B] = e.with_traceback(None)     # (as in _layered)
                 # (only a power of two prunes, as before the other divisors
@@ -220,7 +188,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 # micro-batches more replicas divide, does)
                 more = [b for b in searched if b > B and b not in untraceable and _pow2(b)]
                 if opts.prune_micro_batches and _pow2(B) and (best is not None or not more):
-                    todo[:] = [b for b in todo if b > B]   # fewer micro-batches fit no better
+                    todo.clear()     # fewer micro-batches fit no better
             except TraceError as e:
                 if B == 1:
                     raise
@@ -259,19 +227,21 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # the plan must not depend on the process's history)
     if search.time_limit_hit():
         plan = replace(plan, ilp_time_limit_hit=True)
-    examined = len(set(searched) | set(relaxed))   # (screened and pruned ones too)
-    note = (f"inter-operator search: {examined} micro-batch count(s), {len(search.used)} distinct "
+    note = (f"inter-operator search: {len(searched)} micro-batch count(s), {len(search.used)} distinct "
             f"layer ILPs")
     if bounded:
         note += (f"; {len(bounded)} count(s) passed over, as even with memory to spare they "
                  f"plan no faster ({', '.join(map(str, sorted(bounded)))})")
+    if relaxed_fit:
+        note += (f"; {len(relaxed_fit)} count(s) planned by the relaxed search alone, its plan "
+                 f"fitting as it was ({', '.join(map(str, sorted(relaxed_fit)))})")
     session.progress.note(f"{search.solves} layer ILPs solved, {search.hits} layer costs "
                           "from the cache")
-    stats = search.stats(examined)
+    stats = search.stats(len(searched))
     rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
                                else (0, 0, 0.0))
     stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
-                    rewrite_s=rewrite_s, bounded=len(bounded))
+                    rewrite_s=rewrite_s, bounded=len(bounded), relaxed_fit=len(relaxed_fit))
     if counts is not None:
         stats = replace(stats, stage_counts=counts.bests())
     return replace(plan, notes=plan.notes + (note,)), stats
@@ -367,19 +337,28 @@ def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
     return "; ".join(hints)
 
 
-def _relaxed_s(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
-               solver: LayerSolver) -> float:
+def _relaxed(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
+             solver: LayerSolver, method: str) -> tuple[float, Plan | None]:
     """The iteration time of ``lay``'s count if memory bound no stage (its
-    layers' uncapped plans, no recomputation needed).  A cap or recomputation
-    only slows a layer down, so no plan of the count should be faster; what a
-    stage hides under compute and the gradients it sums are not monotone in
-    its layers' plans, so that is checked (``tests/test_count_bound.py`` per
-    count on random cases; ``benchmarks/planning_time.py --check-pruning``
-    against the exhaustive search), not proven."""
+    layers' uncapped plans, no recomputation needed), and that pipeline's
+    plan where every stage of it fits all the same (else None).  A cap or
+    recomputation only slows a layer down, so no plan of the count should be
+    faster; what a stage hides under compute and the gradients it sums are
+    not monotone in its layers' plans, so that is checked
+    (``tests/test_count_bound.py`` per count on random cases;
+    ``benchmarks/planning_time.py --check-pruning`` against the exhaustive
+    search), not proven."""
     try:
-        return best_pipeline(lay, cluster, opts, solver, relaxed=True)[0].total_s
+        choice, costs = best_pipeline(lay, cluster, opts, solver, relaxed=True)
     except InfeasiblePlanError:
-        return math.inf
+        return math.inf, None
+    # (interleaved chunks are checked together, not stage by stage: not taken)
+    st = choice.dp.stages
+    fits = choice.chunks == 1 and all(
+        choice.options[x.first, x.last, x.submesh, len(st) - k].memory_bytes <= costs.lay.budget
+        for k, x in enumerate(st))
+    return choice.total_s, (pipeline_plan(full, costs.lay, choice, costs, cluster, method)
+                            if fits else None)
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

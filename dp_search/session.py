@@ -127,12 +127,13 @@ class SearchStats:
     stage_counts: tuple[StageCountBest, ...] = ()
     searches: int = 1              # inter-operator searches these figures sum
     bounded: int = 0               # counts whose relaxed search beat no plan: not searched in full
+    relaxed_fit: int = 0           # counts whose relaxed plan fit as it was: not searched in full
 
     def plus(self, other: SearchStats) -> SearchStats:
         """These figures and ``other``'s (a second search of the same step,
         meshplan.planning) summed; the rest stays this search's."""
         summed = ("micro_batch_counts", "distinct_layer_ilps", "solved", "cache_hits",
                   "trace_s", "rewritten", "retraced", "rewrite_s", "ilp_s", "ilp_work_s",
-                  "dp_s", "searches", "bounded")
+                  "dp_s", "searches", "bounded", "relaxed_fit")
         return dataclasses.replace(self, **{f: getattr(self, f) + getattr(other, f)
                                             for f in summed})

@@ -66,3 +66,30 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
     assert pruned.predicted.iteration_s == full.predicted.iteration_s
     assert (pruned.num_micro_batches, len(pruned.stages)) == \
         (full.num_micro_batches, len(full.stages))
+
+
+def test_a_count_whose_relaxed_plan_fits_takes_it_as_the_full_search_would():
+    # a small gpt on eight 80 GB GPUs: memory binds nothing, so the relaxed
+    # search's plan fits as it is and no capped layer ILP is needed for it
+    import json
+    import pathlib
+    from meshplan.models import build_model
+    m = build_model("gpt", {"layers": "2", "hidden": "64", "seq_len": "16", "vocab": "64",
+                            "batch": "16", "optimizer": "sgd"})
+    cluster = meshplan.load_cluster(pathlib.Path(__file__).resolve().parents[1] /
+                                    "examples/clusters/dgx-a100-x1.json")
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    (pruned, stats), (full, _) = (search_pipeline(
+        graph, cluster, dataclasses.replace(opts, prune_micro_batches=prune),
+        method_name="auto", retrace=rt, session=session) for prune in (True, False))
+    assert stats.relaxed_fit >= 1
+    assert any("planned by the relaxed search alone" in n for n in pruned.notes)
+
+    def body(p):        # (the notes name what each search did)
+        d = json.loads(p.to_json())
+        d.pop("notes")
+        return d
+    assert body(pruned) == body(full)
