@@ -107,8 +107,9 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     counts = _StageCounts() if by_stage_count and opts.num_stages is None and not opts.fixed \
         else None
     # A count is searched in full only where its relaxed search (every stage
-    # fitting its fastest way) beats the best plan so far (explain keeps
-    # every count: its per-stage-count table reads them all)
+    # fitting its fastest way) beats the best plan so far and its relaxed
+    # plan does not fit as it is (explain keeps every count: its
+    # per-stage-count table reads them all)
     bounding = opts.prune_micro_batches and counts is None and len(mbs) > 1
     bounded: list[int] = []
     relaxed_fit: list[int] = []     # counts whose relaxed plan fits: not searched again

@@ -4,11 +4,14 @@ nothing) already plans no faster than the best so far.  That is exact only
 if the relaxed figure never exceeds the count's own best: checked here per
 count on random small models and clusters (the generator of
 ``test_auto_contains_manual``), and the pruned search against the
-exhaustive one."""
+exhaustive one.  Where the relaxed plan fits the memory as it is, it is the
+count's plan: checked against the exhaustive search too."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 import random
 
 import pytest
@@ -22,6 +25,7 @@ from meshplan.dp_search.solver import LayerSolver
 from meshplan.dp_search.stages import best_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import batch_dims_between
+from meshplan.models import build_model
 from meshplan.trace import trace
 from test_auto_contains_manual import random_cluster, random_model
 
@@ -71,9 +75,6 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
 def test_a_count_whose_relaxed_plan_fits_takes_it_as_the_full_search_would():
     # a small gpt on eight 80 GB GPUs: memory binds nothing, so the relaxed
     # search's plan fits as it is and no capped layer ILP is needed for it
-    import json
-    import pathlib
-    from meshplan.models import build_model
     m = build_model("gpt", {"layers": "2", "hidden": "64", "seq_len": "16", "vocab": "64",
                             "batch": "16", "optimizer": "sgd"})
     cluster = meshplan.load_cluster(pathlib.Path(__file__).resolve().parents[1] /
