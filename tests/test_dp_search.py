@@ -549,6 +549,7 @@ def test_more_stages_than_repeated_blocks_cuts_finer_layers():
     assert len(p.stages) == 8
 
 
+@pytest.mark.extended      # (about 30 s)
 def test_a_schedule_searched_after_interleaved_is_costed():
     # (the interleaved branch once rebound the send-cost helper to a float, so
     # any schedule searched after it raised TypeError)

@@ -133,6 +133,7 @@ def test_capped_layer_plans_solved_in_the_workers_give_the_same_plan(monkeypatch
     assert any(t > 1 and n >= 2 for t, n in capped), capped
 
 
+@pytest.mark.extended      # (about 30 s)
 def test_layers_solved_again_for_their_stage_in_the_workers_give_the_same_plan(monkeypatch):
     """The layers a searched stage solves again with their boundary layouts
     pinned to its later layers' (StageCosts.member) are solved side by side

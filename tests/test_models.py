@@ -179,6 +179,7 @@ def test_model_names_and_presets():
         assert base in MODEL_DEFAULTS and set(overrides) <= set(MODEL_DEFAULTS[base])
 
 
+@pytest.mark.extended      # (about 25 s)
 def test_scan_layers_matches_unrolled_layers():
     unrolled = build_model("gpt")
     scanned = build_model("gpt", {"scan_layers": True})

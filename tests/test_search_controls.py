@@ -44,6 +44,7 @@ def test_within_host_keeps_only_the_first_axis_across_hosts():
     assert within_host(meshes, 1, 16) == meshes          # one host: nothing crosses
 
 
+@pytest.mark.extended      # (about 20 s)
 def test_tp_within_host_plans_no_axis_but_data_across_hosts():
     m = build_model("mlp", {})
     mlp = (m.train_step, tuple(m.abstract_args))

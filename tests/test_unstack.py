@@ -31,6 +31,7 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+@pytest.mark.extended      # (about 25 s)
 def test_gpt_scan_is_unrolled_per_layer_and_computes_the_same_step():
     m = build_model("gpt", GPT)          # Adam: moments are stacked too
     state, batch = m.init(0)
