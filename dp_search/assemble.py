@@ -122,8 +122,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     recomputed = 0.0     # FLOPs run again by recomputing stages
     peak_mem = 0
     comm_bytes = 0.0
-    for k, (st, devices) in enumerate(zip(res.stages, placements)):
-        opt = choice.options[st.first, st.last, st.submesh, n_stages - k]
+    for k, (st, devices, opt) in enumerate(zip(res.stages, placements, choice.chosen())):
         remat, mem, mesh_k = opt.remat, opt.memory_bytes, opt.mesh
         if opt.recompute == SELECTIVE:
             recomputed += B * sum(lay.selective_flops[st.first:st.last + 1])
@@ -184,9 +183,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
     if choice.chunks > 1:       # a device group holds all its chunks
-        opts = [choice.options[st.first, st.last, st.submesh, n_stages - k]
-                for k, st in enumerate(res.stages)]
-        peak_mem = int(max(group_memory(opts, p)))
+        peak_mem = int(max(group_memory(choice.chosen(), p)))
     per_s = 1 / (cluster.num_devices * total * 1e12) if total > 0 else 0.0
     tflops = full.total_flops * per_s
     return Plan(graph_fingerprint=full.fingerprint, cluster=cluster, method=method,

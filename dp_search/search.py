@@ -25,7 +25,7 @@ from .options import PipelineOptions
 from .problem import LayerProblems, layer_problems
 from .session import SearchStats, Session, StageCountBest
 from .solver import LayerSolver
-from .stages import StageMemoryError, best_pipeline
+from .stages import PipelineChoice, StageCosts, StageMemoryError, best_pipeline
 
 
 def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
@@ -163,7 +163,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                     # (a count with no relaxed plan has none at all: searched,
                     # its error names why and prunes as any count that fits
                     # nothing)
-                    bound, fitting = _relaxed(graph, lay, cluster, opts, search, method_name) \
+                    bound, fitting = _relaxed(lay, cluster, opts, search) \
                         if bounding else (math.inf, None)
                     if best is not None and best[0] <= bound < math.inf:
                         # even with memory to spare no plan of this count
@@ -172,7 +172,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                     elif fitting is not None:
                         # its relaxed plan fits as it is: no plan of the
                         # count is faster, nor needs its capped ILPs
-                        p = fitting
+                        p = pipeline_plan(graph, fitting[1].lay, *fitting, cluster, method_name)
                         relaxed_fit.append(B)
                     else:
                         p = _plan_for(graph, lay, cluster, opts, search, method_name)
@@ -338,11 +338,12 @@ def _what_to_change(opts: PipelineOptions, err: StageMemoryError | None) -> str:
     return "; ".join(hints)
 
 
-def _relaxed(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
-             solver: LayerSolver, method: str) -> tuple[float, Plan | None]:
+def _relaxed(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
+             solver: LayerSolver) -> tuple[float, tuple[PipelineChoice, StageCosts] | None]:
     """The iteration time of ``lay``'s count if memory bound no stage (its
-    layers' uncapped plans, no recomputation needed), and that pipeline's
-    plan where every stage of it fits all the same (else None).  A cap or
+    layers' uncapped plans, no recomputation needed), and that pipeline with
+    the costs it was priced with where every stage of it fits all the same
+    (else None).  A cap or
     recomputation only slows a layer down, so no plan of the count should be
     faster; what a stage hides under compute and the gradients it sums are
     not monotone in its layers' plans, so that is checked
@@ -354,12 +355,8 @@ def _relaxed(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: Pipeli
     except InfeasiblePlanError:
         return math.inf, None
     # (interleaved chunks are checked together, not stage by stage: not taken)
-    st = choice.dp.stages
-    fits = choice.chunks == 1 and all(
-        choice.options[x.first, x.last, x.submesh, len(st) - k].memory_bytes <= costs.lay.budget
-        for k, x in enumerate(st))
-    return choice.total_s, (pipeline_plan(full, costs.lay, choice, costs, cluster, method)
-                            if fits else None)
+    fits = choice.chunks == 1 and all(o.memory_bytes <= costs.lay.budget for o in choice.chosen())
+    return choice.total_s, ((choice, costs) if fits else None)
 
 
 def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,

@@ -249,6 +249,13 @@ class PipelineChoice:
     options: dict[tuple[int, int, int, int], StageOption]
     chunks: int = 1     # virtual stages per device group (interleaved: .interleave)
 
+    def chosen(self) -> list[StageOption]:
+        """The option of each stage of ``dp``, first to last (``options``
+        holds every one the DP priced)."""
+        n = len(self.dp.stages)
+        return [self.options[st.first, st.last, st.submesh, n - k]
+                for k, st in enumerate(self.dp.stages)]
+
 
 # Alone, the fastest plan of a layer may keep its weights replicated (or
 # their 16-bit copies gathered), which a stage of many layers cannot afford
