@@ -53,15 +53,30 @@ __all__ = ("Wiring", "wire", "StepRun", "Watcher", "timeline_blocks",)
 # ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class TaskWiring:
+    """Where a micro-batch program's inputs come from and its outputs go,
+    worked out once so that the loop does not ask again per micro-batch
+    (one process: the multi-host loop fetches input by input)."""
+    params: tuple[tuple[int, int], ...]     # (position, argument leaf): the same every micro-batch
+    batch: tuple[tuple[int, int], ...]      # (position, batch leaf): its micro-batch's piece
+    # (position, id, how many reads it takes, made on another stage, [remat] kept)
+    values: tuple[tuple[int, int, int, bool, bool], ...]
+    outputs: tuple[tuple[Any, int], ...]    # (crossing: LAST / CONCAT / None, readers) per output
+    opens: bool                             # a micro-batch's activations begin to live on its stage
+    closes: bool                            # ... and are freed
+
+
+@dataclasses.dataclass(frozen=True)
 class Wiring:
     order: tuple[tuple[str, int, int], ...]       # (kind, stage, micro-batch) to dispatch
     update_order: tuple[tuple, ...]               # update task keys by (level, stage)
     consumers: dict[int, list[tuple]]             # C id -> C task keys reading it (one micro-batch)
     leaf_readers: dict[int, tuple[int, ...]]      # argument leaf -> the stages reading it
     keep: tuple[frozenset[int], ...]              # [remat] per stage, see the module doc
+    tasks: dict[tuple[str, int], TaskWiring]      # per F / B / W program
 
 
-def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int,
+def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int, batch_leaves: Sequence[bool],
          groups: Sequence[int] | None = None) -> Wiring:
     order = dispatch_order(split, schedule, m, groups)
     update_order = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
@@ -88,8 +103,27 @@ def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int,
         if f is not None and b is not None and b.replay:
             kept = frozenset(x for x in f.inputs if x in set(b.inputs) and x not in leaf_ids)
         keep.append(kept)
+    batch = {i for i, b in zip(flat.invars, batch_leaves) if b}
+    tasks = {key[:2]: _task_wiring(split, key, leaf_ids, batch, consumers, keep[key[1]])
+             for key in split.tasks if key[0] in ("F", "B", "W")}
     return Wiring(tuple(order), tuple(update_order), dict(consumers),
-                  {i: tuple(sorted(v)) for i, v in readers.items()}, tuple(keep))
+                  {i: tuple(sorted(v)) for i, v in readers.items()}, tuple(keep), tasks)
+
+
+def _task_wiring(split: StepSplit, key: tuple, leaf_ids: set[int], batch: set[int],
+                 consumers: dict[int, list[tuple]], keep: frozenset[int]) -> TaskWiring:
+    kind, s = key[0], key[1]
+    t = split.tasks[key]
+    params, rows, values = [], [], []
+    for pos, x in enumerate(t.inputs):
+        if x in leaf_ids:
+            (rows if x in batch else params).append((pos, x))
+        else:
+            kept = x in keep
+            values.append((pos, x, 2 if kept else 1, split.producer[x][1] != s, kept))
+    outputs = tuple((split.crossing.get(x), len(consumers.get(x, ()))) for x in t.outputs)
+    closes = ("F", s) in split.tasks and kind == ("W" if ("W", s) in split.tasks else "B")
+    return TaskWiring(tuple(params), tuple(rows), tuple(values), outputs, kind == "F", closes)
 
 
 # ---------------------------------------------------------------------------
@@ -110,6 +144,7 @@ class StepRun:
         self.given = dict(zip(self.flat.invars, leaves))
         self.placed: dict[tuple[int, int], Any] = {}        # (arg id, stage) -> array there
         self.mb_cache: dict[tuple[int, int], list[Any]] = {}
+        self.params_in: dict[tuple[str, int], list[Any]] = {}   # (kind, stage) -> inputs, params set
         # [multi-host] the global batch and arguments of remote stages, moved
         # up front and in the same order in every process
         self.leaf_of = self.given if self.xp is None else self.tr.arguments(self.given, self.placed)
@@ -225,34 +260,62 @@ class StepRun:
     def _run_task(self, kind: str, s: int, i: int) -> None:
         prog = self.ex.programs[(kind, s)]
         task = prog.task
-        ins = [self._fetch(x, s, i, kind) for x in task.inputs]
-        if not self.local[s]:       # [multi-host] another process runs it
-            return
+        tw = self.w.tasks[(kind, s)]
+        if self.xp is None:
+            ins = self._inputs(kind, s, i, tw)
+        else:
+            ins = [self._fetch(x, s, i, kind) for x in task.inputs]
+            if not self.local[s]:       # [multi-host] another process runs it
+                return
         acc_in = [self.accs[s][x] for x in task.accumulate] if self.m > 1 else []
         t0 = time.perf_counter()
         plain, new = self.ex._call(prog, ins, acc_in, i)
         t1 = time.perf_counter()
         del ins, acc_in
-        for x, v in zip(task.accumulate, new):
-            self.accs[s][x] = v
-        for x, v in zip(task.outputs, plain):
-            c = self.split.crossing.get(x)
+        if new:
+            accs = self.accs[s]
+            for x, v in zip(task.accumulate, new):
+                accs[x] = v
+        vals, remaining = self.vals[i], self.remaining[i]
+        for x, v, (c, uses) in zip(task.outputs, plain, tw.outputs):
             if c == LAST:
                 self.last[x] = v
             elif c == CONCAT:
                 self.concat[x].append(v)
-            uses = len(self.w.consumers.get(x, ()))
             if uses:
-                self.vals[i][x] = v
-                self.remaining[i][x] = uses
-        if kind == "F":
+                vals[x] = v
+                remaining[x] = uses
+        if tw.opens:
             self.in_flight[s] += 1
             self.max_in_flight[s] = max(self.max_in_flight[s], self.in_flight[s])
-        elif ("F", s) in self.split.tasks and \
-                kind == ("W" if ("W", s) in self.split.tasks else "B"):
-            # (zb-h1: a micro-batch's activations live until its W)
+        elif tw.closes:     # (zb-h1: a micro-batch's activations live until its W)
             self.in_flight[s] -= 1
         self._note(s, i, kind, t0, t1, plain + new)
+
+    def _inputs(self, kind: str, s: int, i: int, tw: TaskWiring) -> list[Any]:
+        """[one process] the inputs of program ``(kind, s)`` on micro-batch
+        ``i``: the stage's arguments placed once a step, the micro-batch's
+        rows, and the values other programs made, sent where made on
+        another stage (what :meth:`_fetch` does input by input)."""
+        ins = self.params_in.get((kind, s))
+        if ins is None:
+            ins = self.params_in[(kind, s)] = [None] * len(self.ex.programs[(kind, s)].task.inputs)
+            for pos, x in tw.params:
+                ins[pos] = self._arg_on(x, s, 0)
+        ins = ins.copy()
+        for pos, x in tw.batch:
+            ins[pos] = self._arg_on(x, s, i)
+        for pos, x, n, other, kept in tw.values:
+            if kept and kind == "B":
+                ins[pos] = self.kept.pop((i, x, s))
+                continue
+            v = self._take(x, i, n)
+            if other:
+                v = self.tr.send(v, x, s)
+            if kept:
+                self.kept[(i, x, s)] = v
+            ins[pos] = v
+        return ins
 
     def _note(self, s: int, i: int, kind: str, t0: float, t1: float, outs: list[Any]) -> None:
         self.events.append((s, i, kind, t0, t1))

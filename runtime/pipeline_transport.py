@@ -73,6 +73,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from meshplan.errors import RuntimeStageError
 from meshplan.traced import TracedStep
 
+from .host_put import HostPut
 from .multihost import is_global_array, is_local_batch_leaf, to_host
 from .pipeline_programs import StageLayouts
 from .pipeline_split import CONCAT, StepSplit
@@ -108,6 +109,8 @@ class Transfers:
         self.cross = SendOnce()
         self._in_place: dict[tuple[int, int], Any] = {}  # (leaf, stage) -> sharding found in place
         self._cutters: dict[tuple, Any] = {}    # shardings -> :meth:`_cutter`'s program
+        self.host_put = HostPut()
+        self._stacks: dict[NamedSharding, NamedSharding] = {}
         # the batch leaves each stage reads
         self._batch_on = [sorted(i for i in layouts.is_batch if s in leaf_readers.get(i, ()))
                           for s in range(len(self.meshes))]
@@ -149,21 +152,29 @@ class Transfers:
             else:
                 host.append((j, np.asarray(x), sh))
         if host and m == 1:
-            for (j, _, _), v in zip(host, jax.device_put([x for _, x, _ in host],
-                                                         [sh for _, _, sh in host])):
+            for (j, _, _), v in zip(host, self.host_put([x for _, x, _ in host],
+                                                        [sh for _, _, sh in host])):
                 out[j] = [v]
         elif host:
             # each leaf crosses whole as (m, mb, ...), one put for all, and one
             # program cuts the micro-batches on the devices: a put per piece
             # costs the driver about as much as the whole leaf's
-            stacked = jax.device_put(
+            stacked = self.host_put(
                 [x.reshape((m, mb) + x.shape[1:]) for _, x, _ in host],
-                [NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec),
-                               memory_kind=sh.memory_kind) for _, _, sh in host])
+                [self._stacked(sh) for _, _, sh in host])
             pieces = self._cutter(tuple(sh for _, _, sh in host))(*stacked)
             for k, (j, _, _) in enumerate(host):
                 out[j] = list(pieces[k * m:(k + 1) * m])
         return out
+
+    def _stacked(self, sh: NamedSharding) -> NamedSharding:
+        """``sh`` with a leading unsplit axis: a leaf stacked as (m, mb, ...)
+        (the same object call after call: the put's layouts are keyed by it)."""
+        got = self._stacks.get(sh)
+        if got is None:
+            got = self._stacks[sh] = NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec),
+                                                   memory_kind=sh.memory_kind)
+        return got
 
     def _cutter(self, shardings: tuple[NamedSharding, ...]) -> Any:
         """A jitted function taking leaves stacked as (m, mb, ...) to their

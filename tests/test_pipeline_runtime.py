@@ -619,12 +619,13 @@ def test_a_host_batch_crosses_to_a_stage_in_one_put(monkeypatch):
     ex = step._fast[1]
     tr = ex.transfers
     puts = []
-    real = pipeline_transport.jax.device_put
+    real = tr.host_put
 
-    def counting(x, *a, **kw):
-        puts.append(x)
-        return real(x, *a, **kw)
-    monkeypatch.setattr(pipeline_transport.jax, "device_put", counting)
+    def counting(xs, shardings):
+        puts.append(xs)
+        return real(xs, shardings)
+    monkeypatch.setattr(tr, "host_put", counting)
+    monkeypatch.setattr(pipeline_transport.jax, "device_put", None)   # (not called)
     leaf_of = dict(zip(ex.flat.invars, jax.tree_util.tree_leaves((state, batch))))
     readers = [(s, ids) for s, ids in enumerate(tr._batch_on) if ids]
     assert readers
