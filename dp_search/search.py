@@ -343,11 +343,10 @@ def _relaxed(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOptions,
     """The iteration time of ``lay``'s count if memory bound no stage (its
     layers' uncapped plans, no recomputation needed), and that pipeline with
     the costs it was priced with where every stage of it fits all the same
-    (else None).  A cap or
-    recomputation only slows a layer down, so no plan of the count should be
-    faster; what a stage hides under compute and the gradients it sums are
-    not monotone in its layers' plans, so that is checked
-    (``tests/test_count_bound.py`` per count on random cases;
+    (else None).  A cap or recomputation only slows a layer down, so no plan
+    of the count should be faster; what a stage hides under compute and the
+    gradients it sums are not monotone in its layers' plans, so that is
+    checked (``tests/test_count_bound.py`` per count on random cases;
     ``benchmarks/planning_time.py --check-pruning`` against the exhaustive
     search), not proven."""
     try:

@@ -253,7 +253,7 @@ class PipelineExecutable:
                     "averaged over micro-batches and normalisation uses micro-batch statistics, "
                     "which differs from the undecorated step", stacklevel=3)
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
-        self.wiring = wire(split, flat, self.schedule, m, traced.batch_leaves, self.groups)
+        self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated
         if xp is not None:
             self.donated = frozenset()

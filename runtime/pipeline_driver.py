@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Sequence
 
 import jax
 
@@ -76,8 +76,10 @@ class Wiring:
     tasks: dict[tuple[str, int], TaskWiring]      # per F / B / W program
 
 
-def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int, batch_leaves: Sequence[bool],
+def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int, is_batch: AbstractSet[int],
          groups: Sequence[int] | None = None) -> Wiring:
+    """The loop's wiring; ``is_batch``: the batch argument leaves
+    (``StageLayouts.is_batch``: a micro-batch reads its own rows of them)."""
     order = dispatch_order(split, schedule, m, groups)
     update_order = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
     consumers: dict[int, list[tuple]] = defaultdict(list)
@@ -103,14 +105,13 @@ def wire(split: StepSplit, flat: FlatJaxpr, schedule: str, m: int, batch_leaves:
         if f is not None and b is not None and b.replay:
             kept = frozenset(x for x in f.inputs if x in set(b.inputs) and x not in leaf_ids)
         keep.append(kept)
-    batch = {i for i, b in zip(flat.invars, batch_leaves) if b}
-    tasks = {key[:2]: _task_wiring(split, key, leaf_ids, batch, consumers, keep[key[1]])
+    tasks = {key[:2]: _task_wiring(split, key, leaf_ids, is_batch, consumers, keep[key[1]])
              for key in split.tasks if key[0] in ("F", "B", "W")}
     return Wiring(tuple(order), tuple(update_order), dict(consumers),
                   {i: tuple(sorted(v)) for i, v in readers.items()}, tuple(keep), tasks)
 
 
-def _task_wiring(split: StepSplit, key: tuple, leaf_ids: set[int], batch: set[int],
+def _task_wiring(split: StepSplit, key: tuple, leaf_ids: set[int], batch: AbstractSet[int],
                  consumers: dict[int, list[tuple]], keep: frozenset[int]) -> TaskWiring:
     kind, s = key[0], key[1]
     t = split.tasks[key]
