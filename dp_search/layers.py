@@ -254,7 +254,7 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
     L = len(cuts) + 1
     layer = [-1] * len(graph.nodes)
     # sums of several uses' contributions to a gradient (meshplan.contributions)
-    sums = summing_adds(graph_ops(graph), GRAD_BOUNDARY)
+    sums = summing_adds(graph_ops(graph), GRAD_BOUNDARY, graph.consumers)
     cur, ci = 0, 0
     for k, nid in enumerate(fwd_ids):
         layer[nid] = cur
@@ -516,7 +516,7 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     index = {i.tensor: k for k, i in enumerate(inputs)}
     outputs: list[GraphOutput] = []
     consumers = graph.consumers
-    graph_out = {o.tensor: o for o in graph.outputs}
+    graph_out = graph.output_of_tensor
     for n in keep:
         for t in n.outputs:
             if t in graph_out:
@@ -525,7 +525,7 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
                 if o.updates is not None:
                     upd = index.get(graph.inputs[o.updates].tensor)
                 outputs.append(GraphOutput(t, o.path, upd))
-            elif n.id not in const and any(c not in keep_ids for c in consumers.get(t, ())):
+            elif n.id not in const and not keep_ids.issuperset(consumers.get(t, ())):
                 # (a constant-only value is recomputed by the layers reading
                 # it: it never leaves the layer)
                 outputs.append(GraphOutput(t, f"t{t}", None))
@@ -678,8 +678,9 @@ def structural_hash(graph: Graph) -> str:
     ts = graph.tensors
     ins = [(r[i.tensor], ts[i.tensor].shape, ts[i.tensor].dtype,
             i.role if i.role != BOUNDARY else "b", i.batch_dim) for i in graph.inputs]
-    nodes = [(n.primitive, tuple(r[t] for t in n.inputs), tuple(r[t] for t in n.outputs),
-              tuple((ts[t].shape, ts[t].dtype) for t in n.outputs),
+    num = r.__getitem__
+    nodes = [(n.primitive, tuple(map(num, n.inputs)), tuple(map(num, n.outputs)),
+              tuple([(ts[t].shape, ts[t].dtype) for t in n.outputs]),
               _structure_params(n))
              for n in graph.nodes]
     outs = [(r[o.tensor], o.updates is not None) for o in graph.outputs]

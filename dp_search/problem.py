@@ -319,5 +319,6 @@ def _gradients(g: Graph, layering: Layering) -> frozenset[int]:
     to one gradient, which the runtime sums once a step
     (:mod:`meshplan.contributions`)."""
     marked = frozenset(t for n in g.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
-    _, contributions = once_a_step(graph_ops(g), layering.layer_of_node, GRAD_BOUNDARY)
+    _, contributions = once_a_step(graph_ops(g), layering.layer_of_node, GRAD_BOUNDARY,
+                                  g.consumers)
     return marked | contributions

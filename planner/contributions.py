@@ -22,7 +22,7 @@ plan charges once a step is what runs once a step.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .graph import Graph
 
@@ -36,7 +36,8 @@ def graph_ops(graph: Graph) -> list[Op]:
     return [(n.primitive, n.inputs, n.outputs) for n in graph.nodes]
 
 
-def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str
+def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str,
+                readers: Mapping[int, Sequence[int]] | None = None
                 ) -> tuple[frozenset[int], frozenset[int]]:
     """The ``add_any`` operators that sum a gradient (what a ``marker``
     operator reads) from contributions made in more than one layer, and the
@@ -45,9 +46,11 @@ def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str
     An ``add_any`` qualifies when every reader of its result is the marker or
     another qualifying ``add_any``; a tree of them ending at the marker is
     moved as a whole, when its operands (the contributions) are each made by
-    an operator and those operators lie in at least two layers."""
+    an operator and those operators lie in at least two layers.  ``readers``:
+    value id -> the operators reading it (a Graph's ``consumers``), when the
+    caller has it already."""
     made_by = {o: k for k, (_, _, outs) in enumerate(ops) for o in outs}
-    readers = _readers(ops)
+    readers = _readers(ops) if readers is None else readers
     summing = summing_adds(ops, marker, readers)
     moved: set[int] = set()
     leaves: set[int] = set()
@@ -73,7 +76,7 @@ def once_a_step(ops: Sequence[Op], layer_of: Sequence[int], marker: str
 
 
 def summing_adds(ops: Sequence[Op], marker: str,
-                 readers: dict[int, list[int]] | None = None) -> frozenset[int]:
+                 readers: Mapping[int, Sequence[int]] | None = None) -> frozenset[int]:
     """The ``add_any`` operators whose result only the ``marker`` or other
     such adds read: sums of contributions to a gradient.  ``readers``: value
     id -> the operators reading it, when the caller has it already."""

@@ -60,7 +60,7 @@ def _batch_dims(node) -> bool:
 def _batch_dependent(graph: Graph) -> set[int]:
     dep = {i.tensor for i in graph.inputs if i.role == BATCH}
     for n in graph.nodes:
-        if any(t in dep for t in n.inputs):
+        if not dep.isdisjoint(n.inputs):
             dep.update(n.outputs)
     return dep
 

@@ -687,7 +687,7 @@ def _rewrite(graph: Graph, dims: BatchDims, micro: int) -> Graph:
         changed.add(t.id)
     nodes = []
     for n in graph.nodes:
-        if not changed.intersection(n.inputs + n.outputs):
+        if changed.isdisjoint(n.inputs) and changed.isdisjoint(n.outputs):
             nodes.append(n)
             continue
         nodes.append(_node(n, tensors, graph.tensors))
