@@ -465,8 +465,9 @@ def strip_markers(graph: Graph, markers: frozenset[str] = IDENTITY_MARKERS) -> G
     for n in graph.nodes:
         if n.primitive in markers:
             continue
-        inputs = tuple([alias.get(t, t) for t in n.inputs]) if not alias.keys().isdisjoint(
-            n.inputs) else n.inputs
+        inputs = n.inputs
+        if not alias.keys().isdisjoint(inputs):
+            inputs = tuple([alias.get(t, t) for t in inputs])
         # (nodes before the first marker stay as they are: no copy)
         nodes.append(n if n.id == len(nodes) and inputs is n.inputs
                      else n.renumbered(len(nodes), inputs))
