@@ -28,6 +28,7 @@ measured-fastest.
 
     python benchmarks/measured_grid.py [--models gpt,moe] [--quick]
         [--repeats 5] [--steps 2] [--cluster FILE | --save-cluster FILE]
+    python benchmarks/measured_grid.py --repredict CSV --cluster FILE [--sensitivity]
 
 Writes benchmarks/results/measured_grid.md and .csv (``--out`` to change)
 and prints the table and the summary.  The fake devices share the host's
@@ -541,6 +542,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                     help="measure nothing: plan the configurations a run's CSV measured "
                          "with --cluster (this code's model) and print MAPE and Spearman "
                          "against that run's measurements")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="with --repredict: also with each physical term of the cluster "
+                         "halved and doubled in turn; prints a table of MAPE and Spearman")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODEL_SIZES]
@@ -551,15 +555,19 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                  "calibrated")
     if args.repredict and not args.cluster:
         ap.error("--repredict plans with a given cluster: add --cluster FILE")
+    if args.sensitivity and not args.repredict:
+        ap.error("--sensitivity re-plans a recorded run: add --repredict CSV --cluster FILE")
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (1 if args.quick else 2)
     return args
 
 
-def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
+def repredict(path: str, models: Sequence[str], cluster: Any
+              ) -> tuple[list[str], dict[str, tuple[float, float]]]:
     """Per model, MAPE and Spearman of this code's predictions on ``cluster``
     against the measurements recorded in a run's CSV (separates a change of
-    the model from a change of the calibration or of the machine)."""
+    the model from a change of the calibration or of the machine): the
+    lines to print, and per model ``(MAPE %, Spearman)``."""
     import jax
     import meshplan
     from meshplan import progress
@@ -567,7 +575,8 @@ def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
     with open(path, newline="") as f:
         recorded = [r for r in csv.DictReader(f) if r.get("measured_ms")]
     session = Session.from_env(progress.Progress(progress.QUIET))
-    out = []
+    out: list[str] = []
+    scores: dict[str, tuple[float, float]] = {}
     for name in models:
         mine = [r for r in recorded if r["model"] == name]
         if not mine:
@@ -586,9 +595,63 @@ def repredict(path: str, models: Sequence[str], cluster: Any) -> list[str]:
             meas.append(float(r["measured_ms"]))
             out.append(f"  {name} {c.label()}: predicted {pred[-1]:.1f} ms, measured "
                        f"{meas[-1]:.1f} ms, {pred[-1] / meas[-1]:.2f}")
-        out.append(f"{name}: {len(mine)} rows, MAPE {mape(pred, meas):.1f}%, "
-                   f"Spearman {spearman(pred, meas):.3f}")
+        scores[name] = (mape(pred, meas), spearman(pred, meas))
+        out.append(f"{name}: {len(mine)} rows, MAPE {scores[name][0]:.1f}%, "
+                   f"Spearman {scores[name][1]:.3f}")
+    return out, scores
+
+
+# --sensitivity: the cluster's physical terms, each scaled in turn by these
+# factors (which figure, were it mis-measured, moves the ranking)
+SENSITIVITY_TERMS = ("device.peak_flops", "device.memory_bandwidth_bytes_per_s",
+                     "device.achieved.kernel_launch_s", "device.achieved.program_dispatch_s",
+                     "links.intra_host.bandwidth_bytes_per_s", "links.intra_host.latency_s")
+SENSITIVITY_FACTORS = (0.5, 2.0)
+
+
+def scaled_cluster(data: dict, term: str, factor: float) -> dict:
+    """A copy of cluster JSON ``data`` with the number at the dotted path
+    ``term`` (or every number of the mapping there, as ``peak_flops`` per
+    dtype) multiplied by ``factor``.  ValueError names a path that is not
+    there or holds no number."""
+    import copy
+    out = copy.deepcopy(data)
+    *parents, key = term.split(".")
+    node = out
+    for k in parents:
+        node = node.get(k) if isinstance(node, dict) else None
+    value = node.get(key) if isinstance(node, dict) else None
+    if isinstance(value, dict) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        node[key] = {k: v * factor for k, v in value.items()}
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        node[key] = value * factor
+    else:
+        raise ValueError(f"the cluster JSON has no number at {term!r}")
     return out
+
+
+def sensitivity(path: str, models: Sequence[str], cluster_file: str,
+                terms: Sequence[str] = SENSITIVITY_TERMS,
+                factors: Sequence[float] = SENSITIVITY_FACTORS) -> list[str]:
+    """A Markdown table: :func:`repredict`'s MAPE and Spearman per model with
+    ``cluster_file`` as it is, then with each of ``terms`` scaled by each of
+    ``factors`` (the others as they are)."""
+    import json
+    import meshplan
+    data = json.loads(pathlib.Path(cluster_file).read_text())
+    runs = [("(as calibrated)", 1.0)] + [(t, f) for t in terms for f in factors]
+    lines = ["| term | factor | " + " | ".join(f"{m} MAPE % | {m} Spearman" for m in models)
+             + " |", "|---|---:|" + "---:|---:|" * len(models)]
+    for term, f in runs:
+        d = data if f == 1.0 else scaled_cluster(data, term, f)
+        cluster = meshplan.ClusterSpec.from_dict(d, source=f"{cluster_file} ({term} x {f:g})")
+        _, scores = repredict(path, models, cluster)
+        cells = [f"{scores[m][0]:.1f} | {scores[m][1]:.3f}" if m in scores else " | "
+                 for m in models]
+        lines.append(f"| {term} | {f:g} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -597,7 +660,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.repredict:
         cluster, _ = get_cluster(args)
-        print("\n".join(repredict(args.repredict, args.models, cluster)))
+        if args.sensitivity:
+            sensitivity(args.repredict, args.models, args.cluster)
+        else:
+            print("\n".join(repredict(args.repredict, args.models, cluster)[0]))
         return 0
 
     def log(msg: str) -> None:

@@ -342,3 +342,58 @@ def summary(hlo: Any) -> dict[str, tuple[int, int]]:
         n, b = acc.get(c.kind, (0, 0))
         acc[c.kind] = (n + 1, b + c.result_bytes)
     return acc
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+# opcodes inside a fused computation that make its kernel a matmul or a reduction
+_MATMUL_OPS = frozenset({"dot", "convolution"})
+_REDUCE_OPS = frozenset({"reduce", "reduce-window"})
+# a library matmul (cuBLAS, oneDNN) called as a custom call
+_GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
+# top-level opcodes that launch no kernel of their own
+_NO_KERNEL_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                            "while", "call", "conditional", "after-all", "opt-barrier"})
+
+
+def kernel_summary(hlo: Any) -> dict[str, tuple[int, int]]:
+    """The kernels of a compiled program: kind -> (how many, the bytes of
+    their results on one device).  A kernel is an instruction outside any
+    fused or applied computation (a fusion, an unfused dot, a copy...); its
+    kind is ``matmul`` where it is or fuses a dot or convolution (or calls a
+    library GEMM),
+    ``reduction`` where it reduces, else ``loop``; and ``collective``: the
+    collectives of :func:`parse_collectives` with their result bytes.  Each
+    counts once per call of the program (a loop body once per trip, where
+    XLA knows the count)."""
+    instrs = list(_instructions(_as_text(hlo)))
+    runs = _runs(instrs)
+    body: dict[str, set[str]] = {}
+    for ins in instrs:
+        body.setdefault(ins.computation, set()).add(ins.opcode)
+    # (a fusion's body, a reduce's or a sort's computation: no kernels of
+    # their own; a plain call's body runs its kernels where it is called)
+    inner = {_attr(ins.attrs, key).lstrip("%") for ins in instrs if ins.opcode != "call"
+             for key in ("calls", "to_apply", "comparator")} - {""}
+    acc: dict[str, tuple[int, int]] = {}
+
+    def add(kind: str, n: int, nbytes: int) -> None:
+        n0, b0 = acc.get(kind, (0, 0))
+        acc[kind] = (n0 + n, b0 + nbytes)
+
+    for ins in instrs:
+        if ins.computation in inner or ins.opcode in _NO_KERNEL_OPS \
+                or _COLLECTIVE_OP.match(ins.opcode):
+            continue
+        ops = body.get(_attr(ins.attrs, "calls").lstrip("%"), set()) | {ins.opcode}
+        library = ins.opcode == "custom-call" and _GEMM_TARGET.search(
+            _attr(ins.attrs, "custom_call_target"))
+        kind = ("matmul" if ops & _MATMUL_OPS or library
+                else "reduction" if ops & _REDUCE_OPS else "loop")
+        k = runs.get(ins.computation, 1)
+        add(kind, k, k * shape_bytes(ins.shape_text))
+    for c in parse_collectives(hlo):
+        add("collective", c.runs, c.runs * c.result_bytes)
+    return acc

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshplan.runtime import collective_bytes, parse_collectives
-from meshplan.runtime.hlo import dtype_bits, parse_shape, shape_bytes, summary
+from meshplan.runtime.hlo import dtype_bits, kernel_summary, parse_shape, shape_bytes, summary
 
 F32 = jnp.float32
 
@@ -228,3 +228,98 @@ def test_a_collective_in_a_loop_body_runs_once_per_trip(mesh):
         assert c.kind == "all-reduce" and c.runs == trips
         assert collective_bytes(text) == 16 * 4
         assert collective_bytes_per_call(text) == trips * 16 * 4
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+KERNELS = """\
+HloModule jit_step
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(f32[] %x, f32[] %y)
+}
+
+%fused_dot (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = f32[8,4]{1,0} tanh(%d)
+}
+
+%fused_sum (a: f32[8,4]) -> f32[8] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %z = f32[] constant(0)
+  ROOT %r = f32[8]{0} reduce(%a, %z), dimensions={1}, to_apply=%add
+}
+
+%fused_loop (a: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  ROOT %m = f32[8,4]{1,0} multiply(%a, %a)
+}
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %f = f32[8,4]{1,0} fusion(%v), kind=kLoop, calls=%fused_loop
+  ROOT %out = (s32[], f32[8,4]{1,0}) tuple(%i, %f)
+}
+
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8,16], b: f32[16,4], i: s32[]) -> f32[8] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %dot.1 = f32[8,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot
+  %ar = f32[8,4]{1,0} all-reduce(%dot.1), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %loop = f32[8,4]{1,0} fusion(%ar), kind=kLoop, calls=%fused_loop
+  %init = (s32[], f32[8,4]{1,0}) tuple(%i, %loop)
+  %w = (s32[], f32[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %v = f32[8,4]{1,0} get-tuple-element(%w), index=1
+  %c = f32[8,4]{1,0} copy(%v)
+  ROOT %s = f32[8]{0} fusion(%c), kind=kInput, calls=%fused_sum
+}
+"""
+
+
+def test_kernel_summary_of_hand_written_text():
+    # kernels by what their fused computation holds; the while body's fusion
+    # once per trip; the reduce's adder, tuples, parameters and the fused
+    # computations' own instructions are no kernels
+    assert kernel_summary(KERNELS) == {
+        "matmul": (1, 8 * 4 * 4),
+        "reduction": (1, 8 * 4),
+        "loop": (1 + 3 + 1, 5 * 8 * 4 * 4),        # the fusion, 3 trips of the body's, the copy
+        "collective": (1, 8 * 4 * 4)}
+    assert kernel_summary("") == {}
+    gemm = ('  %g = (f32[8,4]{1,0}, s8[64]{0}) custom-call(%a, %b), '
+            'custom_call_target="__cublas$gemm"')
+    assert kernel_summary(gemm) == {"matmul": (1, 8 * 4 * 4 + 64)}
+    # a plain call's body runs its kernels (its to_apply is no reducer)
+    called = KERNELS.replace("  %c = f32[8,4]{1,0} copy(%v)",
+                             "  %c = f32[8,4]{1,0} call(%v), to_apply=%body_of_call")
+    called = called.replace("ENTRY", """%body_of_call (a: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  ROOT %n = f32[8,4]{1,0} negate(%a)
+}
+
+ENTRY""")
+    assert kernel_summary(called) == kernel_summary(KERNELS)     # negate in place of the copy
+
+
+def test_kernel_summary_of_a_compiled_program():
+    def step(x, w):
+        h = jnp.tanh(x @ w)
+        return (h * h).sum(axis=1)
+    got = kernel_summary(_compiled_text(step, _sds((32, 64)), _sds((64, 16))))
+    assert got["matmul"][0] >= 1 and got["reduction"][0] >= 1
+    assert "collective" not in got
+    assert got["reduction"][1] == 32 * 4          # the sum's result is the program's

@@ -93,3 +93,31 @@ def test_grid_has_40_distinct_valid_manual_configurations(grid):
     assert len({c.mb for c in cs}) >= 3 and len({c.schedule for c in cs}) == 2
     quick = grid.run_list(["gpt"], quick=True)
     assert 2 <= len(quick) <= 6
+
+
+def test_scaled_cluster_scales_one_term_and_keeps_the_rest(grid):
+    import json
+    import meshplan
+    path = BENCH / "results" / "measured_grid_cluster.json"
+    data = json.loads(path.read_text())
+    flops = grid.scaled_cluster(data, "device.peak_flops", 0.5)
+    assert flops["device"]["peak_flops"] == {k: v * 0.5 for k, v in
+                                             data["device"]["peak_flops"].items()}
+    launch = grid.scaled_cluster(data, "device.achieved.kernel_launch_s", 2.0)
+    assert launch["device"]["achieved"]["kernel_launch_s"] == pytest.approx(
+        2 * data["device"]["achieved"]["kernel_launch_s"])
+    # the copy differs in that one number; the original is untouched
+    launch["device"]["achieved"]["kernel_launch_s"] = data["device"]["achieved"]["kernel_launch_s"]
+    assert launch == data and data == json.loads(path.read_text())
+    # every term the sensitivity table scales is there, and loads
+    for term in grid.SENSITIVITY_TERMS:
+        meshplan.ClusterSpec.from_dict(grid.scaled_cluster(data, term, 2.0))
+    for bad in ("device.kind", "device.no_such_term", "nowhere.at.all"):
+        with pytest.raises(ValueError, match="no number"):
+            grid.scaled_cluster(data, bad, 2.0)
+
+
+def test_sensitivity_needs_a_recorded_run(grid, capsys):
+    with pytest.raises(SystemExit):
+        grid.parse(["--sensitivity"])
+    assert "--repredict" in capsys.readouterr().err
