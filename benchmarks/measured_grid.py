@@ -29,6 +29,7 @@ measured-fastest.
     python benchmarks/measured_grid.py [--models gpt,moe] [--quick]
         [--repeats 5] [--steps 2] [--cluster FILE | --save-cluster FILE]
     python benchmarks/measured_grid.py --repredict CSV --cluster FILE [--sensitivity]
+    python benchmarks/measured_grid.py --agreement CSV [CSV ...]
 
 Writes benchmarks/results/measured_grid.md and .csv (``--out`` to change)
 and prints the table and the summary.  The fake devices share the host's
@@ -542,6 +543,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                     help="measure nothing: plan the configurations a run's CSV measured "
                          "with --cluster (this code's model) and print MAPE and Spearman "
                          "against that run's measurements")
+    ap.add_argument("--agreement", nargs="+", metavar="CSV",
+                    help="measure nothing: Spearman between the passes of each run's CSV "
+                         "and between the measured times of every two runs")
     ap.add_argument("--sensitivity", action="store_true",
                     help="with --repredict: also with each physical term of the cluster "
                          "halved and doubled in turn; prints a table of MAPE and Spearman")
@@ -601,6 +605,36 @@ def repredict(path: str, models: Sequence[str], cluster: Any
     return out, scores
 
 
+def recorded_times(path: str) -> dict[tuple, tuple[float, float, float]]:
+    """A run's CSV: per configuration (model, method, dp, tp, pp, mb, remat,
+    schedule), its (pass 1, pass 2, measured) milliseconds; rows measured only."""
+    with open(path, newline="") as f:
+        return {(r["model"], r["method"], r["dp"], r["tp"], r["pp"], r["mb"], r["remat"],
+                 r["schedule"]): (float(r["pass1_ms"]), float(r["pass2_ms"]),
+                                  float(r["measured_ms"]))
+                for r in csv.DictReader(f) if r.get("measured_ms")}
+
+
+def agreement(paths: Sequence[str], models: Sequence[str]) -> list[str]:
+    """How reproducible the measured ranking is, per model: Spearman between
+    the two passes of each run, and between the measured times of every two
+    runs over the configurations both measured (the ceiling a model's
+    Spearman can be held to)."""
+    runs = {p: recorded_times(p) for p in paths}
+    out = []
+    for name in models:
+        for p, t in runs.items():
+            mine = [v for k, v in t.items() if k[0] == name]
+            out.append(f"{name} {p}: passes {spearman([v[0] for v in mine], [v[1] for v in mine]):.3f}"
+                       f" ({len(mine)} rows)")
+        for i, a in enumerate(paths):
+            for b in paths[i + 1:]:
+                both = [k for k in runs[a] if k in runs[b] and k[0] == name]
+                rho = spearman([runs[a][k][2] for k in both], [runs[b][k][2] for k in both])
+                out.append(f"{name} {a} vs {b}: {rho:.3f} ({len(both)} rows)")
+    return out
+
+
 # --sensitivity: the cluster's physical terms, each scaled in turn by these
 # factors (which figure, were it mis-measured, moves the ranking)
 SENSITIVITY_TERMS = ("device.peak_flops", "device.memory_bandwidth_bytes_per_s",
@@ -658,6 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     t0 = time.perf_counter()
+    if args.agreement:
+        print("\n".join(agreement(args.agreement, args.models)))
+        return 0
     if args.repredict:
         cluster, _ = get_cluster(args)
         if args.sensitivity:

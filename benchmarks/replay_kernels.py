@@ -8,12 +8,14 @@ configuration and way:
 
 - predicted: the plan's iteration time, and what the layers' replay adds
   (``dp_search.solver.layer_cost_from_result``: the forward operators making
-  what the backward reads), split into matmuls and the rest;
+  what the backward reads), split into matmuls, other compute and
+  collectives;
 - compiled: the kernels of the step's compiled program by kind
   (:func:`meshplan.runtime.hlo.kernel_summary`: matmul, reduction, loop
   fusions; how many, the bytes of their results on one device);
 - measured: the fastest of ``--repeats`` means of ``--steps`` steps, each
-  ended by ``block_until_ready``, after a warm-up.
+  ended by ``block_until_ready``, after a warm-up; the two ways take turns
+  repeat by repeat.
 
     python benchmarks/replay_kernels.py [--configs 8x1,4x2] [--repeats 5] [--steps 3]
 
@@ -47,18 +49,20 @@ MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 KINDS = ("matmul", "reduction", "loop")
 
 
-def replay_split(model, cluster, method) -> tuple[float, float]:
-    """(matmul s, other s) that the layers' full recomputation runs again,
-    summed over the step's layers, as the stage DP prices it."""
+def replay_split(model, cluster, method) -> tuple[float, float, float]:
+    """(matmul s, other compute s, collective s) that the layers' full
+    recomputation runs again, summed over the step's layers, as the stage DP
+    prices it."""
     g = trace_step(model.train_step, model.abstract_args, tuple(model.batch_argnums), "gpt")[0]
     opts = method.request(cluster.num_devices).pipeline
     lay = layer_problems(g, 1, cluster, opts)
     solver = LayerSolver(cluster, opts, Session(workers=1))
-    dots = other = 0.0
+    dots = other = comm = 0.0
     for layer in range(len(lay.subs)):
         req = lay.request(layer, 0, 0)
         sub, saved = req[0], req[5]
         cost = solver.layer_cost(*req)
+        comm += cost.replay_comm_s
         replayed = frozenset(ancestor_nodes(sub, set(saved)))
         for node, seconds, _ in cost.result.node_seconds:
             if node in replayed:
@@ -66,44 +70,59 @@ def replay_split(model, cluster, method) -> tuple[float, float]:
                     dots += seconds
                 else:
                     other += seconds
-    return dots, other
+    return dots, other, comm
 
 
-def measure(step, state, batch, repeats: int, steps: int) -> float:
-    """Seconds per step: the fastest mean of ``steps`` over ``repeats``."""
-    for _ in range(2):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    best = float("inf")
+def measure(steps_of: list, repeats: int, steps: int) -> list[float]:
+    """Seconds per step of each ``(step, state, batch)``: the fastest mean of
+    ``steps`` steps over ``repeats``, the ways taking turns repeat by repeat
+    (a change in the shared machine's load touches each alike)."""
+    live = []
+    for step, state, batch in steps_of:
+        for _ in range(2):
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        live.append([step, state, batch])
+    best = [float("inf")] * len(live)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, out = step(state, batch)
-        jax.block_until_ready((state, out))
-        best = min(best, (time.perf_counter() - t0) / steps)
+        for k, (step, state, batch) in enumerate(live):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, out = step(state, batch)
+            jax.block_until_ready((state, out))
+            best[k] = min(best[k], (time.perf_counter() - t0) / steps)
+            live[k][1] = state
     return best
 
 
-def row(model, cluster, dp: int, tp: int, remat: bool, repeats: int, steps: int) -> dict:
-    method = meshplan.Manual(dp=dp, tp=tp, pp=1, num_micro_batches=1, remat=remat)
-    step = meshplan.parallelize(model.train_step, method=method, cluster=cluster,
-                                batch_argnums=model.batch_argnums, donate_argnums=(0,))
-    state, batch = model.init(0)
-    plan = step.plan_for(state, batch)
-    kernels = kernel_summary(step.lower(state, batch).compile().as_text())
-    dots, other = replay_split(model, cluster, method) if remat else (0.0, 0.0)
-    return {"predicted": plan.predicted.iteration_s, "replay_dots": dots, "replay_other": other,
-            "kernels": kernels, "measured": measure(step, state, batch, repeats, steps)}
+def pair(model, cluster, dp: int, tp: int, repeats: int, steps: int) -> tuple[dict, dict]:
+    """The configuration without recomputation and with full recomputation."""
+    rows, runs = [], []
+    for remat in (False, True):
+        method = meshplan.Manual(dp=dp, tp=tp, pp=1, num_micro_batches=1, remat=remat)
+        step = meshplan.parallelize(model.train_step, method=method, cluster=cluster,
+                                    batch_argnums=model.batch_argnums, donate_argnums=(0,))
+        state, batch = model.init(0)
+        plan = step.plan_for(state, batch)
+        kernels = kernel_summary(step.lower(state, batch).compile().as_text())
+        dots, other, comm = replay_split(model, cluster, method) if remat else (0.0, 0.0, 0.0)
+        rows.append({"predicted": plan.predicted.iteration_s, "replay_dots": dots,
+                     "replay_other": other, "replay_comm": comm, "kernels": kernels})
+        runs.append((step, state, batch))
+    for r, seconds in zip(rows, measure(runs, repeats, steps)):
+        r["measured"] = seconds
+    return rows[0], rows[1]
 
 
 def table(rows: list[tuple[str, dict, dict]]) -> str:
     head = ("| configuration | way | predicted ms | replay: matmuls ms | replay: other ms | "
+            "replay: collectives ms | "
             + " | ".join(f"{k} kernels (MB)" for k in KINDS) + " | measured ms |")
-    lines = [head, "|---|---|" + "---:|" * (4 + len(KINDS))]
+    lines = [head, "|---|---|" + "---:|" * (5 + len(KINDS))]
 
     def cells(r: dict) -> list[str]:
         out = [f"{r['predicted'] * 1e3:.1f}", f"{r['replay_dots'] * 1e3:.1f}",
-               f"{r['replay_other'] * 1e3:.1f}"]
+               f"{r['replay_other'] * 1e3:.1f}", f"{r['replay_comm'] * 1e3:.1f}"]
         out += [f"{r['kernels'].get(k, (0, 0))[0]} ({r['kernels'].get(k, (0, 0))[1] / 1e6:.1f})"
                 for k in KINDS]
         return out + [f"{r['measured'] * 1e3:.1f}"]
@@ -111,7 +130,7 @@ def table(rows: list[tuple[str, dict, dict]]) -> str:
     for name, off, on in rows:
         lines.append(f"| {name} | none | " + " | ".join(cells(off)) + " |")
         lines.append(f"| {name} | full | " + " | ".join(cells(on)) + " |")
-        delta = [f"{(on['predicted'] - off['predicted']) * 1e3:+.1f}", "", ""]
+        delta = [f"{(on['predicted'] - off['predicted']) * 1e3:+.1f}", "", "", ""]
         for k in KINDS:
             (n0, b0), (n1, b1) = off["kernels"].get(k, (0, 0)), on["kernels"].get(k, (0, 0))
             delta.append(f"{n1 - n0:+d} ({(b1 - b0) / 1e6:+.1f})")
@@ -141,8 +160,7 @@ def main(argv=None) -> int:
     model = build("gpt")
     rows = []
     for dp, tp in meshes:
-        off, on = (row(model, cluster, dp, tp, remat, args.repeats, args.steps)
-                   for remat in (False, True))
+        off, on = pair(model, cluster, dp, tp, args.repeats, args.steps)
         rows.append((f"dp={dp} tp={tp}", off, on))
     print(table(rows))
     return 0

@@ -362,12 +362,11 @@ def kernel_summary(hlo: Any) -> dict[str, tuple[int, int]]:
     """The kernels of a compiled program: kind -> (how many, the bytes of
     their results on one device).  A kernel is an instruction outside any
     fused or applied computation (a fusion, an unfused dot, a copy...); its
-    kind is ``matmul`` where it is or fuses a dot or convolution (or calls a
-    library GEMM),
-    ``reduction`` where it reduces, else ``loop``; and ``collective``: the
-    collectives of :func:`parse_collectives` with their result bytes.  Each
-    counts once per call of the program (a loop body once per trip, where
-    XLA knows the count)."""
+    kind is ``matmul`` where it is or fuses a dot or convolution or calls a
+    library GEMM, ``reduction`` where it reduces, else ``loop``; and
+    ``collective``: the collectives of :func:`parse_collectives` with their
+    result bytes.  Each counts once per call of the program (a loop body
+    once per trip, where XLA knows the count)."""
     instrs = list(_instructions(_as_text(hlo)))
     runs = _runs(instrs)
     body: dict[str, set[str]] = {}

@@ -121,3 +121,23 @@ def test_sensitivity_needs_a_recorded_run(grid, capsys):
     with pytest.raises(SystemExit):
         grid.parse(["--sensitivity"])
     assert "--repredict" in capsys.readouterr().err
+
+
+def test_agreement_between_passes_and_runs(grid, tmp_path):
+    head = "model,method,dp,tp,pp,mb,remat,schedule,pass1_ms,pass2_ms,measured_ms\n"
+    rows = [("manual", 8, 1), ("manual", 4, 2), ("manual", 2, 4), ("auto", 1, 1)]
+    one = head + "".join(f"gpt,{m},{dp},{tp},1,1,no,1f1b,{p},{p + 1},{p + 0.5}\n"
+                         for (m, dp, tp), p in zip(rows, (10, 20, 30, 40)))
+    # the second run ranks the configurations in reverse; its second pass
+    # swaps the first two; a row it did not measure is left out
+    two = head + "".join(f"gpt,{m},{dp},{tp},1,1,no,1f1b,{p},{q},{p}\n"
+                         for (m, dp, tp), p, q in zip(rows, (40, 30, 20, 10), (30, 40, 20, 10)))
+    two += "gpt,manual,1,8,1,1,no,1f1b,,,\n"
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(one)
+    b.write_text(two)
+    assert set(grid.recorded_times(str(b))) == {("gpt", m, str(dp), str(tp), "1", "1", "no",
+                                                 "1f1b") for m, dp, tp in rows}
+    lines = grid.agreement([str(a), str(b)], ["gpt"])
+    assert lines == [f"gpt {a}: passes 1.000 (4 rows)", f"gpt {b}: passes 0.800 (4 rows)",
+                     f"gpt {a} vs {b}: -1.000 (4 rows)"]
