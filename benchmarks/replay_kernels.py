@@ -1,5 +1,7 @@
-"""What full recomputation adds to a step: the cost model's replay against
-the kernels XLA compiles for it and the step time measured.
+"""Full recomputation: the cost model's replay, XLA's kernels, the measured step.
+
+What full recomputation adds to a step, three ways: the cost model's replay,
+the kernels XLA compiles for it, and the step time measured.
 
 The measured grid's gpt (``benchmarks/measured_grid.py``'s ``MODEL_SIZES``)
 as one stage, ``Manual(dp, tp, pp=1, remat=False / True)``, on the 8 fake
