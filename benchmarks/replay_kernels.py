@@ -64,14 +64,13 @@ def replay_split(model, cluster, method) -> tuple[float, float, float]:
         req = lay.request(layer, 0, 0)
         sub, saved = req[0], req[5]
         cost = solver.layer_cost(*req)
-        comm += cost.replay_comm_s
+        # (the solver's replayed operators; its replay figures split by kind)
         replayed = frozenset(ancestor_nodes(sub, set(saved)))
-        for node, seconds, _ in cost.result.node_seconds:
-            if node in replayed:
-                if sub.nodes[node].primitive in MATMULS:
-                    dots += seconds
-                else:
-                    other += seconds
+        mine = sum(seconds for node, seconds, _ in cost.result.node_seconds
+                   if node in replayed and sub.nodes[node].primitive in MATMULS)
+        dots += mine
+        other += cost.replay_compute_s - mine
+        comm += cost.replay_comm_s
     return dots, other, comm
 
 
