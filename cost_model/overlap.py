@@ -74,6 +74,12 @@ class StageWork:
     backward: Backward = Backward()
     num_micro_batches: int = 1
 
+    @property
+    def per_micro_batch_comm_s(self) -> float:
+        """The collectives every micro-batch runs: ``comm_s`` less the share
+        of the gradient reductions made once a step."""
+        return max(0.0, self.comm_s - self.backward.reduce_s / max(1, self.num_micro_batches))
+
 
 def hidden_s(work: StageWork, overlaps: bool) -> float:
     """Seconds per micro-batch of ``work``'s communication that run under its

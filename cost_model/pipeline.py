@@ -110,13 +110,27 @@ def zb_h1_iteration_s(forward: Sequence[float], backward: Sequence[float],
 
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],
                                num_micro_batches: int, total_devices: int,
-                               dispatch_s: Sequence[float]) -> float:
+                               dispatch_s: Sequence[float],
+                               collectives_s: Sequence[float] | None = None) -> float:
     """Iteration time when the devices share one host's compute (XLA's fake
     CPU devices): a stage idle in the bubble lends its share to the busy
     ones, so the host works through every stage's micro-batches with all of
     its compute, ``sum_k B t_k d_k / D``.  ``latencies`` are per micro-batch
     at one device's share of the host with every device busy.  Dispatching
     a stage's programs (``dispatch_s`` each, two per stage and micro-batch)
-    is serial on the host thread and adds up."""
-    work = sum(t * d for t, d in zip(latencies, devices)) / total_devices
-    return num_micro_batches * (work + 2 * sum(dispatch_s))
+    is serial on the host thread and adds up.
+
+    ``collectives_s`` (per stage and micro-batch, among its latency) are not
+    shared out: a stage's compute runs faster while other stages idle and
+    lend it their cores, its collectives do not (a rendezvous of the stage's
+    device threads lasts as long however many cores are free), so they add
+    up in full, as dispatch does.  That takes no two stages' collectives to
+    run at the same time; where they do, they overlap (two stages' psums at
+    once add 0.5-1.7x what one program's add, ``benchmarks/cpu_effects.py``
+    part 4) and this overcounts.  On the measured grid's pipelines, driven
+    one program at a time, it ranks the configurations as measured better
+    than sharing them out (``benchmarks/results/measured_grid.md``, stop 67).
+    With one stage on every device both readings agree."""
+    coll = list(collectives_s) if collectives_s is not None else [0.0] * len(latencies)
+    work = sum((t - c) * d for t, c, d in zip(latencies, coll, devices)) / total_devices
+    return num_micro_batches * (work + sum(coll) + 2 * sum(dispatch_s))

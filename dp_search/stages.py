@@ -223,6 +223,9 @@ class StageOption:
     tighten: float = 1      # its layers' ILPs had 1 / tighten of the budget (TIGHTEN)
     recompute_layers: int = 0   # full: only the stage's first this many layers (0: all)
     keep_casts: bool = True     # False: its parameters cast per micro-batch, no copies kept
+    # per micro-batch, the collectives among latency_s less the gradient
+    # reductions made once a step (cost_model.pipeline.shared_compute_iteration_s)
+    collectives_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -617,7 +620,8 @@ class StageCosts:
                         and (best is None or w.latency_s < best.latency_s):
                     best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
                                        w.cost.memory(n_kept, w.as_way, whole), w.recompute,
-                                       tighten, w.layers, w.keep_casts)
+                                       tighten, w.layers, w.keep_casts,
+                                       w.cost.work(w.as_way, send, lay.B).per_micro_batch_comm_s)
                 if least is None or mem < least:
                     least, least_way = mem, (w.cost, w.as_way, n_kept)
         if best is None and least is not None:
@@ -894,7 +898,9 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         total = shared_compute_iteration_s(
             [st.latency - 2 * lay.dispatch(st.submesh) for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
-            cluster.num_devices, [lay.dispatch(st.submesh) for st in res.stages])
+            cluster.num_devices, [lay.dispatch(st.submesh) for st in res.stages],
+            [chosen[st.first, st.last, st.submesh, n_st - k].collectives_s
+             for k, st in enumerate(res.stages)])
         if schedule == ZB_H1:
             # a W program's launch is serial on the host too (.zero_bubble
             # put it in the stage's latency, which the formula shares out)

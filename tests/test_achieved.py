@@ -240,6 +240,44 @@ def test_shared_compute_pipeline_has_no_bubble():
         t + 4 * 2 * (0.01 + 0.02))
 
 
+def test_shared_compute_pipeline_charges_its_collectives_in_full():
+    # the same stages with 0.5 s and 1 s of collectives among their 1 s and
+    # 3 s: their compute is shared out, the collectives' waits are not
+    t = shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, [0.0, 0.0], [0.5, 1.0])
+    assert t == pytest.approx(4 * ((0.5 * 4 + 2.0 * 4) / 8 + 0.5 + 1.0))
+    assert t > shared_compute_iteration_s([1.0, 3.0], [4, 4], 4, 8, [0.0, 0.0])
+    # one stage on every device: nothing to share, both readings agree
+    assert shared_compute_iteration_s([2.0], [8], 3, 8, [0.01], [0.5]) == pytest.approx(
+        shared_compute_iteration_s([2.0], [8], 3, 8, [0.01]))
+
+
+def test_a_shared_host_pipeline_adds_its_tensor_parallel_collectives_in_full(monkeypatch):
+    # the stage search hands the shared-host formula each stage's collectives
+    # of a micro-batch: the tensor-parallel ones, not the gradient sums
+    # reduced once a step
+    from meshplan.dp_search import stages
+    seen = []
+
+    def record(latencies, devices, B, D, dispatch, collectives=None):
+        seen.append((list(latencies), list(collectives)))
+        return shared_compute_iteration_s(latencies, devices, B, D, dispatch, collectives)
+    monkeypatch.setattr(stages, "shared_compute_iteration_s", record)
+    m, cluster = _gpt(), ClusterSpec.local()
+    summed = {}
+    for tp, method in ((4, meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=2)),
+                       (1, meshplan.Manual(dp=4, tp=1, pp=2, num_micro_batches=2))):
+        seen.clear()
+        meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=method)
+        (latencies, collectives), = seen
+        assert all(0 <= c < t for c, t in zip(collectives, latencies))
+        summed[tp] = sum(collectives)
+        if tp > 1:      # every stage's matmuls are split: all-reduces each micro-batch
+            assert all(c > 0.1 * t for c, t in zip(collectives, latencies))
+    # data parallel: the gradient sums wait for the step's end; what is left
+    # is the loss's mean over the data shards
+    assert summed[1] < 0.25 * summed[4]
+
+
 def test_local_cpu_cluster_shares_compute():
     assert ClusterSpec.local().device.achieved.shared_host_compute
 

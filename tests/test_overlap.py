@@ -63,6 +63,18 @@ def test_hidden_is_bounded_by_the_backward_compute_available():
     assert hidden_s(w4, True) == 0.0
 
 
+def test_per_micro_batch_collectives_leave_out_the_once_a_step_reductions():
+    bw = Backward.of_steps([(3.0, 1.0), (1.0, 0.0)])    # one reduction of 1 s a step
+    # a micro-batch runs 0.5 s of tensor-parallel collectives and carries
+    # 1/4 of the step's reduction
+    w = StageWork(10.0, 0.5 + 1.0 / 4, backward=bw, num_micro_batches=4)
+    assert w.per_micro_batch_comm_s == pytest.approx(0.5)
+    # one micro-batch: the reduction is the step's own, left out as well
+    assert dataclasses.replace(w, comm_s=1.5, num_micro_batches=1).per_micro_batch_comm_s \
+        == pytest.approx(0.5)
+    assert StageWork(1.0, 0.0, backward=bw).per_micro_batch_comm_s == 0.0
+
+
 def test_sends_hide_under_the_next_micro_batch_but_the_last():
     w = StageWork(compute_s=4.0, comm_s=1.0, send_s=2.0, num_micro_batches=4)
     assert hidden_s(w, True) == pytest.approx(2.0 * 3 / 4)
