@@ -11,6 +11,9 @@ errors (benchmarks/results/measured_grid.md).
    cores, have drifted apart between collectives.
 3. How many all-reduces XLA emits for a data-parallel gpt step, and how many
    gradients the largest one carries (XLA merges them).
+4. Two pipeline stages' programs at once, each with psums over its own
+   devices, against one program on all the devices: whether the host
+   shares out the collectives' time as it shares compute.
 
     python benchmarks/cpu_effects.py
 
@@ -97,6 +100,54 @@ def collectives() -> list[str]:
     return rows
 
 
+def pipeline_collectives(loop: int = 64, rounds: int = 9) -> list[str]:
+    """Two pipeline stages of 4 devices each, one program apiece dispatched
+    together, each a loop of matmuls with (or without) a psum over its own
+    devices, against the same loop as one program on all 8 devices (a psum
+    over each half).  Each configuration: the fastest of ``rounds`` rounds
+    taken in turn.  Where the host shared out the psums' time as it shares
+    compute, two stages at once would add per iteration what one program
+    adds (each stage's psum is lent half the host); where the waits are
+    not shared, twice that."""
+    m, k, n = 256, 192, 768
+    devices = jax.devices()[:8]
+
+    def program(devs, psum: bool):
+        mesh = Mesh(np.array(devs).reshape(len(devs) // 4, 4), ("a", "b"))
+        spec = P(("a", "b"))
+
+        def body(x, w):
+            def it(_, y):
+                y = y + jnp.matmul(y, w[0])[:, :k] * 1e-9
+                return jax.lax.psum(y, "b") * 0.25 if psum else y
+            return jax.lax.fori_loop(0, loop, it, x[0])[None]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                                  check_vma=False))
+        a, b = _filled(mesh, (m, k)), _filled(mesh, (k, n))
+        return lambda: f(a, b)
+
+    configs = {(kind, psum): ([program(devices, psum)] if kind == "one" else
+                              [program(devices[:4], psum), program(devices[4:], psum)])
+               for kind in ("one", "two") for psum in (False, True)}
+    best = {c: float("inf") for c in configs}
+    for fns in configs.values():
+        jax.block_until_ready([f() for f in fns])
+    for _ in range(rounds):
+        for c, fns in configs.items():
+            t = time.perf_counter()
+            jax.block_until_ready([f() for f in fns])
+            best[c] = min(best[c], time.perf_counter() - t)
+    per = {c: v / loop * 1e6 for c, v in best.items()}
+    one = per["one", True] - per["one", False]
+    two = per["two", True] - per["two", False]
+    return ["| programs | matmuls us | with psum us | psum adds us |", "|---|---:|---:|---:|",
+            f"| one on 8 devices | {per['one', False]:.0f} | {per['one', True]:.0f} | {one:.0f} |",
+            f"| two stages of 4 at once | {per['two', False]:.0f} | {per['two', True]:.0f} "
+            f"| {two:.0f} |",
+            f"\ntwo stages' psums add {two / one:.2f}x what one program's add "
+            "(1: shared out as compute is; 2: in full)" if one > 0 else ""]
+
+
 def merged() -> list[str]:
     import meshplan
     from meshplan.models import build_model
@@ -120,6 +171,8 @@ def main() -> int:
     print("\n".join(collectives()))
     print("\n3. a data-parallel gpt step (hidden 192, 4 layers) compiled\n")
     print("\n".join(merged()))
+    print("\n4. two pipeline stages' collectives on the shared cores, per iteration\n")
+    print("\n".join(pipeline_collectives()))
     return 0
 
 
