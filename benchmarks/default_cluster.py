@@ -9,7 +9,11 @@ every device), runs each plan and prints the predicted and measured step
 times: the median of ``--repeats`` timings of ``--steps`` steps each, each
 ended by ``block_until_ready``.
 
-    python benchmarks/default_cluster.py [--repeats 7] [--steps 5]
+    python benchmarks/default_cluster.py [--repeats 7] [--steps 5] [--cluster FILE]
+
+``--cluster FILE`` adds a row per model: ``Auto()`` planned on that cluster
+file (e.g. one ``meshplan calibrate`` wrote on this host), run on the same
+devices.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 import meshplan  # noqa: E402
+from meshplan.cluster import load_cluster  # noqa: E402
 from meshplan.models import build_model  # noqa: E402
 
 MODELS = {
@@ -65,9 +70,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cluster", metavar="FILE", help="also plan Auto() on this cluster file")
     args = ap.parse_args()
     local = meshplan.Cluster.local()
     clusters = {"Auto, local": local, "Auto, no launch costs": without_launch_costs(local)}
+    if args.cluster:
+        clusters[f"Auto, {args.cluster}"] = load_cluster(args.cluster)
     print("| model | plan | chosen | predicted ms | measured ms |")
     print("|---|---|---|---:|---:|")
     for name, (kind, config) in MODELS.items():
