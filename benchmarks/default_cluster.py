@@ -3,17 +3,18 @@
 A user's first call, ``meshplan.parallelize(step)`` on a laptop, plans on
 ``Cluster.local()``: nominal CPU figures.  For small built-in models on 8
 fake CPU devices this plans ``Auto()`` twice, on the local cluster as it is
-and with its launch costs per program and per kernel set to zero (how the
-CPU default stood before stop 52), plans ``ShardParallel()`` (one program on
-every device), runs each plan and prints the predicted and measured step
-times: the median of ``--repeats`` timings of ``--steps`` steps each, each
-ended by ``block_until_ready``.
+and with its launch costs per program and per kernel and its host time per
+pipeline program set to zero (how the CPU default stood before stop 52),
+plans ``ShardParallel()`` (one program on every device), runs each plan and
+prints the predicted and measured step times: the median of ``--repeats``
+timings of ``--steps`` steps each, each ended by ``block_until_ready``.
 
     python benchmarks/default_cluster.py [--repeats 7] [--steps 5] [--cluster FILE]
 
 ``--cluster FILE`` adds a row per model: ``Auto()`` planned on that cluster
 file (e.g. one ``meshplan calibrate`` wrote on this host), run on the same
-devices.
+devices; where the file has no ``pipeline_program_s`` (calibrated before
+calibrate timed a pipeline), one more with the local default's.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ MODELS = {
 
 def without_launch_costs(cluster: meshplan.ClusterSpec) -> meshplan.ClusterSpec:
     a = dataclasses.replace(cluster.device.achieved, kernel_launch_s=0.0,
-                            program_dispatch_s=0.0)
+                            program_dispatch_s=0.0, pipeline_program_s=0.0)
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, achieved=a))
 
 
@@ -75,7 +76,15 @@ def main() -> None:
     local = meshplan.Cluster.local()
     clusters = {"Auto, local": local, "Auto, no launch costs": without_launch_costs(local)}
     if args.cluster:
-        clusters[f"Auto, {args.cluster}"] = load_cluster(args.cluster)
+        given = load_cluster(args.cluster)
+        clusters[f"Auto, {args.cluster}"] = given
+        host_s = local.device.achieved.pipeline_program_s
+        if not given.device.achieved.pipeline_program_s and host_s:
+            # (a file calibrated before calibrate timed a pipeline: with the local default's)
+            clusters[f"Auto, {args.cluster} + {host_s * 1e6:.3g} us per pipeline program"] = \
+                dataclasses.replace(given, device=dataclasses.replace(
+                    given.device, achieved=dataclasses.replace(given.device.achieved,
+                                                               pipeline_program_s=host_s)))
     print("| model | plan | chosen | predicted ms | measured ms |")
     print("|---|---|---|---:|---:|")
     for name, (kind, config) in MODELS.items():

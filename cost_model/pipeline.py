@@ -134,3 +134,25 @@ def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int
     coll = list(collectives_s) if collectives_s is not None else [0.0] * len(latencies)
     work = sum((t - c) * d for t, c, d in zip(latencies, coll, devices)) / total_devices
     return num_micro_batches * (work + sum(coll) + 2 * sum(dispatch_s))
+
+
+def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int = 2) -> int:
+    """The stage programs a pipelined step runs: per stage (an interleaved
+    plan's virtual stage) and micro-batch a forward and a backward
+    (``per_micro_batch`` 3 where ZB-H1 splits out the weight gradient), and
+    each stage's update once.  (The zero running sums and their means, one
+    program each per stage, are not counted: a per-program figure measured
+    on a real pipeline, ``Achieved.pipeline_program_s``, carries them.)"""
+    return num_stages * (num_micro_batches * per_micro_batch + 1)
+
+
+def host_bound_s(programs: int, per_program_s: float) -> float:
+    """The least time of a step whose ``programs`` stage programs one host
+    thread dispatches, each costing the host ``per_program_s`` (the
+    pipeline driver's own work and jit's dispatch): the devices cannot
+    finish before the last program is handed to them.  Where the devices'
+    work is longer, as on every GPU run in the benchmarks, it does not bind;
+    a pipeline of tiny stages is priced by it (8 fake CPU devices, a 2-layer
+    MLP in three stages: measured 2.6 ms where the devices' work alone was
+    priced at 0.43, ``benchmarks/results/default_cluster.md``)."""
+    return programs * per_program_s

@@ -172,6 +172,12 @@ class Achieved:
     # enqueues each device's copy (XLA:CPU measured 18 us on one device, 118
     # on eight: benchmarks/cpu_effects.py).  0: the same on any devices
     dispatch_per_device_s: float = 0.0
+    # The host's seconds per stage program of a pipeline: the driver's own
+    # work (inputs, sends, running sums) and jit's dispatch of the program,
+    # measured on a real pipeline by `meshplan calibrate`.  One thread
+    # dispatches every program, so a pipelined step takes at least this
+    # times its programs (cost_model.pipeline.host_bound_s).  0: not known
+    pipeline_program_s: float = 0.0
     compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
     tile_elements: int = 128 * 128     # output elements per matmul tile
     # the devices of a host share one pool of compute (XLA's fake CPU
@@ -200,7 +206,8 @@ class Achieved:
 
 
 # written only when non-zero: files from before these fields stay as they were
-_UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s")
+_UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s",
+                    "pipeline_program_s")
 
 
 @dataclass(frozen=True)
@@ -489,9 +496,11 @@ def _achieved_text(a: Achieved) -> str:
     floors = (f", kernels at least {a.matmul_kernel_min_s * 1e6:.3g} us (matmul) and "
               f"{a.memory_kernel_min_s * 1e6:.3g} us (other)"
               if a.matmul_kernel_min_s or a.memory_kernel_min_s else "")
+    host = (f", {a.pipeline_program_s * 1e6:.3g} us of the host per pipeline program"
+            if a.pipeline_program_s else "")
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
             f"{a.kernel_launch_s * 1e6:.3g} us per kernel{floors}, "
-            f"{a.program_dispatch_s * 1e6:.3g} us per program{per_device}{waves}{shared}")
+            f"{a.program_dispatch_s * 1e6:.3g} us per program{per_device}{host}{waves}{shared}")
 
 
 def _dtype_name(dtype: Any) -> str:

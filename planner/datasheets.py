@@ -165,13 +165,19 @@ _KNOWN_TPUS = (
 # per kernel); without them a pipeline of tiny stages looked free.
 CPU_PROGRAM_DISPATCH_S = 20.8e-6
 CPU_KERNEL_LAUNCH_S = 4.4e-6
+# The host's time per stage program of a pipeline (the driver's own work and
+# jit's dispatch, Achieved.pipeline_program_s): `meshplan calibrate --quick`
+# on the same kind of host, 8 fake devices, jax 0.10.2, 2026-12-04, twice on
+# a quiet machine: 399 and 428 us (a 2-stage MLP over 4 micro-batches).
+CPU_PIPELINE_PROGRAM_S = 400e-6
 _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               (10e9, 1e-5), (1.25e9, 5e-5),
               "meshplan default for CPU devices (nominal, not measured; launch costs as "
               "`meshplan calibrate` measured them on one 2-core x86-64 host)",
               note="Peak FLOP/s is meshplan's nominal CPU default.",
               achieved=_achieved(kernel_launch_s=CPU_KERNEL_LAUNCH_S,
-                                 program_dispatch_s=CPU_PROGRAM_DISPATCH_S))
+                                 program_dispatch_s=CPU_PROGRAM_DISPATCH_S,
+                                 pipeline_program_s=CPU_PIPELINE_PROGRAM_S))
 
 
 def known_device(platform: str, kind: str) -> Datasheet | None:

@@ -15,7 +15,7 @@ from meshplan.cost_model.compute import (SPLIT_K_MIN_DEPTH, compute_time, kernel
                                          launch_time, wave_utilisation)
 from meshplan.cost_model.fusion import kernels
 from meshplan.cost_model.mesh import mesh_model
-from meshplan.cost_model.pipeline import shared_compute_iteration_s
+from meshplan.cost_model.pipeline import host_bound_s, shared_compute_iteration_s, stage_programs
 from meshplan.errors import ClusterSpecError
 from meshplan.plan import LogicalMesh
 from meshplan.trace import trace
@@ -384,3 +384,64 @@ def test_float32_matmuls_at_default_precision_are_priced_at_the_tfloat32_rate():
     assert a100.flops_for("tfloat32") == pytest.approx(156e12)
     # a device without a tfloat32 figure prices it as float32
     assert _device().flops_for("tfloat32") == _device().flops_for("float32")
+
+
+def test_a_pipelined_step_takes_at_least_its_programs_host_time():
+    assert stage_programs(2, 4) == 2 * (4 * 2 + 1)
+    assert stage_programs(3, 1, per_micro_batch=3) == 3 * (3 + 1)
+    assert host_bound_s(18, 250e-6) == pytest.approx(4.5e-3)
+    m = _gpt()
+    base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+
+    def host(per_program_s):
+        return dataclasses.replace(base, device=dataclasses.replace(
+            base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                      pipeline_program_s=per_program_s)))
+    manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
+    t0, t1 = (meshplan.plan(m.train_step, *m.abstract_args, cluster=c,
+                            method=manual).predicted.iteration_s for c in (base, host(1.0)))
+    # 2 stages x (4 micro-batches x forward and backward + the update): 18 s
+    assert t0 < 1.0 and t1 == pytest.approx(18.0)
+    # where the devices' work is longer, the host's time does not bind
+    assert meshplan.plan(m.train_step, *m.abstract_args, cluster=host(t0 / 100),
+                         method=manual).predicted.iteration_s == pytest.approx(t0)
+    # one program on every device is not driven stage by stage
+    whole = meshplan.Manual(dp=8)
+    assert meshplan.plan(m.train_step, *m.abstract_args, cluster=host(1.0),
+                         method=whole).predicted.iteration_s < 1.0
+    back = meshplan.ClusterSpec.from_json(host(3e-4).to_json())
+    assert back.device.achieved.pipeline_program_s == pytest.approx(3e-4)
+    assert "pipeline_program_s" not in base.to_json()      # (written only when known)
+
+
+def test_a_tiny_model_stays_one_program_where_the_host_time_is_known():
+    # the 2-layer MLP of benchmarks/default_cluster.py on the cluster calibrate
+    # measured for the measured grid: with the host's time per pipeline
+    # program unknown Auto() plans three stages (measured 4x slower than one
+    # program, default_cluster.md); with it, one program
+    from meshplan.models import build_model
+    m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,
+                            "batch": 16, "optimizer": "sgd"})
+    state, batch = m.abstract_args
+    base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
+    assert base.device.achieved.pipeline_program_s == 0
+    known = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                  pipeline_program_s=250e-6)))
+    stages = [len(meshplan.plan(m.train_step, state, batch, cluster=c,
+                                method=meshplan.Auto()).stages) for c in (base, known)]
+    assert stages == [3, 1]
+
+
+def test_the_timeline_says_when_the_hosts_time_bounds_the_step():
+    from meshplan.tools.timeline import breakdown, simulate
+    m = _gpt()
+    base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+    slow_host = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved, pipeline_program_s=1.0)))
+    manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow_host, method=manual)
+    text = breakdown(p, simulate(p))
+    assert "18 stage programs" in text and "differs" not in text, text
+    q = meshplan.plan(m.train_step, *m.abstract_args, cluster=base, method=manual)
+    assert "stage programs" not in breakdown(q, simulate(q))

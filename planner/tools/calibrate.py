@@ -403,6 +403,8 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how, dispatch)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
+    achieved = replace(achieved, pipeline_program_s=_measure_pipeline_host(
+        devices, opts, timer, reporter, measurements, how))
     warnings += _recheck(mesh, opts, timer, reporter, measurements, how, flops, dispatch)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -543,6 +545,58 @@ def _measure_fixed_costs(mesh, devices, opts: Options, timer: Timer, reporter,
                    + ("the devices share compute" if shared else "each device has its own"))
     return Achieved(kernel_launch_s=launch, program_dispatch_s=fixed,
                     dispatch_per_device_s=per_device, shared_host_compute=shared)
+
+
+# the pipeline whose host time calibrate measures: a small MLP in two stages
+PIPELINE_MODEL = {"layers": 4, "hidden": 32, "in_dim": 32, "out_dim": 10, "batch": 16,
+                  "optimizer": "sgd"}
+PIPELINE_MICRO_BATCHES = 4
+
+
+def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measurements: list,
+                           how: list) -> float:
+    """``achieved.pipeline_program_s``: the host's time per stage program of a
+    real pipeline (a small MLP, ``Manual(pp=2)`` over every device, 4
+    micro-batches): one call's dispatch, which returns before the devices
+    finish, over the stage programs it runs.  Only on an even number of the
+    devices JAX sees (the plan runs on those); else 0, not known."""
+    import jax
+    n = len(devices)
+    if n < 2 or n % 2 or list(devices) != list(jax.devices()):
+        how.append("achieved.pipeline_program_s: not measured (it takes an even number of "
+                   "devices, all those JAX sees)")
+        return 0.0
+    import meshplan
+    from ..cost_model.pipeline import stage_programs
+    from ..models import build_model
+    with reporter.step("calibrate: a pipeline's host time"):
+        m = build_model("mlp", PIPELINE_MODEL)
+        state, batch = m.init(0)
+        mb = PIPELINE_MICRO_BATCHES
+        plan = meshplan.plan(m.train_step, state, batch, cluster=ClusterSpec.local(),
+                             method=meshplan.Manual(dp=1, tp=n // 2, pp=2, num_micro_batches=mb,
+                                                    schedule="1f1b"))
+        step = meshplan.parallelize(m.train_step, plan=plan)
+        held = [state]
+
+        def dispatch() -> None:
+            held[0], _ = step(held[0], batch)
+        times = []
+        for k in range(opts.warmup + 2 + max(3, opts.repeats)):
+            jax.block_until_ready(held[0])     # (each call starts on idle devices)
+            t = timer(dispatch)
+            if k >= opts.warmup + 2:
+                times.append(t)
+        jax.block_until_ready(held[0])
+    programs = stage_programs(2, mb)
+    per = statistics.median(times) / programs
+    measurements.append(Measurement("pipeline program, host", per, programs,
+                                    statistics.median(times)))
+    how.append(f"achieved.pipeline_program_s: a 4-layer MLP as a 2-stage pipeline over the "
+               f"{n} devices, {mb} micro-batches: a call dispatched its {programs} stage "
+               f"programs in {statistics.median(times) * 1e3:.3g} ms (median of {len(times)}), "
+               f"{per * 1e6:.3g} us each")
+    return per
 
 
 def _chain_points(make, opts: Options, timer: Timer) -> list[tuple[float, float]]:
