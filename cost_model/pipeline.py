@@ -146,6 +146,18 @@ def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int
     return num_stages * (num_micro_batches * per_micro_batch + 1)
 
 
+def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
+                    per_program_s: float) -> float:
+    """:func:`host_bound_s` of a plan of ``num_stages`` stages (an
+    interleaved plan's virtual stages) over ``num_micro_batches`` under
+    ``schedule``; 0 for one stage and one micro-batch, a single program that
+    jit dispatches whole."""
+    if num_stages == 1 and num_micro_batches == 1:
+        return 0.0
+    per = 3 if schedule == "zb-h1" else 2
+    return host_bound_s(stage_programs(num_stages, num_micro_batches, per), per_program_s)
+
+
 def host_bound_s(programs: int, per_program_s: float) -> float:
     """The least time of a step whose ``programs`` stage programs one host
     thread dispatches, each costing the host ``per_program_s`` (the

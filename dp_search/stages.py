@@ -18,8 +18,8 @@ from typing import Callable, NamedTuple, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import MeshModel, mesh_model
 from ..cost_model.overlap import Backward, StageWork, hidden_s
-from ..cost_model.pipeline import (accumulation_s, host_bound_s, in_flight,
-                                   shared_compute_iteration_s, stage_programs, stage_send_s)
+from ..cost_model.pipeline import (accumulation_s, in_flight, pipeline_host_s,
+                                   shared_compute_iteration_s, stage_send_s)
 from ..errors import InfeasiblePlanError
 from ..ilp import Pins
 from ..plan import MemoryBreakdown
@@ -917,10 +917,12 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         # and each stage's update program, once per iteration
         total += sum(lay.dispatch(st.submesh) for st in res.stages)
         # the driver hands every stage program over from one host thread
-        # (an interleaved plan's stages here are its virtual stages)
-        total = max(total, host_bound_s(
-            stage_programs(n_st, lay.B, 3 if schedule == ZB_H1 else 2),
-            cluster.device.achieved.pipeline_program_s))
+        # (an interleaved plan's stages here are its virtual stages).  Applied
+        # to the DP's choice, not inside it: where it binds, a split into
+        # fewer stages that the DP passed over may be faster; Auto() compares the
+        # one-program plan with it then (planning._plan_request)
+        total = max(total, pipeline_host_s(n_st, lay.B, schedule,
+                                           cluster.device.achieved.pipeline_program_s))
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)
 
 

@@ -17,6 +17,7 @@ import jax
 
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
+from .cost_model.pipeline import pipeline_host_s
 from .dp_search import SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
@@ -218,12 +219,18 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                           session))
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
-    if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1):
+    a = cluster.device.achieved
+    host_bound = p.predicted.iteration_s <= pipeline_host_s(
+        len(p.stages), p.num_micro_batches, p.schedule, a.pipeline_program_s) * (1 + 1e-9)
+    if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1
+                                             or host_bound):
         # one stage: the whole-graph ILP is more exact than the sum of layer
         # costs; it is kept where it is no slower (so that Auto never predicts
         # a plan slower than one it found, or than a Manual one of the search).
-        # Stages of one micro-batch run one after the other: the whole-graph
-        # plan on every device (ShardParallel's) is compared with them too
+        # Stages of one micro-batch run one after the other, and a pipeline
+        # the host's time per program bounds may lose to one program: the
+        # whole-graph plan on every device (ShardParallel's) is compared
+        # with them too
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:

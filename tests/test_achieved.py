@@ -445,3 +445,17 @@ def test_the_timeline_says_when_the_hosts_time_bounds_the_step():
     assert "18 stage programs" in text and "differs" not in text, text
     q = meshplan.plan(m.train_step, *m.abstract_args, cluster=base, method=manual)
     assert "stage programs" not in breakdown(q, simulate(q))
+
+
+def test_a_pipeline_the_hosts_time_bounds_is_compared_with_one_program():
+    # two micro-batches asked: the searched pipeline runs 2 x (2 x 2 + 1) or
+    # more stage programs at a second each; Auto() keeps the one program
+    from meshplan.models import build_model
+    m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,
+                            "batch": 16, "optimizer": "sgd"})
+    base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
+    slow_host = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved, pipeline_program_s=1.0)))
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow_host,
+                      method=meshplan.Auto(num_micro_batches=2))
+    assert len(p.stages) == 1 and p.num_micro_batches == 1 and p.predicted.iteration_s < 1.0
