@@ -845,11 +845,42 @@ def best_pipeline(lay: LayerProblems, cluster: ClusterSpec, opts: PipelineOption
                                f"micro-batch(es){': ' + detail if detail else ''}", detail, unfit,
                                budget_bytes=int(lay.budget),
                                needed_bytes=None if need is None else int(need))
-    # the first of equals (the groups' DP, then the order schedules are named
-    # in): a schedule later in the list must be faster by more than rounding
+    _fewer_stages(found, lay, cluster, opts, solver)
+    return _first_fastest(found)
+
+
+def _first_fastest(found: list[tuple]) -> tuple[PipelineChoice, StageCosts]:
+    """The first of equals (the groups' DP, then the order schedules are
+    named in): a schedule later in the list must be faster by more than
+    rounding."""
     fastest = min(t for t, _, _, _ in found)
     _, _, choice, priced = next(f for f in found if f[0] <= fastest * (1 + 1e-9))
     return choice, priced
+
+
+def _fewer_stages(found: list[tuple], lay: LayerProblems, cluster: ClusterSpec,
+                  opts: PipelineOptions, solver: LayerSolver) -> None:
+    """Where the host's time for its programs bounds the fastest pipeline
+    of ``found`` (:func:`~meshplan.cost_model.pipeline.pipeline_host_s`),
+    the stage DP, which does not see the bound, may have passed over a
+    split into fewer stages (fewer programs) that is faster: the DP again
+    with fewer stages allowed, until the fastest is not so bound; the
+    pipelines found are added to ``found``."""
+    per_program = cluster.device.achieved.pipeline_program_s
+    cap = None
+    while per_program and opts.fixed is None:
+        choice, priced = _first_fastest(found)
+        n = len(choice.dp.stages)
+        if choice.total_s > pipeline_host_s(n, lay.B, choice.schedule, per_program) * (1 + 1e-9):
+            return
+        cap = min(cap or n, n // choice.chunks) - 1
+        if cap < max(1, priced.lay.min_stages):
+            return
+        view, dps = replace(priced.lay, max_stages=cap), {}
+        for schedule in opts.schedules:
+            c = _pipeline_for(schedule, view, cluster, opts, solver, priced, dps)
+            if c is not None:
+                found.append((c.total_s, len(found), c, priced))
 
 
 def _dp_kind(schedule: str, costs: "StageCosts") -> str:
@@ -917,10 +948,9 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         # and each stage's update program, once per iteration
         total += sum(lay.dispatch(st.submesh) for st in res.stages)
         # the driver hands every stage program over from one host thread
-        # (an interleaved plan's stages here are its virtual stages).  Applied
-        # to the DP's choice, not inside it: where it binds, a split into
-        # fewer stages that the DP passed over may be faster; Auto() compares the
-        # one-program plan with it then (planning._plan_request)
+        # (an interleaved plan's stages here are its virtual stages).  The DP
+        # does not see it: where it binds, best_pipeline runs the DP again
+        # with fewer stages allowed (_fewer_stages)
         total = max(total, pipeline_host_s(n_st, lay.B, schedule,
                                            cluster.device.achieved.pipeline_program_s))
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)

@@ -459,3 +459,22 @@ def test_a_pipeline_the_hosts_time_bounds_is_compared_with_one_program():
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow_host,
                       method=meshplan.Auto(num_micro_batches=2))
     assert len(p.stages) == 1 and p.num_micro_batches == 1 and p.predicted.iteration_s < 1.0
+
+
+@pytest.mark.parametrize("per_program_s", [0.0, 1.0])
+def test_fewer_stages_are_searched_where_the_hosts_time_bounds_the_pipeline(per_program_s):
+    # four micro-batches, stages searched: at a second a program, one stage
+    # (4 x 2 + 1 programs) beats any split the DP prefers without the bound
+    from meshplan.models import build_model
+    m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,
+                            "batch": 16, "optimizer": "sgd"})
+    base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
+    host = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                  pipeline_program_s=per_program_s)))
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=host,
+                      method=meshplan.PipeshardParallel(num_micro_batches=4))
+    if per_program_s == 0:
+        assert len(p.stages) > 1        # (what the DP prefers: the case is not vacuous)
+    else:
+        assert len(p.stages) == 1 and p.predicted.iteration_s == pytest.approx(9.0)
