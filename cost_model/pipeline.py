@@ -154,8 +154,21 @@ def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
     jit dispatches whole."""
     if num_stages == 1 and num_micro_batches == 1:
         return 0.0
-    per = 3 if schedule == "zb-h1" else 2
-    return host_bound_s(stage_programs(num_stages, num_micro_batches, per), per_program_s)
+    return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule),
+                        per_program_s)
+
+
+def schedule_programs(num_stages: int, num_micro_batches: int, schedule: str) -> int:
+    """:func:`stage_programs` under ``schedule`` (ZB-H1: a W program too)."""
+    return stage_programs(num_stages, num_micro_batches, 3 if schedule == "zb-h1" else 2)
+
+
+def host_binds(iteration_s: float, num_stages: int, num_micro_batches: int, schedule: str,
+               per_program_s: float) -> bool:
+    """Is ``iteration_s`` (a plan's predicted step) set by
+    :func:`pipeline_host_s` rather than by its devices' work?"""
+    host = pipeline_host_s(num_stages, num_micro_batches, schedule, per_program_s)
+    return host > 0 and iteration_s <= host * (1 + 1e-9)
 
 
 def host_bound_s(programs: int, per_program_s: float) -> float:

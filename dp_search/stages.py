@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import MeshModel, mesh_model
 from ..cost_model.overlap import Backward, StageWork, hidden_s
-from ..cost_model.pipeline import (accumulation_s, in_flight, pipeline_host_s,
+from ..cost_model.pipeline import (accumulation_s, host_binds, in_flight, pipeline_host_s,
                                    shared_compute_iteration_s, stage_send_s)
 from ..errors import InfeasiblePlanError
 from ..ilp import Pins
@@ -871,7 +871,7 @@ def _fewer_stages(found: list[tuple], lay: LayerProblems, cluster: ClusterSpec,
     while per_program and opts.fixed is None:
         choice, priced = _first_fastest(found)
         n = len(choice.dp.stages)
-        if choice.total_s > pipeline_host_s(n, lay.B, choice.schedule, per_program) * (1 + 1e-9):
+        if not host_binds(choice.total_s, n, lay.B, choice.schedule, per_program):
             return
         cap = min(cap or n, n // choice.chunks) - 1
         if cap < max(1, priced.lay.min_stages):

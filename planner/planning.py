@@ -17,7 +17,7 @@ import jax
 
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
-from .cost_model.pipeline import pipeline_host_s
+from .cost_model.pipeline import host_binds
 from .dp_search import SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
@@ -219,9 +219,8 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                           session))
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
-    a = cluster.device.achieved
-    host_bound = p.predicted.iteration_s <= pipeline_host_s(
-        len(p.stages), p.num_micro_batches, p.schedule, a.pipeline_program_s) * (1 + 1e-9)
+    host_bound = host_binds(p.predicted.iteration_s, len(p.stages), p.num_micro_batches,
+                            p.schedule, cluster.device.achieved.pipeline_program_s)
     if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1
                                              or host_bound):
         # one stage: the whole-graph ILP is more exact than the sum of layer

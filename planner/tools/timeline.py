@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..cost_model.pipeline import pipeline_host_s
+from ..cost_model.pipeline import host_binds, schedule_programs
 from ..plan import Plan
 from ..units import human_time
 from ..schedule import Block, group_order, schedule_order
@@ -88,12 +88,12 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     rest = plan.predicted.iteration_s - drawn - update
     text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
             f"{human_time(drawn)} + update programs {human_time(update)}")
-    host = pipeline_host_s(len(plan.stages), plan.num_micro_batches, plan.schedule,
-                           a.pipeline_program_s)
-    if host and plan.predicted.iteration_s <= host * (1 + 1e-9):
-        text += (f" + {human_time(rest)}: the host hands over the step's "
-                 f"{round(host / a.pipeline_program_s)} stage programs at "
-                 f"{human_time(a.pipeline_program_s)} each, longer than the devices' work")
+    if host_binds(plan.predicted.iteration_s, len(plan.stages), plan.num_micro_batches,
+                  plan.schedule, a.pipeline_program_s):
+        programs = schedule_programs(len(plan.stages), plan.num_micro_batches, plan.schedule)
+        text += (f" + {human_time(rest)}: the host hands over the step's {programs} stage "
+                 f"programs at {human_time(a.pipeline_program_s)} each, longer than the "
+                 "devices' work")
     elif abs(rest) > 1e-4 * plan.predicted.iteration_s:
         model = ("the shared-compute formula (the devices share one host)"
                  if a.shared_host_compute else "the interleaved formula"
