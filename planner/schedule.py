@@ -52,7 +52,7 @@ def schedule_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple
     all backwards; 1F1B ``stages - stage - 1`` warm-up forwards, then one
     forward / one backward; ZB-H1 1F1B's order with ``("W", i)`` (see the
     module doc)."""
-    if schedule == "gpipe" or (stages == 1 and schedule != "zb-h1"):
+    if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     split = schedule == "zb-h1"
     warm = min(stages - stage - 1, m)
