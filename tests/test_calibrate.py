@@ -1,6 +1,7 @@
 """`meshplan calibrate`: the figure arithmetic on synthetic times, and a quick
 real calibration of the 8 fake CPU devices that loads and plans."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -179,3 +180,19 @@ def test_the_matmul_is_timed_again_and_the_faster_kept(monkeypatch):
     assert dict(cal.cluster.device.peak_flops)["float32"] == pytest.approx(2 * n ** 3 / 1e-3)
     steady = C.calibrate(name="fake", options=C.Options.quick(), timer=lambda fn: 1e-3)
     assert not [w for w in steady.warnings if "at the start" in w]
+
+
+def test_one_device_measures_the_pipeline_host_time_with_one_stage(tmp_path):
+    # a lent GPU is one device: the pipeline's host time is measured on a
+    # one-stage plan with micro-batches (the driver runs it as any pipeline)
+    out = tmp_path / "one.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--quick", "--out",
+                           str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    spec = meshplan.load_cluster(str(out))
+    assert spec.num_devices == 1
+    assert spec.device.achieved.pipeline_program_s > 0
+    assert "1-stage pipeline over the 1 device(s), 4 micro-batches" in spec.description
+    assert "its 9 stage programs" in spec.description
