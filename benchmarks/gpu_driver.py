@@ -27,8 +27,10 @@ peak is that row's alone; ``jit`` rows run ``jax.jit`` of the plain step
     python benchmarks/gpu_driver.py --report DIR/gpu_driver.json [--cluster FILE]   (CPU)
 
 ``--report`` prints the tables and re-predicts every row on CPU with the
-device as ``ClusterSpec.local()`` describes it, and with ``--cluster``'s
-``achieved.pipeline_program_s`` on top (a ``meshplan calibrate`` file).
+device as ``ClusterSpec.local()`` describes it, and with the host's figures
+on top: ``--cluster``'s ``achieved.pipeline_program_s`` and
+``pipeline_buffer_s`` (a ``meshplan calibrate`` file), or ``--program-s`` /
+``--buffer-s``.
 Written for a lent GPU (CI has none); ``--quick`` runs every path on CPU.
 """
 from __future__ import annotations
@@ -204,17 +206,23 @@ def measure(out: pathlib.Path, names: Sequence[str], counts: Sequence[int]) -> l
     return rows
 
 
-def report(rows: Sequence[dict], cluster_file: str | None) -> list[str]:
-    """Tables of measured rows; predictions re-made with today's model."""
+def report(rows: Sequence[dict], cluster_file: str | None, program_s: float | None = None,
+           buffer_s: float | None = None) -> list[str]:
+    """Tables of measured rows; predictions re-made with today's model, and
+    with the host's figures of ``cluster_file`` (or given) on top."""
     import dataclasses
     import meshplan
     from meshplan.models import build_model
     device = rows[0].get("device", "")
     ref = {r["model"]: r.get("loss") for r in rows if r["micro_batches"] == "jit"}
     base = device_like(device) if device and not device.startswith("cpu") else None
-    host = 0.0
+    host = {}
     if cluster_file:
-        host = meshplan.load_cluster(cluster_file).device.achieved.pipeline_program_s
+        a = meshplan.load_cluster(cluster_file).device.achieved
+        host = {"pipeline_program_s": a.pipeline_program_s,
+                "pipeline_buffer_s": a.pipeline_buffer_s}
+    host.update({k: v for k, v in (("pipeline_program_s", program_s),
+                                   ("pipeline_buffer_s", buffer_s)) if v is not None})
     out = []
     for r in rows:
         r = dict(r)
@@ -225,7 +233,7 @@ def report(rows: Sequence[dict], cluster_file: str | None) -> list[str]:
             model = build_model("gpt", _config(r["model"]))
             r["predicted_ms"] = _plan(model, m, base).predicted.iteration_s * 1e3
             if host:
-                a = dataclasses.replace(base.device.achieved, pipeline_program_s=host)
+                a = dataclasses.replace(base.device.achieved, **host)
                 c = dataclasses.replace(base, device=dataclasses.replace(base.device, achieved=a))
                 r["with_host_ms"] = _plan(model, m, c).predicted.iteration_s * 1e3
         for k in ("predicted_ms", "with_host_ms"):
@@ -252,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="dispatch time against buffers, and each program's buffers and "
                          "memory_analysis() for these rows (printed as JSON lines)")
     ap.add_argument("--report", metavar="JSON", help="tables of a measured run (CPU)")
-    ap.add_argument("--cluster", help="with --report: a calibrated file's pipeline_program_s")
+    ap.add_argument("--cluster", help="with --report: a calibrated file's host figures "
+                                      "(pipeline_program_s, pipeline_buffer_s)")
+    ap.add_argument("--program-s", type=float, help="with --report: pipeline_program_s")
+    ap.add_argument("--buffer-s", type=float, help="with --report: pipeline_buffer_s")
     args = ap.parse_args(argv)
     if args.row:
         import jax
@@ -271,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.report:
         print("\n".join(report(json.loads(pathlib.Path(args.report).read_text()),
-                               args.cluster)))
+                               args.cluster, args.program_s, args.buffer_s)))
         return 0
     if not args.out:
         ap.error("--out FOLDER is required to measure (or --report JSON)")

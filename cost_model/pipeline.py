@@ -147,15 +147,18 @@ def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int
 
 
 def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
-                    per_program_s: float) -> float:
+                    per_program_s: float, per_buffer_s: float = 0.0, buffers: int = 0) -> float:
     """:func:`host_bound_s` of a plan of ``num_stages`` stages (an
     interleaved plan's virtual stages) over ``num_micro_batches`` under
-    ``schedule``; 0 for one stage and one micro-batch, a single program that
-    jit dispatches whole."""
+    ``schedule``, plus ``per_buffer_s`` for each of the ``buffers`` its
+    stage programs take and make in a step (:func:`step_buffers`); 0 for one
+    stage and one micro-batch, a single program that jit dispatches whole.
+    (One process drives every stage, as on one host; in a multi-host run each
+    process drives its own stages, and this over-counts.)"""
     if num_stages == 1 and num_micro_batches == 1:
         return 0.0
     return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule),
-                        per_program_s)
+                        per_program_s) + buffers * per_buffer_s
 
 
 def schedule_programs(num_stages: int, num_micro_batches: int, schedule: str) -> int:
@@ -163,12 +166,35 @@ def schedule_programs(num_stages: int, num_micro_batches: int, schedule: str) ->
     return stage_programs(num_stages, num_micro_batches, 3 if schedule == "zb-h1" else 2)
 
 
-def host_binds(iteration_s: float, num_stages: int, num_micro_batches: int, schedule: str,
-               per_program_s: float) -> bool:
-    """Is ``iteration_s`` (a plan's predicted step) set by
-    :func:`pipeline_host_s` rather than by its devices' work?"""
-    host = pipeline_host_s(num_stages, num_micro_batches, schedule, per_program_s)
-    return host > 0 and iteration_s <= host * (1 + 1e-9)
+def layer_buffers(params: int, state: int, kept: int, sent: int, received: int,
+                  schedule: str) -> tuple[int, int]:
+    """The arrays one layer adds to its stage's programs: (per micro-batch,
+    per step).  A forward takes the ``params`` and what it ``received`` and
+    makes the ``kept`` values and what it ``sent``; a backward takes the
+    params, the kept values, the cotangents of what was sent and the running
+    gradient sums, and makes the sums and the cotangents of what was
+    received (ZB-H1's weight-gradient program takes the kept values and the
+    sums again and makes the sums).  The update takes the ``state`` and the
+    gradients and makes the state.  (Recomputation keeps fewer values: not
+    counted.)"""
+    per_mb = 4 * params + 2 * kept + 2 * sent + 2 * received
+    if schedule == "zb-h1":
+        per_mb += 2 * params + kept
+    return per_mb, 2 * state + params
+
+
+def step_buffers(stages: Sequence[tuple[int, int, int]], num_micro_batches: int) -> int:
+    """The array buffers a step's stage programs take and make, one per
+    device an array lives on: ``stages`` holds each stage's (devices,
+    buffers per micro-batch, buffers per step) (:func:`layer_buffers`
+    summed over its layers)."""
+    return sum(d * (num_micro_batches * mb + step) for d, mb, step in stages)
+
+
+def host_binds(iteration_s: float, host_s: float) -> bool:
+    """Is ``iteration_s`` (a plan's predicted step) set by the host's time
+    ``host_s`` (:func:`pipeline_host_s`) rather than by its devices' work?"""
+    return host_s > 0 and iteration_s <= host_s * (1 + 1e-9)
 
 
 def host_bound_s(programs: int, per_program_s: float) -> float:

@@ -191,7 +191,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 schedule=schedule if n_stages > 1 or B > 1 else "none",
                 batch=tuple(sorted(batch_specs.items())),
                 predicted=PlanPredicted(total, tflops, peak_mem, int(comm_bytes),
-                                        (full.total_flops + recomputed) * per_s),
+                                        (full.total_flops + recomputed) * per_s,
+                                        choice.host_s),
                 function=full.name, batch_argnums=full.batch_argnums,
                 arg_prefixes=tuple(sorted(pre.items())),
                 notes=(f"{layering.num_layers} layers "

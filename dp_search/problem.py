@@ -12,6 +12,7 @@ from ..contributions import graph_ops, once_a_step
 from ..cost_model import default_axis_names
 from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
+from ..cost_model.pipeline import layer_buffers
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
 from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, arithmetic_flops
@@ -71,6 +72,20 @@ class LayerProblems:
     def dispatch(self, m: int) -> float:
         """Launching one compiled program on submesh ``m``."""
         return self.dispatch_s + self.submeshes[m].size * self.dispatch_per_device_s
+
+    def buffers(self, first: int, last: int, schedule: str) -> tuple[int, int]:
+        """The arrays a stage of layers ``first..last`` takes and makes in its
+        programs: (per micro-batch, per step)
+        (:func:`meshplan.cost_model.pipeline.layer_buffers`)."""
+        per_mb = per_step = 0
+        for l in range(first, last + 1):
+            roles = [i.role for i in self.subs[l].inputs]
+            mb, step = layer_buffers(roles.count(PARAM),
+                                     sum(r in (PARAM, OPT_STATE, STATE) for r in roles),
+                                     len(self.saved[l]), len(self.crossing[l]),
+                                     len(self.entering[l]), schedule)
+            per_mb, per_step = per_mb + mb, per_step + step
+        return per_mb, per_step
 
     def request(self, l: int, m: int, k: int) -> tuple:
         """The arguments of :meth:`_Search.layer_cost` for layer ``l`` on mesh ``k`` of submesh ``m``."""

@@ -19,7 +19,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.mesh import MeshModel, mesh_model
 from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import (accumulation_s, host_binds, in_flight, pipeline_host_s,
-                                   shared_compute_iteration_s, stage_send_s)
+                                   shared_compute_iteration_s, stage_send_s, step_buffers)
 from ..errors import InfeasiblePlanError
 from ..ilp import Pins
 from ..plan import MemoryBreakdown
@@ -252,6 +252,7 @@ class PipelineChoice:
     dp: DPResult                                        # stages in layer indices
     options: dict[tuple[int, int, int, int], StageOption]
     chunks: int = 1     # virtual stages per device group (interleaved: .interleave)
+    host_s: float = 0.0  # the host's time for the step's programs (cost_model.pipeline)
 
     def chosen(self) -> list[StageOption]:
         """The option of each stage of ``dp``, first to last (``options``
@@ -866,12 +867,12 @@ def _fewer_stages(found: list[tuple], lay: LayerProblems, cluster: ClusterSpec,
     split into fewer stages (fewer programs) that is faster: the DP again
     with fewer stages allowed, until the fastest is not so bound; the
     pipelines found are added to ``found``."""
-    per_program = cluster.device.achieved.pipeline_program_s
+    a = cluster.device.achieved
     cap = None
-    while per_program and opts.fixed is None:
+    while (a.pipeline_program_s or a.pipeline_buffer_s) and opts.fixed is None:
         choice, priced = _first_fastest(found)
         n = len(choice.dp.stages)
-        if not host_binds(choice.total_s, n, lay.B, choice.schedule, per_program):
+        if not host_binds(choice.total_s, choice.host_s):
             return
         cap = min(cap or n, n // choice.chunks) - 1
         if cap < max(1, priced.lay.min_stages):
@@ -951,8 +952,13 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         # (an interleaved plan's stages here are its virtual stages).  The DP
         # does not see it: where it binds, best_pipeline runs the DP again
         # with fewer stages allowed (_fewer_stages)
-        total = max(total, pipeline_host_s(n_st, lay.B, schedule,
-                                           cluster.device.achieved.pipeline_program_s))
+        a = cluster.device.achieved
+        buffers = step_buffers([(lay.submeshes[st.submesh].size,
+                                 *lay.buffers(st.first, st.last, schedule))
+                                for st in res.stages], lay.B) if a.pipeline_buffer_s else 0
+        host = pipeline_host_s(n_st, lay.B, schedule, a.pipeline_program_s,
+                               a.pipeline_buffer_s, buffers)
+        return PipelineChoice(max(total, host), schedule, res, dict(chosen), chunks, host)
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)
 
 

@@ -178,6 +178,11 @@ class Achieved:
     # dispatches every program, so a pipelined step takes at least this
     # times its programs (cost_model.pipeline.host_bound_s).  0: not known
     pipeline_program_s: float = 0.0
+    # ... and its seconds per array buffer a stage program takes or makes (one
+    # per device an array lives on): jit's dispatch grows with them (an H200
+    # host: about 8 us each, gpt-350m's programs 300-2000 buffers,
+    # benchmarks/results/gpu_driver.md).  0: not known
+    pipeline_buffer_s: float = 0.0
     compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
     tile_elements: int = 128 * 128     # output elements per matmul tile
     # the devices of a host share one pool of compute (XLA's fake CPU
@@ -207,7 +212,7 @@ class Achieved:
 
 # written only when non-zero: files from before these fields stay as they were
 _UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s",
-                    "pipeline_program_s")
+                    "pipeline_program_s", "pipeline_buffer_s")
 
 
 @dataclass(frozen=True)
@@ -498,6 +503,7 @@ def _achieved_text(a: Achieved) -> str:
               if a.matmul_kernel_min_s or a.memory_kernel_min_s else "")
     host = (f", {a.pipeline_program_s * 1e6:.3g} us of the host per pipeline program"
             if a.pipeline_program_s else "")
+    host += (f" + {a.pipeline_buffer_s * 1e6:.3g} us per buffer" if a.pipeline_buffer_s else "")
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
             f"{a.kernel_launch_s * 1e6:.3g} us per kernel{floors}, "
             f"{a.program_dispatch_s * 1e6:.3g} us per program{per_device}{host}{waves}{shared}")

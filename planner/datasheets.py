@@ -166,10 +166,16 @@ _KNOWN_TPUS = (
 CPU_PROGRAM_DISPATCH_S = 20.8e-6
 CPU_KERNEL_LAUNCH_S = 4.4e-6
 # The host's time per stage program of a pipeline (the driver's own work and
-# jit's dispatch, Achieved.pipeline_program_s): `meshplan calibrate --quick`
-# on the same kind of host, 8 fake devices, jax 0.10.2, 2026-12-04, twice on
-# a quiet machine: 399 and 428 us (a 2-stage MLP over 4 micro-batches).
-CPU_PIPELINE_PROGRAM_S = 400e-6
+# jit's dispatch, Achieved.pipeline_program_s) and per array buffer a program
+# takes or makes (pipeline_buffer_s): `meshplan calibrate --quick` on the same
+# kind of host, 8 fake devices, jax 0.10.2, five runs on 2026-12-04 (stop 69):
+# a call of k arrays in and out, 0.76-1.08 us a buffer (median 0.84); a 2-stage
+# MLP over 4 micro-batches, 18 programs and 1168 buffers in 8.0-10.0 ms, less
+# the buffers 387-488 us a program (median 478).  (Stop 68's two runs, on a
+# day the machine dispatched faster, took 399 and 428 us a program, buffers
+# included.)
+CPU_PIPELINE_PROGRAM_S = 478e-6
+CPU_PIPELINE_BUFFER_S = 0.84e-6
 _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               (10e9, 1e-5), (1.25e9, 5e-5),
               "meshplan default for CPU devices (nominal, not measured; launch costs as "
@@ -177,7 +183,8 @@ _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               note="Peak FLOP/s is meshplan's nominal CPU default.",
               achieved=_achieved(kernel_launch_s=CPU_KERNEL_LAUNCH_S,
                                  program_dispatch_s=CPU_PROGRAM_DISPATCH_S,
-                                 pipeline_program_s=CPU_PIPELINE_PROGRAM_S))
+                                 pipeline_program_s=CPU_PIPELINE_PROGRAM_S,
+                                 pipeline_buffer_s=CPU_PIPELINE_BUFFER_S))
 
 
 def known_device(platform: str, kind: str) -> Datasheet | None:

@@ -157,12 +157,17 @@ class PlanPredicted:
     peak_memory_bytes: int = 0
     comm_bytes_per_device: int = 0
     hardware_tflops_per_device: float = 0.0
+    # a pipelined step: the host's time to hand its stage programs over, the
+    # least iteration_s can be (cost_model.pipeline.pipeline_host_s); 0 for
+    # one program (written only when non-zero)
+    host_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "tflops_per_device": self.tflops_per_device,
                 "peak_memory_bytes": int(self.peak_memory_bytes),
                 "comm_bytes_per_device": int(self.comm_bytes_per_device),
-                "hardware_tflops_per_device": self.hardware_tflops_per_device}
+                "hardware_tflops_per_device": self.hardware_tflops_per_device,
+                **({"host_s": self.host_s} if self.host_s else {})}
 
 
 SpecTable = tuple[tuple[str, Spec], ...]

@@ -219,8 +219,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                           session))
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
-    host_bound = host_binds(p.predicted.iteration_s, len(p.stages), p.num_micro_batches,
-                            p.schedule, cluster.device.achieved.pipeline_program_s)
+    host_bound = host_binds(p.predicted.iteration_s, p.predicted.host_s)
     if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1
                                              or host_bound):
         # one stage: the whole-graph ILP is more exact than the sum of layer

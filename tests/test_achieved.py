@@ -478,3 +478,46 @@ def test_fewer_stages_are_searched_where_the_hosts_time_bounds_the_pipeline(per_
         assert len(p.stages) > 1        # (what the DP prefers: the case is not vacuous)
     else:
         assert len(p.stages) == 1 and p.predicted.iteration_s == pytest.approx(9.0)
+
+
+def test_buffer_counts_by_hand():
+    from meshplan.cost_model.pipeline import layer_buffers, pipeline_host_s, step_buffers
+    # 3 parameters (5 state arrays with their optimizer moments), 4 kept values,
+    # 1 sent on, 2 received: forward 3 + 2 in, 4 + 1 out; backward 3 + 4 + 1 + 3
+    # in, 3 + 2 out; the update 5 + 3 in, 5 out
+    assert layer_buffers(3, 5, 4, 1, 2, "1f1b") == (5 + 5 + 11 + 5, 13)
+    # ZB-H1's weight-gradient program: the kept values and the sums in, the sums out
+    assert layer_buffers(3, 5, 4, 1, 2, "zb-h1") == (26 + 4 + 6, 13)
+    # two stages on 2 and 4 devices, 3 micro-batches
+    assert step_buffers([(2, 10, 7), (4, 1, 1)], 3) == 2 * 37 + 4 * 4
+    assert pipeline_host_s(2, 3, "1f1b", 1e-3, 1e-6, 90) == pytest.approx(14e-3 + 90e-6)
+    assert pipeline_host_s(1, 1, "1f1b", 1e-3, 1e-6, 90) == 0     # one program
+
+
+def test_the_host_time_counts_the_buffers_the_programs_take_and_make():
+    # the plan counts its stage programs' arrays from the graph; the programs
+    # that run take and make about as many (an H200 run: gpt-small 2081
+    # counted, 1973 ran; gpt-350m 6745 and 6903, benchmarks/results/gpu_driver.md)
+    from meshplan.models import build_model
+    from meshplan.tools.calibrate import _buffers_run
+    m = build_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16,
+                            "vocab": 64, "batch": 8})
+    base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
+
+    def host(per_buffer_s):
+        return dataclasses.replace(base, device=dataclasses.replace(
+            base.device, achieved=dataclasses.replace(base.device.achieved,
+                                                      pipeline_buffer_s=per_buffer_s)))
+    manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=host(1.0), method=manual)
+    counted = p.predicted.host_s            # (1 s a buffer, 0 a program)
+    assert p.predicted.iteration_s == pytest.approx(counted)
+    state, batch = m.init(0)
+    ran = _buffers_run(meshplan.parallelize(m.train_step, plan=p), p, state, batch)
+    assert 0.85 <= counted / ran <= 1.15, (counted, ran)
+    q = meshplan.plan(m.train_step, *m.abstract_args, cluster=base, method=manual)
+    assert q.predicted.host_s == 0 and "host_s" not in q.to_json()
+    assert meshplan.Plan.from_json(p.to_json()).predicted.host_s == pytest.approx(counted)
+    back = meshplan.ClusterSpec.from_json(host(2e-6).to_json())
+    assert back.device.achieved.pipeline_buffer_s == pytest.approx(2e-6)
+    assert "pipeline_buffer_s" not in base.to_json()

@@ -84,6 +84,7 @@ class Options:
     collective_max_bytes: int = 1 << 28
     collective_loop: int = 8            # collectives per timed run (fori_loop)
     launch_chain: tuple[int, ...] = (1, 16, 64)   # kernels per program for the fixed costs
+    buffer_counts: tuple[int, int] = (16, 256)    # arrays in (and out) of the buffer timing
     dtypes: tuple[str, ...] = MATMUL_DTYPES
     quick_mode: bool = False
 
@@ -93,7 +94,8 @@ class Options:
                    bits_min=1 << 10, bits_max=1 << 16,
                    memory_min_bytes=1 << 16, memory_max_bytes=1 << 22,
                    collective_small_bytes=1 << 10, collective_max_bytes=1 << 20,
-                   collective_loop=4, launch_chain=(1, 16), quick_mode=True)
+                   collective_loop=4, launch_chain=(1, 16), buffer_counts=(16, 128),
+                   quick_mode=True)
 
 
 @dataclass(frozen=True)
@@ -403,8 +405,10 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
     memory, mem_bw = _measure_memory(mesh, dev0, platform, per_host, opts, timer, reporter,
                                      measurements, how, dispatch)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
-    achieved = replace(achieved, pipeline_program_s=_measure_pipeline_host(
-        devices, opts, timer, reporter, measurements, how))
+    per_buffer = _measure_buffers(mesh, devices, opts, timer, reporter, measurements, how)
+    achieved = replace(achieved, pipeline_buffer_s=per_buffer,
+                       pipeline_program_s=_measure_pipeline_host(
+                           devices, opts, timer, reporter, measurements, how, per_buffer))
     warnings += _recheck(mesh, opts, timer, reporter, measurements, how, flops, dispatch)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -553,8 +557,45 @@ PIPELINE_MODEL = {"layers": 4, "hidden": 32, "in_dim": 32, "out_dim": 10, "batch
 PIPELINE_MICRO_BATCHES = 4
 
 
+def _measure_buffers(mesh, devices, opts: Options, timer: Timer, reporter, measurements: list,
+                     how: list) -> float:
+    """``achieved.pipeline_buffer_s``: the host's time of a jitted call per
+    array buffer it takes and makes (a program of ``k`` arrays in and ``k``
+    out, each on every device, timed to its return at two ``k``: the slope
+    per buffer).  0 where the slope is not positive (not resolved)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    n, where = len(devices), NamedSharding(mesh, PartitionSpec())
+    step = jax.jit(lambda *xs: [x + 1 for x in xs])
+
+    def dispatch_s(k: int) -> float:
+        xs = [jax.device_put(jnp.full((4,), float(i)), where) for i in range(k)]
+        held = [step(*xs)]
+
+        def call() -> None:
+            held[0] = step(*xs)
+        times = []
+        for r in range(opts.warmup + max(3, opts.repeats)):
+            jax.block_until_ready(held[0])      # (each call starts on idle devices)
+            t = timer(call)
+            if r >= opts.warmup:
+                times.append(t)
+        jax.block_until_ready(held[0])
+        return statistics.median(times)
+    k1, k2 = opts.buffer_counts
+    with reporter.step("calibrate: the host's time per buffer"):
+        t1, t2 = dispatch_s(k1), dispatch_s(k2)
+    per = max(0.0, (t2 - t1) / (2 * (k2 - k1) * n))
+    measurements.append(Measurement("program buffer, host", per, 2 * k2 * n, t2))
+    how.append(f"achieved.pipeline_buffer_s: a jitted call of k arrays in and k out, each on "
+               f"all {n} device(s), returned in {t1 * 1e6:.3g} us at k={k1} and "
+               f"{t2 * 1e6:.3g} us at k={k2} (medians): {per * 1e6:.3g} us per buffer")
+    return per
+
+
 def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measurements: list,
-                           how: list) -> float:
+                           how: list, per_buffer_s: float = 0.0) -> float:
     """``achieved.pipeline_program_s``: the host's time per stage program of a
     real pipeline (a small MLP over every device, 4 micro-batches, in
     ``Manual(pp=2)`` on an even device count, else one stage, which the
@@ -595,13 +636,27 @@ def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measu
                 times.append(t)
         jax.block_until_ready(held[0])
     programs, call = stage_programs(stages, mb), statistics.median(times)
-    per = call / programs
+    buffers = _buffers_run(step, plan, state, batch) if per_buffer_s else 0
+    per = max(0.0, call - buffers * per_buffer_s) / programs
     measurements.append(Measurement("pipeline program, host", per, programs, call))
+    net = (f", less its {buffers} array buffers at {per_buffer_s * 1e6:.3g} us"
+           if buffers else "")
     how.append(f"achieved.pipeline_program_s: a 4-layer MLP as a {stages}-stage pipeline "
                f"over the {n} device(s), {mb} micro-batches: a call dispatched its {programs} stage "
-               f"programs in {call * 1e3:.3g} ms (median of {len(times)}), "
+               f"programs in {call * 1e3:.3g} ms (median of {len(times)}){net}: "
                f"{per * 1e6:.3g} us each")
     return per
+
+
+def _buffers_run(step, plan, state, batch) -> int:
+    """The array buffers one call of pipelined ``step`` hands its programs
+    and gets back: each program's arguments and results, once per device of
+    its stage, times the runs of a call."""
+    import jax
+    compiled = step.lower(state, batch).compile()
+    return sum(compiled.runs(key) * len(plan.stages[key[1]].devices)
+               * (len(jax.tree.leaves(c.input_shardings)) + len(jax.tree.leaves(c.output_shardings)))
+               for key, c in compiled.compiled.items())
 
 
 def _chain_points(make, opts: Options, timer: Timer) -> list[tuple[float, float]]:

@@ -88,12 +88,13 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     rest = plan.predicted.iteration_s - drawn - update
     text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
             f"{human_time(drawn)} + update programs {human_time(update)}")
-    if host_binds(plan.predicted.iteration_s, len(plan.stages), plan.num_micro_batches,
-                  plan.schedule, a.pipeline_program_s):
+    if host_binds(plan.predicted.iteration_s, plan.predicted.host_s):
         programs = schedule_programs(len(plan.stages), plan.num_micro_batches, plan.schedule)
+        buffers = (f" and their array buffers at {human_time(a.pipeline_buffer_s)} each"
+                   if a.pipeline_buffer_s else "")
         text += (f" + {human_time(rest)}: the host hands over the step's {programs} stage "
-                 f"programs at {human_time(a.pipeline_program_s)} each, longer than the "
-                 "devices' work")
+                 f"programs at {human_time(a.pipeline_program_s)} each{buffers}, longer "
+                 "than the devices' work")
     elif abs(rest) > 1e-4 * plan.predicted.iteration_s:
         model = ("the shared-compute formula (the devices share one host)"
                  if a.shared_host_compute else "the interleaved formula"
