@@ -14,7 +14,8 @@ timings of ``--steps`` steps each, each ended by ``block_until_ready``.
 ``--cluster FILE`` adds a row per model: ``Auto()`` planned on that cluster
 file (e.g. one ``meshplan calibrate`` wrote on this host), run on the same
 devices; where the file has no ``pipeline_program_s`` (calibrated before
-calibrate timed a pipeline), one more with the local default's.
+calibrate timed a pipeline), one more with the local default's host figures
+(per program and per buffer).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ MODELS = {
 
 def without_launch_costs(cluster: meshplan.ClusterSpec) -> meshplan.ClusterSpec:
     a = dataclasses.replace(cluster.device.achieved, kernel_launch_s=0.0,
-                            program_dispatch_s=0.0, pipeline_program_s=0.0)
+                            program_dispatch_s=0.0, pipeline_program_s=0.0,
+                            pipeline_buffer_s=0.0)
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, achieved=a))
 
 
@@ -78,13 +80,14 @@ def main() -> None:
     if args.cluster:
         given = load_cluster(args.cluster)
         clusters[f"Auto, {args.cluster}"] = given
-        host_s = local.device.achieved.pipeline_program_s
-        if not given.device.achieved.pipeline_program_s and host_s:
+        a = local.device.achieved
+        if not given.device.achieved.pipeline_program_s and a.pipeline_program_s:
             # (a file calibrated before calibrate timed a pipeline: with the local default's)
-            clusters[f"Auto, {args.cluster} + {host_s * 1e6:.3g} us per pipeline program"] = \
+            clusters[f"Auto, {args.cluster} + the local host figures"] = \
                 dataclasses.replace(given, device=dataclasses.replace(
-                    given.device, achieved=dataclasses.replace(given.device.achieved,
-                                                               pipeline_program_s=host_s)))
+                    given.device, achieved=dataclasses.replace(
+                        given.device.achieved, pipeline_program_s=a.pipeline_program_s,
+                        pipeline_buffer_s=a.pipeline_buffer_s)))
     print("| model | plan | chosen | predicted ms | measured ms |")
     print("|---|---|---|---:|---:|")
     for name, (kind, config) in MODELS.items():
