@@ -386,6 +386,12 @@ def test_float32_matmuls_at_default_precision_are_priced_at_the_tfloat32_rate():
     assert _device().flops_for("tfloat32") == _device().flops_for("float32")
 
 
+def _with_achieved(cluster, **fields):
+    """``cluster`` with these ``Achieved`` fields replaced."""
+    return dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, achieved=dataclasses.replace(cluster.device.achieved, **fields)))
+
+
 def test_a_pipelined_step_takes_at_least_its_programs_host_time():
     assert stage_programs(2, 4) == 2 * (4 * 2 + 1)
     assert stage_programs(3, 1, per_micro_batch=3) == 3 * (3 + 1)
@@ -394,9 +400,7 @@ def test_a_pipelined_step_takes_at_least_its_programs_host_time():
     base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
 
     def host(per_program_s):
-        return dataclasses.replace(base, device=dataclasses.replace(
-            base.device, achieved=dataclasses.replace(base.device.achieved,
-                                                      pipeline_program_s=per_program_s)))
+        return _with_achieved(base, pipeline_program_s=per_program_s)
     manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
     t0, t1 = (meshplan.plan(m.train_step, *m.abstract_args, cluster=c,
                             method=manual).predicted.iteration_s for c in (base, host(1.0)))
@@ -425,9 +429,7 @@ def test_a_tiny_model_stays_one_program_where_the_host_time_is_known():
     state, batch = m.abstract_args
     base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
     assert base.device.achieved.pipeline_program_s == 0
-    known = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, achieved=dataclasses.replace(base.device.achieved,
-                                                  pipeline_program_s=250e-6)))
+    known = _with_achieved(base, pipeline_program_s=250e-6)
     stages = [len(meshplan.plan(m.train_step, state, batch, cluster=c,
                                 method=meshplan.Auto()).stages) for c in (base, known)]
     assert stages == [3, 1]
@@ -437,8 +439,7 @@ def test_the_timeline_says_when_the_hosts_time_bounds_the_step():
     from meshplan.tools.timeline import breakdown, simulate
     m = _gpt()
     base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
-    slow_host = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, achieved=dataclasses.replace(base.device.achieved, pipeline_program_s=1.0)))
+    slow_host = _with_achieved(base, pipeline_program_s=1.0)
     manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow_host, method=manual)
     text = breakdown(p, simulate(p))
@@ -454,8 +455,7 @@ def test_a_pipeline_the_hosts_time_bounds_is_compared_with_one_program():
     m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,
                             "batch": 16, "optimizer": "sgd"})
     base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
-    slow_host = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, achieved=dataclasses.replace(base.device.achieved, pipeline_program_s=1.0)))
+    slow_host = _with_achieved(base, pipeline_program_s=1.0)
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=slow_host,
                       method=meshplan.Auto(num_micro_batches=2))
     assert len(p.stages) == 1 and p.num_micro_batches == 1 and p.predicted.iteration_s < 1.0
@@ -469,9 +469,7 @@ def test_fewer_stages_are_searched_where_the_hosts_time_bounds_the_pipeline(per_
     m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,
                             "batch": 16, "optimizer": "sgd"})
     base = meshplan.load_cluster("benchmarks/results/measured_grid_cluster_2026-12-04.json")
-    host = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, achieved=dataclasses.replace(base.device.achieved,
-                                                  pipeline_program_s=per_program_s)))
+    host = _with_achieved(base, pipeline_program_s=per_program_s)
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=host,
                       method=meshplan.PipeshardParallel(num_micro_batches=4))
     if per_program_s == 0:
@@ -505,13 +503,13 @@ def test_the_host_time_counts_the_buffers_the_programs_take_and_make():
     base = meshplan.load_cluster("examples/clusters/dgx-a100-x1.json")
 
     def host(per_buffer_s):
-        return dataclasses.replace(base, device=dataclasses.replace(
-            base.device, achieved=dataclasses.replace(base.device.achieved,
-                                                      pipeline_buffer_s=per_buffer_s)))
+        return _with_achieved(base, pipeline_buffer_s=per_buffer_s)
     manual = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b")
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=host(1.0), method=manual)
     counted = p.predicted.host_s            # (1 s a buffer, 0 a program)
     assert p.predicted.iteration_s == pytest.approx(counted)
+    from meshplan.tools.timeline import breakdown, simulate
+    assert "their array buffers at" in breakdown(p, simulate(p))
     state, batch = m.init(0)
     ran = _buffers_run(meshplan.parallelize(m.train_step, plan=p), p, state, batch)
     assert 0.85 <= counted / ran <= 1.15, (counted, ran)
