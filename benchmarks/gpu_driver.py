@@ -87,6 +87,7 @@ def run_row(name: str, m: int) -> dict:
         step = meshplan.parallelize(model.train_step, plan=plan, donate_argnums=(0,))
     else:
         step = jax.jit(model.train_step, donate_argnums=(0,))
+
     def peak(label: str) -> None:      # the allocator's peak so far (GPU; CPUs have none)
         stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
