@@ -148,15 +148,13 @@ def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int
 
 def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
                     per_program_s: float, per_buffer_s: float = 0.0, buffers: int = 0) -> float:
-    """:func:`host_bound_s` of a plan of ``num_stages`` stages (an
+    """:func:`host_bound_s` of the programs of ``num_stages`` stages (an
     interleaved plan's virtual stages) over ``num_micro_batches`` under
-    ``schedule``, plus ``per_buffer_s`` for each of the ``buffers`` its
-    stage programs take and make in a step (:func:`step_buffers`); 0 for one
-    stage and one micro-batch, a single program that jit dispatches whole.
-    (One process drives every stage, as on one host; in a multi-host run each
-    process drives its own stages, and this over-counts.)"""
-    if num_stages == 1 and num_micro_batches == 1:
-        return 0.0
+    ``schedule`` that one process hands over, plus ``per_buffer_s`` for each
+    of the ``buffers`` they take and make (:func:`step_buffers`).  Each
+    host's process drives the stages on its devices
+    (``dp_search.stages._host_s``); a plan of one stage and one micro-batch
+    is a single program that jit dispatches whole, not bound."""
     return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule),
                         per_program_s) + buffers * per_buffer_s
 

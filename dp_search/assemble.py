@@ -3,7 +3,7 @@ a pipeline plan from the stage DP's choice.  Parameters and batch pieces are
 keyed by their argument's section prefix and ``keystr`` path (DESIGN.md)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from ..cluster import ClusterSpec
 from ..cost_model.mesh import default_submesh
@@ -17,8 +17,7 @@ from ..recompute import SELECTIVE
 from .interleave import group_memory
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
-from .stage_dp import StageChoice, Submesh
-from .stages import PipelineChoice, StageCosts
+from .stages import PipelineChoice, StageCosts, place_stages
 
 
 def graph_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
@@ -83,27 +82,6 @@ def one_stage_memory(graph: Graph, result: Any) -> MemoryBreakdown:
                               params=inp.get(PARAM, 0.0) + inp.get(STATE, 0.0),
                               optimizer=inp.get(OPT_STATE, 0.0), grads=parts["grads"],
                               activations=inp.get(BATCH, 0.0) + parts["forward"])
-
-
-def place_stages(submeshes: Sequence[Submesh], stages: Sequence[StageChoice], cluster: ClusterSpec
-           ) -> list[tuple[int, ...]]:
-    """Device ids per stage: whole hosts first, then pieces of hosts, first fit."""
-    dph = cluster.devices_per_host
-    free = {h: list(range(h * dph, (h + 1) * dph)) for h in range(cluster.num_hosts)}
-    out: list[tuple[int, ...] | None] = [None] * len(stages)
-    order = sorted(range(len(stages)), key=lambda k: -submeshes[stages[k].submesh].size)
-    for k in order:
-        sub = submeshes[stages[k].submesh]
-        if sub.hosts > 1 or sub.devices_per_host == dph:
-            hosts = [h for h in free if len(free[h]) == dph][:sub.hosts]
-            ids = [d for h in hosts for d in free.pop(h)]
-        else:
-            h = next(h for h in free if len(free[h]) >= sub.devices_per_host)
-            ids, free[h] = free[h][:sub.devices_per_host], free[h][sub.devices_per_host:]
-            if not free[h]:
-                free.pop(h)
-        out[k] = tuple(ids)
-    return [o for o in out if o is not None]
 
 
 def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs: StageCosts,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
 
@@ -31,7 +32,7 @@ from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import TIGHTEN, LayerCost, LayerSolver
-from .stage_dp import DPResult, stage_dp
+from .stage_dp import DPResult, StageChoice, Submesh, stage_dp
 
 
 @dataclass(frozen=True)
@@ -952,14 +953,53 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         # (an interleaved plan's stages here are its virtual stages).  The DP
         # does not see it: where it binds, best_pipeline runs the DP again
         # with fewer stages allowed (_fewer_stages)
-        a = cluster.device.achieved
-        buffers = step_buffers([(lay.submeshes[st.submesh].size,
-                                 *lay.buffers(st.first, st.last, schedule))
-                                for st in res.stages], lay.B) if a.pipeline_buffer_s else 0
-        host = pipeline_host_s(n_st, lay.B, schedule, a.pipeline_program_s,
-                               a.pipeline_buffer_s, buffers)
+        host = _host_s(lay, res, schedule, chunks, cluster)
         return PipelineChoice(max(total, host), schedule, res, dict(chosen), chunks, host)
     return PipelineChoice(total, schedule, res, dict(chosen), chunks)
+
+
+def place_stages(submeshes: Sequence[Submesh], stages: Sequence[StageChoice],
+                 cluster: ClusterSpec) -> list[tuple[int, ...]]:
+    """Device ids per stage: whole hosts first, then pieces of hosts, first fit."""
+    dph = cluster.devices_per_host
+    free = {h: list(range(h * dph, (h + 1) * dph)) for h in range(cluster.num_hosts)}
+    out: list[tuple[int, ...] | None] = [None] * len(stages)
+    order = sorted(range(len(stages)), key=lambda k: -submeshes[stages[k].submesh].size)
+    for k in order:
+        sub = submeshes[stages[k].submesh]
+        if sub.hosts > 1 or sub.devices_per_host == dph:
+            hosts = [h for h in free if len(free[h]) == dph][:sub.hosts]
+            ids = [d for h in hosts for d in free.pop(h)]
+        else:
+            h = next(h for h in free if len(free[h]) >= sub.devices_per_host)
+            ids, free[h] = free[h][:sub.devices_per_host], free[h][sub.devices_per_host:]
+            if not free[h]:
+                free.pop(h)
+        out[k] = tuple(ids)
+    return [o for o in out if o is not None]
+
+
+def _host_s(lay: LayerProblems, res: DPResult, schedule: str, chunks: int,
+            cluster: ClusterSpec) -> float:
+    """The host's time for a pipelined step's stage programs
+    (:func:`~meshplan.cost_model.pipeline.pipeline_host_s`): each host's
+    process hands over the programs of the stages on its devices (their
+    arrays on its devices), and the busiest sets the bound (one host: all of
+    them).  An interleaved plan's virtual stage ``k`` is on group ``k % p``."""
+    a = cluster.device.achieved
+    if not (a.pipeline_program_s or a.pipeline_buffer_s):
+        return 0.0
+    p = len(res.stages) // chunks
+    placed = place_stages(lay.submeshes, res.stages[:p], cluster)
+    # host -> per stage on it: (its devices there, buffers a micro-batch, a step)
+    stages: dict[int, list[tuple[int, int, int]]] = {}
+    for k, st in enumerate(res.stages):
+        mb, step = lay.buffers(st.first, st.last, schedule) if a.pipeline_buffer_s else (0, 0)
+        for h, local in Counter(d // cluster.devices_per_host for d in placed[k % p]).items():
+            stages.setdefault(h, []).append((local, mb, step))
+    return max(pipeline_host_s(len(on), lay.B, schedule, a.pipeline_program_s,
+                               a.pipeline_buffer_s, step_buffers(on, lay.B))
+               for on in stages.values())
 
 
 def _stage_dp(schedule: str, lay: LayerProblems, cluster: ClusterSpec, solver: LayerSolver,
