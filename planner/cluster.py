@@ -174,9 +174,10 @@ class Achieved:
     dispatch_per_device_s: float = 0.0
     # The host's seconds per stage program of a pipeline: the driver's own
     # work (inputs, sends, running sums) and jit's dispatch of the program,
-    # measured on a real pipeline by `meshplan calibrate`.  One thread
-    # dispatches every program, so a pipelined step takes at least this
-    # times its programs (cost_model.pipeline.host_bound_s).  0: not known
+    # measured on a real pipeline by `meshplan calibrate`.  One thread per
+    # host dispatches the programs of its stages, so a pipelined step takes at
+    # least this times the busiest host's programs (dp_search.stages._host_s).
+    # 0: not known
     pipeline_program_s: float = 0.0
     # ... and its seconds per array buffer a stage program takes or makes (one
     # per device an array lives on): jit's dispatch grows with them (an H200

@@ -575,14 +575,7 @@ def _measure_buffers(mesh, devices, opts: Options, timer: Timer, reporter, measu
 
         def call() -> None:
             held[0] = step(*xs)
-        times = []
-        for r in range(opts.warmup + max(3, opts.repeats)):
-            jax.block_until_ready(held[0])      # (each call starts on idle devices)
-            t = timer(call)
-            if r >= opts.warmup:
-                times.append(t)
-        jax.block_until_ready(held[0])
-        return statistics.median(times)
+        return _median_dispatch(call, held, opts.warmup, max(3, opts.repeats), timer)
     k1, k2 = opts.buffer_counts
     with reporter.step("calibrate: the host's time per buffer"):
         t1, t2 = dispatch_s(k1), dispatch_s(k2)
@@ -628,14 +621,8 @@ def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measu
 
         def dispatch() -> None:
             held[0], _ = step(held[0], batch)
-        times = []
-        for k in range(opts.warmup + 2 + max(3, opts.repeats)):
-            jax.block_until_ready(held[0])     # (each call starts on idle devices)
-            t = timer(dispatch)
-            if k >= opts.warmup + 2:
-                times.append(t)
-        jax.block_until_ready(held[0])
-    programs, call = stage_programs(stages, mb), statistics.median(times)
+        call = _median_dispatch(dispatch, held, opts.warmup + 2, max(3, opts.repeats), timer)
+    programs = stage_programs(stages, mb)
     buffers = _buffers_run(step, plan, state, batch) if per_buffer_s else 0
     per = max(0.0, call - buffers * per_buffer_s) / programs
     measurements.append(Measurement("pipeline program, host", per, programs, call))
@@ -643,9 +630,24 @@ def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measu
            if buffers else "")
     how.append(f"achieved.pipeline_program_s: a 4-layer MLP as a {stages}-stage pipeline "
                f"over the {n} device(s), {mb} micro-batches: a call dispatched its {programs} stage "
-               f"programs in {call * 1e3:.3g} ms (median of {len(times)}){net}: "
+               f"programs in {call * 1e3:.3g} ms (median of {max(3, opts.repeats)}){net}: "
                f"{per * 1e6:.3g} us each")
     return per
+
+
+def _median_dispatch(call: Callable[[], None], held: list, skip: int, repeats: int,
+                     timer: Timer) -> float:
+    """The median host time of ``call()`` (which puts its results in
+    ``held[0]``), each call made on idle devices, after ``skip`` untimed."""
+    import jax
+    times = []
+    for k in range(skip + repeats):
+        jax.block_until_ready(held[0])
+        t = timer(call)
+        if k >= skip:
+            times.append(t)
+    jax.block_until_ready(held[0])
+    return statistics.median(times)
 
 
 def _buffers_run(step, plan, state, batch) -> int:
