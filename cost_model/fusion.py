@@ -15,6 +15,14 @@ whose result the fusion goes on to use is a kernel of its own, which reads
 its producers' operands again (a softmax, a layer norm).
 :func:`materialised` names the values that exist in memory at all, and
 :func:`kept_after_fusion` what a backward keeps of its forward once fused.
+
+``shared_written`` (``Achieved.fusion_writes_shared``, XLA's CPU back end):
+a fused value that several operators read is written to memory, and each
+kernel reading it reads it back.  A GPU's XLA instead makes it again in each
+reading kernel, or makes it once in a multi-output fusion.  On one CPU device,
+counting such values as written matched the bytes the compiled gpt step's
+loop kernels write within 8% (batch 1 and 16), where the GPU rule counted
+0.38-0.60 of them (benchmarks/results/measured_grid.md, stop 70).
 """
 from __future__ import annotations
 
@@ -45,6 +53,8 @@ NO_KERNEL = DATA_MOVEMENT - frozenset({"transpose", "gather", "dynamic_update_sl
 # reading all of it three times was priced 6x what an H100 measured,
 # benchmarks/results/gpu_profile.md).
 BITCASTS = frozenset({"reshape"})
+# Made again in every kernel reading them, on any back end (cheap: no reads)
+REMADE = frozenset({"broadcast_in_dim", "iota"})
 REGION_COPIES = frozenset({"slice", "dynamic_slice"})
 # A gather reads the rows it takes (and its indices), not its whole operand:
 # the loss's take_along_axis over a 350M gpt's logits was priced as a read of
@@ -59,18 +69,22 @@ GATHERS = frozenset({"gather"})
 IN_PLACE = SCATTERS | frozenset({"dynamic_update_slice"})
 
 
-def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, float]:
+def fused_bytes(graph: Graph, leaving: set[int] | None = None,
+                shared_written: bool = False) -> dict[int, float]:
     """node id -> bytes moved, for every fusible operator of ``graph``.
 
     Fusible operators joined by values they pass to each other form one
     fusion, which reads each value from memory once however many of its
     operators use it: the read is charged to the first of them.  ``leaving``:
-    :func:`materialised_results`, when the caller has it already."""
+    :func:`materialised_results`, when the caller has it already (with the
+    same ``shared_written``: then a value written to memory ends its fusion,
+    and each fusion reading it reads it)."""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     producer = graph.producer
     if leaving is None:
-        leaving = materialised_results(graph)
-    fusion = _fusions(graph, fusible)
+        leaving = materialised_results(graph, shared_written)
+    cut = leaving if shared_written else frozenset()
+    fusion = _fusions(graph, fusible, cut)
     read: set[tuple[int, int]] = set()        # (fusion, tensor) already charged
     out: dict[int, float] = {}
     ends = _kernel_ending_reductions(graph, fusible)
@@ -87,7 +101,7 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None) -> dict[int, floa
             if not tt.shape or (fusion[n.id], t) in read:
                 continue
             p = producer.get(t)
-            if p is None or p not in fusible:
+            if p is None or p not in fusible or t in cut:
                 moved += tt.nbytes
                 read.add((fusion[n.id], t))
         moved += sum(graph.tensors[t].nbytes for t in n.outputs if t in leaving)
@@ -183,20 +197,24 @@ def _updates_in_place(graph: Graph, node: Node) -> bool:
             and len(graph.consumers.get(t, ())) == 1)
 
 
-def fusion_bytes(graph: Graph, traffic: dict[int, float]) -> dict[int, float]:
+def fusion_bytes(graph: Graph, traffic: dict[int, float],
+                 cut: set[int] | frozenset[int] = frozenset()) -> dict[int, float]:
     """fusible node id -> bytes its whole fusion moves (the sum of
     ``traffic``, :func:`fused_bytes`, over the fusion's operators): the
-    kernel's roofline, which its floor is compared with."""
-    fusion = _fusions(graph, {n.id for n in graph.nodes if n.primitive in FUSIBLE})
+    kernel's roofline, which its floor is compared with.  ``cut``: values
+    that end a fusion (written to memory under ``shared_written``)."""
+    fusion = _fusions(graph, {n.id for n in graph.nodes if n.primitive in FUSIBLE}, cut)
     total: dict[int, float] = {}
     for i, rep in fusion.items():
         total[rep] = total.get(rep, 0.0) + traffic.get(i, 0.0)
     return {i: total[rep] for i, rep in fusion.items()}
 
 
-def _fusions(graph: Graph, fusible: set[int]) -> dict[int, int]:
+def _fusions(graph: Graph, fusible: set[int],
+             cut: set[int] | frozenset[int] = frozenset()) -> dict[int, int]:
     """fusible node id -> a representative of its fusion (the connected set of
-    fusible operators passing values to each other)."""
+    fusible operators passing values to each other, other than the values
+    in ``cut``)."""
     parent = {i: i for i in fusible}
 
     def find(i: int) -> int:
@@ -211,17 +229,18 @@ def _fusions(graph: Graph, fusible: set[int]) -> dict[int, int]:
             continue
         for t in n.inputs:
             p = producer.get(t)
-            if p is not None and p in fusible:
+            if p is not None and p in fusible and t not in cut:
                 parent[find(p)] = find(n.id)
     return {i: find(i) for i in fusible}
 
 
-def kernels(graph: Graph, leaving: set[int] | None = None) -> dict[int, int]:
+def kernels(graph: Graph, leaving: set[int] | None = None,
+            shared_written: bool = False) -> dict[int, int]:
     """node id -> kernels it launches (1), for the nodes that launch one: every
     operator that is neither fusible nor a view, and every fusible operator
     whose result is materialised (the root of a fusion; the rest of the
     chain is inside that kernel).  ``leaving`` as for :func:`fused_bytes`."""
-    keep = materialised_results(graph) if leaving is None else leaving
+    keep = materialised_results(graph, shared_written) if leaving is None else leaving
     out: dict[int, int] = {}
     for n in graph.nodes:
         if n.primitive in FUSIBLE:
@@ -232,10 +251,12 @@ def kernels(graph: Graph, leaving: set[int] | None = None) -> dict[int, int]:
     return out
 
 
-def materialised_results(graph: Graph) -> set[int]:
+def materialised_results(graph: Graph, shared_written: bool = False) -> set[int]:
     """Results of fusible operators that leave the fusion: read by an operator
-    that is not fusible, or returned by the step.  (A result read by nobody is
-    dead code, which XLA removes.)"""
+    that is not fusible, or returned by the step; with ``shared_written``
+    also those several operators read (not a broadcast or an iota, which
+    every reader makes again).  (A result read by nobody is dead code, which
+    XLA removes.)"""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     consumers = graph.consumers
     outputs = {o.tensor for o in graph.outputs}
@@ -243,9 +264,11 @@ def materialised_results(graph: Graph) -> set[int]:
     for n in graph.nodes:
         if n.id not in fusible:
             continue
+        shared = shared_written and n.primitive not in REMADE
         for t in n.outputs:
             readers = consumers.get(t, ())
-            if t in outputs or any(r not in fusible for r in readers):
+            if t in outputs or any(r not in fusible for r in readers) \
+                    or (shared and len(readers) > 1 and graph.tensors[t].shape):
                 out.add(t)
     return out
 

@@ -576,7 +576,7 @@ def _nodes_s(sub: Graph, nodes: list, specs: dict, mesh: LogicalMesh,
     """Seconds to run ``nodes`` once, each at its planned split."""
     if not nodes or cluster is None:
         return 0.0
-    traffic = fused_bytes(sub)
+    traffic = fused_bytes(sub, shared_written=cluster.device.achieved.fusion_writes_shared)
     total = 0.0
     for n in nodes:
         t = n.outputs[0]

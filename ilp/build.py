@@ -374,10 +374,11 @@ class _Builder:
     # ---- operators: new groups or followers ---------------------------------
     def add_operator_groups(self) -> None:
         graph = self.graph
-        leaving = materialised_results(graph)     # (what both of these need)
-        traffic = fused_bytes(graph, leaving)
+        shared = self.mm.device.achieved.fusion_writes_shared
+        leaving = materialised_results(graph, shared)     # (what these need)
+        traffic = fused_bytes(graph, leaving, shared)
         self.launches = kernels(graph, leaving)
-        whole = fusion_bytes(graph, traffic)
+        whole = fusion_bytes(graph, traffic, leaving if shared else frozenset())
         self.fusion_share = {i: (whole[i], traffic[i]) for i in self.launches if i in whole}
         strat_cache: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:

@@ -42,10 +42,13 @@ ideal peak figures, no overheads)::
         "compute_units": 108,           # SMs / cores a matmul's tiles are spread over (0: none)
         "tile_elements": 16384,         # output elements of one matmul tile (128 x 128)
         "shared_host_compute": false,   # the devices of a host share one pool of compute
-        "overlap_communication": true   # collectives run beside compute (GPU streams):
-      }},                               # gradient reductions and pipeline sends can hide
+        "overlap_communication": true,  # collectives run beside compute (GPU streams):
+                                        # gradient reductions and pipeline sends can hide
                                         # under it (cost_model/overlap.py); false: every
                                         # collective on the critical path (XLA's CPU back end)
+        "fusion_writes_shared": false   # true: a fused value several operators read is
+      }},                               # written to memory and read back (XLA's CPU back
+                                        # end); false: kept in registers (GPU)
       "links": {"intra_host": {..., "efficiency": 0.7}}   # fraction of bandwidth a large
                                                           # collective reaches (bus bandwidth)
 
@@ -194,11 +197,16 @@ class Achieved:
     # default, puts every collective on the critical path, as XLA's CPU back
     # end runs them and as files from before this field were planned
     overlap_communication: bool = False
+    # a fused value that several operators read is written to memory and
+    # read back by each (XLA's CPU back end: cost_model.fusion); False: each
+    # reading kernel has it in registers (a GPU's XLA), as files from before
+    # this field were planned
+    fusion_writes_shared: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in _UNSET_UNWRITTEN:     # written only when given: older files stay as they were
-            if not d[key]:
+        for key in _UNSET_UNWRITTEN + ("fusion_writes_shared",):   # written only when
+            if not d[key]:                     # given: older files stay as they were
                 del d[key]
         return d
 
@@ -497,6 +505,7 @@ def _achieved_text(a: Achieved) -> str:
              if a.compute_units else "")
     shared = ", devices share the host's compute" if a.shared_host_compute else ""
     shared += ", collectives overlap compute" if a.overlap_communication else ""
+    shared += ", shared fused values written to memory" if a.fusion_writes_shared else ""
     per_device = (f" + {a.dispatch_per_device_s * 1e6:.3g} us per device"
                   if a.dispatch_per_device_s else "")
     floors = (f", kernels at least {a.matmul_kernel_min_s * 1e6:.3g} us (matmul) and "
@@ -659,7 +668,7 @@ class _Reader:
                 self.count(units, f"{path}.compute_units")
         if "tile_elements" in d:
             out["tile_elements"] = self.count(d["tile_elements"], f"{path}.tile_elements")
-        for key in ("shared_host_compute", "overlap_communication"):
+        for key in ("shared_host_compute", "overlap_communication", "fusion_writes_shared"):
             if key in d:
                 if not isinstance(d[key], bool):
                     raise self.fail(f"{path}.{key}", f"must be true or false, got "

@@ -54,6 +54,7 @@ def test_achieved_round_trips_and_is_optional():
     ("achieved.memory_kernel_min_s", "3us", "a string"),
     ("achieved.compute_units", 1.5, "integer"),
     ("achieved.shared_host_compute", "yes", "true or false"),
+    ("achieved.fusion_writes_shared", 1, "true or false"),
     ("achieved.tile_size", 4, "unknown key"),
 ])
 def test_bad_achieved_is_one_clear_error(where, value, message):
@@ -201,6 +202,61 @@ def test_kernels_one_per_fusion_and_per_matmul():
     # reduction) launch a kernel
     assert sum(p in ("tanh", "add", "mul") for p in prims) == 1
     assert sum(p in ("exp", "sub") for p in prims) == 1
+
+
+def test_a_value_two_kernels_read_is_written_once_and_read_by_each_where_fusion_writes_shared():
+    import jax.numpy as jnp
+    from meshplan.cost_model.fusion import fused_bytes, materialised_results
+
+    def f(x):
+        h = jnp.tanh(x)                       # read by two reductions
+        return (h * 2.0).sum() + (h + 1.0).max()
+    g = trace(f, jnp.ones((256, 256)), batch_argnums=())
+    h = next(t for n in g.nodes if n.primitive == "tanh" for t in n.outputs)
+    size = g.tensors[h].nbytes
+    assert h not in materialised_results(g) and h in materialised_results(g, True)
+    # one kernel on a GPU (the reductions end inside it, as their cones say);
+    # on XLA:CPU tanh's own kernel writes h
+    assert len(kernels(g)) == 1 and len(kernels(g, shared_written=True)) == 2
+    # a GPU's XLA: h made in registers; XLA:CPU: h written, then read by the
+    # fusion of the operators reading it, once (the reductions' own reads,
+    # kernel-ending, are in both)
+    gpu, cpu = fused_bytes(g), fused_bytes(g, shared_written=True)
+    tanh = next(n.id for n in g.nodes if n.primitive == "tanh")
+    assert cpu[tanh] - gpu[tanh] == size
+    assert sum(cpu.values()) - sum(gpu.values()) == 2 * size
+    # the flag round-trips and is written only when set
+    on = dataclasses.replace(A100, device=dataclasses.replace(
+        A100.device, achieved=dataclasses.replace(A100.device.achieved,
+                                                  fusion_writes_shared=True)))
+    assert "fusion_writes_shared" not in A100.to_dict()["device"]["achieved"]
+    assert meshplan.parse_cluster(json.loads(on.to_json())) == on
+    assert "shared fused values written to memory" in on.describe()
+
+
+def test_fusion_writes_shared_counts_what_xla_cpu_writes():
+    # the compiled step on XLA's CPU back end, against the model: the bytes
+    # its loop and reduction kernels write, and its kernels (matmuls included)
+    import jax
+    from meshplan.cost_model.fusion import materialised_results
+    from meshplan.models import build_model
+    from meshplan.runtime.hlo import kernel_summary
+    m = build_model("gpt", {"hidden": 64, "layers": 2, "seq_len": 32, "batch": 2, "heads": 2,
+                            "optimizer": "sgd"})
+    state, batch = m.init(0)
+    compiled = kernel_summary(jax.jit(m.train_step).lower(state, batch).compile().as_text())
+    written = compiled["loop"][1] + compiled["reduction"][1]
+    g = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums)
+
+    def model(shared):
+        return (sum(g.tensors[t].nbytes for t in materialised_results(g, shared)),
+                len(kernels(g, shared_written=shared)))
+    (gpu_bytes, gpu_kernels), (cpu_bytes, cpu_kernels) = model(False), model(True)
+    assert 0.85 < cpu_bytes / written < 1.15, (cpu_bytes, written)
+    assert gpu_bytes / written < 0.7
+    total = sum(n for n, _ in compiled.values())
+    assert abs(cpu_kernels - total) < 0.1 * total < abs(gpu_kernels - total), \
+        (cpu_kernels, gpu_kernels, total)
 
 
 def test_collective_inside_a_host_is_a_ring_at_achieved_bandwidth():
