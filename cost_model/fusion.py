@@ -20,9 +20,9 @@ its producers' operands again (a softmax, a layer norm).
 a fused value that several operators read is written to memory, and each
 kernel reading it reads it back.  A GPU's XLA instead makes it again in each
 reading kernel, or makes it once in a multi-output fusion.  On one CPU device,
-counting such values as written matched the bytes the compiled gpt step's
-loop kernels write within 8% (batch 1 and 16), where the GPU rule counted
-0.38-0.60 of them (benchmarks/results/measured_grid.md, stop 70).
+counting such values as written gave 0.90-0.96 of the bytes the compiled gpt
+step's loop and reduction kernels write (batch 1 to 16), where the GPU rule
+counted 0.37-0.59 of them (benchmarks/results/measured_grid.md, stop 70).
 """
 from __future__ import annotations
 
