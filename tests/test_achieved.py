@@ -204,12 +204,12 @@ def test_kernels_one_per_fusion_and_per_matmul():
     assert sum(p in ("exp", "sub") for p in prims) == 1
 
 
-def test_a_value_two_kernels_read_is_written_once_and_read_by_each_where_fusion_writes_shared():
+def test_a_value_two_operators_read_is_written_and_read_back_where_fusion_writes_shared():
     import jax.numpy as jnp
     from meshplan.cost_model.fusion import fused_bytes, materialised_results
 
     def f(x):
-        h = jnp.tanh(x)                       # read by two reductions
+        h = jnp.tanh(x)                       # read by two operators
         return (h * 2.0).sum() + (h + 1.0).max()
     g = trace(f, jnp.ones((256, 256)), batch_argnums=())
     h = next(t for n in g.nodes if n.primitive == "tanh" for t in n.outputs)
