@@ -81,9 +81,7 @@ def fused_bytes(graph: Graph, leaving: set[int] | None = None,
     and each fusion reading it reads it)."""
     fusible = {n.id for n in graph.nodes if n.primitive in FUSIBLE}
     producer = graph.producer
-    if leaving is None:
-        leaving = materialised_results(graph, shared_written)
-    cut = leaving if shared_written else frozenset()
+    leaving, cut = _leaving(graph, leaving, shared_written)
     fusion = _fusions(graph, fusible, cut)
     read: set[tuple[int, int]] = set()        # (fusion, tensor) already charged
     out: dict[int, float] = {}
@@ -197,17 +195,29 @@ def _updates_in_place(graph: Graph, node: Node) -> bool:
             and len(graph.consumers.get(t, ())) == 1)
 
 
-def fusion_bytes(graph: Graph, traffic: dict[int, float],
-                 cut: set[int] | frozenset[int] = frozenset()) -> dict[int, float]:
+def fusion_bytes(graph: Graph, traffic: dict[int, float], leaving: set[int] | None = None,
+                 shared_written: bool = False) -> dict[int, float]:
     """fusible node id -> bytes its whole fusion moves (the sum of
     ``traffic``, :func:`fused_bytes`, over the fusion's operators): the
-    kernel's roofline, which its floor is compared with.  ``cut``: values
-    that end a fusion (written to memory under ``shared_written``)."""
+    kernel's roofline, which its floor is compared with.  ``leaving`` and
+    ``shared_written`` as for :func:`fused_bytes`."""
+    cut = _leaving(graph, leaving, True)[1] if shared_written else frozenset()
     fusion = _fusions(graph, {n.id for n in graph.nodes if n.primitive in FUSIBLE}, cut)
     total: dict[int, float] = {}
     for i, rep in fusion.items():
         total[rep] = total.get(rep, 0.0) + traffic.get(i, 0.0)
     return {i: total[rep] for i, rep in fusion.items()}
+
+
+def _leaving(graph: Graph, leaving: set[int] | None, shared_written: bool
+             ) -> tuple[set[int], set[int] | frozenset[int]]:
+    """(the fusible results written to memory, :func:`materialised_results`
+    unless given; those of them that end a fusion: all where
+    ``shared_written``, else none, a GPU's multi-output fusion keeping them
+    for its other readers)."""
+    if leaving is None:
+        leaving = materialised_results(graph, shared_written)
+    return leaving, (leaving if shared_written else frozenset())
 
 
 def _fusions(graph: Graph, fusible: set[int],

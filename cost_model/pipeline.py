@@ -153,8 +153,9 @@ def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
     ``schedule`` that one process hands over, plus ``per_buffer_s`` for each
     of the ``buffers`` they take and make (:func:`step_buffers`).  Each
     host's process drives the stages on its devices
-    (``dp_search.stages._host_s``); a plan of one stage and one micro-batch
-    is a single program that jit dispatches whole, not bound."""
+    (``dp_search.stages._host_s``).  (A plan of one stage and one
+    micro-batch is a single program that jit dispatches whole: its callers
+    do not ask.)"""
     return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule),
                         per_program_s) + buffers * per_buffer_s
 

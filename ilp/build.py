@@ -378,7 +378,7 @@ class _Builder:
         leaving = materialised_results(graph, shared)     # (what these need)
         traffic = fused_bytes(graph, leaving, shared)
         self.launches = kernels(graph, leaving)
-        whole = fusion_bytes(graph, traffic, leaving if shared else frozenset())
+        whole = fusion_bytes(graph, traffic, leaving, shared)
         self.fusion_share = {i: (whole[i], traffic[i]) for i in self.launches if i in whole}
         strat_cache: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
