@@ -175,6 +175,12 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     # make many small layers; each kind is costed once, and a stage's cost is
     # the sum of its layers' costs)
     n_groups = max(wanted, min(L, 16)) if opts.num_layers is None else L
+    if opts.num_layers is None and need > 1 and need <= n_groups < L:
+        # a fixed number of stages over merged layers: as many groups per
+        # stage, or some stages get one group more than others (12 stages
+        # over 16 groups of a 96-block model: four stages of 12 blocks, the
+        # rest of 6)
+        n_groups = need * (n_groups // need)
     if opts.equal_layers:
         if not opts.num_stages or L < opts.num_stages:
             raise MeshplanError("equal_layers needs a number of stages of at most the layers")

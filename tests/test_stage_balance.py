@@ -2,6 +2,7 @@
 with one micro-batch the predicted latency is the plain sum of the stages,
 and the cut used to be decided by small differences alone, leaving a stage
 almost without work."""
+import pathlib
 from collections import Counter
 
 import jax
@@ -12,6 +13,8 @@ from meshplan.api import trace_step
 from meshplan.dp_search.stage_dp import BALANCE_TOLERANCE, IDLE_SHARE, Submesh, stage_dp
 from meshplan.models import build_model
 from test_libraries import LIBRARIES, _tokens
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _stage_flops(plan, step, args):
@@ -75,3 +78,19 @@ def test_manual_pipeline_of_a_small_mlp_leaves_no_stage_idle():
     plan = meshplan.plan(m.train_step, state, batch, method=meshplan.Manual(dp=2, tp=2, pp=2))
     flops = _stage_flops(plan, m.train_step, (state, batch))
     assert len(flops) == 2 and min(flops) >= 0.4 * max(flops), flops
+
+
+def test_a_fixed_stage_count_gets_as_many_layer_groups_each():
+    # 46 blocks, an embedding and a head: 48 layers, merged into at most 16
+    # groups for the stage DP.  Twelve stages over 16 groups gave four of
+    # them two groups and eight one; as many groups per stage balance them
+    # (Megatron-LM's GPT-3 175B as 12 stages: 8 of 6 blocks, 4 of 12).
+    m = build_model("gpt", {"layers": 46, "hidden": 32, "heads": 2, "seq_len": 8,
+                            "batch": 24, "vocab": 64})
+    cluster = meshplan.load_cluster(
+        ROOT / "examples" / "clusters" / "aws-p3.16xlarge-x2.json").with_devices(2, 6)
+    method = meshplan.Manual(dp=1, tp=1, pp=12, num_micro_batches=12, schedule="1f1b")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=method)
+    flops = _stage_flops(p, m.train_step, m.abstract_args)
+    assert len(flops) == 12
+    assert max(flops) <= 1.2 * sum(flops) / 12, flops
