@@ -106,13 +106,17 @@ class LayerProblems:
 
     def many_stage_views(self) -> list["LayerProblems"]:
         """Per count of :attr:`many_stages` within ``min_stages..max_stages``:
-        these problems with that many groups, one stage each, all on one
-        submesh (the one assignment there is; the DP only prices it)."""
+        these problems on that many stages of one submesh, over as many
+        groups (above the search's groups: one stage each, the one
+        assignment there is) or as many groups a stage (below them: what a
+        hand plan of that ``pp`` gets, :func:`layer_problems`)."""
         out = []
+        G = len(self.groups)
         for S, sub, meshes in self.many_stages:
             if not self.min_stages <= S <= (self.max_stages or S):
                 continue
-            out.append(replace(self, groups=group_layers(self.layering.flops, S),
+            n = S if S > G else S * (G // S)
+            out.append(replace(self, groups=group_layers(self.layering.flops, n),
                                submeshes=[sub], meshes_of=[list(meshes)],
                                min_stages=S, max_stages=S, many_stages=()))
         return out
@@ -284,12 +288,16 @@ def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
 
 def _many_stages(cluster: ClusterSpec, L: int, n_groups: int, max_stages: int | None
                  ) -> list[tuple[int, Submesh]]:
-    """The stage counts above ``n_groups`` (up to the ``L`` layers) that split
-    the devices into equal stages of whole hosts or of pieces that tile a
-    host, as a hand plan's ``pp`` does, each with its stages' submesh."""
+    """The stage counts (up to the ``L`` layers) that split the devices into
+    equal stages of whole hosts or of pieces that tile a host, as a hand
+    plan's ``pp`` does, each with its stages' submesh: those above
+    ``n_groups``, and those below it that do not divide it (the DP over
+    ``n_groups`` groups cannot give them equal shares)."""
     D, dph = cluster.num_devices, cluster.devices_per_host
     out = []
-    for S in range(n_groups + 1, min(L, D, max_stages or L) + 1):
+    for S in range(2, min(L, D, max_stages or L) + 1):
+        if S <= n_groups and (n_groups % S == 0 or n_groups >= L):
+            continue        # (the search's own DP has equal shares for these)
         n = D // S
         if D % S == 0 and (dph % n == 0 or n % dph == 0):
             out.append((S, Submesh(1, n) if n <= dph else Submesh(n // dph, dph)))

@@ -80,17 +80,38 @@ def test_manual_pipeline_of_a_small_mlp_leaves_no_stage_idle():
     assert len(flops) == 2 and min(flops) >= 0.4 * max(flops), flops
 
 
+def _blocks_on_twelve_devices():
+    """A gpt of 46 blocks (48 layers with its embedding and head) and two
+    hosts of 6 devices."""
+    m = build_model("gpt", {"layers": 46, "hidden": 32, "heads": 2, "seq_len": 8,
+                            "batch": 24, "vocab": 64})
+    cluster = meshplan.load_cluster(
+        ROOT / "examples" / "clusters" / "aws-p3.16xlarge-x2.json").with_devices(2, 6)
+    return m, cluster
+
+
 def test_a_fixed_stage_count_gets_as_many_layer_groups_each():
     # 46 blocks, an embedding and a head: 48 layers, merged into at most 16
     # groups for the stage DP.  Twelve stages over 16 groups gave four of
     # them two groups and eight one; as many groups per stage balance them
     # (Megatron-LM's GPT-3 175B as 12 stages: 8 of 6 blocks, 4 of 12).
-    m = build_model("gpt", {"layers": 46, "hidden": 32, "heads": 2, "seq_len": 8,
-                            "batch": 24, "vocab": 64})
-    cluster = meshplan.load_cluster(
-        ROOT / "examples" / "clusters" / "aws-p3.16xlarge-x2.json").with_devices(2, 6)
+    m, cluster = _blocks_on_twelve_devices()
     method = meshplan.Manual(dp=1, tp=1, pp=12, num_micro_batches=12, schedule="1f1b")
     p = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=method)
     flops = _stage_flops(p, m.train_step, m.abstract_args)
     assert len(flops) == 12
     assert max(flops) <= 1.2 * sum(flops) / 12, flops
+
+
+def test_the_search_prices_equal_stages_of_the_counts_its_groups_do_not_split():
+    # the same model under Auto(): its DP cuts 16 groups, so 6 and 12 stages
+    # on equal submeshes (as Manual's pp = 6 or 12) are priced apart, over 12
+    # groups each, or a hand plan could beat the search
+    from meshplan.dp_search.problem import layer_problems
+    m, cluster = _blocks_on_twelve_devices()
+    graph = trace_step(m.train_step, m.abstract_args, m.batch_argnums, "step")[0]
+    lay = layer_problems(graph, 1, cluster, meshplan.Auto().request(12).pipeline)
+    assert len(lay.groups) == 16
+    views = {v.min_stages: (len(v.groups), v.submeshes[0].size) for v in lay.many_stage_views()}
+    assert views[6] == (12, 2) and views[12] == (12, 1)
+    assert 2 not in views and 4 not in views        # (16 groups split evenly)
