@@ -65,8 +65,10 @@ class LayerProblems:
     # the user fixed the number of stages (stages=N, Manual's pp): near ties of
     # the stage DP go to the more balanced stages (stage_dp's balance)
     exact_stages: bool = False
-    # more stages than groups (a hand plan's 35 of 105 layers): per count S,
-    # S stages of one group each on equal submeshes, and their logical meshes
+    # stage counts the groups cannot give equal shares: more stages than
+    # groups (a hand plan's 35 of 105 layers), or a count that does not
+    # divide them (12 of 16): per count S, S stages on equal submeshes, and
+    # their logical meshes (:meth:`many_stage_views`)
     many_stages: tuple[tuple[int, Submesh, tuple[LogicalMesh, ...]], ...] = ()
 
     def dispatch(self, m: int) -> float:
