@@ -201,7 +201,7 @@ def fusion_bytes(graph: Graph, traffic: dict[int, float], leaving: set[int] | No
     ``traffic``, :func:`fused_bytes`, over the fusion's operators): the
     kernel's roofline, which its floor is compared with.  ``leaving`` and
     ``shared_written`` as for :func:`fused_bytes`."""
-    cut = _leaving(graph, leaving, True)[1] if shared_written else frozenset()
+    cut = _leaving(graph, leaving, shared_written)[1]
     fusion = _fusions(graph, {n.id for n in graph.nodes if n.primitive in FUSIBLE}, cut)
     total: dict[int, float] = {}
     for i, rep in fusion.items():

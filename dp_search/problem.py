@@ -117,8 +117,8 @@ class LayerProblems:
         for S, sub, meshes in self.many_stages:
             if not self.min_stages <= S <= (self.max_stages or S):
                 continue
-            n = S if S > G else S * (G // S)
-            out.append(replace(self, groups=group_layers(self.layering.flops, n),
+            out.append(replace(self, groups=group_layers(self.layering.flops,
+                                                         equal_groups(S, G)),
                                submeshes=[sub], meshes_of=[list(meshes)],
                                min_stages=S, max_stages=S, many_stages=()))
         return out
@@ -181,12 +181,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     # make many small layers; each kind is costed once, and a stage's cost is
     # the sum of its layers' costs)
     n_groups = max(wanted, min(L, 16)) if opts.num_layers is None else L
-    if opts.num_layers is None and need > 1 and need <= n_groups < L:
-        # a fixed number of stages over merged layers: as many groups per
-        # stage, or some stages get one group more than others (12 stages
-        # over 16 groups of a 96-block model: four stages of 12 blocks, the
-        # rest of 6)
-        n_groups = need * (n_groups // need)
+    if opts.num_layers is None and need > 1 and n_groups < L:
+        # a fixed number of stages over merged layers (need <= n_groups)
+        n_groups = equal_groups(need, n_groups)
     if opts.equal_layers:
         if not opts.num_stages or L < opts.num_stages:
             raise MeshplanError("equal_layers needs a number of stages of at most the layers")
@@ -287,6 +284,14 @@ def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
         optimizer_bytes=tuple(sum(sub.tensors[i.tensor].nbytes for i in sub.inputs
                                   if i.role == OPT_STATE) for sub in subs),
         wanted=wanted, need=need, finer=finer)
+
+def equal_groups(stages: int, groups: int) -> int:
+    """How many layer groups ``stages`` equal stages are cut from, given
+    ``groups`` at most: one each where there are more stages than groups,
+    else as many each (12 stages over 16 groups of a 96-block model gave
+    four stages 12 blocks and the rest 6; over 12 groups, 8 each)."""
+    return stages if stages > groups else stages * (groups // stages)
+
 
 def _many_stages(cluster: ClusterSpec, L: int, n_groups: int, max_stages: int | None
                  ) -> list[tuple[int, Submesh]]:

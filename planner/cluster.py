@@ -205,8 +205,8 @@ class Achieved:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in _UNSET_UNWRITTEN + ("fusion_writes_shared",):   # written only when
-            if not d[key]:                     # given: older files stay as they were
+        for key in _UNSET_UNWRITTEN + _FALSE_UNWRITTEN:  # written only when given:
+            if not d[key]:                              # older files stay as they were
                 del d[key]
         return d
 
@@ -222,6 +222,8 @@ class Achieved:
 # written only when non-zero: files from before these fields stay as they were
 _UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s",
                     "pipeline_program_s", "pipeline_buffer_s")
+# ... and only when true
+_FALSE_UNWRITTEN = ("fusion_writes_shared",)
 
 
 @dataclass(frozen=True)
@@ -668,7 +670,7 @@ class _Reader:
                 self.count(units, f"{path}.compute_units")
         if "tile_elements" in d:
             out["tile_elements"] = self.count(d["tile_elements"], f"{path}.tile_elements")
-        for key in ("shared_host_compute", "overlap_communication", "fusion_writes_shared"):
+        for key in ("shared_host_compute", "overlap_communication") + _FALSE_UNWRITTEN:
             if key in d:
                 if not isinstance(d[key], bool):
                     raise self.fail(f"{path}.{key}", f"must be true or false, got "
