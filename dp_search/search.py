@@ -49,7 +49,7 @@ def _pow2(b: int) -> bool:
     return b & (b - 1) == 0
 
 
-def _batch_size(graph: Graph) -> int:
+def batch_size(graph: Graph) -> int:
     sizes = {graph.tensors[i.tensor].shape[0] for i in graph.inputs
              if i.role == BATCH and graph.tensors[i.tensor].shape}
     if not sizes:
@@ -89,7 +89,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     and ``cluster`` that differ only in ``opts.input_filter`` (which the
     layers do not depend on): each micro-batch count is traced and cut into
     layers once for all of them."""
-    batch = _batch_size(graph)
+    batch = batch_size(graph)
     mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]

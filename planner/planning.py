@@ -18,7 +18,7 @@ import jax
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds
-from .dp_search import SearchStats, Session, search_pipeline
+from .dp_search import PipelineOptions, SearchStats, Session, batch_size, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
@@ -306,4 +306,45 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         assert error is not None
         raise error
     assert summed is not None
+    for o in hand_made_options(opts, cluster, batch_size(graph), len(best.stages),
+                               best.num_micro_batches, best.schedule):
+        try:
+            p, stats = run(o)
+        except InfeasiblePlanError:
+            continue
+        summed = summed.plus(stats)
+        if p.predicted.iteration_s < best.predicted.iteration_s:
+            best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
     return best, replace(summed, stage_counts=counts)
+
+
+HAND_MADE_NOTE = (
+    "each stage takes Megatron-style layouts (weights split over the model axis only, each "
+    "micro-batch's rows over data), faster here than the layouts the search chose per layer")
+
+
+def hand_made_options(opts: PipelineOptions, cluster: ClusterSpec, batch: int, pp: int,
+                      mb: int, schedule: str) -> list[PipelineOptions]:
+    """The hand plans (``Manual``'s options) beside a searched plan of ``pp``
+    stages, ``mb`` micro-batches of a ``batch`` and ``schedule``: each
+    (dp, tp) of a stage's devices.  The search plans each layer on its own
+    and pins disagreeing neighbours afterwards; a hand plan's layers agree by
+    construction (each micro-batch's rows stay over ``data``), which can be
+    cheaper end to end, so these are priced too: the search never returns a
+    plan slower than the hand plans of its own shape.  None for a method
+    that fixes the layouts or meshes (baselines), stages of unequal size, or
+    a schedule hand plans cut otherwise (interleaved)."""
+    D, dph = cluster.num_devices, cluster.devices_per_host
+    if opts.data_parallel_stages or opts.mesh_shape is not None or D % pp \
+            or schedule == "interleaved":
+        return []
+    n = D // pp
+    out = []
+    for tp in (t for t in range(1, n + 1) if n % t == 0):
+        dp = n // tp
+        if (batch // mb) % dp or (tp > dph and (dp > 1 or opts.tp_within_host)):
+            continue        # (rows dp does not split; tensor parallel across hosts)
+        out.append(replace(opts, num_micro_batches=(mb,), num_stages=pp, fixed=(dp, tp, pp),
+                           schedules=(schedule if pp > 1 else "1f1b",),
+                           input_filter="model"))
+    return out

@@ -18,7 +18,9 @@ Left out of the grid, because Auto does not search them by design:
 from __future__ import annotations
 
 import itertools
+import pathlib
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -36,6 +38,7 @@ from meshplan.trace import trace
 SEEDS = (0, 1, 2)
 GRID_SIZE = 14          # Manual configurations sampled per case (all that fit count)
 TOLERANCE = 1e-9        # relative: float sums in a different order
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters"
 
 
 def random_cluster(rng: random.Random) -> meshplan.ClusterSpec:
@@ -169,3 +172,50 @@ def test_auto_is_no_slower_than_one_program_on_every_device():
     assert auto.predicted.iteration_s <= shard.predicted.iteration_s * (1 + TOLERANCE), (
         auto.predicted.iteration_s, len(auto.stages), auto.num_micro_batches,
         shard.predicted.iteration_s)
+
+
+def test_the_hand_plans_beside_a_searched_plan_share_its_shape():
+    """The search also prices the Manual configurations of its plan's shape
+    (stages, micro-batches, schedule): every (dp, tp) of a stage's devices
+    that splits each micro-batch's rows, tensor parallel across hosts only
+    without data parallel; none for baselines or interleaved plans."""
+    from meshplan.planning import hand_made_options
+    cluster = random_cluster(random.Random(0))
+    cluster = parse_cluster({**cluster.to_dict(), "num_hosts": 4, "devices_per_host": 2,
+                             "num_devices": 8})
+    opts = meshplan.Auto().request(8).pipeline
+    got = hand_made_options(opts, cluster, 8, 2, 4, "gpipe")
+    # 4 devices a stage, micro-batches of 2 rows: dp 4 does not split them;
+    # tp 4 crosses hosts of 2, allowed with dp 1 only
+    assert [o.fixed for o in got] == [(2, 2, 2), (1, 4, 2)]
+    assert all(o.input_filter == "model" and o.num_micro_batches == (4,) and o.num_stages == 2
+               and o.schedules == ("gpipe",) for o in got)
+    one = hand_made_options(opts, cluster, 8, 1, 1, "none")
+    assert [o.fixed for o in one] == [(8, 1, 1), (4, 2, 1), (1, 8, 1)]
+    assert {o.schedules for o in one} == {("1f1b",)}
+    assert hand_made_options(opts, cluster, 8, 2, 4, "interleaved") == []
+    assert hand_made_options(replace(opts, data_parallel_stages=True), cluster, 8, 2, 4,
+                             "gpipe") == []
+    assert [o.fixed for o in hand_made_options(replace(opts, tp_within_host=True), cluster,
+                                               8, 1, 1, "none")] \
+        == [(8, 1, 1), (4, 2, 1)]
+
+
+@pytest.mark.slow      # (plans wresnet-2b on 8 V100s: ~35 s)
+def test_a_hand_plan_of_the_searched_shape_is_no_faster():
+    """plan_quality's wresnet-2b on 8 V100s: the search's free layer plans on
+    its (2, 4) mesh with 64 micro-batches were predicted 47.43 s, the hand plan
+    Manual(2, 4, 1, 64) 46.47 s (its layers agree on how each micro-batch's
+    rows are cut).  The search prices the hand plans of its own shape too."""
+    from meshplan.planning import HAND_MADE_NOTE
+    cluster = meshplan.load_cluster(EXAMPLES / "aws-p3.16xlarge-x1.json")
+    m = build_model("wresnet-2b")
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step", graph=graph)
+    session = Session(workers=1)
+    auto = plan_graph(graph, cluster, meshplan.Auto(num_micro_batches=64), retrace=rt,
+                      session=session)
+    manual = plan_graph(graph, cluster, meshplan.Manual(2, 4, 1, 64), retrace=rt,
+                        session=session)
+    assert auto.predicted.iteration_s <= manual.predicted.iteration_s * (1 + TOLERANCE)
+    assert HAND_MADE_NOTE in auto.notes

@@ -51,11 +51,12 @@ def _runs_as_jit(m, plan):
     return step
 
 
-def _scripted(monkeypatch, base, first, second, third=None):
+def _scripted(monkeypatch, base, first, second, third=None, hand=None):
     """search_pipeline answering ``first`` for the plain pass, ``second``
-    for the each-micro-batch pass and ``third`` for the sequence-split one
-    (a Plan: ``base`` with these (recompute, seconds); None: no plan fits);
-    returns the filters it was asked with."""
+    for the each-micro-batch pass, ``third`` for the sequence-split one and
+    ``hand`` for the hand plans of the winner's shape (a Plan: ``base`` with
+    these (recompute, seconds); None: no plan fits); returns the filters the
+    passes were asked with."""
     asked = []
 
     def answer(spec):
@@ -68,6 +69,8 @@ def _scripted(monkeypatch, base, first, second, third=None):
             predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), SearchStats()
 
     def fake(graph, cluster, opts, **kw):
+        if opts.fixed is not None and kw["method_name"] != "manual":
+            return answer(hand)     # (the hand plans of the winner's shape)
         asked.append(opts.input_filter)
         f = opts.input_filter
         return answer(second if isinstance(f, EachMicroBatch) else
@@ -134,6 +137,16 @@ def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched)
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.0))
     _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
     assert len(asked) == 1 and not isinstance(asked[0], EachMicroBatch)
+
+
+def test_a_faster_hand_plan_of_the_winners_shape_is_taken(monkeypatch, gpt_searched):
+    base = gpt_searched[1]["plain"]
+    _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0), hand=("none", 1.5))
+    p = _plan()
+    assert p.predicted.iteration_s == 1.5 and planning.HAND_MADE_NOTE in p.notes
+    _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0), hand=("none", 2.5))
+    p = _plan()
+    assert p.predicted.iteration_s == 2.0 and planning.HAND_MADE_NOTE not in p.notes
 
 
 def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
