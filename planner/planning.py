@@ -310,8 +310,8 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                best.num_micro_batches, best.schedule):
         try:
             p, stats = run(o)
-        except InfeasiblePlanError:
-            continue
+        except MeshplanError:
+            continue        # (does not fit, or cannot be cut so: not a candidate)
         summed = summed.plus(stats)
         if p.predicted.iteration_s < best.predicted.iteration_s:
             best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
