@@ -234,7 +234,9 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s:
-            return Planned(replace(s, notes=s.notes + p.notes + (ONE_STAGE_NOTE,),
+            # (the whole-graph ILP lays out every value itself: not as a hand plan)
+            searched = tuple(n for n in p.notes if n != HAND_MADE_NOTE)
+            return Planned(replace(s, notes=s.notes + searched + (ONE_STAGE_NOTE,),
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)

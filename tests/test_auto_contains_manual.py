@@ -219,3 +219,15 @@ def test_a_hand_plan_of_the_searched_shape_is_no_faster():
                         session=session)
     assert auto.predicted.iteration_s <= manual.predicted.iteration_s * (1 + TOLERANCE)
     assert HAND_MADE_NOTE in auto.notes
+
+
+def test_a_one_stage_plan_by_the_whole_graph_ilp_does_not_claim_hand_layouts():
+    """moe on the 8 local devices: the search's one stage takes a hand plan's
+    layouts, then the whole-graph ILP's plan of that stage, as fast, replaces
+    it; the plan's notes say what it is, not what it replaced."""
+    from meshplan.explain import ONE_STAGE_NOTE
+    from meshplan.planning import HAND_MADE_NOTE
+    m = build_model("moe")
+    p = meshplan.plan(m.train_step, *m.abstract_args, cluster=meshplan.ClusterSpec.local(),
+                      method=meshplan.Auto(num_micro_batches=1))
+    assert ONE_STAGE_NOTE in p.notes and HAND_MADE_NOTE not in p.notes
