@@ -929,10 +929,15 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
     n_st = len(res.stages)
     total = res.total_s
     if cluster.device.achieved.shared_host_compute:
+        # (a stage program on several devices waits for cores while the
+        # other stages hold them: Achieved.busy_program_s)
+        busy = [cluster.device.achieved.busy_s(lay.submeshes[st.submesh].size) if n_st > 1
+                else 0.0 for st in res.stages]
         total = shared_compute_iteration_s(
             [st.latency - 2 * lay.dispatch(st.submesh) for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
-            cluster.num_devices, [lay.dispatch(st.submesh) for st in res.stages],
+            cluster.num_devices,
+            [lay.dispatch(st.submesh) + b for st, b in zip(res.stages, busy)],
             [chosen[st.first, st.last, st.submesh, n_st - k].collectives_s
              for k, st in enumerate(res.stages)])
         if schedule == ZB_H1:

@@ -187,6 +187,18 @@ class Achieved:
     # host: about 8 us each, gpt-350m's programs 300-2000 buffers,
     # benchmarks/results/gpu_driver.md).  0: not known
     pipeline_buffer_s: float = 0.0
+    # XLA's fake CPU devices: the time a program on several devices takes
+    # while the host's other devices are busy, per program and per device it
+    # runs on (its device threads wait for cores the busy ones hold; a
+    # program on one device runs in the caller's thread).  Measured by
+    # `meshplan calibrate` with a trivial program on a quarter and on half of
+    # the devices while the others run matmuls (the 2-core host: 1.38 and
+    # 1.64 ms on 2 and 4 of 8 devices against 65 and 109 us on an idle host,
+    # benchmarks/results/measured_grid.md, stop 72).  Charged for every stage
+    # program on several devices of a pipeline of two or more stages,
+    # whose other stages keep the host busy.  0: not known, or none
+    busy_program_s: float = 0.0
+    busy_program_per_device_s: float = 0.0
     compute_units: int = 0             # matmul tiles spread over these (0: no wave quantization)
     tile_elements: int = 128 * 128     # output elements per matmul tile
     # the devices of a host share one pool of compute (XLA's fake CPU
@@ -218,10 +230,18 @@ class Achieved:
         """Launching one compiled program on ``devices`` devices."""
         return self.program_dispatch_s + devices * self.dispatch_per_device_s
 
+    def busy_s(self, devices: int) -> float:
+        """What a program on ``devices`` devices adds while other devices of
+        its host are busy (``busy_program_s``); nothing on one device."""
+        if devices < 2:
+            return 0.0
+        return self.busy_program_s + devices * self.busy_program_per_device_s
+
 
 # written only when non-zero: files from before these fields stay as they were
 _UNSET_UNWRITTEN = ("matmul_kernel_min_s", "memory_kernel_min_s", "dispatch_per_device_s",
-                    "pipeline_program_s", "pipeline_buffer_s")
+                    "pipeline_program_s", "pipeline_buffer_s", "busy_program_s",
+                    "busy_program_per_device_s")
 # ... and only when true
 _FALSE_UNWRITTEN = ("fusion_writes_shared",)
 
@@ -516,6 +536,9 @@ def _achieved_text(a: Achieved) -> str:
     host = (f", {a.pipeline_program_s * 1e6:.3g} us of the host per pipeline program"
             if a.pipeline_program_s else "")
     host += (f" + {a.pipeline_buffer_s * 1e6:.3g} us per buffer" if a.pipeline_buffer_s else "")
+    host += (f", a stage program on several devices {a.busy_program_s * 1e6:.3g} us + "
+             f"{a.busy_program_per_device_s * 1e6:.3g} us per device beside busy devices"
+             if a.busy_program_s or a.busy_program_per_device_s else "")
     return (f"matmul {a.matmul_efficiency:.0%}, memory {a.memory_efficiency:.0%} of peak, "
             f"{a.kernel_launch_s * 1e6:.3g} us per kernel{floors}, "
             f"{a.program_dispatch_s * 1e6:.3g} us per program{per_device}{host}{waves}{shared}")

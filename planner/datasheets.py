@@ -176,6 +176,13 @@ CPU_KERNEL_LAUNCH_S = 4.4e-6
 # included.)
 CPU_PIPELINE_PROGRAM_S = 478e-6
 CPU_PIPELINE_BUFFER_S = 0.84e-6
+# A program on several of the fake devices while the others are busy
+# (Achieved.busy_program_s): calibrate's measurement on the same kind of host,
+# two runs on 2026-12-04 (stop 72): 1.28 and 1.30 ms a program + 17.3 and 15.5
+# us a device (a trivial program on 2 and 4 of 8 devices took 1.41-1.48 ms
+# beside 4 busy ones, 78-112 us on an idle host): their means
+CPU_BUSY_PROGRAM_S = 1.29e-3
+CPU_BUSY_PROGRAM_PER_DEVICE_S = 16.4e-6
 _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               (10e9, 1e-5), (1.25e9, 5e-5),
               "meshplan default for CPU devices (nominal, not measured; launch costs as "
@@ -184,7 +191,9 @@ _CPU = Datasheet((), _f(float32=0.05, float64=0.025), 16 * _GIB, 20e9,
               achieved=_achieved(kernel_launch_s=CPU_KERNEL_LAUNCH_S,
                                  program_dispatch_s=CPU_PROGRAM_DISPATCH_S,
                                  pipeline_program_s=CPU_PIPELINE_PROGRAM_S,
-                                 pipeline_buffer_s=CPU_PIPELINE_BUFFER_S))
+                                 pipeline_buffer_s=CPU_PIPELINE_BUFFER_S,
+                                 busy_program_s=CPU_BUSY_PROGRAM_S,
+                                 busy_program_per_device_s=CPU_BUSY_PROGRAM_PER_DEVICE_S))
 
 
 def known_device(platform: str, kind: str) -> Datasheet | None:

@@ -581,3 +581,39 @@ def test_the_host_time_counts_the_buffers_the_programs_take_and_make():
     back = meshplan.ClusterSpec.from_json(host(2e-6).to_json())
     assert back.device.achieved.pipeline_buffer_s == pytest.approx(2e-6)
     assert "pipeline_buffer_s" not in base.to_json()
+
+
+def _shared_cpu(**busy) -> meshplan.ClusterSpec:
+    return meshplan.parse_cluster({
+        "format": "meshplan.cluster/1", "name": "fake-cpu", "num_hosts": 1,
+        "devices_per_host": 4, "num_devices": 4,
+        "device": {"kind": "cpu", "memory_bytes": 2**30, "memory_bandwidth_bytes_per_s": 1e9,
+                   "peak_flops": {"float32": 2e10},
+                   "achieved": {"program_dispatch_s": 2e-5, "shared_host_compute": True,
+                                **busy}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e8, "latency_s": 5e-5}}})
+
+
+def test_a_pipeline_stage_on_several_devices_pays_for_starting_beside_busy_ones():
+    """On devices that share a host's cores, a program on several devices
+    waits for cores the other stages hold (Achieved.busy_program_s): charged
+    per stage program of a pipeline, only on stages of several devices."""
+    from meshplan.models import build_model
+    m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 16, "out_dim": 8, "batch": 16,
+                            "optimizer": "sgd"})
+    busy = {"busy_program_s": 1e-3, "busy_program_per_device_s": 1e-4}
+    assert _shared_cpu(**busy).device.achieved.busy_s(2) == pytest.approx(1.2e-3)
+    assert _shared_cpu(**busy).device.achieved.busy_s(1) == 0.0
+    assert meshplan.parse_cluster(json.loads(_shared_cpu(**busy).to_json())) == _shared_cpu(**busy)
+
+    def t(method, **fields):
+        return meshplan.plan(m.train_step, *m.abstract_args, cluster=_shared_cpu(**fields),
+                             method=method).predicted.iteration_s
+    two = meshplan.Manual(dp=2, pp=2, num_micro_batches=4)
+    # 2 stages of 2 devices, 4 micro-batches, a forward and a backward program each
+    assert t(two, **busy) - t(two) == pytest.approx(4 * 2 * 2 * 1.2e-3, rel=1e-6)
+    ones = meshplan.Manual(dp=1, pp=4, num_micro_batches=4)      # stages of one device
+    one_stage = meshplan.Manual(dp=4, num_micro_batches=4)         # nothing beside it
+    for method in (ones, one_stage):
+        assert t(method, **busy) == pytest.approx(t(method), rel=1e-12)

@@ -196,3 +196,18 @@ def test_one_device_measures_the_pipeline_host_time_with_one_stage(tmp_path):
     assert spec.device.achieved.pipeline_program_s > 0
     assert "1-stage pipeline over the 1 device(s), 4 micro-batches" in spec.description
     assert "its 9 stage programs" in spec.description
+
+
+def test_busy_program_is_the_line_through_the_time_added_beside_busy_devices():
+    quiet = [(2, 60e-6), (4, 100e-6)]
+    a, b = C.busy_program(quiet, [(2, 1.40e-3), (4, 1.60e-3)])
+    # added 1.34 and 1.50 ms: 1.18 ms a program + 80 us a device
+    assert (a, b) == (pytest.approx(1.18e-3), pytest.approx(80e-6))
+    # one count: all of it per program
+    assert C.busy_program(quiet[:1], [(2, 1.4e-3)]) == (pytest.approx(1.34e-3), 0.0)
+    # noise: less added on more devices -> the mean per program; nothing added -> 0
+    assert C.busy_program(quiet, [(2, 1.6e-3), (4, 1.5e-3)]) == (pytest.approx(1.47e-3), 0.0)
+    assert C.busy_program(quiet, [(2, 50e-6), (4, 90e-6)]) == (0.0, 0.0)
+    # a line below zero at one device: through zero
+    a, b = C.busy_program(quiet, [(2, 0.16e-3), (4, 1.1e-3)])
+    assert a == 0.0 and b == pytest.approx((0.1e-3 + 1.0e-3) / 6)

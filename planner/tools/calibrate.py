@@ -20,6 +20,14 @@ so devices that share chips or cores -- the fake CPU devices of
   device at once; when the devices' throughput divides (each runs at under
   two thirds of its speed alone) they share the host's compute
   (``achieved.shared_host_compute``, what XLA's fake CPU devices do);
+- where they share it (4 devices or more): a trivial program on a quarter
+  and on half of the devices, each call waited for, on an idle host and
+  while a thread keeps the other half busy with matmuls; the line through
+  the time added gives ``achieved.busy_program_s`` and
+  ``busy_program_per_device_s`` (:func:`busy_program`): what a pipeline's
+  stage program on several devices pays while the other stages hold the
+  cores.  On CPU, ``achieved.fusion_writes_shared`` is set (XLA:CPU's
+  fusion, not measured);
 - per axis of the physical mesh (hosts x devices per host): ``psum`` inside
   ``jax.shard_map`` at a small, a middle and a large message size (grown until
   bandwidth bound), each repeated in a ``fori_loop``; the line t = a + b S
@@ -160,6 +168,23 @@ def split_dispatch(on_all: float, alone: float, n: int) -> tuple[float, float]:
         return on_all, 0.0
     per_device = min(on_all / n, max(0.0, (on_all - alone) / (n - 1)))
     return on_all - n * per_device, per_device
+
+
+def busy_program(quiet: Sequence[tuple[int, float]], loaded: Sequence[tuple[int, float]]
+                 ) -> tuple[float, float]:
+    """(per program, per device) seconds a program on several devices adds
+    while the host's other devices are busy, from (devices, seconds) of the
+    same program on an idle host (``quiet``) and beside busy devices
+    (``loaded``): the line through the differences, neither part negative."""
+    extra = [(k, max(0.0, t - dict(quiet)[k])) for k, t in loaded]
+    if len(extra) < 2:
+        return (extra[0][1], 0.0) if extra else (0.0, 0.0)
+    a, b = fit_line(extra)
+    if b < 0:                       # (noise: no growth with the devices)
+        return sum(t for _, t in extra) / len(extra), 0.0
+    if a < 0:                       # (a line through zero at most)
+        return 0.0, sum(t for _, t in extra) / sum(k for k, _ in extra)
+    return a, b
 
 
 def fixed_costs(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -406,9 +431,18 @@ def calibrate(*, name: str | None = None, options: Options | None = None,
                                      measurements, how, dispatch)
     links = _measure_links(mesh, hosts, per_host, opts, timer, reporter, measurements, how)
     per_buffer = _measure_buffers(mesh, devices, opts, timer, reporter, measurements, how)
+    busy_s, busy_per_device = _measure_busy_program(devices, achieved.shared_host_compute,
+                                                    opts, timer, reporter, measurements, how)
     achieved = replace(achieved, pipeline_buffer_s=per_buffer,
                        pipeline_program_s=_measure_pipeline_host(
-                           devices, opts, timer, reporter, measurements, how, per_buffer))
+                           devices, opts, timer, reporter, measurements, how, per_buffer),
+                       busy_program_s=busy_s, busy_program_per_device_s=busy_per_device)
+    if platform == "cpu":
+        # (XLA:CPU writes a fused value several operators read and reads it
+        # back in each: its compiled steps' bytes, benchmarks/results/measured_grid.md
+        # stop 70; a property of the compiler, not measured here)
+        achieved = replace(achieved, fusion_writes_shared=True)
+        how.append("achieved.fusion_writes_shared: true, as XLA's CPU back end fuses")
     warnings += _recheck(mesh, opts, timer, reporter, measurements, how, flops, dispatch)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -633,6 +667,80 @@ def _measure_pipeline_host(devices, opts: Options, timer: Timer, reporter, measu
                f"programs in {call * 1e3:.3g} ms (median of {max(3, opts.repeats)}){net}: "
                f"{per * 1e6:.3g} us each")
     return per
+
+
+BUSY_CALLS = 20         # trivial programs per timed run (each waited for)
+
+
+def _measure_busy_program(devices, shared: bool, opts: Options, timer: Timer, reporter,
+                          measurements: list, how: list) -> tuple[float, float]:
+    """``achieved.busy_program_s`` and ``busy_program_per_device_s``: a
+    trivial program on a quarter and on half of the devices, each call
+    waited for, on an idle host and while a thread keeps the other half busy
+    with matmuls (:func:`busy_program`).  Only where the devices share the
+    host's compute and there are 4 or more."""
+    n = len(devices)
+    if not shared or n < 4:
+        how.append("achieved.busy_program_s: not measured (" + (
+            "the devices do not share compute" if not shared else "fewer than 4 devices") + ")")
+        return 0.0, 0.0
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    counts = sorted({max(2, n // 4), n // 2})
+
+    def trivial(k: int) -> Callable[[], None]:
+        where = NamedSharding(Mesh(np.array(devices[:k]), ("x",)), PartitionSpec("x"))
+        x = jax.device_put(jnp.ones((k * 256,), jnp.float32), where)
+        f = jax.jit(lambda a: a * 1.0001 + 1.0, out_shardings=where)
+        f(x).block_until_ready()
+
+        def calls() -> None:
+            for _ in range(BUSY_CALLS):
+                f(x).block_until_ready()
+        return calls
+
+    def timed(k: int, fn: Callable[[], None]) -> tuple[int, float]:
+        return k, median_time(fn, timer, opts.repeats, opts.warmup) / BUSY_CALLS
+
+    others = devices[n // 2:]
+    where = NamedSharding(Mesh(np.array(others), ("x",)), PartitionSpec("x"))
+    work = [jax.device_put(jnp.ones((len(others) * 256, 256), jnp.float32), where)]
+    matmul = jax.jit(lambda a: jnp.tanh(a @ a[:256].T * 1e-3), out_shardings=where)
+    stop, running = threading.Event(), threading.Event()
+
+    def keep_busy() -> None:
+        while not stop.is_set():
+            work[0] = matmul(work[0])
+            work[0].block_until_ready()
+            running.set()
+
+    with reporter.step("calibrate: programs beside busy devices"):
+        fns = {k: trivial(k) for k in counts}
+        matmul(work[0]).block_until_ready()         # (compiled before it keeps them busy)
+        quiet = [timed(k, fns[k]) for k in counts]
+        worker = threading.Thread(target=keep_busy, daemon=True)
+        worker.start()
+        try:
+            running.wait()
+            loaded = [timed(k, fns[k]) for k in counts]
+        finally:
+            stop.set()
+            worker.join()
+    per_program, per_device = busy_program(quiet, loaded)
+    for (k, q), (_, t) in zip(quiet, loaded):
+        measurements.append(Measurement(f"program on {k} devices, beside busy ones, added",
+                                        max(0.0, t - q), k, t))
+    how.append("achieved.busy_program_s and busy_program_per_device_s: a jitted a * 1.0001 + 1 "
+               "on k devices, each call waited for, " + ", ".join(
+                   f"k={k} {q * 1e6:.3g} us idle and {t * 1e6:.3g} us while the other "
+                   f"{n - n // 2} devices ran matmuls" for (k, q), (_, t) in zip(quiet, loaded))
+               + f": {per_program * 1e6:.3g} us per program + {per_device * 1e6:.3g} us per "
+               "device")
+    return per_program, per_device
 
 
 def _median_dispatch(call: Callable[[], None], held: list, skip: int, repeats: int,
