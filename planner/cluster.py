@@ -192,8 +192,8 @@ class Achieved:
     # runs on (its device threads wait for cores the busy ones hold; a
     # program on one device runs in the caller's thread).  Measured by
     # `meshplan calibrate` with a trivial program on a quarter and on half of
-    # the devices while the others run matmuls (the 2-core host: 1.38 and
-    # 1.64 ms on 2 and 4 of 8 devices against 65 and 109 us on an idle host,
+    # the devices while the others run matmuls (the 2-core host: 1.4-1.6 ms
+    # on 2 and 4 of 8 devices against 65-120 us on an idle host,
     # benchmarks/results/measured_grid.md, stop 72).  Charged for every stage
     # program on several devices of a pipeline of two or more stages,
     # whose other stages keep the host busy.  0: not known, or none
