@@ -333,7 +333,7 @@ def hand_made_options(opts: PipelineOptions, cluster: ClusterSpec, batch: int, p
     and pins disagreeing neighbours afterwards; a hand plan's layers agree by
     construction (each micro-batch's rows stay over ``data``), which can be
     cheaper end to end, so these are priced too: the search never returns a
-    plan slower than the hand plans of its own shape.  None for a method
+    plan slower than the hand plans of its own shape.  No options for a method
     that fixes the layouts or meshes (baselines), stages of unequal size, or
     a schedule hand plans cut otherwise (interleaved)."""
     D, dph = cluster.num_devices, cluster.devices_per_host
