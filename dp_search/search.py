@@ -28,7 +28,9 @@ from .solver import LayerSolver
 from .stages import PipelineChoice, StageCosts, StageMemoryError, best_pipeline
 
 
-def _micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
+def micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
+    """The micro-batch counts a search of ``batch`` starts from: ``fixed``
+    (checked), else every divisor up to :data:`MAX_MICRO_BATCHES`."""
     if fixed:
         bad = [b for b in fixed if b < 1 or batch % b]
         if bad:
@@ -90,7 +92,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     layers do not depend on): each micro-batch count is traced and cut into
     layers once for all of them."""
     batch = batch_size(graph)
-    mbs = _micro_batch_candidates(batch, opts.num_micro_batches)
+    mbs = micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
         mbs = [b for b in mbs if b == 1] or [mbs[0]]
     # The most micro-batches first: fewer, larger micro-batches need more

@@ -18,7 +18,8 @@ import jax
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds
-from .dp_search import PipelineOptions, SearchStats, Session, batch_size, search_pipeline
+from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
+                        micro_batch_candidates, search_pipeline)
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
@@ -329,24 +330,30 @@ def hand_made_options(opts: PipelineOptions, cluster: ClusterSpec, batch: int, p
                       mb: int, schedule: str) -> list[PipelineOptions]:
     """The hand plans (``Manual``'s options) beside a searched plan of ``pp``
     stages, ``mb`` micro-batches of a ``batch`` and ``schedule``: each
-    (dp, tp) of a stage's devices.  The search plans each layer on its own
-    and pins disagreeing neighbours afterwards; a hand plan's layers agree by
+    (dp, tp) of a stage's devices, over the micro-batch counts the search
+    starts from and ``mb`` (or the counts ``opts`` fixes), and the schedules
+    it searched but interleaved.  The search plans each layer on its own and
+    pins disagreeing neighbours afterwards; a hand plan's layers agree by
     construction (each micro-batch's rows stay over ``data``), which can be
-    cheaper end to end, so these are priced too: the search never returns a
-    plan slower than the hand plans of its own shape.  No options for a method
-    that fixes the layouts or meshes (baselines), stages of unequal size, or
-    a schedule hand plans cut otherwise (interleaved)."""
+    cheaper end to end, and its layouts can fit where the search's fit
+    nothing (moe-10b on 16 V100s: 64 micro-batches fit only with them), so
+    these are priced too: the search never returns a plan slower than the
+    hand plans of its own stage count.  None for a method that fixes the
+    layouts or meshes (baselines), stages of unequal size, or a schedule
+    hand plans cut otherwise (interleaved)."""
     D, dph = cluster.num_devices, cluster.devices_per_host
     if opts.data_parallel_stages or opts.mesh_shape is not None or D % pp \
             or schedule == "interleaved":
         return []
+    counts = opts.num_micro_batches or tuple(sorted({*micro_batch_candidates(batch, None), mb}))
+    schedules = tuple(s for s in opts.schedules if s != "interleaved") if pp > 1 else ("1f1b",)
     n = D // pp
     out = []
     for tp in (t for t in range(1, n + 1) if n % t == 0):
         dp = n // tp
-        if (batch // mb) % dp or (tp > dph and (dp > 1 or opts.tp_within_host)):
+        fits = tuple(b for b in counts if (batch // b) % dp == 0)
+        if not fits or (tp > dph and (dp > 1 or opts.tp_within_host)):
             continue        # (rows dp does not split; tensor parallel across hosts)
-        out.append(replace(opts, num_micro_batches=(mb,), num_stages=pp, fixed=(dp, tp, pp),
-                           schedules=(schedule if pp > 1 else "1f1b",),
-                           input_filter="model"))
+        out.append(replace(opts, num_micro_batches=fits, num_stages=pp, fixed=(dp, tp, pp),
+                           schedules=schedules, input_filter="model"))
     return out

@@ -113,12 +113,12 @@ def test_auto_is_no_slower_than_any_manual_plan(seed):
 
 
 def test_micro_batch_counts_include_the_divisors_hand_plans_use():
-    from meshplan.dp_search.search import _micro_batch_candidates
-    got = _micro_batch_candidates(1536, None)
+    from meshplan.dp_search.search import micro_batch_candidates
+    got = micro_batch_candidates(1536, None)
     # Megatron-LM's 24 and 48 of 1536 (32 replicas, micro-batches of 2 and 1 each)
     assert {24, 48, 1, 2, 4, 8, 16, 32, 64} <= set(got) and max(got) == 96
     assert all(1536 % b == 0 for b in got)
-    assert _micro_batch_candidates(1024, None) == [1, 2, 4, 8, 16, 32, 64]
+    assert micro_batch_candidates(1024, None) == [1, 2, 4, 8, 16, 32, 64]
 
 
 @pytest.mark.slow      # (plans a 32-stage hand plan and Auto on 512 GPUs: ~50 s)
@@ -174,22 +174,31 @@ def test_auto_is_no_slower_than_one_program_on_every_device():
         shard.predicted.iteration_s)
 
 
-def test_the_hand_plans_beside_a_searched_plan_share_its_shape():
-    """The search also prices the Manual configurations of its plan's shape
-    (stages, micro-batches, schedule): every (dp, tp) of a stage's devices
-    that splits each micro-batch's rows, tensor parallel across hosts only
-    without data parallel; none for baselines or interleaved plans."""
+def test_the_hand_plans_beside_a_searched_plan_share_its_stage_count():
+    """The search also prices the Manual configurations of its plan's stage
+    count: every (dp, tp) of a stage's devices, over the micro-batch counts
+    the search starts from and the plan's own, each count only where dp
+    splits its rows; tensor parallel across hosts only without data
+    parallel; every schedule searched but interleaved (1F1B for one stage);
+    none for baselines or interleaved plans."""
     from meshplan.planning import hand_made_options
     cluster = random_cluster(random.Random(0))
     cluster = parse_cluster({**cluster.to_dict(), "num_hosts": 4, "devices_per_host": 2,
                              "num_devices": 8})
     opts = meshplan.Auto().request(8).pipeline
     got = hand_made_options(opts, cluster, 8, 2, 4, "gpipe")
-    # 4 devices a stage, micro-batches of 2 rows: dp 4 does not split them;
+    # 4 devices a stage, a batch of 8: dp 4 splits 1 or 2 micro-batches only;
     # tp 4 crosses hosts of 2, allowed with dp 1 only
-    assert [o.fixed for o in got] == [(2, 2, 2), (1, 4, 2)]
-    assert all(o.input_filter == "model" and o.num_micro_batches == (4,) and o.num_stages == 2
-               and o.schedules == ("gpipe",) for o in got)
+    assert [(o.fixed, o.num_micro_batches) for o in got] == \
+        [((4, 1, 2), (1, 2)), ((2, 2, 2), (1, 2, 4)), ((1, 4, 2), (1, 2, 4, 8))]
+    assert all(o.input_filter == "model" and o.num_stages == 2
+               and o.schedules == ("1f1b", "gpipe", "zb-h1") for o in got)
+    # a count beyond the search's first ones (a batch of 512, 128 won)
+    assert hand_made_options(opts, cluster, 512, 2, 128, "1f1b")[-1].num_micro_batches \
+        == (1, 2, 4, 8, 16, 32, 64, 128)
+    # counts the method fixes stay fixed
+    assert {o.num_micro_batches for o in hand_made_options(
+        replace(opts, num_micro_batches=(2,)), cluster, 8, 2, 2, "1f1b")} == {(2,)}
     one = hand_made_options(opts, cluster, 8, 1, 1, "none")
     assert [o.fixed for o in one] == [(8, 1, 1), (4, 2, 1), (1, 8, 1)]
     assert {o.schedules for o in one} == {("1f1b",)}

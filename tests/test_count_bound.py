@@ -20,7 +20,7 @@ import meshplan
 from meshplan.api import retracer
 from meshplan.dp_search import Session, search_pipeline
 from meshplan.dp_search.problem import layer_problems
-from meshplan.dp_search.search import _micro_batch_candidates
+from meshplan.dp_search.search import micro_batch_candidates
 from meshplan.dp_search.solver import LayerSolver
 from meshplan.dp_search.stages import best_pipeline
 from meshplan.errors import InfeasiblePlanError
@@ -54,7 +54,7 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
     opts = meshplan.Auto().request(cluster.num_devices).pipeline
     solver = LayerSolver(cluster, opts, session)
     planned = 0
-    for B in _micro_batch_candidates(m.config["batch"], None):
+    for B in micro_batch_candidates(m.config["batch"], None):
         g = graph if B == 1 else rt(B)
         lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
         best, bound = (_total(lay, cluster, opts, solver, relaxed) for relaxed in (False, True))
