@@ -8,5 +8,5 @@ from .solver import LayerCost
 from .stage_dp import Submesh, brute_force, stage_dp, submesh_shapes
 
 __all__ = ("plan_pipeline", "search_pipeline", "PipelineOptions", "Session", "SearchStats",
-           "LayerCost", "batch_size", "micro_batch_candidates", "assign_layers", "stage_dp", "brute_force",
-           "submesh_shapes", "Submesh", "SCHEDULES", "AUTO_SCHEDULES",)
+           "LayerCost", "batch_size", "micro_batch_candidates", "assign_layers", "stage_dp",
+           "brute_force", "submesh_shapes", "Submesh", "SCHEDULES", "AUTO_SCHEDULES",)
