@@ -176,7 +176,8 @@ def busy_program(quiet: Sequence[tuple[int, float]], loaded: Sequence[tuple[int,
     while the host's other devices are busy, from (devices, seconds) of the
     same program on an idle host (``quiet``) and beside busy devices
     (``loaded``): the line through the differences, neither part negative."""
-    extra = [(k, max(0.0, t - dict(quiet)[k])) for k, t in loaded]
+    idle = dict(quiet)
+    extra = [(k, max(0.0, t - idle[k])) for k, t in loaded]
     if len(extra) < 2:
         return (extra[0][1], 0.0) if extra else (0.0, 0.0)
     a, b = fit_line(extra)
