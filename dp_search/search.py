@@ -88,8 +88,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     figures also hold the best plan with 1, 2, 4, ... stages
     (``SearchStats.stage_counts``); the plan chosen is the same.
     ``layered_memo``: a dict shared by searches of one ``graph``, ``retrace``
-    and ``cluster`` that differ only in ``opts.input_filter`` (which the
-    layers do not depend on): each micro-batch count is traced and cut into
+    and ``cluster`` that differ only in ``opts.input_filter`` or
+    ``opts.num_micro_batches`` (which the layers do not depend on): each micro-batch count is traced and cut into
     layers once for all of them."""
     batch = batch_size(graph)
     mbs = micro_batch_candidates(batch, opts.num_micro_batches)
@@ -105,6 +105,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     best: tuple[float, Plan] | None = None
     errors: dict[int, str] = {}          # micro-batch count -> why it has no plan
     unfit: dict[int, StageMemoryError] = {}   # ... when a stage was over the memory budget
+    squeezed: dict[int, float] = {}     # relaxed iteration times of the counts in unfit
     ahead: dict[int, LayerProblems | TraceError] = {}
     counts = _StageCounts() if by_stage_count and opts.num_stages is None and not opts.fixed \
         else None
@@ -121,7 +122,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     regraphed = [0]
 
     memo = {} if layered_memo is None else layered_memo
-    memo_opts = replace(opts, input_filter=None)
+    # (the layers depend on neither the input filter nor the counts asked)
+    memo_opts = replace(opts, input_filter=None, num_micro_batches=None)
 
     def layered(B: int) -> LayerProblems | TraceError:
         if (B, memo_opts) not in memo:
@@ -150,6 +152,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         while todo:
             B = todo.pop(0)
             searched.append(B)
+            bound = math.inf
             try:
                 with session.progress.step(f"pipeline search with {B} micro-batch(es) "
                                            f"(layer ILPs and stage DP)"):
@@ -186,6 +189,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                 errors[B] = str(e)
                 if isinstance(e, StageMemoryError) and e.stage is not None:
                     unfit[B] = e.with_traceback(None)     # (as in _layered)
+                    squeezed[B] = bound if bounding else _relaxed(lay, cluster, opts, search)[0]
                 # (only a power of two prunes, as before the other divisors
                 # were searched: 48 of 1536 may fit nothing where 32, whose
                 # micro-batches more replicas divide, does)
@@ -244,7 +248,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
                                else (0, 0, 0.0))
     stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
-                    rewrite_s=rewrite_s, bounded=len(bounded), relaxed_fit=len(relaxed_fit))
+                    rewrite_s=rewrite_s, bounded=len(bounded), relaxed_fit=len(relaxed_fit),
+                    squeezed=tuple(sorted(b for b, t in squeezed.items() if t < best[0])))
     if counts is not None:
         stats = replace(stats, stage_counts=counts.bests())
     return replace(plan, notes=plan.notes + (note,)), stats

@@ -128,6 +128,9 @@ class SearchStats:
     searches: int = 1              # inter-operator searches these figures sum
     bounded: int = 0               # counts whose relaxed search beat no plan: not searched in full
     relaxed_fit: int = 0           # counts whose relaxed plan fit as it was: not searched in full
+    # counts that fit nothing for memory although, memory aside, they plan
+    # faster than the plan found (memory binds the search: meshplan.planning)
+    squeezed: tuple[int, ...] = ()
 
     def plus(self, other: SearchStats) -> SearchStats:
         """These figures and ``other``'s (a second search of the same step,
@@ -136,4 +139,5 @@ class SearchStats:
                   "trace_s", "rewritten", "retraced", "rewrite_s", "ilp_s", "ilp_work_s",
                   "dp_s", "searches", "bounded", "relaxed_fit")
         return dataclasses.replace(self, **{f: getattr(self, f) + getattr(other, f)
-                                            for f in summed})
+                                            for f in summed},
+                                   squeezed=tuple(sorted({*self.squeezed, *other.squeezed})))

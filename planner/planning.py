@@ -259,7 +259,8 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
               retrace: Callable[[int], Graph] | None, session: Session,
               explain: bool) -> tuple[Plan, SearchStats]:
     """The inter-operator search.  For a searched method where memory binds
-    (no plan fits, or a stage recomputes), the search again with every
+    (no plan fits, a stage recomputes, or a count that fits nothing would
+    plan faster with memory to spare), the search again with every
     gradient reduced each micro-batch (:class:`meshplan.ilp.EachMicroBatch`),
     and where it still binds, so and with the activations between layers
     split along the sequence (:class:`meshplan.ilp.SequenceSplit`): the fastest
@@ -285,19 +286,20 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         p = eager(p)
         return replace(p, notes=p.notes + (SEQUENCE_NOTE,))
 
-    passes = ((opts, lambda p: p), (replace(opts, input_filter=EachMicroBatch()), eager),
-              (replace(opts, input_filter=SequenceSplit()), split))
+    passes = ((None, lambda p: p), (EachMicroBatch(), eager), (SequenceSplit(), split))
     if not SequenceSplit.applies(graph):
         passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)
     best: Plan | None = None
     summed: SearchStats | None = None
     counts: tuple = ()          # (the winning pass's plans per stage count)
     error: InfeasiblePlanError | None = None
-    for o, mark in passes:
-        if best is not None and all(s.recompute == NONE for s in best.stages):
-            break           # memory does not bind
+    binds = True            # (no plan yet: nothing fit)
+    scope = opts            # the later passes' micro-batch counts
+    for i, (f, mark) in enumerate(passes):
+        if not binds:
+            break
         try:
-            p, stats = run(o)
+            p, stats = run(replace(scope, input_filter=f))
         except InfeasiblePlanError as e:
             error = error or e
             continue
@@ -305,6 +307,15 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         summed = stats if summed is None else summed.plus(stats)
         if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
             best, counts = mark(p), stats.stage_counts
+        # memory binds where a stage recomputes (every count is searched
+        # again), or where it kept the search from counts that would plan
+        # faster (those counts are: moe-10b on 16 V100s, whose 64
+        # micro-batches fit nothing but fit faster than the 256 that won
+        # with each micro-batch's gradients reduced)
+        recomputes = any(s.recompute != NONE for s in best.stages)
+        binds = recomputes or bool(stats.squeezed)
+        if i == 0 and not recomputes and stats.squeezed:
+            scope = replace(opts, num_micro_batches=stats.squeezed)
     if best is None:
         assert error is not None
         raise error

@@ -18,11 +18,12 @@ import pytest
 
 import meshplan
 from meshplan.api import retracer
+from meshplan.cluster import parse_cluster
 from meshplan.dp_search import Session, search_pipeline
 from meshplan.dp_search.problem import layer_problems
 from meshplan.dp_search.search import micro_batch_candidates
 from meshplan.dp_search.solver import LayerSolver
-from meshplan.dp_search.stages import best_pipeline
+from meshplan.dp_search.stages import StageMemoryError, best_pipeline
 from meshplan.errors import InfeasiblePlanError
 from meshplan.graph import batch_dims_between
 from meshplan.models import build_model
@@ -94,3 +95,60 @@ def test_a_count_whose_relaxed_plan_fits_takes_it_as_the_full_search_would():
         d.pop("notes")
         return d
     assert body(pruned) == body(full)
+
+
+def _fake_cluster(memory_bytes: int) -> meshplan.ClusterSpec:
+    return parse_cluster({
+        "format": "meshplan.cluster/1", "name": "fake-1x4", "num_hosts": 1,
+        "devices_per_host": 4, "num_devices": 4,
+        "device": {"kind": "fake", "memory_bytes": memory_bytes,
+                   "memory_bandwidth_bytes_per_s": 1e12, "peak_flops": {"float32": 1e13}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+
+
+def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
+    # an MLP on four devices of 1.6 MB: 2 micro-batches would plan faster
+    # than the plan found (4) with memory to spare, but fit nothing
+    # (meshplan.planning searches such counts again with less memory a way)
+    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
+                            "batch": 64})
+    cluster = _fake_cluster(1_600_000)
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    plan, stats = search_pipeline(graph, cluster, opts, method_name="auto", retrace=rt,
+                                  session=session)
+    assert stats.squeezed == (2,) and plan.num_micro_batches == 4
+    for B in micro_batch_candidates(m.config["batch"], None):
+        g = graph if B == 1 else rt(B)
+        lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
+        solver = LayerSolver(cluster, opts, session)
+        if B in stats.squeezed:
+            with pytest.raises(StageMemoryError):
+                best_pipeline(lay, cluster, opts, solver)
+            assert _total(lay, cluster, opts, solver, True) < plan.predicted.iteration_s
+        else:       # (fits, or planned no faster with memory to spare)
+            assert _total(lay, cluster, opts, solver, False) < math.inf or \
+                _total(lay, cluster, opts, solver, True) >= plan.predicted.iteration_s
+
+
+@pytest.mark.extended
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: the relaxed bound is not a bound here. With 4 micro-batches a "
+    "capped plan of stage 0 (tighten 4) is 3% faster than its uncapped one: it "
+    "holds half the gradient sums, whose accumulation the layer ILP does not "
+    "price, and its extra collectives hide under compute"))
+def test_the_pruned_search_plans_as_the_exhaustive_one_where_caps_speed_a_stage():
+    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
+                            "batch": 64})
+    cluster = _fake_cluster(2_000_000)
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    pruned, full = (search_pipeline(graph, cluster, dataclasses.replace(
+        opts, prune_micro_batches=prune), method_name="auto", retrace=rt, session=session)[0]
+        for prune in (True, False))
+    assert pruned.predicted.iteration_s == full.predicted.iteration_s

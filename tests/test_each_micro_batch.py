@@ -51,27 +51,35 @@ def _runs_as_jit(m, plan):
     return step
 
 
+class _Asked(list):
+    """The filters the passes were asked with; ``counts``: their micro-batch counts."""
+    counts: list
+
+
 def _scripted(monkeypatch, base, first, second, third=None, hand=None):
     """search_pipeline answering ``first`` for the plain pass, ``second``
     for the each-micro-batch pass, ``third`` for the sequence-split one and
     ``hand`` for the hand plans of the winner's shape (a Plan: ``base`` with
-    these (recompute, seconds); None: no plan fits); returns the filters the
-    passes were asked with."""
-    asked = []
+    these (recompute, seconds[, counts that fit nothing though they would
+    plan faster]); None: no plan fits); returns what the passes were asked."""
+    asked = _Asked()
+    asked.counts = []
 
     def answer(spec):
         if spec is None:
             raise InfeasiblePlanError("no plan fits (scripted)")
-        recompute, seconds = spec
+        recompute, seconds, *squeezed = spec
         return dataclasses.replace(
             base, stages=tuple(dataclasses.replace(s, recompute=recompute, remat=recompute != "none")
                                for s in base.stages),
-            predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), SearchStats()
+            predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), \
+            SearchStats(squeezed=tuple(squeezed[0]) if squeezed else ())
 
     def fake(graph, cluster, opts, **kw):
         if opts.fixed is not None and kw["method_name"] != "manual":
             return answer(hand)     # (the hand plans of the winner's shape)
         asked.append(opts.input_filter)
+        asked.counts.append(opts.num_micro_batches)
         f = opts.input_filter
         return answer(second if isinstance(f, EachMicroBatch) else
                       third if isinstance(f, SequenceSplit) else first)
@@ -137,6 +145,29 @@ def test_the_second_pass_runs_only_where_memory_binds(monkeypatch, gpt_searched)
     asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.0))
     _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
     assert len(asked) == 1 and not isinstance(asked[0], EachMicroBatch)
+
+
+def test_counts_memory_kept_from_a_faster_plan_are_searched_again(monkeypatch, gpt_searched):
+    """The first pass's plan recomputes nothing, but 2 micro-batches fit
+    nothing although they would plan faster with memory to spare: the later
+    passes search 2 micro-batches alone (moe-10b on 16 V100s)."""
+    base = gpt_searched[1]["plain"]
+    asked = _scripted(monkeypatch, base, ("none", 2.0, (2,)), ("none", 1.5))
+    p = _plan(meshplan.PipeshardParallel())
+    assert [type(f) for f in asked] == [type(None), EachMicroBatch]
+    assert asked.counts == [None, (2,)]
+    assert p.predicted.iteration_s == 1.5 and p.reduce_grads_each_micro_batch
+    # the second pass's plan recomputes: the third searches the same count
+    asked = _scripted(monkeypatch, base, ("none", 2.0, (2,)), ("selective", 1.8), ("none", 1.6))
+    p = _plan(meshplan.PipeshardParallel())
+    assert asked.counts == [None, (2,), (2,)] and p.predicted.iteration_s == 1.6
+    # slower there: the first plan stays
+    asked = _scripted(monkeypatch, base, ("none", 2.0, (2,)), ("none", 2.5))
+    assert _plan(meshplan.PipeshardParallel()).predicted.iteration_s == 2.0 and len(asked) == 2
+    # where the first plan recomputes, every count is searched again
+    asked = _scripted(monkeypatch, base, ("full", 2.0, (2,)), ("none", 1.5))
+    _plan(meshplan.PipeshardParallel())
+    assert asked.counts == [None, None]
 
 
 def test_a_faster_hand_plan_of_the_winners_shape_is_taken(monkeypatch, gpt_searched):
