@@ -89,8 +89,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     (``SearchStats.stage_counts``); the plan chosen is the same.
     ``layered_memo``: a dict shared by searches of one ``graph``, ``retrace``
     and ``cluster`` that differ only in ``opts.input_filter`` or
-    ``opts.num_micro_batches`` (which the layers do not depend on): each micro-batch count is traced and cut into
-    layers once for all of them."""
+    ``opts.num_micro_batches`` (which the layers do not depend on): each
+    micro-batch count is traced and cut into layers once for all of them."""
     batch = batch_size(graph)
     mbs = micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
