@@ -97,27 +97,29 @@ def test_a_count_whose_relaxed_plan_fits_takes_it_as_the_full_search_would():
     assert body(pruned) == body(full)
 
 
-def _fake_cluster(memory_bytes: int) -> meshplan.ClusterSpec:
-    return parse_cluster({
+def _tight_mlp(memory_bytes: int):
+    """A 4-layer MLP on four fake devices of ``memory_bytes``: the model, the
+    cluster, the step's Graph, its retracer, a session and Auto's options."""
+    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
+                            "batch": 64})
+    cluster = parse_cluster({
         "format": "meshplan.cluster/1", "name": "fake-1x4", "num_hosts": 1,
         "devices_per_host": 4, "num_devices": 4,
         "device": {"kind": "fake", "memory_bytes": memory_bytes,
                    "memory_bandwidth_bytes_per_s": 1e12, "peak_flops": {"float32": 1e13}},
         "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
                   "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    return (m, cluster, graph, rt, Session(workers=1),
+            meshplan.Auto().request(cluster.num_devices).pipeline)
 
 
 def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
     # an MLP on four devices of 1.6 MB: 2 micro-batches would plan faster
     # than the plan found (4) with memory to spare, but fit nothing
     # (meshplan.planning searches such counts again with less memory a way)
-    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
-                            "batch": 64})
-    cluster = _fake_cluster(1_600_000)
-    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
-    session = Session(workers=1)
-    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    m, cluster, graph, rt, session, opts = _tight_mlp(1_600_000)
     plan, stats = search_pipeline(graph, cluster, opts, method_name="auto", retrace=rt,
                                   session=session)
     assert stats.squeezed == (2,) and plan.num_micro_batches == 4
@@ -141,13 +143,7 @@ def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
     "holds half the gradient sums, whose accumulation the layer ILP does not "
     "price, and its extra collectives hide under compute"))
 def test_the_pruned_search_plans_as_the_exhaustive_one_where_caps_speed_a_stage():
-    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
-                            "batch": 64})
-    cluster = _fake_cluster(2_000_000)
-    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
-    session = Session(workers=1)
-    opts = meshplan.Auto().request(cluster.num_devices).pipeline
+    _, cluster, graph, rt, session, opts = _tight_mlp(2_000_000)
     pruned, full = (search_pipeline(graph, cluster, dataclasses.replace(
         opts, prune_micro_batches=prune), method_name="auto", retrace=rt, session=session)[0]
         for prune in (True, False))
