@@ -118,7 +118,7 @@ def _tight_mlp(memory_bytes: int):
 def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
     # an MLP on four devices of 1.6 MB: 2 micro-batches would plan faster
     # than the plan found (4) with memory to spare, but fit nothing
-    # (meshplan.planning searches such counts again with less memory a way)
+    # (meshplan.planning searches such counts again in its ways that need less memory)
     m, cluster, graph, rt, session, opts = _tight_mlp(1_600_000)
     plan, stats = search_pipeline(graph, cluster, opts, method_name="auto", retrace=rt,
                                   session=session)
