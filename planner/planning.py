@@ -307,6 +307,11 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         summed = stats if summed is None else summed.plus(stats)
         if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
             best, counts = mark(p), stats.stage_counts
+            if scope is not opts:   # (its search note counts only the counts searched again)
+                best = replace(best, notes=best.notes + (
+                    f"searched again with {', '.join(map(str, scope.num_micro_batches))} "
+                    "micro-batch(es) alone: the first pass's layouts fit none of them, "
+                    "although with memory to spare they plan faster than its plan",))
         # memory binds where a stage recomputes (every count is searched
         # again), or where it kept the search from counts that would plan
         # faster (those counts are: moe-10b on 16 V100s, whose 64

@@ -157,13 +157,16 @@ def test_counts_memory_kept_from_a_faster_plan_are_searched_again(monkeypatch, g
     assert [type(f) for f in asked] == [type(None), EachMicroBatch]
     assert asked.counts == [None, (2,)]
     assert p.predicted.iteration_s == 1.5 and p.reduce_grads_each_micro_batch
+    assert any(n.startswith("searched again with 2 micro-batch(es) alone") for n in p.notes)
     # the second pass's plan recomputes: the third searches the same count
     asked = _scripted(monkeypatch, base, ("none", 2.0, (2,)), ("selective", 1.8), ("none", 1.6))
     p = _plan(meshplan.PipeshardParallel())
     assert asked.counts == [None, (2,), (2,)] and p.predicted.iteration_s == 1.6
     # slower there: the first plan stays
     asked = _scripted(monkeypatch, base, ("none", 2.0, (2,)), ("none", 2.5))
-    assert _plan(meshplan.PipeshardParallel()).predicted.iteration_s == 2.0 and len(asked) == 2
+    p = _plan(meshplan.PipeshardParallel())
+    assert p.predicted.iteration_s == 2.0 and len(asked) == 2
+    assert not any(n.startswith("searched again") for n in p.notes)
     # where the first plan recomputes, every count is searched again
     asked = _scripted(monkeypatch, base, ("full", 2.0, (2,)), ("none", 1.5))
     _plan(meshplan.PipeshardParallel())
