@@ -319,7 +319,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         # with each micro-batch's gradients reduced)
         recomputes = any(s.recompute != NONE for s in best.stages)
         binds = recomputes or bool(stats.squeezed)
-        if i == 0 and not recomputes and stats.squeezed:
+        if i == 0 and binds and not recomputes:
             scope = replace(opts, num_micro_batches=stats.squeezed)
     if best is None:
         assert error is not None

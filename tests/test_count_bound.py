@@ -123,10 +123,10 @@ def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
     plan, stats = search_pipeline(graph, cluster, opts, method_name="auto", retrace=rt,
                                   session=session)
     assert stats.squeezed == (2,) and plan.num_micro_batches == 4
+    solver = LayerSolver(cluster, opts, session)
     for B in micro_batch_candidates(m.config["batch"], None):
         g = graph if B == 1 else rt(B)
         lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
-        solver = LayerSolver(cluster, opts, session)
         if B in stats.squeezed:
             with pytest.raises(StageMemoryError):
                 best_pipeline(lay, cluster, opts, solver)
