@@ -17,6 +17,7 @@ import jax
 
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
+from .cost_model.pipeline import host_binds
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline)
 from .errors import InfeasiblePlanError, MeshplanError
@@ -219,20 +220,22 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                           session))
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
-    if request.one_stage_by_whole_graph and one_program_allowed(request.pipeline):
-        # The whole-graph plan on every device (ShardParallel's: one
-        # program, the whole batch) is compared with any searched plan,
-        # which prices a stage as the sum of its layers' costs, where the
-        # method lets the plan have one stage and one micro-batch.  One stage:
-        # the whole-graph ILP is more exact, and kept where no slower (so
-        # that Auto never predicts a plan slower than one it found, or than
-        # a Manual one of the search).  Several: stages of one micro-batch
-        # run one after the other, a pipeline the host's time per program
-        # bounds may lose to one program, and layers that each pick their
-        # own layouts may lose to one program laid out whole (a 3-layer gpt
-        # on 2 devices: 2 stages of 3 micro-batches, 38.4 us, against 34.3
-        # us for one program; tests/test_auto_contains_manual.py).  Where
-        # the whole batch cannot fit, the ILP says so before it is built.
+    host_bound = host_binds(p.predicted.iteration_s, p.predicted.host_s)
+    if request.one_stage_by_whole_graph and one_program_allowed(request.pipeline) and (
+            len(p.stages) == 1 or p.num_micro_batches == 1 or host_bound):
+        # one stage: the whole-graph ILP is more exact than the sum of layer
+        # costs; it is kept where it is no slower (so that Auto never predicts
+        # a plan slower than one it found, or than a Manual one of the search).
+        # Stages of one micro-batch run one after the other, and a pipeline
+        # the host's time per program bounds may lose to one program: the
+        # whole-graph plan on every device (ShardParallel's) is compared
+        # with them too.  Not where the method fixes the micro-batch counts
+        # or the stages: that plan has one of each.  (Not with every
+        # pipeline either: with it, Auto on gpt-350m (batch 64, 32 V100s)
+        # ran whole-graph ILPs to their time limits and past 15 minutes,
+        # against 50 s; so a 3-layer gpt on 2 devices keeps its 2 stages of
+        # 3 micro-batches at 38.4 us where one program would take 34.3:
+        # tests/test_auto_contains_manual.py)
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:

@@ -174,26 +174,41 @@ def test_auto_is_no_slower_than_one_program_on_every_device():
         shard.predicted.iteration_s)
 
 
-def test_auto_is_no_slower_than_one_program_where_its_pipeline_is():
-    """The whole-graph plan is compared with a searched pipeline too, not only
-    with one stage or one micro-batch: here (case 37 of the generator, a
-    3-layer gpt on two devices) the search's best is 2 stages of 3
-    micro-batches, 38.4 us, and one program on both devices, its layouts
-    chosen whole, 34.3 us (the hand plan Manual(dp=2, pp=1) 35.1 us)."""
+def _case_37():
+    """Case 37 of the generator: a 3-layer gpt (batch 24) on two devices."""
     rng = random.Random(37)
     cluster, m = random_cluster(rng), random_model(rng)
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
-    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    return cluster, graph, retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+
+
+@pytest.mark.extended
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: the search's best is 2 stages of 3 micro-batches, 38.4 us; one "
+    "program on both devices, its layouts chosen whole, 34.3 us (the hand plan "
+    "Manual(dp=2, pp=1) 35.1 us).  The whole-graph plan is compared only with a "
+    "searched plan of one stage or one micro-batch: with every pipeline, Auto on "
+    "gpt-350m on 32 V100s ran past 15 minutes (planning._plan_request)"))
+def test_auto_is_no_slower_than_one_program_where_its_pipeline_is():
+    cluster, graph, rt = _case_37()
     session = Session(workers=1)
     auto = plan_graph(graph, cluster, meshplan.Auto(), retrace=rt, session=session)
     hand = plan_graph(graph, cluster, meshplan.Manual(dp=2, tp=1, pp=1, num_micro_batches=1),
                       retrace=rt, session=session)
-    pipelined = plan_graph(graph, cluster, meshplan.PipeshardParallel(), retrace=rt,
-                           session=session)
-    assert len(pipelined.stages) > 1       # (the searched pipeline Auto compares with)
     assert auto.predicted.iteration_s <= hand.predicted.iteration_s * (1 + TOLERANCE)
-    assert auto.predicted.iteration_s < pipelined.predicted.iteration_s
-    assert len(auto.stages) == 1 and auto.num_micro_batches == 1
+
+
+def test_fixed_micro_batches_are_not_traded_for_one_program():
+    """One stage of the two micro-batches asked: the whole-graph plan (one
+    program, the whole batch, faster here) is not compared, as it would
+    plan one micro-batch where the method fixed two."""
+    cluster, graph, rt = _case_37()
+    session = Session(workers=1)
+    one = plan_graph(graph, cluster, meshplan.ShardParallel(), retrace=rt, session=session)
+    p = plan_graph(graph, cluster, meshplan.Auto(num_micro_batches=(2,), max_stages=1),
+                   retrace=rt, session=session)
+    assert (len(p.stages), p.num_micro_batches) == (1, 2)
+    assert p.predicted.iteration_s > one.predicted.iteration_s   # (it would have won)
 
 
 def test_the_hand_plans_beside_a_searched_plan_share_its_stage_count():
