@@ -221,21 +221,19 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             raise not_fitting(e, cluster) from None
     host_bound = host_binds(p.predicted.iteration_s, p.predicted.host_s)
-    if request.one_stage_by_whole_graph and one_program_allowed(request.pipeline) and (
-            len(p.stages) == 1 or p.num_micro_batches == 1 or host_bound):
+    if request.one_stage_by_whole_graph and (len(p.stages) == 1 or p.num_micro_batches == 1
+                                             or host_bound):
         # one stage: the whole-graph ILP is more exact than the sum of layer
         # costs; it is kept where it is no slower (so that Auto never predicts
         # a plan slower than one it found, or than a Manual one of the search).
         # Stages of one micro-batch run one after the other, and a pipeline
         # the host's time per program bounds may lose to one program: the
         # whole-graph plan on every device (ShardParallel's) is compared
-        # with them too.  Not where the method fixes the micro-batch counts
-        # or the stages: that plan has one of each.  (Not with every
-        # pipeline either: with it, Auto on gpt-350m (batch 64, 32 V100s)
-        # ran whole-graph ILPs to their time limits and past 15 minutes,
-        # against 50 s; so a 3-layer gpt on 2 devices keeps its 2 stages of
-        # 3 micro-batches at 38.4 us where one program would take 34.3:
-        # tests/test_auto_contains_manual.py)
+        # with them too.  (Not with every pipeline: with that, Auto on
+        # gpt-350m (batch 64, 32 V100s) ran whole-graph ILPs to their time
+        # limits and past 15 minutes, against 50 s; so a 3-layer gpt on 2
+        # devices keeps 2 stages of 3 micro-batches at 38.4 us where one
+        # program would take 34.3: tests/test_auto_contains_manual.py)
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
@@ -247,13 +245,6 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)
-
-
-def one_program_allowed(opts: PipelineOptions) -> bool:
-    """May a plan under ``opts`` be one program: one stage, the whole batch
-    at once?  (Not where the micro-batch counts or the stages are fixed.)"""
-    return (opts.num_micro_batches is None or 1 in opts.num_micro_batches) \
-        and opts.num_stages in (None, 1)
 
 
 EACH_MICRO_BATCH_NOTE = (

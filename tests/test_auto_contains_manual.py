@@ -198,19 +198,6 @@ def test_auto_is_no_slower_than_one_program_where_its_pipeline_is():
     assert auto.predicted.iteration_s <= hand.predicted.iteration_s * (1 + TOLERANCE)
 
 
-def test_fixed_micro_batches_are_not_traded_for_one_program():
-    """One stage of the two micro-batches asked: the whole-graph plan (one
-    program, the whole batch, faster here) is not compared, as it would
-    plan one micro-batch where the method fixed two."""
-    cluster, graph, rt = _case_37()
-    session = Session(workers=1)
-    one = plan_graph(graph, cluster, meshplan.ShardParallel(), retrace=rt, session=session)
-    p = plan_graph(graph, cluster, meshplan.Auto(num_micro_batches=(2,), max_stages=1),
-                   retrace=rt, session=session)
-    assert (len(p.stages), p.num_micro_batches) == (1, 2)
-    assert p.predicted.iteration_s > one.predicted.iteration_s   # (it would have won)
-
-
 def test_the_hand_plans_beside_a_searched_plan_share_its_stage_count():
     """The search also prices the Manual configurations of its plan's stage
     count: every (dp, tp) of a stage's devices, over the micro-batch counts
