@@ -24,7 +24,7 @@ from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import plan_one_stage
-from .graph import IDENTITY_MARKERS, Graph
+from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph
 from .methods import Method
 from .plan import Plan
 from .ilp import EachMicroBatch, SequenceSplit
@@ -231,9 +231,9 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         # whole-graph plan on every device (ShardParallel's) is compared
         # with them too.  (Not with every pipeline: with that, Auto on
         # gpt-350m (batch 64, 32 V100s) ran whole-graph ILPs to their time
-        # limits and past 15 minutes, against 50 s; so a 3-layer gpt on 2
-        # devices keeps 2 stages of 3 micro-batches at 38.4 us where one
-        # program would take 34.3: tests/test_auto_contains_manual.py)
+        # limits and past 15 minutes, against 50 s.  A pipeline slower than
+        # one program meets it here through the one-program hand plans
+        # that _searched prices: tests/test_auto_contains_manual.py)
         try:
             s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
@@ -329,8 +329,14 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         assert error is not None
         raise error
     assert summed is not None
-    for o in hand_made_options(opts, cluster, batch_size(graph), len(best.stages),
-                               best.num_micro_batches, best.schedule):
+    # (the hand plans of one stage too, where the stage count is searched:
+    # a pipeline of layers each planned on its own can lose to one stage
+    # with Megatron's layouts)
+    batch = batch_size(graph)
+    stage_counts = sorted({len(best.stages)} | ({1} if opts.num_stages is None else set()))
+    for o in (o for pp in stage_counts
+              for o in hand_made_options(opts, cluster, batch, pp, best.num_micro_batches,
+                                         best.schedule)):
         try:
             p, stats = run(o)
         except MeshplanError:
@@ -338,7 +344,43 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         summed = summed.plus(stats)
         if p.predicted.iteration_s < best.predicted.iteration_s:
             best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
+    if request.one_stage_by_whole_graph:
+        for p in _one_program_hand_plans(graph, cluster, request, session, batch):
+            if p.predicted.iteration_s < best.predicted.iteration_s:
+                best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
     return best, replace(summed, stage_counts=counts)
+
+
+def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
+                            session: Session, batch: int) -> list[Plan]:
+    """``Manual(dp, tp, 1, 1)``'s plans that fit, for each (dp, tp) of the
+    devices that :func:`hand_made_options` allows: one program, its layouts
+    chosen by the whole-graph ILP under Megatron's input layouts.  The
+    search prices a stage as the sum of its layers, each planned on its own,
+    which can overcharge one stage of one micro-batch (a 3-layer gpt on 2
+    devices: 45.2 us by its layers, 35.1 us as one program)."""
+    opts = request.pipeline
+    if opts.num_stages not in (None, 1) or 1 not in (opts.num_micro_batches or (1,)):
+        return []
+    # (Megatron's layouts split the state over the model axis alone: a
+    # mesh whose tp cannot hold it is passed over without building its ILP)
+    state = graph.role_bytes(PARAM) + graph.role_bytes(OPT_STATE)
+    budget = cluster.device.memory_bytes * request.memory_fraction
+    plans = []
+    for o in hand_made_options(replace(opts, num_micro_batches=(1,)), cluster, batch, 1, 1,
+                               "none"):
+        dp, tp, _ = o.fixed
+        if state / tp > budget:
+            continue
+        one = PlanRequest(request.method, mesh_shape=(dp, tp), axis_names=("data", "model"),
+                          input_layouts="model", batch_split=dp,
+                          batch_split_by=f"Manual(dp={dp})", time_limit=request.time_limit,
+                          backend=request.backend, memory_fraction=request.memory_fraction)
+        try:
+            plans.append(plan_one_stage(graph, cluster, one, session))
+        except MeshplanError:
+            continue        # (does not fit: not a candidate)
+    return plans
 
 
 HAND_MADE_NOTE = (
