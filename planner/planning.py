@@ -400,7 +400,8 @@ def hand_made_options(opts: PipelineOptions, cluster: ClusterSpec, batch: int, p
     cheaper end to end, and its layouts can fit where the search's fit
     nothing (moe-10b on 16 V100s: 64 micro-batches fit only with them), so
     these are priced too: the search never returns a plan slower than the
-    hand plans of its own stage count.  None for a method that fixes the
+    hand plans of its own stage count, or (where the stage count is
+    searched) of one stage.  None for a method that fixes the
     layouts or meshes (baselines), stages of unequal size, or a schedule
     hand plans cut otherwise (interleaved)."""
     D, dph = cluster.num_devices, cluster.devices_per_host
