@@ -336,7 +336,8 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     stage_counts = sorted({len(best.stages)} | ({1} if opts.num_stages is None else set()))
     for o in (o for pp in stage_counts
               for o in hand_made_options(opts, cluster, batch, pp, best.num_micro_batches,
-                                         best.schedule)):
+                                         best.schedule)
+              if _holds_state(graph, cluster, request, o.fixed[1] * o.fixed[2])):
         try:
             p, stats = run(o)
         except MeshplanError:
@@ -362,15 +363,11 @@ def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanReq
     opts = request.pipeline
     if opts.num_stages not in (None, 1) or 1 not in (opts.num_micro_batches or (1,)):
         return []
-    # (Megatron's layouts split the state over the model axis alone: a
-    # mesh whose tp cannot hold it is passed over without building its ILP)
-    state = graph.role_bytes(PARAM) + graph.role_bytes(OPT_STATE)
-    budget = cluster.device.memory_bytes * request.memory_fraction
     plans = []
     for o in hand_made_options(replace(opts, num_micro_batches=(1,)), cluster, batch, 1, 1,
                                "none"):
         dp, tp, _ = o.fixed
-        if state / tp > budget:
+        if not _holds_state(graph, cluster, request, tp):
             continue
         one = PlanRequest(request.method, mesh_shape=(dp, tp), axis_names=("data", "model"),
                           input_layouts="model", batch_split=dp,
@@ -381,6 +378,17 @@ def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanReq
         except MeshplanError:
             continue        # (does not fit: not a candidate)
     return plans
+
+
+def _holds_state(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ways: int) -> bool:
+    """Whether the parameters and optimizer state split ``ways`` ways fit a
+    device's budget.  A hand plan splits them over its model axis and its
+    stages alone, never over data, so one that fails this fits nothing and
+    is passed over without its ILPs (Megatron-LM's 39.1B, 469 GB of
+    parameters and Adam state, on 512 A100s: one stage of tp 4 would hold
+    117 GB a device against a budget of 77 GB)."""
+    state = graph.role_bytes(PARAM) + graph.role_bytes(OPT_STATE)
+    return state / ways <= cluster.device.memory_bytes * request.memory_fraction
 
 
 HAND_MADE_NOTE = (

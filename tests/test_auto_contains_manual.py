@@ -230,6 +230,38 @@ def test_the_hand_plans_beside_a_searched_plan_share_its_stage_count():
         == [(8, 1, 1), (4, 2, 1)]
 
 
+def test_hand_plans_passed_over_for_their_state_fit_nothing():
+    """The search skips a hand plan whose parameters and optimizer state,
+    split over its model axis and stages alone, exceed a device's budget
+    (planning._holds_state): each one skipped is refused when planned."""
+    from meshplan.graph import OPT_STATE, PARAM
+    from meshplan.planning import _holds_state
+    m = build_model("mlp", {"layers": 4, "hidden": 256, "in_dim": 64, "out_dim": 8,
+                            "batch": 64})
+    graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
+    state = graph.role_bytes(PARAM) + graph.role_bytes(OPT_STATE)
+    # (a budget of 0.9 x memory between a third and half of the state)
+    cluster = parse_cluster({
+        "format": "meshplan.cluster/1", "name": "fake-1x4", "num_hosts": 1,
+        "devices_per_host": 4, "num_devices": 4,
+        "device": {"kind": "fake", "memory_bytes": int(state * 0.42 / 0.9),
+                   "memory_bandwidth_bytes_per_s": 1e12, "peak_flops": {"float32": 1e13}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
+    session = Session(workers=1)
+    request = meshplan.Auto().request(4)
+    skipped = 0
+    for dp, tp, pp in [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2)]:
+        if _holds_state(graph, cluster, request, tp * pp):
+            continue
+        skipped += 1
+        with pytest.raises(InfeasiblePlanError):
+            plan_graph(graph, cluster, meshplan.Manual(dp, tp, pp, num_micro_batches=2),
+                       retrace=rt, session=session)
+    assert skipped == 3     # (ways 1 and 2; 4 ways pass)
+
+
 @pytest.mark.slow      # (plans wresnet-2b on 8 V100s: ~35 s)
 def test_a_hand_plan_of_the_searched_shape_is_no_faster():
     """plan_quality's wresnet-2b on 8 V100s: the search's free layer plans on
