@@ -240,7 +240,7 @@ def test_hand_plans_passed_over_for_their_state_fit_nothing():
                             "batch": 64})
     graph = trace(m.train_step, *m.abstract_args, batch_argnums=m.batch_argnums, name="step")
     state = graph.role_bytes(PARAM) + graph.role_bytes(OPT_STATE)
-    # (a budget of 0.9 x memory between a third and half of the state)
+    # (a budget, 0.9 of the memory, of 0.42 of the state: above a quarter, below half)
     cluster = parse_cluster({
         "format": "meshplan.cluster/1", "name": "fake-1x4", "num_hosts": 1,
         "devices_per_host": 4, "num_devices": 4,
