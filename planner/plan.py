@@ -310,8 +310,9 @@ class Plan:
     layer_of_node: tuple[int, ...] = ()
     # [explain] the plans this one was chosen over (empty unless asked for)
     alternatives: tuple[Alternative, ...] = ()
-    # an ILP behind this plan stopped at its time limit (its best incumbent
-    # was used): why two runs may differ; in the JSON only when true
+    # an ILP behind this plan, or behind a plan it was chosen over, stopped
+    # at its time limit (its best incumbent was used): why two runs may
+    # differ; in the JSON only when true
     ilp_time_limit_hit: bool = False
     # the data-parallel gradient sums are reduced every micro-batch (ZeRO-2's
     # way: less memory) rather than once a step; in the JSON only when true

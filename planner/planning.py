@@ -295,6 +295,9 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         passes = passes[:2]     # (no [batch, sequence, ...] values: a third searches the same)
     best: Plan | None = None
     summed: SearchStats | None = None
+    # (an ILP of any plan compared stopped at its time limit: with more
+    # time the choice might differ, so the plan says so whichever wins)
+    hit = False
     counts: tuple = ()          # (the winning pass's plans per stage count)
     error: InfeasiblePlanError | None = None
     binds = True            # (no plan yet: nothing fit)
@@ -307,6 +310,7 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError as e:
             error = error or e
             continue
+        hit |= p.ilp_time_limit_hit
         # (the figures sum every search run, whichever pass's plan wins)
         summed = stats if summed is None else summed.plus(stats)
         if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
@@ -343,12 +347,16 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except MeshplanError:
             continue        # (does not fit, or cannot be cut so: not a candidate)
         summed = summed.plus(stats)
+        hit |= p.ilp_time_limit_hit
         if p.predicted.iteration_s < best.predicted.iteration_s:
             best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
     if request.one_stage_by_whole_graph:
         for p in _one_program_hand_plans(graph, cluster, request, session, batch):
+            hit |= p.ilp_time_limit_hit
             if p.predicted.iteration_s < best.predicted.iteration_s:
                 best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
+    if hit:
+        best = replace(best, ilp_time_limit_hit=True)
     return best, replace(summed, stage_counts=counts)
 
 

@@ -132,3 +132,22 @@ def test_a_plan_records_an_ilp_stopped_by_its_time_limit() -> None:
     assert hit.ilp_time_limit_hit and json.loads(hit.to_json())["ilp_time_limit_hit"] is True
     assert meshplan.Plan.from_json(hit.to_json()).ilp_time_limit_hit
     assert not full.ilp_time_limit_hit and "ilp_time_limit_hit" not in json.loads(full.to_json())
+
+
+def test_a_plan_records_a_time_limit_hit_by_a_plan_it_was_chosen_over(monkeypatch) -> None:
+    # a losing candidate whose ILP stopped at its time limit might have won
+    # with more time: the plan chosen over it says so too
+    import dataclasses
+    from meshplan import planning
+    m = build_model("mlp", {"layers": 4, "batch": 16})
+    cluster = meshplan.load_cluster(CLUSTER)
+    clean = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=meshplan.Auto())
+    assert not clean.ilp_time_limit_hit
+    slower = dataclasses.replace(clean, ilp_time_limit_hit=True, predicted=dataclasses.replace(
+        clean.predicted, iteration_s=2 * clean.predicted.iteration_s))
+    monkeypatch.setattr(planning, "_one_program_hand_plans", lambda *args: [slower])
+    got = meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster, method=meshplan.Auto())
+    assert got.ilp_time_limit_hit
+    body = json.loads(got.to_json())
+    assert body.pop("ilp_time_limit_hit") is True
+    assert body == json.loads(clean.to_json())
