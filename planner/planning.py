@@ -25,7 +25,7 @@ from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import plan_one_stage
 from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph
-from .methods import Method
+from .methods import Manual, Method
 from .plan import Plan
 from .ilp import EachMicroBatch, SequenceSplit
 from .recompute import NONE
@@ -377,10 +377,11 @@ def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanReq
         dp, tp, _ = o.fixed
         if not _holds_state(graph, cluster, request, tp):
             continue
-        one = PlanRequest(request.method, mesh_shape=(dp, tp), axis_names=("data", "model"),
-                          input_layouts="model", batch_split=dp,
-                          batch_split_by=f"Manual(dp={dp})", time_limit=request.time_limit,
-                          backend=request.backend, memory_fraction=request.memory_fraction)
+        # (Manual's own request, recorded under this method's name)
+        one = replace(Manual(dp, tp, 1, 1, time_limit=request.time_limit,
+                             backend=request.backend,
+                             memory_fraction=request.memory_fraction).request(dp * tp),
+                      method=request.method)
         try:
             plans.append(plan_one_stage(graph, cluster, one, session))
         except MeshplanError:
