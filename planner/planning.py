@@ -357,7 +357,20 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                 best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
     if hit:
         best = replace(best, ilp_time_limit_hit=True)
+    if summed.searches > 1:
+        # (the plan's own search note counts only the search that made it)
+        best = replace(best, notes=best.notes + (compared_note(summed),))
     return best, replace(summed, stage_counts=counts)
+
+
+def compared_note(summed: SearchStats) -> str:
+    """What every inter-operator search behind a plan needed, summed: the
+    passes and the hand plans it was chosen among.  (Layer ILPs counted
+    per search, as each search's own note counts them: deterministic, unlike
+    the solves, which depend on what the session's cache held.)"""
+    return (f"chosen among {summed.searches} inter-operator searches (the search's passes and "
+            f"the hand plans), which needed {summed.distinct_layer_ilps} layer ILPs between them "
+            f"(one two searches share counted in each)")
 
 
 def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanRequest,

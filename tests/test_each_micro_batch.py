@@ -52,8 +52,10 @@ def _runs_as_jit(m, plan):
 
 
 class _Asked(list):
-    """The filters the passes were asked with; ``counts``: their micro-batch counts."""
+    """The filters the passes were asked with; ``counts``: their micro-batch
+    counts; ``searches``: the inter-operator searches run, hand plans included."""
     counts: list
+    searches: int
 
 
 def _scripted(monkeypatch, base, first, second, third=None, hand=None):
@@ -63,7 +65,7 @@ def _scripted(monkeypatch, base, first, second, third=None, hand=None):
     these (recompute, seconds[, counts that fit nothing though they would
     plan faster]); None: no plan fits); returns what the passes were asked."""
     asked = _Asked()
-    asked.counts = []
+    asked.counts, asked.searches = [], 0
 
     def answer(spec):
         if spec is None:
@@ -73,9 +75,10 @@ def _scripted(monkeypatch, base, first, second, third=None, hand=None):
             base, stages=tuple(dataclasses.replace(s, recompute=recompute, remat=recompute != "none")
                                for s in base.stages),
             predicted=dataclasses.replace(base.predicted, iteration_s=seconds)), \
-            SearchStats(squeezed=tuple(squeezed[0]) if squeezed else ())
+            SearchStats(squeezed=tuple(squeezed[0]) if squeezed else (), distinct_layer_ilps=3)
 
     def fake(graph, cluster, opts, **kw):
+        asked.searches += 1
         if opts.fixed is not None and kw["method_name"] != "manual":
             return answer(hand)     # (the hand plans of the winner's shape)
         asked.append(opts.input_filter)
@@ -181,6 +184,22 @@ def test_a_faster_hand_plan_of_the_winners_shape_is_taken(monkeypatch, gpt_searc
     _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0), hand=("none", 2.5))
     p = _plan()
     assert p.predicted.iteration_s == 2.0 and planning.HAND_MADE_NOTE not in p.notes
+
+
+def test_a_plan_chosen_among_searches_says_what_they_all_needed(monkeypatch, gpt_searched):
+    """The winner's own search note counts its search alone; a note sums
+    every search it was chosen among (3 layer ILPs each, scripted)."""
+    base = gpt_searched[1]["plain"]
+    asked = _scripted(monkeypatch, base, ("full", 2.0), ("none", 1.5), hand=("none", 1.2))
+    p = _plan()
+    assert asked.searches > 2 and planning.HAND_MADE_NOTE in p.notes
+    want = planning.compared_note(SearchStats(searches=asked.searches,
+                                              distinct_layer_ilps=3 * asked.searches))
+    assert want in p.notes and f"among {asked.searches} " in want
+    # one search (a hand-made method's): no such note
+    _scripted(monkeypatch, base, ("none", 2.0), ("none", 1.0))
+    p = _plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=4))
+    assert not any(n.startswith("chosen among") for n in p.notes)
 
 
 def test_gradients_reduced_each_micro_batch_run_as_planned(gpt_searched):
