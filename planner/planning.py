@@ -370,7 +370,7 @@ def compared_note(summed: SearchStats) -> str:
     the solves, which depend on what the session's cache held.)"""
     return (f"chosen among {summed.searches} inter-operator searches (the search's passes and "
             f"the hand plans), which needed {summed.distinct_layer_ilps} layer ILPs between them "
-            f"(one two searches share counted in each)")
+            f"(a layer ILP two searches share counts in both)")
 
 
 def _one_program_hand_plans(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
