@@ -347,20 +347,24 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except MeshplanError:
             continue        # (does not fit, or cannot be cut so: not a candidate)
         summed = summed.plus(stats)
-        hit |= p.ilp_time_limit_hit
-        if p.predicted.iteration_s < best.predicted.iteration_s:
-            best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
+        best, hit = _taken(best, hit, p)
     if request.one_stage_by_whole_graph:
         for p in _one_program_hand_plans(graph, cluster, request, session, batch):
-            hit |= p.ilp_time_limit_hit
-            if p.predicted.iteration_s < best.predicted.iteration_s:
-                best = replace(p, notes=p.notes + (HAND_MADE_NOTE,))
+            best, hit = _taken(best, hit, p)
     if hit:
         best = replace(best, ilp_time_limit_hit=True)
     if summed.searches > 1:
         # (the plan's own search note counts only the search that made it)
         best = replace(best, notes=best.notes + (compared_note(summed),))
     return best, replace(summed, stage_counts=counts)
+
+
+def _taken(best: Plan, hit: bool, hand: Plan) -> tuple[Plan, bool]:
+    """The faster of ``best`` and the hand plan ``hand`` (noted as one), and
+    whether an ILP of either stopped at its time limit."""
+    if hand.predicted.iteration_s < best.predicted.iteration_s:
+        best = replace(hand, notes=hand.notes + (HAND_MADE_NOTE,))
+    return best, hit or hand.ilp_time_limit_hit
 
 
 def compared_note(summed: SearchStats) -> str:
