@@ -17,7 +17,8 @@ from typing import Callable
 
 from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError
-from ..graph import BATCH, PARAM, Graph, batch_dims_between, batch_shaped_draws
+from ..graph import (BATCH, PARAM, Graph, Node, batch_dims_between, batch_shaped_draws,
+                     stacked_scan_inputs)
 from ..plan import Plan
 from ..units import human_bytes
 from .assemble import pipeline_plan
@@ -72,8 +73,18 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
     opts = options or request.pipeline
     if opts is None:
         raise MeshplanError(f"{method!r} is not a pipeline method")
-    return search_pipeline(graph, cluster, opts, method_name=request.method, retrace=retrace,
+    plan = search_pipeline(graph, cluster, opts, method_name=request.method, retrace=retrace,
                            session=session or Session.from_env())[0]
+    warn_of_scans(graph, plan, stacklevel=3)
+    return plan
+
+
+def warn_of_scans(graph: Graph, plan: Plan, stacklevel: int = 2) -> None:
+    """One warning for a plan of layers stacked in a scan that the search
+    could not cut (``stacklevel`` as :func:`warnings.warn`'s, from the caller)."""
+    warning = _scanned_layers(graph)
+    if warning and warning in plan.notes:
+        warnings.warn(f"meshplan: {warning}", stacklevel=stacklevel + 1)
 
 
 def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *,
@@ -225,10 +236,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     if best is None:
         raise _no_plan(errors, untraceable, cluster, opts, unfit)
     plan = best[1]
-    scan_note = _scanned_layers(graph)
-    if scan_note:
-        warnings.warn(f"meshplan: {scan_note}", stacklevel=3)
-        plan = replace(plan, notes=plan.notes + (scan_note,))
+    # (the warning is the planner's, once a plan: meshplan.planning.plan_step)
+    plan = replace(plan, notes=plan.notes + tuple(n for n in scan_notes(graph) if n))
     # (no wall-clock time in the plan: the same inputs give byte-identical JSON)
     # (what this search needed, not what an earlier one left in the cache:
     # the plan must not depend on the process's history)
@@ -373,17 +382,13 @@ def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: Pipel
 
 
 def _scanned_layers(graph: Graph) -> str | None:
-    """What to tell a user whose layers run inside one ``lax.scan`` that
-    reads parameters: the search cannot cut inside a scan.  (``meshplan.plan``
+    """What to tell a user whose layers run inside one ``lax.scan`` over
+    stacked parameters: the search cannot cut inside a scan.  (``meshplan.plan``
     and ``parallelize`` unroll a scan that iterates over stacked arguments
     first, :mod:`meshplan.trace.unstack`; this remains for other scans and graphs
     traced as they are.)"""
-    total = graph.total_flops or 1.0
-    params = {i.tensor for i in graph.inputs if i.role == PARAM}
-    # (the forward scan and its transpose in the backward pass both read them)
-    scans = [n for n in graph.nodes
-             if n.primitive == "scan" and n.repeat > 1 and params & set(n.inputs)]
-    share = sum(n.flops for n in scans) / total
+    scans = [n for n in _param_scans(graph) if stacked_scan_inputs(graph, n)]
+    share = sum(n.flops for n in scans) / (graph.total_flops or 1.0)
     if share < 0.5:
         return None
     return (f"{share:.0%} of the step's FLOPs run inside lax.scan over {scans[0].repeat} stacked "
@@ -391,3 +396,33 @@ def _scanned_layers(graph: Graph) -> str | None:
             "scan); meshplan.plan unrolls a scan only when it iterates over stacked arguments "
             "of the step: stack the layers' parameters as arguments, or loop over the blocks "
             "in Python")
+
+
+def _loops_over_same_params(graph: Graph) -> str | None:
+    """What a plan notes where most of the work runs in ``lax.scan`` loops
+    that read the same parameters in every iteration (a recurrence over
+    time, a loop over micro-batches written in the step): no stage can cut
+    inside one.  Nothing the user must change, so a note, not a warning."""
+    scans = [n for n in _param_scans(graph) if not stacked_scan_inputs(graph, n)]
+    share = sum(n.flops for n in scans) / (graph.total_flops or 1.0)
+    if share < 0.5:
+        return None
+    lengths = "/".join(map(str, sorted({n.repeat for n in scans})))
+    return (f"{share:.0%} of the step's FLOPs run inside lax.scan loops of {lengths} iterations "
+            "that read the same parameters in every iteration (a recurrence, or a loop over "
+            "micro-batches written in the step): the pipeline search keeps each loop whole in "
+            "one stage (a loop over micro-batches can be left to meshplan: num_micro_batches)")
+
+
+def _param_scans(graph: Graph) -> list[Node]:
+    """The scans of more than one iteration that read the step's parameters
+    (the forward scan and its transpose in the backward pass both do)."""
+    params = {i.tensor for i in graph.inputs if i.role == PARAM}
+    return [n for n in graph.nodes if n.primitive == "scan" and n.repeat > 1
+            and (params & set(n.inputs) or stacked_scan_inputs(graph, n))]
+
+
+def scan_notes(graph: Graph) -> tuple[str | None, str | None]:
+    """``(warning, note)``: what a pipeline plan of ``graph`` says of its
+    scans (:func:`_scanned_layers`, :func:`_loops_over_same_params`)."""
+    return _scanned_layers(graph), _loops_over_same_params(graph)

@@ -384,6 +384,34 @@ def ancestor_nodes(graph: Graph, values: Iterable[int],
     return out
 
 
+def stacked_scan_inputs(graph: Graph, node: Node) -> list[int]:
+    """The step's non-batch inputs that the scan ``node`` iterates over (its
+    ``xs``, directly or through an elementwise cast) and whose leading
+    dimension is the scan's length: layers stacked along it.  Empty for a
+    scan that reads the step's parameters only as constants, the same in
+    every iteration (a recurrence, a loop over micro-batches)."""
+    p = dict(node.params)
+    if node.primitive != "scan" or node.repeat <= 1 or "num_consts" not in p:
+        return []
+    producer = graph.producer
+    inputs = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums}
+
+    def origin(t: int) -> int:
+        while t in producer:
+            n = graph.nodes[producer[t]]
+            if n.primitive not in ("convert_element_type", "copy") or len(n.inputs) != 1:
+                break
+            t = n.inputs[0]
+        return t
+
+    out = []
+    for t in map(origin, node.inputs[p["num_consts"] + p["num_carry"]:]):
+        shape = graph.tensors[t].shape
+        if t in inputs and shape and shape[0] == node.repeat:
+            out.append(t)
+    return out
+
+
 def forward_nodes(graph: Graph) -> list[bool]:
     """Per node: is it in the forward pass?  The ancestors of the outputs that
     update no input (loss, metrics), not looking through the end-of-backward

@@ -19,7 +19,7 @@ from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
-                        micro_batch_candidates, search_pipeline)
+                        micro_batch_candidates, search_pipeline, warn_of_scans)
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
@@ -150,6 +150,8 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         alts = alternatives(graph, cluster, planned.plan, planned.search, request,
                             retrace=retrace, session=session)
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
+    # (once a plan, however many searches ran)
+    warn_of_scans(graph, planned.plan, stacklevel=3)
     # (a fingerprint names the Graph's content: plans of one step ask once)
     why = session.replicated.get(graph.fingerprint)
     if why is None:

@@ -422,6 +422,59 @@ def test_layers_inside_a_scan_are_reported_or_unrolled():
     assert len(plan.stages) == 2
 
 
+def test_scanned_layers_warn_once_a_plan_however_many_searches_ran():
+    # the step traced as it is (no unrolling): Auto runs several searches
+    # (its passes and the hand plans), each noting the scan; one warning
+    from meshplan.planning import plan_step, retracer
+    m = build_model("gpt", {"layers": "4", "hidden": "64", "seq_len": "32", "vocab": "128",
+                            "scan_layers": "true", "batch": "8"})
+    g = trace(m.train_step, *m.abstract_args)
+    rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step", graph=g)
+    import warnings
+    two = meshplan.ClusterSpec.from_dict({
+        "format": "meshplan.cluster/1", "name": "fake-1x2", "num_hosts": 1,
+        "devices_per_host": 2, "num_devices": 2,
+        "device": {"kind": "fake", "memory_bytes": 16 * 2**30, "memory_bandwidth_bytes_per_s": 1e12,
+                   "peak_flops": {"float32": 1e13}},
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned = plan_step(g, two, meshplan.Auto(num_micro_batches=(2,)), retrace=rt)
+    said = [w for w in caught if "stacked layers" in str(w.message)]
+    assert planned.search.searches > 1 and len(said) == 1
+    assert any("lax.scan over 4 stacked layers" in n for n in planned.plan.notes)
+
+
+def test_a_recurrence_is_noted_not_warned_of_as_stacked_layers():
+    # a scan over time that reads the same weights each step is no stack of
+    # layers: the plan notes that no stage cuts inside it, with no warning
+    # telling the user to stack parameters they never stacked
+    def loss(p, x, y):
+        def cell(h, xt):
+            h = jnp.tanh(h @ p["w"] + xt @ p["u"])
+            return h, None
+        h, _ = jax.lax.scan(cell, jnp.zeros((x.shape[0], 32)), jnp.swapaxes(x, 0, 1))
+        return jnp.mean((h @ p["out"] - y) ** 2)
+
+    def step(p, batch):
+        l, g = jax.value_and_grad(loss)(p, batch["x"], batch["y"])
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": l}
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": jax.random.normal(k[0], (32, 32)), "u": jax.random.normal(k[1], (16, 32)),
+         "out": jax.random.normal(k[2], (32, 4))}
+    batch = {"x": jnp.ones((8, 12, 16)), "y": jnp.ones((8, 4))}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = meshplan.plan(step, p, batch, cluster=meshplan.load_cluster(
+            ROOT / "examples/clusters/dgx-a100-x1.json"),
+            method=meshplan.PipeshardParallel(num_micro_batches=2))
+    assert any("lax.scan loops of 12 iterations that read the same parameters" in n
+               for n in plan.notes)
+    assert not any("stacked layers" in n for n in plan.notes)
+
+
 @pytest.mark.parametrize("fits,untraceable,expected,fastest", [
     # counts that fit -> the counts searched, from the most micro-batches down:
     # once a count fits nothing after one that did, fewer are not tried

@@ -36,7 +36,7 @@ from jax.extend import core as jcore
 
 from ..errors import MeshplanError
 from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
-from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph
+from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph, stacked_scan_inputs
 from .walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
@@ -261,29 +261,9 @@ def layer_counts(shapes: frozenset[tuple[int, ...]]) -> str:
 
 def scanned_leaf_shapes(graph: Graph) -> frozenset[tuple[int, ...]]:
     """Shapes of the non-batch inputs that a ``scan`` iterates over (its
-    ``xs``), directly or through an elementwise cast."""
-    scans = [n for n in graph.nodes if n.primitive == "scan" and n.repeat > 1]
-    if not scans:
-        return frozenset()
-    producer = graph.producer
-    inputs = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums}
-
-    def origin(t: int) -> int:
-        while t in producer:
-            n = graph.nodes[producer[t]]
-            if n.primitive not in ("convert_element_type", "copy") or len(n.inputs) != 1:
-                break
-            t = n.inputs[0]
-        return t
-
-    shapes = set()
-    for n in scans:
-        p = dict(n.params)
-        for t in map(origin, n.inputs[p["num_consts"] + p["num_carry"]:]):
-            shape = graph.tensors[t].shape
-            if t in inputs and shape and shape[0] == n.repeat:
-                shapes.add(tuple(shape))
-    return frozenset(shapes)
+    ``xs``, :func:`~meshplan.graph.stacked_scan_inputs`)."""
+    return frozenset(tuple(graph.tensors[t].shape) for n in graph.nodes
+                     for t in stacked_scan_inputs(graph, n))
 
 
 @dataclass
