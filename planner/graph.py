@@ -390,8 +390,10 @@ def stacked_scan_inputs(graph: Graph, node: Node) -> list[int]:
     dimension is the scan's length: layers stacked along it.  Empty for a
     scan that reads the step's parameters only as constants, the same in
     every iteration (a recurrence, a loop over micro-batches)."""
+    if node.primitive != "scan" or node.repeat <= 1:
+        return []
     p = dict(node.params)
-    if node.primitive != "scan" or node.repeat <= 1 or "num_consts" not in p:
+    if "num_consts" not in p:
         return []
     producer = graph.producer
     inputs = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums}
