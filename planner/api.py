@@ -21,6 +21,7 @@ from .recompute import NONE
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
+from .trace.tracer import abstract_leaf
 from .traced import TracedStep, signature
 from .trace.unstack import Unstacked
 
@@ -73,10 +74,7 @@ def _argnums(batch_argnums: Any) -> tuple[int, ...]:
 
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        x = jax.numpy.asarray(x) if not hasattr(x, "shape") else x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
     return tuple(jax.tree.map(one, tuple(args)))
 
 

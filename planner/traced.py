@@ -43,7 +43,9 @@ def _jit_key(leaf: Any) -> tuple[Any, ...]:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
     a = np.asarray(leaf)
-    return (a.shape, str(a.dtype), isinstance(leaf, (bool, int, float, complex)))
+    # (a Python scalar's dtype as jax gives it: float32 for a float unless x64)
+    return (a.shape, str(jax.dtypes.canonicalize_dtype(a.dtype)),
+            isinstance(leaf, (bool, int, float, complex)))
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,7 @@ def _mark_whole_batch(fn: Callable, args: Sequence[Any], batch_argnums: tuple[in
     marker its micro-batches get (:func:`~meshplan.trace.micro.mark_full_batch`,
     probed at twice the batch): the planner's Graph and the runtime's trace
     of one micro-batch agree."""
-    probe = tuple(jax.tree_util.tree_map(lambda x: _grow(_abstract_leaf(x), 2), a)
+    probe = tuple(jax.tree_util.tree_map(lambda x: _grow(abstract_leaf(x), 2), a)
                   if i in batch_argnums else a for i, a in enumerate(args))
     return mark_full_batch(
         fn, args, probe, flat, graph,
@@ -420,7 +420,7 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         return _traced_step(closed, out_shape, flatten(closed), args, batch_argnums)
     m = int(micro_batches)
-    args = jax.tree_util.tree_map(_abstract_leaf, args)
+    args = jax.tree_util.tree_map(abstract_leaf, args)
     mb = _micro_batch_size(args, batch_argnums, m)
     micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
                   else a for i, a in enumerate(args))
@@ -443,7 +443,7 @@ def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequen
     marker and random draws over the batch included
     (:mod:`meshplan.trace.micro`)."""
     batch_argnums = tuple(int(b) for b in batch_argnums)
-    args = tuple(jax.tree_util.tree_map(_abstract_leaf, tuple(args)))
+    args = tuple(jax.tree_util.tree_map(abstract_leaf, tuple(args)))
     micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, B), a) if i in batch_argnums
                   else a for i, a in enumerate(args))
     return _micro(fn, args, micro, batch_argnums, name or getattr(fn, "__name__", "fn"), B)[3]
@@ -483,22 +483,32 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                       batch_draws=draws, draw_eqns=draw_eqns)
 
 
-def _abstract_leaf(x: Any) -> Any:
+def abstract_leaf(x: Any) -> Any:
+    """``x`` as a ``jax.ShapeDtypeStruct``, weakly typed where jax.jit would
+    trace it so (a Python scalar, a weakly typed array): the dtype promotion,
+    and so the step's equations, depend on it."""
     # (not getattr's default: np.asarray of a typed PRNG key raises)
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+    if not hasattr(x, "dtype"):
+        x = jax.numpy.asarray(x)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=_weak(x))
+
+
+def _weak(x: Any) -> bool:
+    return bool(getattr(x, "weak_type", False))
 
 
 def _shrink(x: Any, m: int) -> Any:
     if not getattr(x, "shape", ()):
         return x
-    return jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
+    return jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype,
+                                weak_type=_weak(x))
 
 
 def _grow(x: Any, k: int) -> Any:
     if not getattr(x, "shape", ()):
         return x
-    return jax.ShapeDtypeStruct((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype)
+    return jax.ShapeDtypeStruct((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype,
+                                weak_type=_weak(x))
 
 
 def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
