@@ -273,3 +273,41 @@ def test_builtin_gpt_with_dropout_matches_jit(method, impl, rows):
     np.testing.assert_allclose(float(pm["loss"]), float(rm["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def _custom_vjp_gap(bwd) -> float:
+    """The largest difference from jax.jit of a step whose hidden layer passes
+    through a custom_vjp with backward ``bwd``, as a 2-stage pipeline of 2
+    micro-batches."""
+    @jax.custom_vjp
+    def op(x):
+        return x
+    op.defvjp(lambda x: (x, None), lambda _, g: (bwd(g),))
+
+    def loss(p, x, y):
+        return jnp.mean((op(jnp.tanh(x @ p["w1"])) @ p["w2"] - y) ** 2)
+
+    def step(p, batch):
+        l, g = jax.value_and_grad(loss)(p, batch["x"], batch["y"])
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": l}
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (16, 32)), "w2": jax.random.normal(k2, (32, 4))}
+    out = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                            num_micro_batches=2))(p, BATCH)[0]
+    ref = jax.jit(step)(p, BATCH)[0]
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out),
+                                                              jax.tree.leaves(ref)))
+
+
+def test_a_custom_vjp_linear_in_the_cotangent_pipelines_exactly():
+    # every true VJP is linear in the cotangent: the mean of the micro-batch
+    # gradients is the whole batch's
+    assert _custom_vjp_gap(lambda g: 0.5 * g) < 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap, neither detected nor warned of: a micro-batch's loss is the mean over its own "
+    "rows, so its backward's cotangents are the micro-batch count times the whole batch's, and "
+    "a backward that clips them (not linear in the cotangent) clips other values"))
+def test_a_custom_vjp_that_clips_its_cotangent_pipelines_exactly():
+    assert _custom_vjp_gap(lambda g: jnp.clip(g, -0.01, 0.01)) < 1e-5
