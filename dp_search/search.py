@@ -383,46 +383,45 @@ def _plan_for(full: Graph, lay: LayerProblems, cluster: ClusterSpec, opts: Pipel
 
 def _scanned_layers(graph: Graph) -> str | None:
     """What to tell a user whose layers run inside one ``lax.scan`` over
-    stacked parameters: the search cannot cut inside a scan.  (``meshplan.plan``
-    and ``parallelize`` unroll a scan that iterates over stacked arguments
-    first, :mod:`meshplan.trace.unstack`; this remains for other scans and graphs
-    traced as they are.)"""
-    scans = [n for n in _param_scans(graph) if stacked_scan_inputs(graph, n)]
-    share = sum(n.flops for n in scans) / (graph.total_flops or 1.0)
-    if share < 0.5:
-        return None
-    return (f"{share:.0%} of the step's FLOPs run inside lax.scan over {scans[0].repeat} stacked "
-            "layers, which the pipeline search treats as one layer each (stages cannot split a "
-            "scan); meshplan.plan unrolls a scan only when it iterates over stacked arguments "
-            "of the step: stack the layers' parameters as arguments, or loop over the blocks "
-            "in Python")
-
-
-def _loops_over_same_params(graph: Graph) -> str | None:
-    """What a plan notes where most of the work runs in ``lax.scan`` loops
-    that read the same parameters in every iteration (a recurrence over
-    time, a loop over micro-batches written in the step): no stage can cut
-    inside one.  Nothing the user must change, so a note, not a warning."""
-    scans = [n for n in _param_scans(graph) if not stacked_scan_inputs(graph, n)]
-    share = sum(n.flops for n in scans) / (graph.total_flops or 1.0)
-    if share < 0.5:
-        return None
-    lengths = "/".join(map(str, sorted({n.repeat for n in scans})))
-    return (f"{share:.0%} of the step's FLOPs run inside lax.scan loops of {lengths} iterations "
-            "that read the same parameters in every iteration (a recurrence, or a loop over "
-            "micro-batches written in the step): the pipeline search keeps each loop whole in "
-            "one stage (a loop over micro-batches can be left to meshplan: num_micro_batches)")
-
-
-def _param_scans(graph: Graph) -> list[Node]:
-    """The scans of more than one iteration that read the step's parameters
-    (the forward scan and its transpose in the backward pass both do)."""
-    params = {i.tensor for i in graph.inputs if i.role == PARAM}
-    return [n for n in graph.nodes if n.primitive == "scan" and n.repeat > 1
-            and (params & set(n.inputs) or stacked_scan_inputs(graph, n))]
+    stacked parameters (:func:`scan_notes`' warning)."""
+    return scan_notes(graph)[0]
 
 
 def scan_notes(graph: Graph) -> tuple[str | None, str | None]:
-    """``(warning, note)``: what a pipeline plan of ``graph`` says of its
-    scans (:func:`_scanned_layers`, :func:`_loops_over_same_params`)."""
-    return _scanned_layers(graph), _loops_over_same_params(graph)
+    """``(warning, note)``: what a pipeline plan of ``graph`` says of the
+    scans that read its parameters, where they hold most of its FLOPs.  The
+    search cannot cut inside a scan.  A scan over stacked parameters gets the
+    warning (``meshplan.plan`` and ``parallelize`` unroll one that iterates
+    over stacked arguments first, :mod:`meshplan.trace.unstack`; this remains
+    for other scans and graphs traced as they are); loops that read the same
+    parameters in every iteration (a recurrence over time, a loop over
+    micro-batches written in the step) get a note: nothing to change."""
+    params = {i.tensor for i in graph.inputs if i.role == PARAM}
+    stacked: list[Node] = []
+    reused: list[Node] = []
+    # (the forward scan and its transpose in the backward pass both read them)
+    for n in graph.nodes:
+        if n.primitive != "scan" or n.repeat <= 1:
+            continue
+        if stacked_scan_inputs(graph, n):
+            stacked.append(n)
+        elif params & set(n.inputs):
+            reused.append(n)
+    total = graph.total_flops or 1.0
+    warning = note = None
+    share = sum(n.flops for n in stacked) / total
+    if share >= 0.5:
+        warning = (f"{share:.0%} of the step's FLOPs run inside lax.scan over {stacked[0].repeat} "
+                   "stacked layers, which the pipeline search treats as one layer each (stages "
+                   "cannot split a scan); meshplan.plan unrolls a scan only when it iterates over "
+                   "stacked arguments of the step: stack the layers' parameters as arguments, or "
+                   "loop over the blocks in Python")
+    share = sum(n.flops for n in reused) / total
+    if share >= 0.5:
+        lengths = "/".join(map(str, sorted({n.repeat for n in reused})))
+        note = (f"{share:.0%} of the step's FLOPs run inside lax.scan loops of {lengths} "
+                "iterations that read the same parameters in every iteration (a recurrence, or a "
+                "loop over micro-batches written in the step): the pipeline search keeps each "
+                "loop whole in one stage (a loop over micro-batches can be left to meshplan: "
+                "num_micro_batches)")
+    return warning, note
