@@ -108,6 +108,9 @@ class TracedStep:
     # (equation, its jaxpr equation at the full batch) for what such a draw
     # is computed from that is per-example (e.g. a split into per-example keys)
     draw_eqns: tuple[tuple[int, Any], ...] = ()
+    # how each value scales with the batch (:mod:`meshplan.trace.scaling`):
+    # how micro-batches combine; None where not analysed (one micro-batch)
+    scaling: Any = None
 
     @property
     def num_args(self) -> int:

@@ -71,13 +71,20 @@ a ``jax.Array`` on the mesh of the stage that made it: its data in that
 stage's process, a handle without local data in the others; read it with
 :func:`meshplan.runtime.to_host` in every process.
 
-What is not the same as the undecorated step (with more than one
-micro-batch): metric outputs and other batch-dependent values that the update
-or the outputs read (batch-norm running statistics) are *averaged* over the
-micro-batches, which is exact for means over the batch and not for sums or
-variances; batch normalisation normalises with micro-batch statistics.  A
-batch-dependent integer output cannot be averaged and is refused; so is an
-update that reads the batch itself.  Outputs whose dimension 0 is the batch
+How the micro-batches combine (with more than one): each value crossing
+into the update or the outputs is a sum over the batch's examples of some
+degree (:mod:`meshplan.trace.scaling`): a mean (the loss, the gradients of
+a mean loss) is averaged over the micro-batches, a sum (a summed loss's
+gradients, a token count) summed; a nonlinear function of such sums alone
+(``exp`` of the mean loss, a mean over the tokens that are not padding) is
+computed once a step from the combined sums; and the update runs with the
+whole batch's literals (a division by the batch size divides by the whole
+batch's).  What no combination gives exactly is averaged and named in one
+warning: per-example values computed from a sum over the micro-batch
+(batch normalisation's statistics, a loss divided by the micro-batch's
+token count), a maximum over the batch, a backward that clips its
+cotangent.  A batch-dependent integer output cannot be averaged and is
+refused; so is an update that reads the batch itself.  Outputs whose dimension 0 is the batch
 (per-example predictions) are concatenated.
 """
 from __future__ import annotations
@@ -99,7 +106,7 @@ from .pipeline_partial import partial_sums
 from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, closure_eqns,
                                 const_outputs, donations, returned_leaves)
 from .pipeline_lower import PipelineLowered, lower_pipeline
-from .pipeline_split import MEAN, StepSplit, dispatch_order, split_step
+from .pipeline_split import StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
 from .shard import FastPathMiss, _signature, build_mesh, stage_devices
 
@@ -241,17 +248,10 @@ class PipelineExecutable:
                                         fused=fused,
                                         draws=traced.batch_draws,
                                         draw_eqns=traced.draw_eqns,
-                                        zero_bubble=self.schedule == "zb-h1")
-        if m > 1:
-            graph = traced.graph
-            state_bdep = [o for o in graph.outputs if o.updates is not None and isinstance(o.tensor, int)
-                          and split.crossing.get(o.tensor) == MEAN]
-            if state_bdep:
-                warnings.warn(
-                    f"meshplan: {len(state_bdep)} state output(s) depend on the batch (e.g. "
-                    f"{state_bdep[0].path}, batch-norm statistics): with {m} micro-batches they are "
-                    "averaged over micro-batches and normalisation uses micro-batch statistics, "
-                    "which differs from the undecorated step", stacklevel=3)
+                                        zero_bubble=self.schedule == "zb-h1",
+                                        scaling=traced.scaling)
+        if split.inexact:
+            self._warn_inexact(split)
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
         self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated
@@ -271,6 +271,22 @@ class PipelineExecutable:
         self.sums = RunningSums(split, flat, self.layouts, m, self.partial)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,
                                    self.wiring.leaf_readers)
+
+    def _warn_inexact(self, split: StepSplit) -> None:
+        """Name what no combination of the micro-batches gives exactly (see
+        :func:`~.pipeline_split.split_step`): it is averaged over them."""
+        names = {o.tensor: o.path for o in self.traced.graph.outputs if isinstance(o.tensor, int)}
+        grads = set(split.alias.values())
+        what = {x: names.get(x) or ("the gradients" if x in grads else "a value the update reads")
+                for x in split.inexact}
+        first = min(split.inexact, key=lambda x: (x not in grads, what[x]))
+        listed = sorted(set(what.values()))
+        warnings.warn(
+            f"meshplan: with {self.m} micro-batches this step differs from the undecorated one: "
+            f"{', '.join(listed[:4])}{' ...' if len(listed) > 4 else ''} cannot be combined "
+            f"exactly from the micro-batches ({split.inexact[first]}); the pipeline averages "
+            "them over the micro-batches.  Plan with num_micro_batches=1 for the exact step",
+            stacklevel=4)
 
     # ---- running ----------------------------------------------------------
     def __call__(self, *args: Any) -> Any:

@@ -17,11 +17,14 @@ the step is traced again at ``m * D`` micro-batches (same equations and
 value ids, smaller batch dimension).  That trace's mean over the batch
 divides by the smaller count, so its gradients and the cotangents the
 backwards pass each other are ``D`` times those of the full micro-batch;
-the means' ``1 / (m * D)`` undoes it (the runtime already takes the loss to
-be a mean over the batch), and a backward multiplies the cotangents it
-receives from another backward by ``D`` and divides those it sends by ``D``,
-so that a stage whose backward reduces its gradients itself (as before) can
-sit beside one that keeps partial sums.  The two traces are matched
+the means' ``1 / (m * D)`` undoes it, and a backward multiplies the
+cotangents it receives from another backward by ``D`` and divides those it
+sends by ``D``.  (That is a mean loss; in general a value of degree ``k``
+(:mod:`meshplan.trace.scaling`: a summed loss's cotangents have ``k = 0``,
+its gradients are sums) is ``D ** -k`` times as large, and the means divide
+a sum of degree ``e`` by ``(m * D) ** (1 - e)``.)  So a stage whose
+backward reduces its gradients itself (as before) can sit beside one that
+keeps partial sums.  The two traces are matched
 equation by equation (:func:`align`): at a batch of one jax adds a
 broadcast here and drops a sum over the batch there, and a reshape may
 drop the batch dimension of size one (such a value is reshaped where it
@@ -451,8 +454,13 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
 
     d = ps.size
     # cotangents from other backwards arrive at the full micro-batch's scale
-    # and leave at it: this trace's are d times as large (see the module doc)
-    scaled = [split.producer.get(x, ("",))[0] == "B" for x in task.inputs]
+    # and leave at it: this trace's are d ** -k times as large for a value of
+    # degree k (meshplan.trace.scaling; a mean loss's cotangents: k = -1, d
+    # times; a summed loss's: k = 0; see the module doc)
+    degree = lambda x: split.value_degree.get(x, -1)
+    scaled = [float(d) ** -degree(x) if split.producer.get(x, ("",))[0] == "B" else 1.0
+              for x in task.inputs]
+    unscaled = [float(d) ** -degree(x) for x in task.outputs]
 
     # (values whose smaller trace dropped a dimension of size one: reshaped
     # on the way in and out, see _cut)
@@ -461,11 +469,11 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     out_shape = [_per_shard(big[x].shape, ps.batch_dim.get(x), d) for x in task.outputs]
 
     def local(*xs: Any) -> tuple[list[Any], list[Any]]:
-        ins = [x * d if sc and _inexact(x) else x for x, sc in zip(xs[:n_in], scaled)]
+        ins = [x * sc if sc != 1 and _inexact(x) else x for x, sc in zip(xs[:n_in], scaled)]
         ins = [x if n is None or x.shape == n else x.reshape(n) for x, n in zip(ins, in_shape)]
         vals = evaluate(*ins)
         new = [a + vals[p][None] for a, p in zip(xs[n_in:], acc_pos)]
-        outs = [v / d if _inexact(v) else v for v in vals[:n_out]]
+        outs = [v / u if u != 1 and _inexact(v) else v for v, u in zip(vals[:n_out], unscaled)]
         return [o if o.shape == n else o.reshape(n) for o, n in zip(outs, out_shape)], new
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,

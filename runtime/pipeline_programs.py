@@ -293,6 +293,18 @@ def _at_full_batch(flat: FlatJaxpr, eqn_ids: Sequence[int],
     return dataclasses.replace(flat, eqns=tuple(eqns))
 
 
+def _full_batch_literals(flat: FlatJaxpr, eqn_ids: Sequence[int], split: StepSplit) -> FlatJaxpr:
+    """``flat`` with the equations ``eqn_ids`` of an update task reading the
+    whole batch's literals and constants (``split.full_literals``): it runs
+    on the whole batch's values (see :func:`~.pipeline_split.split_step`)."""
+    eqns = list(flat.eqns)
+    for k in eqn_ids:
+        if k in split.full_literals:
+            eqns[k] = dataclasses.replace(eqns[k], invars=split.full_literals[k])
+    consts = tuple(split.full_consts.get(i, c) for i, c in zip(flat.constvars, flat.consts))
+    return dataclasses.replace(flat, eqns=tuple(eqns), consts=consts)
+
+
 def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
              donate: tuple[int, ...] = (),
              partial: Mapping[int, PartialSums] | None = None) -> Program:
@@ -313,6 +325,8 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
                             split, flat)
     if task.kind == "R":
         flat = _at_full_batch(flat, eqn_ids, split.full_eqns)
+    elif task.kind == "A" and (split.full_literals or split.full_consts):
+        flat = _full_batch_literals(flat, eqn_ids, split)
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]
     sub = _sub(flat, eqn_ids, task.inputs, outs)
     cons = layouts.constraints[s]
@@ -397,20 +411,24 @@ class RunningSums:
         if f is None:
             m, ps = self.m, self.partial.get(s)
             ids = self.zeros(s)[0]
+            # (a sum over the examples of degree d: divided by m ** (1 - d))
+            div = [float(m) ** (1 - self.split.degree.get(x, 0)) for x in ids]
             if ps is None or not ps.ids.intersection(ids):
                 def mean(*xs: Any) -> list[Any]:
-                    return [(x / m).astype(x.dtype) for x in xs]
+                    return [x if d == 1 else (x / d).astype(x.dtype) for x, d in zip(xs, div)]
                 # (the sums are ours and read by nothing after: taken over)
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean, donate_argnums=tuple(range(n)))
             else:
                 shardings = [self.layouts.acc(x, s) for x in ids]
                 rows = [x in ps.ids for x in ids]
+                degrees = [self.split.degree.get(x, 0) for x in ids]
 
                 def mean(*xs: Any) -> list[Any]:
                     return [jax.lax.with_sharding_constraint(
-                        (x.sum(0) / (m * ps.size) if r else x / m).astype(x.dtype), sh)
-                        for x, r, sh in zip(xs, rows, shardings)]
+                        (x.sum(0) / (d * float(ps.size) ** (1 - e)) if r and e != 1
+                         else x.sum(0) if r else x if d == 1 else x / d).astype(x.dtype), sh)
+                        for x, r, sh, d, e in zip(xs, rows, shardings, div, degrees)]
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean)
             self._means[(s, n)] = f

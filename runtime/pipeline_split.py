@@ -27,7 +27,9 @@ Every equation then gets a *phase*:
   read only state (a step counter), and the sums of a gradient's
   contributions from several layers (a tied embedding's; each contribution
   is summed over the micro-batches where it is made:
-  :mod:`meshplan.contributions`);
+  :mod:`meshplan.contributions`), and a nonlinear function of sums over
+  the batch alone that nothing per micro-batch reads (``exp`` of the mean
+  loss: :func:`_sum_tails`), computed from the combined sums;
 * values made from constants alone (masks, iotas) are recomputed by every
   program that reads them instead of being sent between stages;
 * ``R`` (draw): a random draw over the batch (``TracedStep.batch_draws``, a
@@ -141,6 +143,18 @@ class StepSplit:
     full_eqns: dict[int, Any] = dataclasses.field(default_factory=dict)
     # the narrowing casts of state R tasks make once a step (_hoisted_casts)
     hoisted: frozenset[int] = frozenset()
+    # how the micro-batches' values combine (see :func:`_combination`): a
+    # MEAN crossing's degree d (its sum over the micro-batches divided by
+    # m ** (1 - d): 0 a mean, 1 a sum); crossings no combination gives
+    # exactly, with why; and the whole batch's literals and constants the
+    # update runs with (equation -> its operands; constant id -> value)
+    degree: dict[int, Any] = dataclasses.field(default_factory=dict)
+    inexact: dict[int, str] = dataclasses.field(default_factory=dict)
+    full_literals: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    full_consts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # id -> degree of every value per example or summed over the batch
+    # (:mod:`meshplan.trace.scaling`; the partial sums' rescaled cotangents)
+    value_degree: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
@@ -151,7 +165,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
                draw_eqns: Sequence[tuple[int, Any]] = (),
                zero_bubble: bool = False, remat_layers: Sequence[int] = (),
-               keep_casts: Sequence[bool] = ()) -> StepSplit:
+               keep_casts: Sequence[bool] = (), scaling: Any = None) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
@@ -165,13 +179,17 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     per stage recomputing fully, how many of its first layers do (0: all; the
     later ones recompute as a stage recomputing nothing).  ``keep_casts``:
     per stage, whether its parameters' narrowed copies are made once a step
-    (:func:`_hoisted_casts`; default yes)."""
+    (:func:`_hoisted_casts`; default yes).  ``scaling``: how the values
+    scale with the batch (``TracedStep.scaling``), which says how the
+    micro-batches combine (:func:`_combination`); None: averaged."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
     # a gradient summed from several layers' contributions: summed once a step
     once, _ = once_a_step([(fe.eqn.primitive.name, [x for x in fe.invars if isinstance(x, int)],
                             fe.outvars) for fe in flat.eqns], layer_of_node, GRAD_BOUNDARY)
-    phase = _phases(flat.eqns, flow, forward, once)
+    tail = _sum_tails(flat.eqns, flow, scaling) if scaling is not None and num_micro_batches > 1 \
+        else frozenset()
+    phase = _phases(flat.eqns, flow, forward, once, tail)
     drawn = {k: (d, tuple(full)) for k, d, full in draws
              if num_micro_batches > 1 and phase[k] in ("F", "B")}
     hoisted = frozenset(
@@ -186,7 +204,10 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     for o, i in flow.alias.items():      # (a gradient an update program sums)
         if producer.get(i, ("",))[0] == "A":
             needed_by[i].update(needed_by.get(o, ()))
-    crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches)
+    sums = {x for x, i in scaling.info.items() if i.kind == "S" and i.degree == 1} \
+        if scaling is not None else set()
+    crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches,
+                          sums)
     prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None
               for (lo, _), n in zip(stage_layers, remat_layers)]
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused, prefix)
@@ -198,9 +219,45 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
         deps = {key: {producer[x] for x in t.inputs if _c_phase(producer.get(x))}
                 for key, t in tasks.items() if _c_phase(key)}
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
-    return StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
-                     flow.alias, flow.batch_ids, deps, moved, drawn,
-                     dict(draw_eqns) if drawn else {}, hoisted)
+    split = StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
+                      flow.alias, flow.batch_ids, deps, moved, drawn,
+                      dict(draw_eqns) if drawn else {}, hoisted)
+    if scaling is not None and num_micro_batches > 1:
+        _combination(split, flat, scaling)
+    return split
+
+
+def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
+    """How each value crossing into the update and the outputs combines
+    over the micro-batches (:mod:`meshplan.trace.scaling`): a sum over the
+    examples of degree d is the micro-batches' sum divided by m ** (1 - d)
+    (a mean averaged, a sum summed); per-example outputs are concatenated
+    where they do not scale with the batch.  The rest is named in
+    ``split.inexact``.  The update then runs with the whole batch's
+    literals (a division by the batch size there divides by the whole
+    batch's), so it is the undecorated step's update on the whole batch's
+    values."""
+    for x, how in split.crossing.items():
+        info = scaling.info.get(x)
+        if info is None or how == LAST:
+            continue
+        if info.kind == "X":
+            split.inexact[x] = info.why
+        elif how == MEAN and info.kind == "S" and info.degree is not None:
+            split.degree[x] = info.degree
+        elif not (how == CONCAT and info.kind in "PN" and info.degree == 0) \
+                and not (how == MEAN and info.kind == "N"):
+            split.inexact[x] = "a value that scales with the micro-batch size"
+    for k, fe in enumerate(flat.eqns):
+        if fe.outvars and any((fe.outvars[0], pos) in scaling.literals
+                              for pos in range(len(fe.invars))):
+            split.full_literals[k] = tuple(
+                Lit(scaling.literals[(fe.outvars[0], pos)], x.aval)
+                if (fe.outvars[0], pos) in scaling.literals else x
+                for pos, x in enumerate(fe.invars))
+    split.full_consts.update(scaling.consts)
+    split.value_degree.update((x, i.degree) for x, i in scaling.info.items()
+                              if i.kind in "PS" and i.degree is not None)
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],
@@ -273,21 +330,43 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) ->
     return _Flow(producer_eqn, const_ids, is_const, bdep, after, markers, alias, batch_ids)
 
 
+def _sum_tails(eqns: Sequence[FlatEqn], flow: _Flow, scaling: Any) -> frozenset[int]:
+    """Equations that compute a nonlinear function of sums over the batch
+    (``exp`` of a mean loss) from such sums alone, and what reads them alone:
+    run once a step on the micro-batches' combined sums (their results
+    exact) unless the per-micro-batch work needs them (:func:`_phases`)."""
+    info = scaling.info
+    made: set[int] = set()     # values of sums alone (S), computed by such equations
+    tail: set[int] = set()
+    for k, fe in enumerate(eqns):
+        ins = [x for x in fe.invars if isinstance(x, int)]
+        if flow.is_const[k] or not fe.outvars or not any(x in flow.bdep for x in ins):
+            continue
+        if all(x in made or (x in info and info[x].kind in "NS") for x in ins) and \
+                all(o in info and info[o].kind != "P" for o in fe.outvars):
+            made.update(fe.outvars)
+            if any(info[o].kind == "X" for o in fe.outvars) or any(
+                    x in made and info[x].kind == "X" for x in ins):
+                tail.add(k)
+    return frozenset(tail)
+
+
 def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
-            once: frozenset[int]) -> list[str]:
+            once: frozenset[int], tail: frozenset[int] = frozenset()) -> list[str]:
     """The phase of every equation (see the module doc): the C phase holds
     the ancestors of the gradients and of everything batch-dependent that
     does not come after the gradients.  ``once``: sums of gradient
     contributions (:func:`meshplan.contributions.once_a_step`), run in the
-    update; their operands are the C phase's results instead."""
+    update; their operands are the C phase's results instead.  ``tail``
+    (:func:`_sum_tails`): run in the update unless the C phase needs them."""
     n = len(eqns)
     markers, after = flow.markers, flow.after
     need: set[int] = set()
     for k in markers:
         need.update(x for x in eqns[k].invars if isinstance(x, int))
     for k, fe in enumerate(eqns):
-        if not flow.is_const[k] and k not in markers and any(o in flow.bdep for o in fe.outvars) \
-                and not any(o in after for o in fe.outvars):
+        if not flow.is_const[k] and k not in markers and k not in tail \
+                and any(o in flow.bdep for o in fe.outvars) and not any(o in after for o in fe.outvars):
             need.update(fe.outvars)
     in_c = [False] * n
     for k in range(n - 1, -1, -1):
@@ -465,9 +544,11 @@ def _c_phase(key: tuple | None) -> bool:
 
 
 def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tuple],
-               flow: _Flow, concat: set[int], num_micro_batches: int) -> dict[int, str]:
+               flow: _Flow, concat: set[int], num_micro_batches: int,
+               sums: set[int] = frozenset()) -> dict[int, str]:
     """What crosses from the per-micro-batch phase into the update and the
-    outputs, and how it is combined over micro-batches."""
+    outputs, and how it is combined over micro-batches.  ``sums``: sums over
+    the examples (an integer one is summed, exactly)."""
     crossing: dict[int, str] = {}
 
     def cross(x: int, why: str) -> None:
@@ -477,10 +558,12 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
             crossing[x] = CONCAT
         elif x in flow.bdep:
             aval = flat.avals[x]
-            if num_micro_batches > 1 and not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+            if num_micro_batches > 1 and x not in sums and \
+                    not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
                 raise MeshplanError(
                     f"{why} is a batch-dependent {aval.dtype} value, which cannot be averaged over "
-                    "micro-batches; return floating-point means (or plan with num_micro_batches=1)")
+                    "micro-batches; return floating-point means or sums over the batch (or plan "
+                    "with num_micro_batches=1)")
             crossing[x] = MEAN
         else:
             crossing[x] = LAST

@@ -305,9 +305,11 @@ def test_a_custom_vjp_linear_in_the_cotangent_pipelines_exactly():
     assert _custom_vjp_gap(lambda g: 0.5 * g) < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap, neither detected nor warned of: a micro-batch's loss is the mean over its own "
-    "rows, so its backward's cotangents are the micro-batch count times the whole batch's, and "
-    "a backward that clips them (not linear in the cotangent) clips other values"))
-def test_a_custom_vjp_that_clips_its_cotangent_pipelines_exactly():
-    assert _custom_vjp_gap(lambda g: jnp.clip(g, -0.01, 0.01)) < 1e-5
+def test_a_custom_vjp_that_clips_its_cotangent_is_warned_of():
+    # a micro-batch's loss is the mean over its own rows, so its backward's
+    # cotangents are the micro-batch count times the whole batch's, and a
+    # backward that clips them (not linear in the cotangent) clips other
+    # values: no combination of micro-batches is the whole batch's gradient
+    with pytest.warns(UserWarning, match="the gradients cannot be combined exactly .*clipped"):
+        gap = _custom_vjp_gap(lambda g: jnp.clip(g, -0.01, 0.01))
+    assert gap > 1e-3     # (the difference the warning names)

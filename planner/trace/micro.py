@@ -62,6 +62,7 @@ from ..errors import TraceError
 from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
+from .scaling import batch_scaling
 from .walk import flatten
 
 __all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations", "BatchDraw")
@@ -83,24 +84,30 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
 
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
                build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
-               infer: bool = True) -> tuple[Any, ...]:
+               infer: bool = True, scaling: int = 0) -> tuple[Any, ...]:
     """``fn`` traced at ``micro_args`` (the batch cut into micro-batches):
     (closed jaxpr, output shapes, flat stream with the gradient marker, its
-    Graph, (the draws over the batch, :func:`draw_equations`)).  ``build_graph(closed, args,
+    Graph, (the draws over the batch, :func:`draw_equations`), its
+    :class:`~meshplan.trace.scaling.Scaling` or None).  ``build_graph(closed, args,
     out_shape, flat)`` makes the Graph of a flat stream.  ``infer`` False
-    (one micro-batch): the trace as it is."""
+    (one micro-batch): the trace as it is.  ``scaling``: the number of
+    micro-batches, to analyse how the values scale with the batch (the
+    runtime's combination of micro-batches); 0: not analysed."""
     closed, out_shape = jaxpr_of(fn, micro_args, " at micro-batch size")
     flat = flatten(closed)
     graph = build_graph(closed, micro_args, out_shape, flat)
     marked = any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns)
     draws = any(fe.eqn.primitive.name == "random_bits" for fe in flat.eqns)
-    if not infer or (marked and not draws):
-        return closed, out_shape, flat, graph, ((), ())
+    if not infer or (marked and not draws and not scaling):
+        return closed, out_shape, flat, graph, ((), ()), None
     full = flatten(jax.make_jaxpr(fn)(*full_args))
     batch = {i.tensor for i in graph.inputs if i.role == "batch"}
+    scaled = batch_scaling(flat, full, batch, scaling) if scaling else None
+    if marked and not draws:
+        return closed, out_shape, flat, graph, ((), ()), scaled
     if marked and not _same_stream(flat, full):
         # (a micro-batch of one example: JAX elides broadcasts over it)
-        return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch)
+        return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch), scaled
     per_example = _per_example(flat, full)
     if not marked:
         metrics = {o.tensor for o in graph.outputs if o.updates is None}
@@ -114,7 +121,8 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                 "(or plan with num_micro_batches=1)")
         graph = build_graph(closed, micro_args, out_shape, flat)
     draws = _draws(flat, per_example, full, batch)
-    return closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full))
+    return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
+            scaled)
 
 
 def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any],

@@ -424,15 +424,15 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     mb = _micro_batch_size(args, batch_argnums, m)
     micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
                   else a for i, a in enumerate(args))
-    closed, out_shape, flat, graph, draws = _micro(fn, args, micro, batch_argnums,
-                                                   getattr(fn, "__name__", "fn"), m)
+    closed, out_shape, flat, graph, draws, scaling = _micro(
+        fn, args, micro, batch_argnums, getattr(fn, "__name__", "fn"), m, scaling=m > 1)
     step_out = jax.eval_shape(fn, *args)
     return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
                         forward=tuple(forward_nodes(graph)), step_out=step_out,
                         micro_batches=m, micro_batch_size=mb,
                         concat=_concat_outputs(out_shape, step_out, flat, m,
                                                _batch_ids(flat, args, batch_argnums)),
-                        draws=draws[0], draw_eqns=draws[1])
+                        draws=draws[0], draw_eqns=draws[1], scaling=scaling)
 
 
 def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequence[int],
@@ -451,16 +451,17 @@ def trace_micro(fn: Callable, args: Sequence[Any], B: int, batch_argnums: Sequen
 
 @with_relaxed_gc
 def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
-           batch_argnums: tuple[int, ...], name: str, m: int) -> tuple[Any, ...]:
+           batch_argnums: tuple[int, ...], name: str, m: int,
+           scaling: bool = False) -> tuple[Any, ...]:
     def build(closed: Any, a: Sequence[Any], out_shape: Any, flat: FlatJaxpr) -> Graph:
         return graph_from_jaxpr(closed, a, out_shape, batch_argnums=batch_argnums, name=name,
                                 argnames=_argnames(fn, len(a)), flat=flat)
-    out = micro_step(fn, args, micro, build, infer=m > 1)
+    out = micro_step(fn, args, micro, build, infer=m > 1, scaling=m if scaling else 0)
     if m > 1:
         return out
-    closed, out_shape, flat, graph, draws = out
+    closed, out_shape, flat, graph, draws, scaled = out
     flat, graph = _mark_whole_batch(fn, micro, batch_argnums, closed, out_shape, flat, graph)
-    return closed, out_shape, flat, graph, draws
+    return closed, out_shape, flat, graph, draws, scaled
 
 
 def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, ...],
@@ -468,7 +469,7 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                  forward: tuple[bool, ...] = (), step_out: Any = None,
                  micro_batches: int | None = None, micro_batch_size: int = 0,
                  concat: tuple[int, ...] = (), draws: tuple[Any, ...] = (),
-                 draw_eqns: tuple[Any, ...] = ()) -> TracedStep:
+                 draw_eqns: tuple[Any, ...] = (), scaling: Any = None) -> TracedStep:
     leaves_p, arg_tree = jax.tree_util.tree_flatten_with_path(args)
     arg_paths = tuple((int(path[0].idx), jax.tree_util.keystr(tuple(path[1:])))
                       for path, _ in leaves_p)
@@ -480,7 +481,7 @@ def _traced_step(closed: Any, out_shape: Any, flat: FlatJaxpr, args: tuple[Any, 
                                            for l in jax.tree_util.tree_leaves(step_out)),
                       forward=forward, micro_batches=micro_batches,
                       micro_batch_size=micro_batch_size, concat_outputs=concat,
-                      batch_draws=draws, draw_eqns=draw_eqns)
+                      batch_draws=draws, draw_eqns=draw_eqns, scaling=scaling)
 
 
 def abstract_leaf(x: Any) -> Any:

@@ -1,0 +1,318 @@
+"""How each value of a micro-batch trace scales with the batch, and which
+values no combination of micro-batches gives exactly.
+
+A pipeline runs the per-micro-batch part of a step ``M`` times and combines
+what crosses into the update and the outputs.  Which combination is exact is
+read off two traces of the step with the same equations: at the micro-batch
+and at the whole batch (their literals differ where the step divides by a
+batch size, as ``jnp.mean`` does).  Every value gets an :class:`Info`:
+
+* ``N``: does not depend on the batch (parameters, constants);
+* ``P``: per example (it carries the batch dimension; each row depends on
+  its own example only);
+* ``S``: a *sum over the examples*: ``reduce_sum`` over the batch, a
+  weight gradient's ``x.T @ dy``, an embedding gradient's scatter-add, and
+  what linear operations make of them;
+* ``X``: none of these (a per-example value computed from a sum over the
+  micro-batch, as batch normalisation and a loss divided by the batch's
+  token count are; a nonlinear function of a batch mean; a maximum over the
+  batch): no combination of micro-batches gives the whole batch's value.
+
+``degree`` d says how a value scales: at the whole batch it is ``M**d``
+times the micro-batch's (``N``, ``P``), or ``M**d`` times the *mean* of the
+micro-batches' values (``S``).  A mean over the batch has degree 0 and is
+combined by averaging; a sum has degree 1 and is combined by summing; the
+gradient of a mean loss has degree 0, of a summed loss 1.  A literal's
+degree is ``log_M`` of the ratio of its two values (``jnp.mean``'s divisor:
+1); ``None`` where a value is not such a power (``B - 1``).  The update
+then runs on the whole batch's values with the whole batch's literals
+(:attr:`Scaling.literals`, :attr:`Scaling.consts`), so it is the
+undecorated step's update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
+
+from .walk import INLINE_CALLS, _closed_parts
+
+__all__ = ["Info", "Scaling", "batch_scaling"]
+
+
+@dataclass(frozen=True)
+class Info:
+    kind: str                      # "N", "P", "S" or "X" (see the module doc)
+    degree: Fraction | None = Fraction(0)
+    zero: bool = False             # known to be zero (any degree)
+    why: str = ""                  # X: the first cause
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """The analysis of one micro-batch trace (see the module doc)."""
+    info: Mapping[int, Info]
+    # (first output id of an equation, operand position) -> the whole batch's literal
+    literals: Mapping[tuple[int, int], Any] = field(default_factory=dict)
+    consts: Mapping[int, Any] = field(default_factory=dict)   # constant id -> whole batch's value
+
+
+ZERO = Info("N", Fraction(0), zero=True)
+# linear in a sum over the batch (and homogeneous in the scale of a per-example value)
+_LINEAR = frozenset({
+    "neg", "convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
+    "expand_dims", "slice", "rev", "copy", "copy_p", "reduce_precision", "reduce_sum", "cumsum",
+    "dynamic_slice", "gather", "pad", "concatenate", "add", "sub", "add_any", "dot_general",
+    "mul", "div", "select_n", "dynamic_update_slice", "scatter-add", "scatter_add", "real",
+    "imag", "conj", "conv_general_dilated", "reduce_window_sum", "split",
+})
+# homogeneous in a per-example value's scale but not linear
+_HOMOGENEOUS = frozenset({
+    "abs", "sign", "max", "min", "reduce_max", "reduce_min", "argmax", "argmin", "sqrt",
+    "rsqrt", "cbrt", "integer_pow", "square", "eq", "ne", "gt", "ge", "lt", "le", "sort",
+    "clamp", "cummax", "cummin", "stop_gradient", "reduce_window_max", "reduce_window_min",
+    "select_and_scatter_add", "select_and_gather_add", "scatter",
+})
+_SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add", "scatter_add",
+                   "conv_general_dilated"})
+_EQUAL = frozenset({"add", "sub", "add_any", "max", "min", "concatenate", "clamp", "pad",
+                    "dynamic_update_slice", "scatter-add", "scatter_add", "scatter", "select_n",
+                    "eq", "ne", "gt", "ge", "lt", "le"})
+_TO_ZERO = frozenset({"sign", "eq", "ne", "gt", "ge", "lt", "le", "argmax", "argmin"})
+_INDEX_ARGS = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2, "scatter-add": 1,
+               "scatter_add": 1, "scatter": 1}
+
+
+def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
+                  m: int) -> Scaling | None:
+    """The :class:`Scaling` of ``micro`` (the step at the micro-batch, ``m``
+    micro-batches a step) against ``full`` (the same equations at the whole
+    batch); ``None`` where the two streams differ."""
+    if len(micro.eqns) != len(full.eqns) or any(
+            a.eqn.primitive is not b.eqn.primitive for a, b in zip(micro.eqns, full.eqns)):
+        return None
+    batch = set(batch_ids)
+    env: dict[int, Info] = {}
+    consts: dict[int, Any] = {}
+    for i in micro.invars:
+        env[i] = Info("P") if i in batch else Info("N")
+    for (i, c), c_full in zip(zip(micro.constvars, micro.consts), full.consts):
+        env[i] = _literal(c, c_full, m)
+        if env[i].degree != 0 and np.size(c) == 1:
+            consts[i] = c_full
+    literals: dict[tuple[int, int], Any] = {}
+    for fe, fe_full in zip(micro.eqns, full.eqns):
+        ins = []
+        for pos, (x, y) in enumerate(zip(fe.invars, fe_full.invars)):
+            if isinstance(x, Lit):
+                info = _literal(x.value, y.value if isinstance(y, Lit) else x.value, m)
+                if info.degree != 0 and fe.outvars:
+                    literals[(fe.outvars[0], pos)] = y.value
+                ins.append(info)
+            else:
+                ins.append(env[x])
+        pe = [_shape(micro.avals[o]) != _shape(full.avals.get(o)) for o in fe.outvars]
+        outs = _eqn(fe.eqn, fe_full.eqn, ins, pe, m)
+        env.update(zip(fe.outvars, outs))
+    return Scaling(env, literals, consts)
+
+
+def _shape(aval: Any) -> Any:
+    return getattr(aval, "shape", None)
+
+
+def _literal(v: Any, v_full: Any, m: int) -> Info:
+    if np.size(v) >= 4096:      # (a captured array: not copied to look at)
+        return Info("N")
+    try:
+        a, b = np.asarray(v), np.asarray(v_full)
+    except TypeError:       # (typed PRNG keys)
+        return Info("N")
+    try:        # (bfloat16 and float8 scalars too)
+        x, y = (float(a.item()), float(b.item())) if a.size == 1 == b.size else (None, None)
+        zero = 0 < a.size < 4096 and not np.any(a != 0)
+    except (TypeError, ValueError):
+        return Info("N")
+    if x is None or a.shape != b.shape:
+        # (an array: its values taken not to scale; one whose shape differs
+        # between the traces is per example, as a padding mask is)
+        return Info("N", Fraction(0), zero=bool(zero))
+    if x == y or (np.isnan(x) and np.isnan(y)):
+        return Info("N", Fraction(0), zero=x == 0)
+    for d in (1, -1, 2, -2, 3, -3):     # (float32 literals: 1/24 and 1/72)
+        if x and abs(y - x * float(m) ** d) <= 1e-6 * abs(y):
+            return Info("N", Fraction(d))
+    return Info("N", None)
+
+
+def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: int) -> list[Info]:
+    name = eqn.primitive.name
+    if name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
+        key = INLINE_CALLS[name]
+        return _jaxpr(eqn.params[key], eqn_full.params[key], ins, m)
+    if name in IDENTITY_MARKERS or name == "optimization_barrier":
+        return list(ins)
+    if name == "scan":
+        return _scan(eqn, eqn_full, ins, m)
+    if name == "cond":
+        return _cond(eqn, eqn_full, ins, m)
+    if name == "dot_general" and ins[0].kind == ins[1].kind == "P" and _across(eqn, eqn_full):
+        return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
+                              "similarity between examples): each micro-batch sees only its own")]
+    return [_rule(name, eqn.params, ins, p) for p in pe]
+
+
+def _across(eqn: Any, eqn_full: Any) -> bool:
+    """Whether a dot_general pairs examples with other examples: both
+    operands keep a batch axis (one whose size differs between the traces)
+    that is neither contracted nor a batch dimension of the product."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+
+    def free(k: int, taken: tuple) -> bool:
+        a, b = eqn.invars[k].aval.shape, eqn_full.invars[k].aval.shape
+        return any(x != y and d not in taken for d, (x, y) in enumerate(zip(a, b)))
+    return free(0, (*lc, *lb)) and free(1, (*rc, *rb))
+
+
+def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+    """The outputs of a nested jaxpr (paired with its whole-batch twin)."""
+    jaxpr, consts = _closed_parts(j)
+    jaxpr_full, consts_full = _closed_parts(j_full)
+    env: dict[Any, Info] = {}
+    for v, c, c_full in zip(jaxpr.constvars, consts, consts_full):
+        env[v] = _literal(c, c_full, m)
+    env.update(zip(jaxpr.invars, ins))
+
+    def read(v: Any, v_full: Any) -> Info:
+        if isinstance(v, jcore.Literal):
+            return _literal(v.val, getattr(v_full, "val", v.val), m)
+        return env.get(v, Info("N"))
+    if len(jaxpr.eqns) != len(jaxpr_full.eqns):
+        return [Info("X", why="a nested computation traced differently at another batch size")
+                for _ in jaxpr.outvars]
+    for e, e_full in zip(jaxpr.eqns, jaxpr_full.eqns):
+        infos = [read(v, w) for v, w in zip(e.invars, e_full.invars)]
+        pe = [_shape(v.aval) != _shape(w.aval) for v, w in zip(e.outvars, e_full.outvars)]
+        env.update(zip(e.outvars, _eqn(e, e_full, infos, pe, m)))
+    return [read(v, w) for v, w in zip(jaxpr.outvars, jaxpr_full.outvars)]
+
+
+def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    carry = list(ins[nc:nc + nk])
+    for _ in range(4):      # (a fixed point of the carries' infos)
+        outs = _jaxpr(eqn.params["jaxpr"], eqn_full.params["jaxpr"],
+                      [*ins[:nc], *carry, *ins[nc + nk:]], m)
+        joined = [_join(a, b) for a, b in zip(carry, outs[:nk])]
+        if joined == carry:
+            return outs
+        carry = joined
+    return [Info("X", why="a loop carry that does not settle") for _ in outs]
+
+
+def _cond(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+    if ins[0].kind != "N":
+        return [Info("X", why="a lax.cond branch chosen by the batch") for _ in eqn.outvars]
+    xs = [i for i in ins if i.kind == "X"]
+    if xs:      # (what a branch makes of it: taken to be as inexact)
+        return [xs[0] for _ in eqn.outvars]
+    branches = [_jaxpr(b, b_full, ins[1:], m)
+                for b, b_full in zip(eqn.params["branches"], eqn_full.params["branches"])]
+    outs = branches[0]
+    for other in branches[1:]:
+        outs = [_join(a, b) for a, b in zip(outs, other)]
+    return outs
+
+
+def _join(a: Info, b: Info) -> Info:
+    if a == b or b.zero:
+        return a
+    if a.zero:
+        return b
+    if "X" in (a.kind, b.kind):
+        return a if a.kind == "X" else b
+    kind = a.kind if b.kind == "N" else b.kind if a.kind == "N" else a.kind
+    if a.kind != "N" and b.kind != "N" and a.kind != b.kind:
+        return Info("X", why="values of different kinds meeting in a loop or branch")
+    if a.degree != b.degree:
+        return Info("X", why="values that scale differently with the batch meeting in a loop "
+                             "or branch")
+    return Info(kind, a.degree)
+
+
+def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example: bool) -> Info:
+    """What one output of an equation is (see the module doc)."""
+    xs = [i for i in ins if i.kind == "X"]
+    if xs:
+        return xs[0]
+    dep = [i for i in ins if i.kind in "PS"]
+    degree = _degree(name, params, ins)
+    if not dep:
+        zero = name in ("broadcast_in_dim", "convert_element_type", "reshape", "mul") and any(
+            i.zero for i in ins[:1 if name != "mul" else 2])
+        return Info("N", degree, zero=zero)
+    sums = any(i.kind == "S" for i in ins)
+    if per_example:
+        if sums:
+            return Info("X", why="a per-example value computed from a sum over the micro-batch "
+                                 "(batch statistics, a loss divided by the batch's token count, "
+                                 "a gradient read again by the backward)")
+        if degree is None:
+            return Info("X", why=f"{name} of values that scale differently with the batch (a "
+                                 "clipped cotangent, a constant added to a batch mean's "
+                                 "gradient)")
+        return Info("P", degree)
+    if any(i.kind == "P" for i in ins):      # a reduction over the batch
+        if name not in _SUMS or sums:
+            return Info("X", why=f"{name} over the examples of the batch (some examples picked, "
+                                 "a maximum, a sort): only sums over them combine exactly "
+                                 "across micro-batches")
+        return Info("S", None if degree is None else degree + 1) if degree is not None else \
+            Info("X", why=f"{name} of values that scale differently with the batch")
+    # sums over the batch (and values not of the batch): only linear maps keep them sums
+    bdep_operands = sum(i.kind == "S" for i in ins if not i.zero)
+    linear = name in _LINEAR and not (
+        name in ("mul", "dot_general", "conv_general_dilated") and bdep_operands > 1) and not (
+        name == "div" and ins[1].kind == "S") and not (name == "select_n" and ins[0].kind == "S")
+    if not linear or degree is None:
+        return Info("X", why=f"{name} of a sum or mean over the batch (a nonlinear function of "
+                             "a batch mean, a ratio of two sums over the batch)")
+    return Info("S", degree)
+
+
+def _degree(name: str, params: Mapping[str, Any], ins: Sequence[Info]) -> Fraction | None:
+    """The output's degree by the operation's arithmetic; None where its
+    operands scale inconsistently."""
+    ds = [i.degree for i in ins]
+    if name in _TO_ZERO:
+        return Fraction(0) if name in ("sign", "argmax", "argmin") or _same(ins) is not None \
+            else None
+    if name in ("mul", "dot_general", "conv_general_dilated"):
+        return None if None in ds[:2] else ds[0] + ds[1]
+    if name == "div":
+        return None if None in ds[:2] else ds[0] - ds[1]
+    if name in ("sqrt", "rsqrt", "cbrt", "integer_pow", "square"):
+        if ds[0] is None:
+            return None
+        return ds[0] * {"sqrt": Fraction(1, 2), "rsqrt": Fraction(-1, 2), "cbrt": Fraction(1, 3),
+                        "square": 2}.get(name, Fraction(params.get("y", 1)))
+    skip = _INDEX_ARGS.get(name)
+    operands = [i for k, i in enumerate(ins) if k != skip and not (name == "select_n" and k == 0)]
+    if name in _EQUAL:
+        return _same(operands)
+    if name in _LINEAR or name in _HOMOGENEOUS:
+        return operands[0].degree if operands else Fraction(0)
+    # any other operation: only on values that do not scale
+    return Fraction(0) if all(d == 0 or i.zero for d, i in zip(ds, ins)) else None
+
+
+def _same(ins: Sequence[Info]) -> Fraction | None:
+    degrees = {i.degree for i in ins if not i.zero}
+    if len(degrees) > 1:
+        return None
+    return degrees.pop() if degrees else Fraction(0)

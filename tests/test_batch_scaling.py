@@ -1,0 +1,174 @@
+"""How micro-batches combine (meshplan.trace.scaling): a step's values are
+sums over the batch's examples of some degree (a mean: 0, a sum: 1), and
+the pipeline combines each crossing into the update by its degree; what no
+combination gives exactly (batch statistics, a loss divided by the batch's
+token count, a nonlinear function of a batch mean) is named in a warning.
+Each step is a 2-stage pipeline of 2 micro-batches against jax.jit."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshplan
+from meshplan.trace import trace_for_run
+from meshplan.traced import GRAD_BOUNDARY
+
+PIPE = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+TOKENS = jax.random.randint(jax.random.key(1), (16, 8), 0, 32)
+PAD = (jnp.arange(16) < 6)[:, None] | (jnp.arange(8)[None, :] >= 6)   # first micro-batch mostly padding
+BATCH = {"tok": TOKENS, "tgt": jnp.where(PAD, -1, jnp.roll(TOKENS, -1, 1))}
+
+
+def _params():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return {"emb": jax.random.normal(k1, (32, 16)) * 0.3,
+            "w1": jax.random.normal(k2, (16, 64)) * 0.2, "w2": jax.random.normal(k3, (64, 16)) * 0.2}
+
+
+def _token_losses(p, batch):
+    h = p["emb"][batch["tok"]]
+    h = h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+    logits = h @ p["emb"].T
+    tgt = jnp.maximum(batch["tgt"], 0)
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+
+
+def _step(loss_fn, metrics=lambda p, batch, loss: {}, update=lambda p, g, batch: g):
+    def step(p, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        g = update(p, g, batch)
+        return jax.tree.map(lambda a, b: a - 0.05 * b, p, g), {"loss": loss,
+                                                               **metrics(p, batch, loss)}
+    return step
+
+
+def _run(step_fn):
+    """The largest difference from jax.jit over two steps, relative to each
+    leaf's size (dtypes equal), and the warnings the pipeline gave."""
+    step = meshplan.parallelize(step_fn, method=PIPE)
+    ref = par = _params()
+    gap = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ref, rm = jax.jit(step_fn)(ref, BATCH)
+            par, pm = step(par, BATCH)
+            for a, b in zip(jax.tree.leaves((par, pm)), jax.tree.leaves((ref, rm))):
+                assert a.dtype == b.dtype
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                gap = max(gap, float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-6))
+    assert len(step.plan.stages) == 2 and step.plan.num_micro_batches == 2
+    return gap, [str(w.message) for w in caught if "micro-batches" in str(w.message)]
+
+
+def test_a_summed_loss_and_summed_metrics_pipeline_exactly():
+    # the gradients of a summed loss are sums over the examples: summed over
+    # the micro-batches, not averaged (which halved them)
+    mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
+    gap, warned = _run(_step(
+        lambda p, b: jnp.sum(_token_losses(p, b) * mask(b)) * 0.01,
+        lambda p, b, loss: {"tokens": jnp.sum(mask(b)), "loss_sum": loss * 100.0,
+                            "mean_loss": jnp.mean(_token_losses(p, b)),
+                            "int_tokens": jnp.sum(b["tgt"] >= 0)}))   # (an integer sum: summed)
+    assert gap < 1e-5 and not warned
+
+
+def test_a_summed_gradient_divided_by_the_batch_size_in_the_update():
+    # the update divides by the whole batch's size, not the micro-batch's
+    gap, warned = _run(_step(
+        lambda p, b: jnp.sum(_token_losses(p, b)),
+        update=lambda p, g, b: jax.tree.map(lambda x: x / (b["tok"].shape[0] * 8), g)))
+    assert gap < 1e-5 and not warned
+
+
+def test_a_mean_loss_pipelines_exactly_without_a_warning():
+    gap, warned = _run(_step(lambda p, b: jnp.mean(_token_losses(p, b))))
+    assert gap < 1e-5 and not warned
+
+
+def test_per_example_gradients_clipped_then_averaged_pipeline_exactly():
+    # DP-SGD: each example's gradient (vmap) clipped, then the batch mean
+    def step(p, batch):
+        one = lambda p, tok, tgt: jnp.mean(_token_losses(p, {"tok": tok, "tgt": tgt}))
+        g = jax.vmap(jax.grad(one), (None, 0, 0))(p, batch["tok"][:, None], batch["tgt"][:, None])
+        norm = jnp.sqrt(sum(jnp.sum(v.reshape(v.shape[0], -1) ** 2, 1) for v in jax.tree.leaves(g)))
+        scale = jnp.minimum(1.0, 0.5 / (norm + 1e-6))
+        g = jax.tree.map(lambda v: jnp.mean(v * scale.reshape((-1,) + (1,) * (v.ndim - 1)), 0), g)
+        return jax.tree.map(lambda a, b: a - 0.05 * b, p, g), {"scale": jnp.mean(scale)}
+    gap, warned = _run(step)
+    assert gap < 1e-5 and not warned
+
+
+def test_nonlinear_metrics_of_batch_sums_are_computed_once_a_step():
+    # exp of the mean loss, and a mean over the tokens that are not padding:
+    # functions of sums over the batch, computed on the micro-batches' sums
+    mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
+    gap, warned = _run(_step(
+        lambda p, b: jnp.mean(_token_losses(p, b)),
+        lambda p, b, loss: {"perplexity": jnp.exp(loss),
+                            "token_loss": jnp.sum(_token_losses(p, b) * mask(b))
+                            / jnp.maximum(jnp.sum(mask(b)), 1.0)}))
+    assert gap < 1e-5 and not warned
+
+
+@pytest.mark.parametrize("case", ["token-count", "batch-norm", "max", "in-batch"])
+def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
+    mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
+    if case == "token-count":
+        # each micro-batch divides by its own token count: its gradient differs
+        step = _step(lambda p, b: jnp.sum(_token_losses(p, b) * mask(b)) / jnp.sum(mask(b)))
+        named, why = "the gradients", "a ratio of two sums"
+    elif case == "batch-norm":
+        # each example normalised with its micro-batch's statistics
+        def loss(p, b):
+            t = _token_losses(p, b)
+            return jnp.mean((t - jnp.mean(t)) ** 2 / (jnp.var(t) + 1e-3))
+        step, named, why = _step(loss), "the gradients", "per-example value computed from a sum"
+    elif case == "max":
+        # the largest loss of the batch is not a mean of the micro-batches'
+        step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                     lambda p, b, loss: {"worst": jnp.max(_token_losses(p, b))})
+        named, why = "worst", "reduce_max over the examples"
+    else:
+        # a contrastive loss: every example against the others of its batch
+        def loss(p, b):
+            u = p["emb"][b["tok"]].mean(1) @ p["w1"]
+            logits = u @ (p["emb"][b["tgt"] % 32].mean(1) @ p["w1"]).T
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.diagonal(logits))
+        step, named, why = _step(loss), "the gradients", "a product of two examples"
+    gap, warned = _run(step)
+    assert gap > 1e-4       # (what the warning is about)
+    assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
+    assert "num_micro_batches=1" in warned[0]
+
+
+def test_each_value_gets_its_kind_and_degree():
+    def step(p, batch):
+        def loss(p):
+            t = _token_losses(p, batch)
+            mu = jnp.mean(t)
+            return jnp.mean((t - mu) ** 2) + jnp.sum(t)     # per-example values read a batch mean
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, b: a - 0.05 * b, p, g), {
+            "loss": l, "sum": jnp.sum(_token_losses(p, batch)),
+            "mean": jnp.mean(_token_losses(p, batch)), "tokens": _token_losses(p, batch)}
+    traced = trace_for_run(step, (_params(), BATCH), (1,), 2)
+    info = traced.scaling.info
+    outs = dict(zip(["emb", "w1", "w2", "loss", "mean", "sum", "tokens"],
+                    [x for x in traced.flat.outvars]))
+    assert info[outs["sum"]].kind == "S" and info[outs["sum"]].degree == 1
+    assert info[outs["mean"]].kind == "S" and info[outs["mean"]].degree == 0
+    assert info[outs["tokens"]].kind == "P" and info[outs["tokens"]].degree == 0
+    assert info[outs["loss"]].kind == "X" and "per-example" in info[outs["loss"]].why
+    marker = next(fe for fe in traced.flat.eqns if fe.eqn.primitive.name == GRAD_BOUNDARY)
+    assert {info[x].kind for x in marker.invars} == {"X"}
+
+
+def test_an_integer_output_that_is_no_sum_over_the_batch_is_refused():
+    step = meshplan.parallelize(_step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                                      lambda p, b, loss: {"top": jnp.max(b["tok"])}),
+                                method=PIPE)
+    with pytest.raises(meshplan.MeshplanError, match="int32 value, which cannot be averaged"):
+        step(_params(), BATCH)
