@@ -83,9 +83,10 @@ batch's).  What no combination gives exactly is averaged and named in one
 warning: per-example values computed from a sum over the micro-batch
 (batch normalisation's statistics, a loss divided by the micro-batch's
 token count), a maximum over the batch, a backward that clips its
-cotangent.  A batch-dependent integer output cannot be averaged and is
-refused; so is an update that reads the batch itself.  Outputs whose dimension 0 is the batch
-(per-example predictions) are concatenated.
+cotangent.  A batch-dependent integer output that is no sum over the
+batch cannot be averaged and is refused; so is an update that reads the
+batch itself.  Outputs whose dimension 0 is the batch (per-example
+predictions) are concatenated.
 """
 from __future__ import annotations
 

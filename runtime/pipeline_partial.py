@@ -457,10 +457,10 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     # and leave at it: this trace's are d ** -k times as large for a value of
     # degree k (meshplan.trace.scaling; a mean loss's cotangents: k = -1, d
     # times; a summed loss's: k = 0; see the module doc)
-    degree = lambda x: split.value_degree.get(x, -1)
-    scaled = [float(d) ** -degree(x) if split.producer.get(x, ("",))[0] == "B" else 1.0
+    k = split.value_degree
+    scaled = [float(d) ** -k.get(x, -1) if split.producer.get(x, ("",))[0] == "B" else 1.0
               for x in task.inputs]
-    unscaled = [float(d) ** -degree(x) for x in task.outputs]
+    unscaled = [float(d) ** -k.get(x, -1) for x in task.outputs]
 
     # (values whose smaller trace dropped a dimension of size one: reshaped
     # on the way in and out, see _cut)

@@ -366,7 +366,8 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
         need.update(x for x in eqns[k].invars if isinstance(x, int))
     for k, fe in enumerate(eqns):
         if not flow.is_const[k] and k not in markers and k not in tail \
-                and any(o in flow.bdep for o in fe.outvars) and not any(o in after for o in fe.outvars):
+                and any(o in flow.bdep for o in fe.outvars) \
+                and not any(o in after for o in fe.outvars):
             need.update(fe.outvars)
     in_c = [False] * n
     for k in range(n - 1, -1, -1):

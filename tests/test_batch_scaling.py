@@ -17,14 +17,16 @@ from meshplan.traced import GRAD_BOUNDARY
 
 PIPE = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
 TOKENS = jax.random.randint(jax.random.key(1), (16, 8), 0, 32)
-PAD = (jnp.arange(16) < 6)[:, None] | (jnp.arange(8)[None, :] >= 6)   # first micro-batch mostly padding
+# padding: most of the first micro-batch, the last two tokens of every row
+PAD = (jnp.arange(16) < 6)[:, None] | (jnp.arange(8)[None, :] >= 6)
 BATCH = {"tok": TOKENS, "tgt": jnp.where(PAD, -1, jnp.roll(TOKENS, -1, 1))}
 
 
 def _params():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     return {"emb": jax.random.normal(k1, (32, 16)) * 0.3,
-            "w1": jax.random.normal(k2, (16, 64)) * 0.2, "w2": jax.random.normal(k3, (64, 16)) * 0.2}
+            "w1": jax.random.normal(k2, (16, 64)) * 0.2,
+            "w2": jax.random.normal(k3, (64, 16)) * 0.2}
 
 
 def _token_losses(p, batch):

@@ -62,7 +62,6 @@ class Scaling:
     consts: Mapping[int, Any] = field(default_factory=dict)   # constant id -> whole batch's value
 
 
-ZERO = Info("N", Fraction(0), zero=True)
 # linear in a sum over the batch (and homogeneous in the scale of a per-example value)
 _LINEAR = frozenset({
     "neg", "convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
@@ -127,6 +126,8 @@ def _shape(aval: Any) -> Any:
 
 
 def _literal(v: Any, v_full: Any, m: int) -> Info:
+    """A literal or captured constant, of value ``v`` at the micro-batch and
+    ``v_full`` at the whole batch."""
     if np.size(v) >= 4096:      # (a captured array: not copied to look at)
         return Info("N")
     try:
