@@ -192,9 +192,11 @@ class Parallelized:
             if why:
                 raise MeshplanError(f"this pipeline plan runs {p.num_micro_batches} "
                                     f"micro-batches, but {why}")
+            # (the retrace of the partial sums: the same equations, at smaller
+            # micro-batches; how values scale is the first trace's)
             return PipelineExecutable(step, p, abstract, traced=run,
                                       retrace=functools.partial(trace_for_run, step, abstract,
-                                                                batch_argnums),
+                                                                batch_argnums, scaling=False),
                                       fused=fused_replay(run, p.schedule,
                                                          _layer_of_node(p, run)),
                                       layer_of_node=_layer_of_node(p, run),

@@ -174,3 +174,15 @@ def test_an_integer_output_that_is_no_sum_over_the_batch_is_refused():
                                 method=PIPE)
     with pytest.raises(meshplan.MeshplanError, match="int32 value, which cannot be averaged"):
         step(_params(), BATCH)
+
+
+def test_an_analysis_that_fails_warns_and_averages(monkeypatch):
+    import importlib
+    micro = importlib.import_module("meshplan.trace.micro")
+
+    def fails(*args):
+        raise KeyError("an operation not foreseen")
+    monkeypatch.setattr(micro, "batch_scaling", fails)
+    gap, warned = _run(_step(lambda p, b: jnp.mean(_token_losses(p, b))))
+    assert len(warned) == 1 and "could not tell how this step's values scale" in warned[0]
+    assert gap < 1e-5       # (a mean loss: averaging is exact)

@@ -53,6 +53,7 @@ runs what the other would refuse:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -102,7 +103,7 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
         return closed, out_shape, flat, graph, ((), ()), None
     full = flatten(jax.make_jaxpr(fn)(*full_args))
     batch = {i.tensor for i in graph.inputs if i.role == "batch"}
-    scaled = batch_scaling(flat, full, batch, scaling) if scaling else None
+    scaled = _scaling(flat, full, batch, scaling) if scaling else None
     if marked and not draws:
         return closed, out_shape, flat, graph, ((), ()), scaled
     if marked and not _same_stream(flat, full):
@@ -123,6 +124,18 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     draws = _draws(flat, per_example, full, batch)
     return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
             scaled)
+
+
+def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
+    """:func:`~meshplan.trace.scaling.batch_scaling`, or None (micro-batches
+    averaged, as before the analysis) with a warning where it fails."""
+    try:
+        return batch_scaling(flat, full, batch, m)
+    except Exception as e:      # (an operation the analysis did not foresee)
+        warnings.warn(f"meshplan: could not tell how this step's values scale with the batch "
+                      f"({type(e).__name__}: {e}); the pipeline averages every value over the "
+                      "micro-batches, which is exact only for means", stacklevel=2)
+        return None
 
 
 def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any],

@@ -193,7 +193,8 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
         if isinstance(v, jcore.Literal):
             return _literal(v.val, getattr(v_full, "val", v.val), m)
         return env.get(v, Info("N"))
-    if len(jaxpr.eqns) != len(jaxpr_full.eqns):
+    if len(jaxpr.eqns) != len(jaxpr_full.eqns) or any(
+            a.primitive is not b.primitive for a, b in zip(jaxpr.eqns, jaxpr_full.eqns)):
         return [Info("X", why="a nested computation traced differently at another batch size")
                 for _ in jaxpr.outvars]
     for e, e_full in zip(jaxpr.eqns, jaxpr_full.eqns):

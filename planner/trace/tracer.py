@@ -404,7 +404,7 @@ def _with_fingerprint(g: Graph) -> Graph:
 
 @with_relaxed_gc
 def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
-                  micro_batches: int | None = None) -> TracedStep:
+                  micro_batches: int | None = None, *, scaling: bool = True) -> TracedStep:
     """``fn(*args)`` traced for the runtime (:class:`~meshplan.traced.TracedStep`).
 
     Without ``micro_batches`` (one-stage plans) the arguments are traced as
@@ -413,7 +413,9 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     typed PRNG keys has none).  With it (pipeline plans) the batch arguments
     must agree on their dimension 0, which must divide into
     ``micro_batches``; the step is traced at the micro-batch shapes, and its
-    Graph, forward equations and the outputs of the whole batch are recorded."""
+    Graph, forward equations and the outputs of the whole batch are recorded,
+    and (``scaling``) how its values scale with the batch
+    (:mod:`meshplan.trace.scaling`: how the micro-batches combine)."""
     batch_argnums = tuple(int(b) for b in batch_argnums)
     args = tuple(args)
     if micro_batches is None:
@@ -425,7 +427,7 @@ def trace_for_run(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     micro = tuple(jax.tree_util.tree_map(lambda x: _shrink(x, m), a) if i in batch_argnums
                   else a for i, a in enumerate(args))
     closed, out_shape, flat, graph, draws, scaling = _micro(
-        fn, args, micro, batch_argnums, getattr(fn, "__name__", "fn"), m, scaling=m > 1)
+        fn, args, micro, batch_argnums, getattr(fn, "__name__", "fn"), m, scaling=scaling and m > 1)
     step_out = jax.eval_shape(fn, *args)
     return _traced_step(closed, out_shape, flat, args, batch_argnums, graph=graph,
                         forward=tuple(forward_nodes(graph)), step_out=step_out,
