@@ -411,24 +411,27 @@ class RunningSums:
         if f is None:
             m, ps = self.m, self.partial.get(s)
             ids = self.zeros(s)[0]
-            # (a sum over the examples of degree d: divided by m ** (1 - d))
-            div = [float(m) ** (1 - self.split.degree.get(x, 0)) for x in ids]
-            if ps is None or not ps.ids.intersection(ids):
+            # (a sum over the examples of degree e: divided by m ** (1 - e); with
+            # partial sums, the data shards' rows added first, by (m * D) ** (1 - e))
+            rows = [ps is not None and x in ps.ids for x in ids]
+            div = [float(m * (ps.size if r else 1)) ** (1 - self.split.degree.get(x, 0))
+                   for x, r in zip(ids, rows)]
+
+            def total(x: Any, r: bool, d: float) -> Any:
+                x = x.sum(0) if r else x
+                return x if d == 1 else (x / d).astype(x.dtype)
+            if not any(rows):
                 def mean(*xs: Any) -> list[Any]:
-                    return [x if d == 1 else (x / d).astype(x.dtype) for x, d in zip(xs, div)]
+                    return [total(x, False, d) for x, d in zip(xs, div)]
                 # (the sums are ours and read by nothing after: taken over)
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean, donate_argnums=tuple(range(n)))
             else:
                 shardings = [self.layouts.acc(x, s) for x in ids]
-                rows = [x in ps.ids for x in ids]
-                degrees = [self.split.degree.get(x, 0) for x in ids]
 
                 def mean(*xs: Any) -> list[Any]:
-                    return [jax.lax.with_sharding_constraint(
-                        (x.sum(0) / (d * float(ps.size) ** (1 - e)) if r and e != 1
-                         else x.sum(0) if r else x if d == 1 else x / d).astype(x.dtype), sh)
-                        for x, r, sh, d, e in zip(xs, rows, shardings, div, degrees)]
+                    return [jax.lax.with_sharding_constraint(total(x, r, d), sh)
+                            for x, r, d, sh in zip(xs, rows, div, shardings)]
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean)
             self._means[(s, n)] = f

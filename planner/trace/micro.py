@@ -64,7 +64,7 @@ from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
 from .scaling import batch_scaling
-from .walk import flatten
+from .walk import flatten, same_stream
 
 __all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations", "BatchDraw")
 
@@ -106,7 +106,7 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     scaled = _scaling(flat, full, batch, scaling) if scaling else None
     if marked and not draws:
         return closed, out_shape, flat, graph, ((), ()), scaled
-    if marked and not _same_stream(flat, full):
+    if marked and not same_stream(flat, full):
         # (a micro-batch of one example: JAX elides broadcasts over it)
         return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch), scaled
     per_example = _per_example(flat, full)
@@ -170,15 +170,9 @@ OTHER_STREAM = ("the step traces to other operations at micro-batch size than at
                 "out of the batch, or use one micro-batch")
 
 
-def _same_stream(micro: FlatJaxpr, full: FlatJaxpr) -> bool:
-    """Whether the two traces are the same equations (their ids then match)."""
-    return len(micro.eqns) == len(full.eqns) and len(micro.avals) == len(full.avals) and all(
-        a.eqn.primitive is b.eqn.primitive for a, b in zip(micro.eqns, full.eqns))
-
-
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
     """Ids whose shape differs between the micro-batch and full-batch traces."""
-    if not _same_stream(micro, full):
+    if not same_stream(micro, full):
         raise TraceError(OTHER_STREAM)
     return {i for i, a in micro.avals.items()
             if i in full.avals and getattr(a, "shape", None) != getattr(full.avals[i], "shape", None)}

@@ -40,7 +40,7 @@ from jax.extend import core as jcore
 
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
-from .walk import INLINE_CALLS, _closed_parts
+from .walk import INLINE_CALLS, _closed_parts, same_stream
 
 __all__ = ["Info", "Scaling", "batch_scaling"]
 
@@ -92,8 +92,7 @@ def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
     """The :class:`Scaling` of ``micro`` (the step at the micro-batch, ``m``
     micro-batches a step) against ``full`` (the same equations at the whole
     batch); ``None`` where the two streams differ."""
-    if len(micro.eqns) != len(full.eqns) or any(
-            a.eqn.primitive is not b.eqn.primitive for a, b in zip(micro.eqns, full.eqns)):
+    if not same_stream(micro, full):
         return None
     batch = set(batch_ids)
     env: dict[int, Info] = {}
@@ -274,8 +273,9 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
             return Info("X", why=f"{name} over the examples of the batch (some examples picked, "
                                  "a maximum, a sort): only sums over them combine exactly "
                                  "across micro-batches")
-        return Info("S", None if degree is None else degree + 1) if degree is not None else \
-            Info("X", why=f"{name} of values that scale differently with the batch")
+        if degree is None:
+            return Info("X", why=f"{name} of values that scale differently with the batch")
+        return Info("S", degree + 1)
     # sums over the batch (and values not of the batch): only linear maps keep them sums
     bdep_operands = sum(i.kind == "S" for i in ins if not i.zero)
     linear = name in _LINEAR and not (

@@ -111,6 +111,13 @@ def flatten(closed: Any) -> FlatJaxpr:
     return FlatJaxpr(invars, tuple(f.constvars), tuple(f.consts), tuple(f.eqns), outs, f.avals)
 
 
+def same_stream(a: FlatJaxpr, b: FlatJaxpr) -> bool:
+    """Whether two traces of one step (at two batch sizes) are the same
+    equations: their ids then match."""
+    return len(a.eqns) == len(b.eqns) and len(a.avals) == len(b.avals) and all(
+        x.eqn.primitive is y.eqn.primitive for x, y in zip(a.eqns, b.eqns))
+
+
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
     """(param name, jaxpr) for every jaxpr held in the params of a composite."""
     for k, v in eqn.params.items():
