@@ -240,16 +240,22 @@ class StepRun:
     def _draw(self) -> None:
         """The R tasks, once per step ahead of the micro-batches: the random
         draws over the batch at the full batch's shape, each micro-batch's
-        rows becoming its values, and the hoisted casts, the same copy every
-        micro-batch's (read and freed like any activation)."""
+        rows becoming its values; the hoisted casts and the batch statistics,
+        the same value every micro-batch's (read and freed like any
+        activation)."""
         dims = {self.flat.eqns[k].outvars[0]: d for k, (d, _) in self.split.draws.items()}
+        batch = self.tr.layouts.is_batch
         for key, t in self.split.tasks.items():
             if key[0] != "R" or not self.local[key[1]]:
                 continue
             prog = self.ex.programs[key]
-            ins = [self._arg_on(x, key[1], 0) for x in t.inputs]
+            # (a batch statistic reads the whole batch: the micro-batches' rows in order)
+            ins = [jax.numpy.concatenate([self._arg_on(x, key[1], i) for i in range(self.m)])
+                   if x in batch else self._arg_on(x, key[1], 0) for x in t.inputs]
             plain, _ = self.ex._call(prog, ins, [], -1)
             for x, v in zip(t.outputs, plain):
+                if x in self.split.statistics:      # (for the update and the outputs)
+                    self.last[x] = v
                 uses = len(self.w.consumers.get(x, ()))
                 if not uses:
                     continue

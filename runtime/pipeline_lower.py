@@ -142,8 +142,9 @@ def lower_pipeline(ex: "PipelineExecutable", args: tuple[Any, ...]) -> PipelineL
     # the R tasks run once, ahead of the micro-batches (their draws at the
     # full batch: the rows each micro-batch reads keep the draw's layout)
     for key, t in split.tasks.items():
-        if key[0] == "R":
-            one(key, [spec(x, key[1]) for x in t.inputs])
+        if key[0] == "R":       # (a batch statistic reads the whole batch)
+            one(key, [spec(x, key[1], (m * flat.avals[x].shape[0], *flat.avals[x].shape[1:])
+                           if x in lay.is_batch else None) for x in t.inputs])
     for kind, s, i in ex.wiring.order:
         if i == 0:
             one((kind, s), [spec(x, s) for x in ex.programs[(kind, s)].task.inputs])

@@ -284,8 +284,9 @@ def _at_full_batch(flat: FlatJaxpr, eqn_ids: Sequence[int],
                    full_eqns: Mapping[int, Any]) -> FlatJaxpr:
     """``flat`` with the equations ``eqn_ids`` of an R task that have a
     full-batch form run in that form (its draws over the batch and their
-    per-example keys): drawn once per step, cut into micro-batches by the
-    driver."""
+    per-example keys, its batch statistics and what they are computed from):
+    made once per step, cut into micro-batches by the driver (draws) or read
+    whole by each (statistics)."""
     eqns = list(flat.eqns)
     for k in eqn_ids:
         if k in full_eqns:
@@ -325,6 +326,7 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
                             split, flat)
     if task.kind == "R":
         flat = _at_full_batch(flat, eqn_ids, split.full_eqns)
+        flat = _full_batch_literals(flat, [k for k in eqn_ids if k in split.full_eqns], split)
     elif task.kind == "A" and (split.full_literals or split.full_consts):
         flat = _full_batch_literals(flat, eqn_ids, split)
     outs = list(task.outputs) + [x for x in task.accumulate if x not in task.outputs]

@@ -155,6 +155,9 @@ class StepSplit:
     # id -> degree of every value per example or summed over the batch
     # (:mod:`meshplan.trace.scaling`; the partial sums' rescaled cotangents)
     value_degree: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # the batch statistics R tasks make once a step from the whole batch
+    # (ids): every micro-batch, the update and the outputs read the one value
+    statistics: frozenset[int] = frozenset()
 
 
 def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence[int],
@@ -195,33 +198,41 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     hoisted = frozenset(
         k for k in (_hoisted_casts(flat, flow, phase) if num_micro_batches > 1 else ())
         if eqn_stage[k] >= len(keep_casts) or keep_casts[eqn_stage[k]])
-    for k in (*drawn, *hoisted):
+    stats = _statistics(flat, phase, scaling) if num_micro_batches > 1 else frozenset()
+    for k in (*drawn, *hoisted, *stats):
         phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
     tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn, flow.alias)
-    _ahead_inputs(tasks, flat, flow)
+    _ahead_inputs(tasks, flat, flow, stats)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
     for o, i in flow.alias.items():      # (a gradient an update program sums)
         if producer.get(i, ("",))[0] == "A":
             needed_by[i].update(needed_by.get(o, ()))
     sums = {x for x, i in scaling.info.items() if i.kind == "S" and i.degree == 1} \
         if scaling is not None else set()
+    # (what is computed from the statistics alone is every micro-batch's same value)
+    whole = {x for x, i in scaling.info.items() if i.kind == "N"} if stats else set()
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches,
-                          sums)
+                          sums, whole)
     prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None
               for (lo, _), n in zip(stage_layers, remat_layers)]
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused, prefix)
     deps = _outputs_and_deps(tasks, flat, producer, needed_by, crossing, flow.alias,
-                             set(drawn) | hoisted)
+                             set(drawn) | hoisted | stats, stats)
     _check_pipeline(tasks, flat.eqns, producer, deps)
     if zero_bubble:
         _split_weight_gradients(tasks, flat.eqns, producer, needed_by, flow.const_ids)
         deps = {key: {producer[x] for x in t.inputs if _c_phase(producer.get(x))}
                 for key, t in tasks.items() if _c_phase(key)}
     const_eqn = {o: k for k, fe in enumerate(flat.eqns) if flow.is_const[k] for o in fe.outvars}
+    full_eqns = dict(draw_eqns) if drawn else {}
+    if stats:       # (the statistics' R tasks compute them from the whole batch,
+        # the constants they read included: a variance's divisor)
+        full_eqns.update((k, scaling.full_eqns[fe.outvars[0]]) for k, fe in enumerate(flat.eqns)
+                         if fe.outvars and fe.outvars[0] in scaling.full_eqns)
     split = StepSplit(len(stage_layers), eqn_stage, phase, tasks, producer, const_eqn, crossing,
-                      flow.alias, flow.batch_ids, deps, moved, drawn,
-                      dict(draw_eqns) if drawn else {}, hoisted)
+                      flow.alias, flow.batch_ids, deps, moved, drawn, full_eqns, hoisted,
+                      statistics=frozenset(o for k in stats for o in flat.eqns[k].outvars))
     if scaling is not None and num_micro_batches > 1:
         _combination(split, flat, scaling)
     return split
@@ -258,6 +269,17 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
     split.full_consts.update(scaling.consts)
     split.value_degree.update((x, i.degree) for x, i in scaling.info.items()
                               if i.kind in "PS" and i.degree is not None)
+
+
+def _statistics(flat: FlatJaxpr, phase: Sequence[str], scaling: Any) -> frozenset[int]:
+    """The equations making the batch statistics that run once a step at the
+    whole batch (``Scaling.statistics``: a loss's token count); the analysis
+    chose them among the per-micro-batch work that only such work reads."""
+    if scaling is None or not scaling.statistics:
+        return frozenset()
+    return frozenset(k for k, fe in enumerate(flat.eqns)
+                     if any(o in scaling.statistics for o in fe.outvars)
+                     and phase[k] in ("F", "B"))
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],
@@ -495,28 +517,31 @@ def _hoisted_casts(flat: FlatJaxpr, flow: _Flow, phase: Sequence[str]) -> frozen
     return frozenset(found)
 
 
-def _ahead_inputs(tasks: dict[tuple, Task], flat: FlatJaxpr, flow: _Flow) -> None:
-    """An R task also computes what its draws and casts read (the draws'
-    keys, a parameter's reshape) from the arguments: those equations run
-    again there, once per step (they stay in the programs that made them
-    too, where something else reads them)."""
+def _ahead_inputs(tasks: dict[tuple, Task], flat: FlatJaxpr, flow: _Flow,
+                  stats: frozenset[int] = frozenset()) -> None:
+    """An R task also computes what its draws, casts and statistics read
+    (the draws' keys, a parameter's reshape, a padding mask) from the
+    arguments: those equations run again there, once per step (they stay in
+    the programs that made them too, where something else reads them).
+    ``stats``: the batch statistics' equations, which read the whole batch."""
     for key, t in tasks.items():
         if key[0] != "R":
             continue
         own = set(t.eqns)
-        stack = [x for k in t.eqns for x in flat.eqns[k].invars if isinstance(x, int)]
+        stack = [(x, k in stats) for k in t.eqns for x in flat.eqns[k].invars
+                 if isinstance(x, int)]
         while stack:
-            x = stack.pop()
+            x, of_batch = stack.pop()
             k = flow.producer_eqn.get(x)
             if k is None or k in own or x in flow.const_ids:
                 continue
-            if x in flow.bdep or x in flow.after:
+            if (x in flow.bdep and not of_batch) or x in flow.after:
                 raise MeshplanError(
                     f"a random draw over the batch ({t.name()}) takes its key from the batch or "
                     "the gradients, so it cannot be drawn once per step; pass the key as a "
                     "separate argument or use one micro-batch (num_micro_batches=1)")
             own.add(k)
-            stack.extend(y for y in flat.eqns[k].invars if isinstance(y, int))
+            stack.extend((y, of_batch) for y in flat.eqns[k].invars if isinstance(y, int))
         t.eqns = sorted(own)
 
 
@@ -546,10 +571,11 @@ def _c_phase(key: tuple | None) -> bool:
 
 def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tuple],
                flow: _Flow, concat: set[int], num_micro_batches: int,
-               sums: set[int] = frozenset()) -> dict[int, str]:
+               sums: set[int] = frozenset(), whole: set[int] = frozenset()) -> dict[int, str]:
     """What crosses from the per-micro-batch phase into the update and the
     outputs, and how it is combined over micro-batches.  ``sums``: sums over
-    the examples (an integer one is summed, exactly)."""
+    the examples (an integer one is summed, exactly); ``whole``: values the
+    same in every micro-batch (the last one's taken)."""
     crossing: dict[int, str] = {}
 
     def cross(x: int, why: str) -> None:
@@ -557,7 +583,7 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
             return
         if x in concat and x in flow.bdep:
             crossing[x] = CONCAT
-        elif x in flow.bdep:
+        elif x in flow.bdep and x not in whole:
             aval = flat.avals[x]
             if num_micro_batches > 1 and x not in sums and \
                     not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
@@ -634,22 +660,24 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
 
 def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[int, tuple],
                       needed_by: dict[int, set[tuple]], crossing: dict[int, str],
-                      alias: dict[int, int], ahead: set[int] | frozenset[int] = frozenset()
-                      ) -> dict[tuple, set[tuple]]:
+                      alias: dict[int, int], ahead: set[int] | frozenset[int] = frozenset(),
+                      stats: frozenset[int] = frozenset()) -> dict[tuple, set[tuple]]:
     """Set every task's outputs and running sums; returns, per C task, the C
     tasks it reads from (within one micro-batch).  ``ahead``: the equations
-    R tasks run for the others (draws, hoisted casts)."""
+    R tasks run for the others (draws, hoisted casts, batch statistics);
+    ``stats``: the statistics', which the update and the outputs may read."""
     eqns = flat.eqns
     out_ids = [x for x in flat.outvars if isinstance(x, int)]
     out_ids += [alias[x] for x in out_ids if x in alias]
     deps: dict[tuple, set[tuple]] = {}
     for key, t in tasks.items():
-        if key[0] == "R":       # the draws and casts alone (what they read is the others' own)
+        if key[0] == "R":       # what it runs for the others alone (what they read is theirs)
             t.outputs = tuple(o for k in t.eqns if k in ahead
                               and producer.get(eqns[k].outvars[0]) == key
                               for o in eqns[k].outvars)
-            bad = [o for o in t.outputs if o in out_ids
-                   or any(c[0] not in ("F", "B") for c in needed_by.get(o, ()))]
+            bad = [o for k in t.eqns if k in ahead and k not in stats
+                   for o in eqns[k].outvars if o in t.outputs and (
+                       o in out_ids or any(c[0] not in ("F", "B") for c in needed_by.get(o, ())))]
             if bad:
                 raise MeshplanError(
                     f"random bits drawn over the batch (tensor t{bad[0]}) are read outside the "

@@ -28,6 +28,16 @@ degree is ``log_M`` of the ratio of its two values (``jnp.mean``'s divisor:
 then runs on the whole batch's values with the whole batch's literals
 (:attr:`Scaling.literals`, :attr:`Scaling.consts`), so it is the
 undecorated step's update.
+
+*Batch statistics* are computed once a step instead: a sum over the batch
+made from the batch alone (a loss's token count ``sum(mask)``, a mean of
+the inputs) that per-micro-batch work reads and turns into ``X`` (a loss
+divided by it).  Computed at the whole batch and read by every
+micro-batch, such a value does not depend on the micro-batch (``N``), and
+what reads it combines exactly (the token-normalised loss becomes a sum of
+the micro-batches' shares; the update and the outputs read the one value).  :attr:`Scaling.statistics` names them and
+:attr:`Scaling.full_eqns` holds the whole batch's form of the equations
+that compute them.
 """
 from __future__ import annotations
 
@@ -60,6 +70,11 @@ class Scaling:
     # (first output id of an equation, operand position) -> the whole batch's literal
     literals: Mapping[tuple[int, int], Any] = field(default_factory=dict)
     consts: Mapping[int, Any] = field(default_factory=dict)   # constant id -> whole batch's value
+    # the batch statistics computed once a step (value ids), and the whole
+    # batch's form of the equations they are made by (first output id ->
+    # jaxpr equation)
+    statistics: frozenset[int] = frozenset()
+    full_eqns: Mapping[int, Any] = field(default_factory=dict)
 
 
 # linear in a sum over the batch (and homogeneous in the scale of a per-example value)
@@ -95,6 +110,20 @@ def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
     if not same_stream(micro, full):
         return None
     batch = set(batch_ids)
+    first = _analyse(micro, full, batch, m, frozenset())
+    stats = _statistics(micro, full, batch, first.info)
+    if not stats:
+        return first
+    again = _analyse(micro, full, batch, m, stats)
+    return Scaling(again.info, again.literals, again.consts, stats,
+                   {micro.eqns[k].outvars[0]: full.eqns[k].eqn
+                    for k in _ancestors(micro, stats)})
+
+
+def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
+             stats: frozenset[int]) -> Scaling:
+    """One pass over the paired streams, the values ``stats`` taken as the
+    whole batch's (``N``: every micro-batch reads the one value)."""
     env: dict[int, Info] = {}
     consts: dict[int, Any] = {}
     for i in micro.invars:
@@ -116,8 +145,41 @@ def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
                 ins.append(env[x])
         pe = [_shape(micro.avals[o]) != _shape(full.avals.get(o)) for o in fe.outvars]
         outs = _eqn(fe.eqn, fe_full.eqn, ins, pe, m)
-        env.update(zip(fe.outvars, outs))
+        env.update((o, Info("N") if o in stats else i) for o, i in zip(fe.outvars, outs))
     return Scaling(env, literals, consts)
+
+
+def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
+                info: Mapping[int, Info]) -> frozenset[int]:
+    """The batch statistics worth computing once a step: values made from
+    the batch, constants and literals alone that are no longer per example
+    (a sum or mean over the batch: the same shape in both traces) and that
+    an operation reads which the first pass found no combination for."""
+    data = set(batch) | set(micro.constvars)
+    for fe in micro.eqns:
+        if fe.eqn.primitive.name not in IDENTITY_MARKERS and not getattr(fe.eqn, "effects", None) \
+                and all(isinstance(x, Lit) or x in data for x in fe.invars):
+            data.update(fe.outvars)
+    stats = set()
+    for fe in micro.eqns:
+        if any(info[o].kind == "X" for o in fe.outvars):
+            stats.update(x for x in fe.invars if isinstance(x, int) and x in data
+                         and x not in batch and info[x].kind in "SX"
+                         and _shape(micro.avals[x]) == _shape(full.avals.get(x)))
+    return frozenset(stats)
+
+
+def _ancestors(micro: FlatJaxpr, values: frozenset[int]) -> list[int]:
+    """The equations ``values`` are computed by (flat order)."""
+    producer = {o: k for k, fe in enumerate(micro.eqns) for o in fe.outvars}
+    need, seen = list(values), set()
+    while need:
+        k = producer.get(need.pop())
+        if k is None or k in seen:
+            continue
+        seen.add(k)
+        need.extend(x for x in micro.eqns[k].invars if isinstance(x, int))
+    return sorted(seen)
 
 
 def _shape(aval: Any) -> Any:
