@@ -172,7 +172,6 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 @pytest.mark.parametrize("case", ["batch-norm", "max", "in-batch"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
-    mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
         def loss(p, b):
