@@ -62,7 +62,7 @@ class PipelineCompiled:
 
     def runs(self, key: tuple) -> int:
         """How often one call runs program ``key`` (forwards and backwards
-        once per micro-batch; draws and casts ahead, means and updates once)."""
+        once per micro-batch; draws, casts and statistics ahead, means and updates once)."""
         return 1 if key[0] in ("A", "M", "R") else self.num_micro_batches
 
     def as_text(self) -> str:

@@ -345,13 +345,28 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
         plain = list(vals[:n_out])
         new = [vals[p] for p in acc_pos]
         if accs:
-            new = [a + v for a, v in zip(accs, new)]
+            new = [_COMBINE[split.extremum.get(x, "")](a, v)
+                   for x, a, v in zip(task.accumulate, accs, new)]
         # the running sums keep one layout: one compiled program per task
         return plain, [jax.lax.with_sharding_constraint(v, sh) for v, sh in zip(new, acc_sh)]
 
     program.__name__ = f"stage{s}_{task.kind}{task.level if task.kind == 'A' else ''}"
     program.__qualname__ = program.__name__
     return Program(task, jax.jit(program, donate_argnums=donate), cons, donate)
+
+
+# how a running sum takes in a micro-batch's value (a maximum: the larger)
+_COMBINE = {"": lambda a, v: a + v, "max": jax.numpy.maximum, "min": jax.numpy.minimum}
+
+
+def _start(shape: tuple[int, ...], dtype: Any, extremum: str) -> Any:
+    """A running sum's start: zero, or for a maximum (minimum) the dtype's
+    smallest (largest) value."""
+    if not extremum:
+        return jax.numpy.zeros(shape, dtype)
+    info = jax.numpy.finfo(dtype) if jax.numpy.issubdtype(dtype, jax.numpy.inexact) \
+        else jax.numpy.iinfo(dtype)
+    return jax.numpy.full(shape, info.min if extremum == "max" else info.max, dtype)
 
 
 def const_outputs(split: StepSplit, flat: FlatJaxpr) -> dict[int, Any]:
@@ -388,8 +403,10 @@ class RunningSums:
                    for x in t.accumulate]
             structs = [self.struct(x, s) for x in ids]
 
+            ext = [self.split.extremum.get(x, "") for x in ids]
+
             def zeros() -> list[Any]:
-                return [jax.numpy.zeros(a.shape, a.dtype) for a in structs]
+                return [_start(a.shape, a.dtype, e) for a, e in zip(structs, ext)]
             shardings = [a.sharding for a in structs]
             hit = self._zeros[s] = (ids, jax.jit(zeros, out_shardings=shardings))
         return hit
@@ -416,7 +433,8 @@ class RunningSums:
             # (a sum over the examples of degree e: divided by m ** (1 - e); with
             # partial sums, the data shards' rows added first, by (m * D) ** (1 - e))
             rows = [ps is not None and x in ps.ids for x in ids]
-            div = [float(m * (ps.size if r else 1)) ** (1 - self.split.degree.get(x, 0))
+            div = [1.0 if x in self.split.extremum else
+                   float(m * (ps.size if r else 1)) ** (1 - self.split.degree.get(x, 0))
                    for x, r in zip(ids, rows)]
 
             def total(x: Any, r: bool, d: float) -> Any:

@@ -41,7 +41,9 @@ Every equation then gets a *phase*:
   float32 weight cast to bfloat16) that only per-micro-batch work reads
   (:func:`_hoisted_casts`): every micro-batch reads the one copy, which
   lives through the step, instead of casting again per micro-batch and per
-  recomputation.
+  recomputation.  It also computes the batch statistics
+  (``Scaling.statistics``: a loss's token count) from the whole batch's
+  rows, which every micro-batch, the update and the outputs read whole.
 
 Rematerialised stages (``Stage.remat``, the ``remat`` argument of
 :func:`split_step`): the stage's backward task does not read what its forward
@@ -101,7 +103,7 @@ MEAN, LAST, CONCAT = "mean", "last", "concat"
 class Task:
     """One program: the equations of one stage in one phase (``level`` orders
     the apply programs of a step)."""
-    kind: str                     # "F", "B", "W" (zb-h1), "A" or "R" (once, ahead: draws, casts)
+    kind: str       # "F", "B", "W" (zb-h1), "A" or "R" (once, ahead: draws, casts, statistics)
     stage: int
     level: int = 0
     eqns: list[int] = dataclasses.field(default_factory=list)     # own equations (flat order)
@@ -118,7 +120,7 @@ class Task:
 
     def name(self) -> str:
         what = {"F": "forward", "B": "backward", "W": "weight gradients", "A": "update",
-                "R": "draws and casts"}[self.kind]
+                "R": "draws, casts and statistics"}[self.kind]
         lvl = f" (part {self.level})" if self.kind == "A" and self.level else ""
         return f"stage {self.stage} {what}{lvl}"
 
@@ -155,6 +157,8 @@ class StepSplit:
     # id -> degree of every value per example or summed over the batch
     # (:mod:`meshplan.trace.scaling`; the partial sums' rescaled cotangents)
     value_degree: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # MEAN crossings combined as the micro-batches' "max" or "min" instead
+    extremum: dict[int, str] = dataclasses.field(default_factory=dict)
     # the batch statistics R tasks make once a step from the whole batch
     # (ids): every micro-batch, the update and the outputs read the one value
     statistics: frozenset[int] = frozenset()
@@ -208,8 +212,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     for o, i in flow.alias.items():      # (a gradient an update program sums)
         if producer.get(i, ("",))[0] == "A":
             needed_by[i].update(needed_by.get(o, ()))
-    sums = {x for x, i in scaling.info.items() if i.kind == "S" and i.degree == 1} \
-        if scaling is not None else set()
+    # (integer values combined exactly: sums over the batch, maxima)
+    sums = {x for x, i in scaling.info.items() if (i.kind == "S" and i.degree == 1)
+            or i.kind == "M"} if scaling is not None else set()
     # (what is computed from the statistics alone is every micro-batch's same value)
     whole = {x for x, i in scaling.info.items() if i.kind == "N"} if stats else set()
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches,
@@ -242,7 +247,8 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
     """How each value crossing into the update and the outputs combines
     over the micro-batches (:mod:`meshplan.trace.scaling`): a sum over the
     examples of degree d is the micro-batches' sum divided by m ** (1 - d)
-    (a mean averaged, a sum summed); per-example outputs are concatenated
+    (a mean averaged, a sum summed); a maximum over the examples computed
+    by a forward is the micro-batches' maximum; per-example outputs are concatenated
     where they do not scale with the batch.  The rest is named in
     ``split.inexact``.  The update then runs with the whole batch's
     literals (a division by the batch size there divides by the whole
@@ -256,6 +262,8 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
             split.inexact[x] = info.why
         elif how == MEAN and info.kind == "S" and info.degree is not None:
             split.degree[x] = info.degree
+        elif how == MEAN and info.kind == "M" and split.producer[x][0] == "F":
+            split.extremum[x] = info.extremum
         elif not (how == CONCAT and info.kind in "PN" and info.degree == 0) \
                 and not (how == MEAN and info.kind == "N"):
             split.inexact[x] = "a value that scales with the micro-batch size"

@@ -105,6 +105,19 @@ def test_per_example_gradients_clipped_then_averaged_pipeline_exactly():
     assert gap < 1e-5 and not warned
 
 
+def test_maxima_and_minima_over_the_batch_are_the_micro_batches_extremes():
+    mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
+    gap, warned = _run(_step(
+        lambda p, b: jnp.mean(_token_losses(p, b)),
+        lambda p, b, loss: {"worst": jnp.max(_token_losses(p, b)),
+                            "best": jnp.min(_token_losses(p, b), axis=0),
+                            "longest": jnp.max(jnp.sum(b["tgt"] >= 0, 1)),      # (an integer)
+                            "max_logit": jnp.max(p["emb"][b["tok"]] @ p["emb"].T).astype(
+                                jnp.bfloat16),
+                            "tokens": jnp.sum(mask(b))}))
+    assert gap < 1e-5 and not warned
+
+
 def test_nonlinear_metrics_of_batch_sums_are_computed_once_a_step():
     # exp of the mean loss, and a mean over the tokens that are not padding:
     # functions of sums over the batch, computed on the micro-batches' sums
@@ -170,7 +183,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
     assert "tensor<16x4xf32>" in program and "tensor<8x4xf32>" not in program
 
 
-@pytest.mark.parametrize("case", ["batch-norm", "max", "in-batch"])
+@pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -178,11 +191,16 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             t = _token_losses(p, b)
             return jnp.mean((t - jnp.mean(t)) ** 2 / (jnp.var(t) + 1e-3))
         step, named, why = _step(loss), "the gradients", "per-example value computed from a sum"
-    elif case == "max":
-        # the largest loss of the batch is not a mean of the micro-batches'
+    elif case == "sort":
+        # the median loss of the batch is no function of the micro-batches'
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
-                     lambda p, b, loss: {"worst": jnp.max(_token_losses(p, b))})
-        named, why = "worst", "reduce_max over the examples"
+                     lambda p, b, loss: {"median": jnp.median(_token_losses(p, b))})
+        named, why = "median", "over the examples of the batch"
+    elif case == "max-of":
+        # a function of the largest loss: not the micro-batches' largest
+        step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                     lambda p, b, loss: {"spread": jnp.max(_token_losses(p, b)) - loss})
+        named, why = "spread", "of a maximum or minimum over the batch"
     else:
         # a contrastive loss: every example against the others of its batch
         def loss(p, b):
@@ -218,9 +236,11 @@ def test_each_value_gets_its_kind_and_degree():
     assert {info[x].kind for x in marker.invars} == {"X"}
 
 
-def test_an_integer_output_that_is_no_sum_over_the_batch_is_refused():
+def test_an_integer_output_no_combination_gives_is_refused():
+    # (which example of the batch has the largest loss: an index into the batch)
     step = meshplan.parallelize(_step(lambda p, b: jnp.mean(_token_losses(p, b)),
-                                      lambda p, b, loss: {"top": jnp.max(b["tok"])}),
+                                      lambda p, b, loss: {
+                                          "top": jnp.argmax(_token_losses(p, b).sum(1))}),
                                 method=PIPE)
     with pytest.raises(meshplan.MeshplanError, match="int32 value, which cannot be averaged"):
         step(_params(), BATCH)

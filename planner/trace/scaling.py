@@ -13,10 +13,13 @@ batch size, as ``jnp.mean`` does).  Every value gets an :class:`Info`:
 * ``S``: a *sum over the examples*: ``reduce_sum`` over the batch, a
   weight gradient's ``x.T @ dy``, an embedding gradient's scatter-add, and
   what linear operations make of them;
+* ``M``: a maximum or minimum over the examples (``Info.extremum``) of a
+  per-example value that does not scale (a metric's largest loss or logit):
+  the micro-batches' maxima's maximum;
 * ``X``: none of these (a per-example value computed from a sum over the
-  micro-batch, as batch normalisation and a loss divided by the batch's
-  token count are; a nonlinear function of a batch mean; a maximum over the
-  batch): no combination of micro-batches gives the whole batch's value.
+  micro-batch, as batch normalisation is; a nonlinear function of a batch
+  mean; a selection or sort over the batch; what is computed from a
+  maximum): no combination of micro-batches gives the whole batch's value.
 
 ``degree`` d says how a value scales: at the whole batch it is ``M**d``
 times the micro-batch's (``N``, ``P``), or ``M**d`` times the *mean* of the
@@ -57,10 +60,11 @@ __all__ = ["Info", "Scaling", "batch_scaling"]
 
 @dataclass(frozen=True)
 class Info:
-    kind: str                      # "N", "P", "S" or "X" (see the module doc)
+    kind: str                      # "N", "P", "S", "M" or "X" (see the module doc)
     degree: Fraction | None = Fraction(0)
     zero: bool = False             # known to be zero (any degree)
     why: str = ""                  # X: the first cause
+    extremum: str = ""             # M: "max" or "min"
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ _HOMOGENEOUS = frozenset({
     "clamp", "cummax", "cummin", "stop_gradient", "reduce_window_max", "reduce_window_min",
     "select_and_scatter_add", "select_and_gather_add", "scatter",
 })
+# what keeps a value as it is (a maximum stays the maximum)
+_KEEP_VALUE = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy",
+                         "copy_p", "stop_gradient", "reduce_precision", "broadcast_in_dim"})
 _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add", "scatter_add",
                    "conv_general_dilated"})
 _EQUAL = frozenset({"add", "sub", "add_any", "max", "min", "concatenate", "clamp", "pad",
@@ -313,6 +320,12 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
     xs = [i for i in ins if i.kind == "X"]
     if xs:
         return xs[0]
+    ms = [i for i in ins if i.kind == "M"]
+    if ms:      # (a maximum passes through what keeps its value: a cast, a reshape)
+        if name in _KEEP_VALUE and not per_example and len(ms) == 1 and all(
+                i.kind == "N" for i in ins if i is not ms[0]):
+            return ms[0]
+        return Info("X", why=f"{name} of a maximum or minimum over the batch")
     dep = [i for i in ins if i.kind in "PS"]
     degree = _degree(name, params, ins)
     if not dep:
@@ -331,6 +344,8 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
                                  "gradient)")
         return Info("P", degree)
     if any(i.kind == "P" for i in ins):      # a reduction over the batch
+        if name in ("reduce_max", "reduce_min") and not sums and degree == 0:
+            return Info("M", degree, extremum=name[len("reduce_"):])
         if name not in _SUMS or sums:
             return Info("X", why=f"{name} over the examples of the batch (some examples picked, "
                                  "a maximum, a sort): only sums over them combine exactly "
