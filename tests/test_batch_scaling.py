@@ -145,9 +145,10 @@ def _token_mean_step(p, batch):
 def _standardised_step(p, batch):
     # inputs standardised by the batch's mean and standard deviation (the
     # variance's divisor, the batch size, a constant the statistics read)
+    # and scaled by the batch's largest magnitude
     def loss_fn(p):
         x = batch["x"]
-        x = (x - x.mean(0)) / (x.std(0) + 1e-3)
+        x = (x - x.mean(0)) / (x.std(0) + 1e-3) / jnp.max(jnp.abs(x))
         return jnp.mean((p["emb"][batch["tok"]].mean(1) @ p["w1"])[:, :4] * x)
     loss, g = jax.value_and_grad(loss_fn)(p)
     return jax.tree.map(lambda a, b: a - 0.05 * b, p, g), {"loss": loss}

@@ -160,8 +160,9 @@ def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
                 info: Mapping[int, Info]) -> frozenset[int]:
     """The batch statistics worth computing once a step: values made from
     the batch, constants and literals alone that are no longer per example
-    (a sum or mean over the batch: the same shape in both traces) and that
-    an operation reads which the first pass found no combination for."""
+    (a sum, mean or maximum over the batch: the same shape in both traces)
+    and that an operation reads which the first pass found no combination
+    for."""
     data = set(batch) | set(micro.constvars)
     for fe in micro.eqns:
         if fe.eqn.primitive.name not in IDENTITY_MARKERS and not getattr(fe.eqn, "effects", None) \
@@ -171,7 +172,7 @@ def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
     for fe in micro.eqns:
         if any(info[o].kind == "X" for o in fe.outvars):
             stats.update(x for x in fe.invars if isinstance(x, int) and x in data
-                         and x not in batch and info[x].kind in "SX"
+                         and x not in batch and info[x].kind in "SMX"
                          and _shape(micro.avals[x]) == _shape(full.avals.get(x)))
     return frozenset(stats)
 
