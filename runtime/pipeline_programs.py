@@ -345,7 +345,7 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
         plain = list(vals[:n_out])
         new = [vals[p] for p in acc_pos]
         if accs:
-            new = [_COMBINE[split.extremum.get(x, "")](a, v)
+            new = [_combine(split.extremum.get(x, ""), a, v)
                    for x, a, v in zip(task.accumulate, accs, new)]
         # the running sums keep one layout: one compiled program per task
         return plain, [jax.lax.with_sharding_constraint(v, sh) for v, sh in zip(new, acc_sh)]
@@ -355,8 +355,11 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
     return Program(task, jax.jit(program, donate_argnums=donate), cons, donate)
 
 
-# how a running sum takes in a micro-batch's value (a maximum: the larger)
-_COMBINE = {"": lambda a, v: a + v, "max": jax.numpy.maximum, "min": jax.numpy.minimum}
+def _combine(extremum: str, a: Any, v: Any) -> Any:
+    """A running sum taking in a micro-batch's value (a maximum: the larger)."""
+    if not extremum:
+        return a + v
+    return (jax.numpy.maximum if extremum == "max" else jax.numpy.minimum)(a, v)
 
 
 def _start(shape: tuple[int, ...], dtype: Any, extremum: str) -> Any:
