@@ -313,3 +313,43 @@ def test_a_custom_vjp_that_clips_its_cotangent_is_warned_of():
     with pytest.warns(UserWarning, match="the gradients cannot be combined exactly .*clipped"):
         gap = _custom_vjp_gap(lambda g: jnp.clip(g, -0.01, 0.01))
     assert gap > 1e-3     # (the difference the warning names)
+
+
+def test_nnx_batch_norm_pipelines_with_a_warning():
+    # nnx.BatchNorm under nnx.value_and_grad: its scale's gradient is the
+    # backward's sum(dy * (x - mean)), which the input's gradient reads too,
+    # times rsqrt(var); found as a gradient (it was refused), the step runs,
+    # warned that each micro-batch normalises with its own statistics
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 32, rngs=rngs)
+            self.bn = nnx.BatchNorm(32, rngs=rngs)
+            self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+
+    def step_fn(state, batch):
+        model = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(
+            lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param),
+                                       nnx.state(grads, nnx.Param)))
+        return nnx.state(model), loss
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                num_micro_batches=2))
+    with pytest.warns(UserWarning, match="cannot be combined exactly.*num_micro_batches=1"):
+        new, loss = step(state, BATCH)
+    ref, ref_loss = jax.jit(step_fn)(state, BATCH)
+    assert step.plan.num_micro_batches == 2 and len(step.plan.stages) == 2
+    assert jax.tree.structure(new) == jax.tree.structure(ref) and np.isfinite(float(loss))
+    # (one micro-batch: the undecorated step's numbers)
+    one = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=4, tp=2))
+    new, loss = one(state, BATCH)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -36,9 +36,13 @@ runs what the other would refuse:
   the whole batch (one micro-batch: the whole-graph ILP and the overlap of
   its gradient reductions) gets the same marker, found against a trace at
   twice the batch (:func:`mark_full_batch`).  Markers the user
-  wrote take precedence: nothing is inferred then.  A step in which a state
-  output is computed from the backward (outside the forward, the ancestors
-  of the outputs that update no input) but not from these gradients is
+  wrote take precedence: nothing is inferred then.  Where a state output
+  is computed from the backward (outside the forward, the ancestors of the
+  outputs that update no input) but not from these gradients, the first
+  values computed from a sum over the batch that the backward reads again
+  count as gradients too (batch normalisation's scale gradient under
+  ``nnx.value_and_grad``: ``sum(dy * (x - mean))``, which the input's
+  gradient reads, times ``rsqrt(var)``); a step still not covered is
   refused with the fix (mark the gradients).
 
 * **Random draws over the batch** (dropout masks): a ``random_bits`` whose
@@ -253,19 +257,47 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
     # values some per-example value is computed from, and those the state is
     feeds = _ancestors(eqns, per_example)
     state = _ancestors(eqns, {x for x in flat.outvars if isinstance(x, int) and x not in metrics})
-    grads: list[int] = []
-    for fe in eqns:
-        if not any(isinstance(x, int) and x in per_example for x in fe.invars):
-            continue
-        for o in fe.outvars:
-            aval = flat.avals[o]
-            if (o in bdep and o in state and o not in per_example and o not in feeds
-                    and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact)):
-                grads.append(o)
-    _check_outputs(flat, grads, per_example, forward, bdep, metrics)
+    def gradient(o: int) -> bool:
+        aval = flat.avals[o]
+        return (o in bdep and o in state and o not in per_example and o not in feeds
+                and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact))
+    grads = [o for fe in eqns if any(isinstance(x, int) and x in per_example for x in fe.invars)
+             for o in fe.outvars if gradient(o)]
+    try:
+        _check_outputs(flat, grads, per_example, forward, bdep, metrics)
+    except TraceError:
+        # a gradient made from a sum over the batch that the backward reads
+        # again (batch normalisation's scale: sum(dy * (x - mean)) times
+        # rsqrt(var), the sum feeding the input's gradient too)
+        again = {x for x in feeds if x in bdep and x not in per_example}
+        more = _gradients_of_sums(eqns, grads, again, gradient)
+        if not more:
+            raise
+        grads += more
+        _check_outputs(flat, grads, per_example, forward, bdep, metrics)
     if not grads:
         return flat
     return _insert_marker(flat, _through_glue(flat, grads))
+
+
+def _gradients_of_sums(eqns: Sequence[FlatEqn], grads: list[int], sums: set[int],
+                       gradient: Callable[[int], bool]) -> list[int]:
+    """The first values (``gradient`` ones) computed from the sums over the
+    batch in ``sums`` that are neither computed from ``grads`` nor read to
+    compute them, nor from each other."""
+    up = _ancestors(eqns, set(grads))
+    down = set(grads)
+    more: list[int] = []
+    for fe in eqns:
+        ins = [x for x in fe.invars if isinstance(x, int)]
+        if any(x in down for x in ins):
+            down.update(fe.outvars)
+        elif any(x in sums for x in ins):
+            for o in fe.outvars:
+                if gradient(o) and o not in up:
+                    more.append(o)
+                    down.add(o)
+    return more
 
 
 # layout-only operations jax's backward ends a gradient with (a weight
