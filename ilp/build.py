@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from ..cost_model.collectives import all_reduce
 from ..cost_model.compute import compute_time, kernel_fixed_time
 from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialised,
                                  materialised_results, moved_bytes)
@@ -389,10 +390,10 @@ class _Builder:
             space = self._space(node)
             moved = moved_bytes(graph, node, traffic)
             if space is not None and space.independent:
-                node = self._components(node, space, moved)
+                node, left = self._components(node, space, moved)
                 if node is None:
                     continue
-                space = None
+                space, moved = None, moved * left
             k = follow_input(space, node, graph)
             main = node.inputs[k] if k is not None else None
             gt = self.group_of_tensor
@@ -422,11 +423,17 @@ class _Builder:
         """A per-element cond: each result takes the layout of an operand of
         its component that has a group (joining that group, with its share
         of the work); the component's other operands are read in that layout.
-        The node of the results left (no laid-out operand), or None."""
+        A component a branch reduces to a scalar (``space.reduce_each_step``)
+        adds its share of one all-reduce of the cond's scalars where split
+        (XLA combines them).  The node of the results left (no laid-out
+        operand) or None, and their share of the work."""
         graph, mm, gt = self.graph, self.mm, self.group_of_tensor
         sizes = [math.prod(graph.tensors[t].shape) for t in node.outputs]
         total = sum(sizes) or 1
         dtype = node_dtype(graph, node)
+        summed = {l for l, _ in space.reduce_each_step}
+        reduced = {labs for labs in space.out_labels if labs and summed & set(labs)}
+        charged: set = set()
         operands: dict[tuple[int, ...], list[int]] = {}
         for p, labs in enumerate(space.in_labels):
             if labs:
@@ -440,6 +447,8 @@ class _Builder:
                 continue
             lead = max(ops, key=lambda p: self.groups[gt[node.inputs[p]]].size > 1)
             g = self.groups[gt[node.inputs[lead]]]
+            share = labs in reduced and labs not in charged
+            charged.add(labs)
             for i in range(g.size):
                 spec = g.specs[i][node.inputs[lead]]
                 g.specs[i][t_out] = spec
@@ -448,6 +457,13 @@ class _Builder:
                                  moved * n / total / shards, dtype)
                 g.cost[i] += t
                 g.compute[i] += t
+                axes = tuple(sorted({a for dim in spec for a in dim})) if share else ()
+                if axes:
+                    sec, b = (x / len(reduced) for x in all_reduce(mm, axes, 4.0 * len(reduced)))
+                    g.cost[i] += sec
+                    g.comm[i] += sec
+                    g.comm_bytes[i] += b
+                    _add_kinds(g.comm_kinds[i], (("all-reduce", sec, b),))
                 if node.id in self.update_nodes:
                     g.update[i][0] += t
                 read = [(node.inputs[p], spec) for p in ops if p != lead]
@@ -456,8 +472,9 @@ class _Builder:
                     g.steady_reads[i].update(read)
             gt[t_out] = g.gid
         if not loose:
-            return None
-        return dataclasses.replace(node, inputs=(), outputs=tuple(loose), flops=node.flops * left)
+            return None, 0.0
+        return dataclasses.replace(node, inputs=(), outputs=tuple(loose),
+                                   flops=node.flops * left), left
 
     def _add_follower(self, g: Group, node, space, k: int, nbytes: float) -> None:
         """``node`` joins ``g``, laid out as its operand ``k`` is (XLA fuses

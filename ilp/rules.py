@@ -329,7 +329,11 @@ def cond_rule(ins, outs, params) -> OpSpace | None:
     """A cond whose branches work element by element (the tracer records its
     ``components``, :mod:`meshplan.trace.cond`): the operands and results of
     one component share labels, so any common layout of them is consistent
-    in every branch; the branch index is replicated."""
+    in every branch; the branch index is replicated.  The components a
+    branch reduces to a scalar (``reduced``) are named by
+    ``reduce_each_step``: where one is split, the ILP builder charges its
+    share of the one all-reduce XLA combines the cond's scalars into, and a
+    loop around the cond an all-reduce per step."""
     comps = params.get("components")
     if comps is None or len(comps) != len(ins) - 1 + len(outs):
         return None
@@ -347,7 +351,8 @@ def cond_rule(ins, outs, params) -> OpSpace | None:
     n = len(ins) - 1
     in_l = [None] + [of(c, s) for c, s in zip(comps[:n], ins[1:])]
     out_l = [of(c, o) or () for c, o in zip(comps[n:], outs)]
-    return L.space(in_l, out_l, independent=True)
+    each = [(l, 4.0) for c in params.get("reduced", ()) for l in labels.get(c, ())]
+    return L.space(in_l, out_l, independent=True, reduce_each_step=each)
 
 
 def loop_rule(ins, outs, params) -> OpSpace | None:

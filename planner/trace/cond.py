@@ -11,7 +11,11 @@ own parameter's layout.
 returns, per operand after the branch index and per result, a component id,
 or -1 for a value that needs no layout (a scalar, or a result made from
 scalars and constants only); None when some branch does more than element-wise
-work on arrays (a reduction, a matmul, a reshape ...): then no rule applies.
+work on arrays (a matmul, a reshape, a reduction that keeps some axes ...):
+then no rule applies.  A branch may reduce a whole array to a scalar
+(``optax.clip_by_global_norm``'s norm, ``optax.apply_if_finite``'s check):
+its component is *reduced*, and the rule charges an all-reduce of a scalar
+where the component is split.
 """
 from __future__ import annotations
 
@@ -48,9 +52,17 @@ def _rank(v: Any) -> int:
     return len(getattr(v.aval, "shape", ()))
 
 
-def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
+# reductions of a whole array to a scalar: each device reduces its part and
+# one all-reduce of a scalar combines them (a global norm, an isfinite check)
+_TO_SCALAR = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "argmax", "argmin"})
+
+
+def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str,
+          reduced: list[Any]) -> None:
     """Join, in ``u``, the keys of the array values that meet element-wise in
-    ``jaxpr``; ``key`` maps its variables to keys (filled in as it goes)."""
+    ``jaxpr``; ``key`` maps its variables to keys (filled in as it goes).
+    ``reduced`` gets the keys of the arrays reduced to a scalar."""
     for n, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         arrays_in = [v for v in eqn.invars
@@ -60,7 +72,7 @@ def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
             for iv, v in zip(inner.invars, eqn.invars):
                 if not isinstance(v, jcore.Literal) and v in key:
                     key[iv] = key[v]
-            _walk(inner, key, u, f"{scope}/{n}")
+            _walk(inner, key, u, f"{scope}/{n}", reduced)
             for ov, iv in zip(eqn.outvars, inner.outvars):
                 key[ov] = key.get(iv, ("free", scope, n, id(ov))) \
                     if not isinstance(iv, jcore.Literal) else ("free", scope, n, id(ov))
@@ -69,6 +81,9 @@ def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
             key[ov] = (scope, n, k)
         if all(_rank(v) == 0 for v in list(eqn.invars) + list(eqn.outvars)):
             continue        # scalar work: replicated, whatever the arrays' layouts
+        if name in _TO_SCALAR and len(arrays_in) == 1 and not any(map(_rank, eqn.outvars)):
+            reduced.append(key[arrays_in[0]])
+            continue
         if name == "broadcast_in_dim" and _rank(eqn.invars[0]) == 0:
             continue        # a scalar filled out: made in any layout for free
         if name in ELEMENTWISE and len(eqn.outvars) == 1:
@@ -81,17 +96,29 @@ def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str) -> None:
         raise _NotPerElement(name)
 
 
-def cond_components(eqn: Any) -> tuple[int, ...] | None:
+def cond_params(eqn: Any) -> tuple[tuple[str, Any], ...]:
+    """What the tracer adds to a cond's params for its rule: its
+    ``components`` (:func:`cond_components`) and the components some branch
+    reduces to a scalar (``reduced``); nothing when no rule applies."""
+    found = cond_components(eqn)
+    if found is None:
+        return ()
+    comps, reduced = found
+    return (("components", comps),) + ((("reduced", reduced),) if reduced else ())
+
+
+def cond_components(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Per operand (after the branch index) and per result of the cond
-    ``eqn``, its component id (-1: needs no layout); None when a branch is
-    not element-wise."""
+    ``eqn``, its component id (-1: needs no layout), and the components a
+    branch reduces to a scalar; None when a branch is not element-wise."""
     operands, results = eqn.invars[1:], eqn.outvars
     u = _Union()
+    reduced: list[Any] = []
     try:
         for b, branch in enumerate(eqn.params["branches"]):
             inner, _ = _closed_parts(branch)
             key: dict[Any, Any] = {iv: ("in", j) for j, iv in enumerate(inner.invars)}
-            _walk(inner, key, u, f"b{b}")
+            _walk(inner, key, u, f"b{b}", reduced)
             for k, ov in enumerate(inner.outvars):
                 if _rank(results[k]) and not isinstance(ov, jcore.Literal) and ov in key:
                     u.join(key[ov], ("out", k))
@@ -108,4 +135,6 @@ def cond_components(eqn: Any) -> tuple[int, ...] | None:
     outs = [comp(("out", k), v) for k, v in enumerate(results)]
     # a component with no operand is made from scalars and constants: free
     has_in = {c for c in ins if c >= 0}
-    return tuple(ins) + tuple(c if c in has_in else -1 for c in outs)
+    comps = tuple(ins) + tuple(c if c in has_in else -1 for c in outs)
+    return comps, tuple(sorted({roots[u.find(k)] for k in reduced
+                                if roots.get(u.find(k), -1) in has_in}))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .cond import cond_components
+from .cond import cond_params
 from .walk import flatten
 
 Description = tuple[tuple[tuple[int, ...], ...], tuple[Any, ...], tuple[tuple[int, int, int], ...],
@@ -52,9 +52,7 @@ class _Body:
         tracer adds for the rules of nested control flow."""
         params = self.params_of(eqn)
         if eqn.primitive.name == "cond":
-            comps = cond_components(eqn)
-            if comps is not None:
-                params = params + (("components", comps),)
+            params = params + cond_params(eqn)
         inner = loop_description(eqn, self.params_of)
         if inner is not None:
             params = params + (("loop", inner),)

@@ -24,7 +24,7 @@ from ..collector import with_relaxed_gc
 from ..errors import MeshplanError, TraceError
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
-from .cond import cond_components
+from .cond import cond_params
 from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
@@ -178,6 +178,17 @@ def _composite_cost(eqn: Any, warnings: set[str]) -> tuple[float, int, int]:
     raise AssertionError(name)
 
 
+def _cond_fused_bytes(fe: Any, params: dict[str, Any], aval_of: Callable[[Any], Any]) -> int:
+    """The bytes an element-wise cond moves as XLA runs it: each branch
+    fused into loops that read the operands once (twice where the branch
+    also reduces them to a scalar) and write the results; its equations'
+    own bytes count every intermediate."""
+    comps, reduced = params["components"], set(params.get("reduced", ()))
+    ins = fe.invars[1:]
+    read = sum(_nbytes(aval_of(x)) * (2 if comps[j] in reduced else 1) for j, x in enumerate(ins))
+    return read + sum(_nbytes(aval_of(o)) for o in fe.outvars)
+
+
 def _nbytes(aval: Any, shape: tuple[int, ...] | None = None) -> int:
     try:
         return math.prod(_shape(aval) if shape is None else shape) * \
@@ -318,10 +329,11 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
                 params = params + (("loop", loop),)
             if prim == "while":     # (its steps, as a scan's ``length``: 1 if unknown)
                 params = params + (("trip_count", repeat),)
-        if prim == "cond":
-            comps = cond_components(eqn)
-            if comps is not None:   # (branches that work element by element)
-                params = params + (("components", comps),)
+        if prim == "cond":      # (branches that work element by element)
+            comps = cond_params(eqn)
+            params = params + comps
+            if comps:
+                b = min(b, _cond_fused_bytes(fe, dict(comps), aval_of))
         if prim in ("dot_general", "conv_general_dilated") \
                 and jax.config.jax_default_matmul_precision is not None:
             # the precision a matmul without its own runs at (ilp.strategies.node_dtype)
