@@ -247,6 +247,28 @@ def test_apply_if_finite_plans_its_state_like_the_plain_step():
     assert finite.predicted.iteration_s <= plain.predicted.iteration_s * 1.25
 
 
+def test_a_cond_in_a_branch_follows_the_parameters_too():
+    # apply_if_finite around MultiSteps around clip and adam: a cond in a
+    # cond's branch, both reducing to scalars; each moment and running
+    # gradient sum is laid out like its parameter
+    S = jax.ShapeDtypeStruct
+    tx = optax.apply_if_finite(optax.MultiSteps(CLIPPED, 4), 3)
+    p = {"w1": S((1024, 4096), jnp.float32), "w2": S((4096, 1024), jnp.float32)}
+    batch = {"x": S((64, 1024), jnp.float32), "y": S((64, 1024), jnp.float32)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = meshplan.plan(_finite_step(tx), (p, jax.eval_shape(tx.init, p)), batch,
+                             method=meshplan.ShardParallel(mesh_shape=(2, 4)),
+                             cluster=meshplan.load_cluster("examples/clusters/dgx-a100-x1.json"))
+    assert not [c for c in caught if "run replicated" in str(c.message)]
+    specs = dict(plan.stages[0].params)
+    state = {k: v for k, v in specs.items() if k.startswith("[1]") and v}
+    assert len(state) == 6          # (mu, nu and the running sum of each weight)
+    for k, v in state.items():
+        assert v == specs["[0]" + k[k.rindex("['"):]], (k, v)
+    assert any(d is not None for v in state.values() for d in v)
+
+
 def test_apply_if_finite_runs_split_like_jit():
     # (a weight large enough that the plan splits it and its moments)
     p = {"w1": jnp.linspace(-1, 1, 16 * 2048).reshape(16, 2048) * 0.1,

@@ -79,6 +79,17 @@ def _walk(jaxpr: Any, key: dict[Any, Any], u: _Union, scope: str,
             continue
         for k, ov in enumerate(eqn.outvars):
             key[ov] = (scope, n, k)
+        if name == "cond":      # (a cond in a branch: apply_if_finite around MultiSteps)
+            for b, branch in enumerate(eqn.params["branches"]):
+                inner, _ = _closed_parts(branch)
+                for iv, v in zip(inner.invars, eqn.invars[1:]):
+                    if not isinstance(v, jcore.Literal) and v in key:
+                        key[iv] = key[v]
+                _walk(inner, key, u, f"{scope}/{n}/b{b}", reduced)
+                for ov, iv in zip(eqn.outvars, inner.outvars):
+                    if _rank(ov) and not isinstance(iv, jcore.Literal) and iv in key:
+                        u.join(key[iv], key[ov])
+            continue
         if all(_rank(v) == 0 for v in list(eqn.invars) + list(eqn.outvars)):
             continue        # scalar work: replicated, whatever the arrays' layouts
         if name in _TO_SCALAR and len(arrays_in) == 1 and not any(map(_rank, eqn.outvars)):
