@@ -190,7 +190,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     scale with the batch (``TracedStep.scaling``), which says how the
     micro-batches combine (:func:`_combination`); None: averaged."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
-    flow = _flow(flat, frozenset(batch_ids), num_micro_batches)
+    flow = _flow(flat, frozenset(batch_ids), num_micro_batches,
+                 {o for k, _, _ in draws for o in flat.eqns[k].outvars})
     # a gradient summed from several layers' contributions: summed once a step
     once, _ = once_a_step([(fe.eqn.primitive.name, [x for x in fe.invars if isinstance(x, int)],
                             fe.outvars) for fe in flat.eqns], layer_of_node, GRAD_BOUNDARY)
@@ -321,7 +322,10 @@ class _Flow:
     batch_ids: frozenset[int]
 
 
-def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) -> _Flow:
+def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int,
+          drawn: set[int] = frozenset()) -> _Flow:
+    """What every value depends on; ``drawn``: the draws over the batch,
+    which differ per micro-batch like the batch (each reads its rows)."""
     eqns = flat.eqns
     producer_eqn: dict[int, int] = {}
     for k, fe in enumerate(eqns):
@@ -335,7 +339,7 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int) ->
             is_const[k] = True
             const_ids.update(fe.outvars)
     # batch dependence and "after the gradients"
-    bdep = set(batch_ids)
+    bdep = set(batch_ids) | set(drawn)
     after: set[int] = set()
     markers = [k for k, fe in enumerate(eqns) if fe.eqn.primitive.name == GRAD_BOUNDARY]
     alias: dict[int, int] = {}

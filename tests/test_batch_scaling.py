@@ -175,6 +175,33 @@ def test_batch_statistics_are_computed_once_a_step_from_the_whole_batch(step_fn,
     assert stats and all(8 not in traced.flat.avals[x].shape for x in stats)
 
 
+def test_a_loss_divided_by_the_count_of_drawn_positions_pipelines_exactly():
+    # BERT-style: positions drawn from the state's key (a draw over the
+    # batch: each micro-batch reads its rows), the loss divided by how many
+    # were drawn in the whole batch, and that count returned (it was taken
+    # from one micro-batch, the gradients divided by each micro-batch's own)
+    def step_fn(state, batch):
+        key, sub = jax.random.split(state["key"])
+        pick = jax.random.bernoulli(sub, 0.3, batch["tok"].shape).astype(jnp.float32)
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.sum(_token_losses(p, batch) * pick) / jnp.sum(pick))(state["p"])
+        p = jax.tree.map(lambda a, b: a - 0.05 * b, state["p"], g)
+        return {"p": p, "key": key}, {"loss": loss, "picked": jnp.sum(pick)}
+    step = meshplan.parallelize(step_fn, method=PIPE)
+    ref = par = {"p": _params(), "key": jax.random.key(42)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ref, rm = jax.jit(step_fn)(ref, BATCH)
+            par, pm = step(par, BATCH)
+            assert float(pm["picked"]) == float(rm["picked"])
+            assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
+    assert not [w for w in caught if "meshplan" in str(w.message)]
+    for a, b in zip(jax.tree.leaves(par["p"]), jax.tree.leaves(ref["p"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert step.plan.num_micro_batches == 2
+
+
 def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
     # the statistics' program reads the whole batch: lowered with its shape
     # (its broadcasts are the whole batch's)

@@ -34,7 +34,8 @@ undecorated step's update.
 
 *Batch statistics* are computed once a step instead: a sum over the batch
 made from the batch alone (a loss's token count ``sum(mask)``, a mean of
-the inputs) that per-micro-batch work reads and turns into ``X`` (a loss
+the inputs, the count of positions a BERT-style mask draws from the
+state's key) that per-micro-batch work reads and turns into ``X`` (a loss
 divided by it).  Computed at the whole batch and read by every
 micro-batch, such a value does not depend on the micro-batch (``N``), and
 what reads it combines exactly (the token-normalised loss becomes a sum of
@@ -49,6 +50,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from jax import numpy as jnp
 from jax.extend import core as jcore
 
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
@@ -159,11 +161,15 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
 def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
                 info: Mapping[int, Info]) -> frozenset[int]:
     """The batch statistics worth computing once a step: values made from
-    the batch, constants and literals alone that are no longer per example
+    the batch, constants, literals and keys alone that are no longer per example
     (a sum, mean or maximum over the batch: the same shape in both traces)
     and that an operation reads which the first pass found no combination
     for."""
-    data = set(batch) | set(micro.constvars)
+    # (and the arguments that are no floating-point parameters: the PRNG key a
+    # draw over the batch is made with, a step counter)
+    data = set(batch) | set(micro.constvars) | {
+        i for i in micro.invars
+        if not jnp.issubdtype(getattr(micro.avals[i], "dtype", np.float32), jnp.inexact)}
     for fe in micro.eqns:
         if fe.eqn.primitive.name not in IDENTITY_MARKERS and not getattr(fe.eqn, "effects", None) \
                 and all(isinstance(x, Lit) or x in data for x in fe.invars):
@@ -332,7 +338,9 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
     if not dep:
         zero = name in ("broadcast_in_dim", "convert_element_type", "reshape", "mul") and any(
             i.zero for i in ins[:1 if name != "mul" else 2])
-        return Info("N", degree, zero=zero)
+        # (one with the batch dimension is per example: a draw over the batch
+        # from the state's key, a constant filled out to the batch)
+        return Info("P" if per_example else "N", degree, zero=zero)
     sums = any(i.kind == "S" for i in ins)
     if per_example:
         if sums:
