@@ -94,12 +94,18 @@ def test_window_topk_scan_and_sort_ops_are_split_along_the_batch(case):
 MULTI = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
 
 
-def _multi_step(state, batch):
-    p, o = state
-    loss, g = jax.value_and_grad(
-        lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
-    u, o = MULTI.update(g, o, p)
-    return (optax.apply_updates(p, u), o), loss
+def _opt_step(tx):
+    """A two-layer regression step updated by the optax transformation ``tx``."""
+    def step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
+        u, o = tx.update(g, o, p)
+        return (optax.apply_updates(p, u), o), loss
+    return step
+
+
+_multi_step = _opt_step(MULTI)
 
 
 def test_multisteps_state_follows_the_parameters_and_runs_like_jit():
@@ -141,12 +147,7 @@ def test_multisteps_state_follows_the_parameters_and_runs_like_jit():
 ADAM = optax.adam(1e-2)
 
 
-def _adam_step(state, batch):
-    p, o = state
-    loss, g = jax.value_and_grad(
-        lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
-    u, o = ADAM.update(g, o, p)
-    return (optax.apply_updates(p, u), o), loss
+_adam_step = _opt_step(ADAM)
 
 
 @pytest.mark.parametrize("method", [meshplan.ShardParallel(),
@@ -211,16 +212,6 @@ CLIPPED = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 IF_FINITE = optax.apply_if_finite(CLIPPED, 3)
 
 
-def _finite_step(tx):
-    def step(state, batch):
-        p, o = state
-        loss, g = jax.value_and_grad(
-            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(p)
-        u, o = tx.update(g, o, p)
-        return (optax.apply_updates(p, u), o), loss
-    return step
-
-
 def test_apply_if_finite_plans_its_state_like_the_plain_step():
     # optax.apply_if_finite runs its update in a cond whose branch computes
     # the global norm: its state was replicated (and the cond's work)
@@ -231,9 +222,9 @@ def test_apply_if_finite_plans_its_state_like_the_plain_step():
     method = meshplan.ShardParallel(mesh_shape=(2, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plain = meshplan.plan(_finite_step(CLIPPED), (p, jax.eval_shape(CLIPPED.init, p)), batch,
+        plain = meshplan.plan(_opt_step(CLIPPED), (p, jax.eval_shape(CLIPPED.init, p)), batch,
                               method=method, cluster=cluster)
-        finite = meshplan.plan(_finite_step(IF_FINITE), (p, jax.eval_shape(IF_FINITE.init, p)),
+        finite = meshplan.plan(_opt_step(IF_FINITE), (p, jax.eval_shape(IF_FINITE.init, p)),
                                batch, method=method, cluster=cluster)
     assert not [c for c in caught if "run replicated" in str(c.message)]
     want = dict(plain.stages[0].params)
@@ -257,7 +248,7 @@ def test_a_cond_in_a_branch_follows_the_parameters_too():
     batch = {"x": S((64, 1024), jnp.float32), "y": S((64, 1024), jnp.float32)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = meshplan.plan(_finite_step(tx), (p, jax.eval_shape(tx.init, p)), batch,
+        plan = meshplan.plan(_opt_step(tx), (p, jax.eval_shape(tx.init, p)), batch,
                              method=meshplan.ShardParallel(mesh_shape=(2, 4)),
                              cluster=meshplan.load_cluster("examples/clusters/dgx-a100-x1.json"))
     assert not [c for c in caught if "run replicated" in str(c.message)]
@@ -275,7 +266,7 @@ def test_apply_if_finite_runs_split_like_jit():
          "w2": jnp.linspace(1, -1, 2048 * 2048).reshape(2048, 2048) * 0.01}
     state = (p, IF_FINITE.init(p))
     batch = {"x": jnp.linspace(-1, 1, 32 * 16).reshape(32, 16), "y": jnp.ones((32, 2048))}
-    fn = _finite_step(IF_FINITE)
+    fn = _opt_step(IF_FINITE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = meshplan.parallelize(fn, method=meshplan.ShardParallel(mesh_shape=(8,)),
