@@ -286,9 +286,14 @@ def _statistics(flat: FlatJaxpr, phase: Sequence[str], scaling: Any) -> frozense
     chose them among the per-micro-batch work that only such work reads."""
     if scaling is None or not scaling.statistics:
         return frozenset()
-    return frozenset(k for k, fe in enumerate(flat.eqns)
-                     if any(o in scaling.statistics for o in fe.outvars)
-                     and phase[k] in ("F", "B"))
+    made = [k for k, fe in enumerate(flat.eqns) if any(o in scaling.statistics for o in fe.outvars)]
+    late = [k for k in made if phase[k] not in ("F", "B")]
+    if late:    # (the combination assumed every micro-batch reads the whole batch's value)
+        raise MeshplanError(
+            f"internal: the batch statistic of operation {late[0]} "
+            f"({flat.eqns[late[0]].eqn.primitive.name}) would run after the micro-batches; "
+            "plan with num_micro_batches=1")
+    return frozenset(made)
 
 
 def _eqn_stages(n: int, layer_of_node: Sequence[int],
