@@ -39,9 +39,9 @@ state's key) that per-micro-batch work reads and turns into ``X`` (a loss
 divided by it).  Computed at the whole batch and read by every
 micro-batch, such a value does not depend on the micro-batch (``N``), and
 what reads it combines exactly (the token-normalised loss becomes a sum of
-the micro-batches' shares; the update and the outputs read the one value).  :attr:`Scaling.statistics` names them and
-:attr:`Scaling.full_eqns` holds the whole batch's form of the equations
-that compute them.
+the micro-batches' shares; the update and the outputs read the one value).
+:attr:`Scaling.statistics` names them and :attr:`Scaling.full_eqns` holds
+the whole batch's form of the equations that compute them.
 """
 from __future__ import annotations
 
@@ -161,10 +161,10 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
 def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
                 info: Mapping[int, Info]) -> frozenset[int]:
     """The batch statistics worth computing once a step: values made from
-    the batch, constants, literals and keys alone that are no longer per example
-    (a sum, mean or maximum over the batch: the same shape in both traces)
-    and that an operation reads which the first pass found no combination
-    for."""
+    the batch, constants, literals and keys alone that are no longer per
+    example (a sum, mean or maximum over the batch: the same shape in both
+    traces) and that an operation reads which the first pass found no
+    combination for."""
     # (and the arguments that are no floating-point parameters: the PRNG key a
     # draw over the batch is made with, a step counter)
     data = set(batch) | set(micro.constvars) | {
