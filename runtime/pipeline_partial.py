@@ -18,8 +18,9 @@ value ids, smaller batch dimension).  That trace's mean over the batch
 divides by the smaller count, so its gradients and the cotangents the
 backwards pass each other are ``D`` times those of the full micro-batch;
 the means' ``1 / (m * D)`` undoes it, and a backward multiplies the
-cotangents it receives from another backward by ``D`` and divides those it
-sends by ``D``.  (That is a mean loss; in general a value of degree ``k``
+cotangents it receives from another backward (or from a forward that made
+them, where a metric reads a gradient) by ``D`` and divides those it sends
+by ``D``.  (That is a mean loss; in general a value of degree ``k``
 (:mod:`meshplan.trace.scaling`: a summed loss's cotangents have ``k = 0``,
 its gradients are sums) is ``D ** -k`` times as large, and the means divide
 a sum of degree ``e`` by ``(m * D) ** (1 - e)``.)  So a stage whose
@@ -458,8 +459,12 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     # degree k (meshplan.trace.scaling; a mean loss's cotangents: k = -1, d
     # times; a summed loss's: k = 0; see the module doc)
     k = split.value_degree
-    scaled = [float(d) ** -k.get(x, -1) if split.producer.get(x, ("",))[0] == "B" else 1.0
-              for x in task.inputs]
+    made_by = [split.producer.get(x, ("",))[0] for x in task.inputs]
+    # (so do the forward's values of known degree: a cotangent the forward
+    # made because a metric reads a gradient, a per-example value divided by
+    # the batch size; an activation, degree 0, is as it is)
+    scaled = [float(d) ** -k.get(x, -1) if by == "B" else float(d) ** -k.get(x, 0)
+              if by == "F" else 1.0 for x, by in zip(task.inputs, made_by)]
     unscaled = [float(d) ** -k.get(x, -1) for x in task.outputs]
 
     # (values whose smaller trace dropped a dimension of size one: reshaped

@@ -353,3 +353,30 @@ def test_nnx_batch_norm_pipelines_with_a_warning():
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2),
+                                    meshplan.Manual(dp=4, tp=2, pp=1, num_micro_batches=2)],
+                         ids=["pp2", "pp1"])
+def test_a_metric_of_frozen_gradients_keeps_the_trained_ones_exact(method):
+    # a frozen sub-tree (set_to_zero) whose gradients only a metric reads:
+    # the backward that makes them runs with the forward (ancestors of the
+    # metric), so the trained weight's backward reads a cotangent the forward
+    # made; with partial sums its scale is rescaled like a backward's (the
+    # trained weight's gradient was 1/D of jax.jit's)
+    labels = {"w1": "frozen", "w2": "frozen", "w3": "train"}
+    opt = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+
+    def step_fn(state, batch):
+        p, o, key = state
+        loss, g = jax.value_and_grad(_loss)(p, batch["x"], batch["y"], key)
+        u, o = opt.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss, "norm": optax.tree.norm(g),
+                                                     "g3": g["w3"]}
+    step = _compare(step_fn, _state(opt), method)
+    assert step.plan.num_micro_batches == 2
+    ref = jax.jit(step_fn)(_state(opt), BATCH)[1]
+    got = step(_state(opt), BATCH)[1]
+    for name in ("norm", "g3"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(ref[name]), rtol=1e-5,
+                                   atol=1e-7)
