@@ -92,6 +92,17 @@ def test_a_mean_loss_pipelines_exactly_without_a_warning():
     assert gap < 1e-5 and not warned
 
 
+def test_rotary_pairs_stacked_and_unstacked_pipeline_without_a_warning():
+    # jnp.stack of rotated halves: its cotangent goes through unstack, a
+    # linear operation (it was named as scaling differently)
+    def rope(x):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return jnp.stack([x1 * 0.8 - x2 * 0.6, x1 * 0.6 + x2 * 0.8], -1).reshape(x.shape)
+    gap, warned = _run(_step(
+        lambda p, b: jnp.mean((rope(p["emb"][b["tok"]] @ p["w1"]) @ p["w2"] - 1.0) ** 2)))
+    assert gap < 1e-5 and not warned
+
+
 def test_per_example_gradients_clipped_then_averaged_pipeline_exactly():
     # DP-SGD: each example's gradient (vmap) clipped, then the batch mean
     def step(p, batch):

@@ -89,7 +89,8 @@ _LINEAR = frozenset({
     "expand_dims", "slice", "rev", "copy", "copy_p", "reduce_precision", "reduce_sum", "cumsum",
     "dynamic_slice", "gather", "pad", "concatenate", "add", "sub", "add_any", "dot_general",
     "mul", "div", "select_n", "dynamic_update_slice", "scatter-add", "scatter_add", "real",
-    "imag", "conj", "conv_general_dilated", "reduce_window_sum", "split",
+    "imag", "conj", "conv_general_dilated", "reduce_window_sum", "split", "unstack",
+    "sharding_constraint",
 })
 # homogeneous in a per-example value's scale but not linear
 _HOMOGENEOUS = frozenset({
@@ -100,7 +101,8 @@ _HOMOGENEOUS = frozenset({
 })
 # what keeps a value as it is (a maximum stays the maximum)
 _KEEP_VALUE = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy",
-                         "copy_p", "stop_gradient", "reduce_precision", "broadcast_in_dim"})
+                         "copy_p", "stop_gradient", "reduce_precision", "broadcast_in_dim",
+                         "sharding_constraint"})
 _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add", "scatter_add",
                    "conv_general_dilated"})
 _EQUAL = frozenset({"add", "sub", "add_any", "max", "min", "concatenate", "clamp", "pad",
