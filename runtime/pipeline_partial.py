@@ -458,13 +458,13 @@ def partial_program(task: Task, split: StepSplit, layouts: Any, ps: PartialSums,
     # and leave at it: this trace's are d ** -k times as large for a value of
     # degree k (meshplan.trace.scaling; a mean loss's cotangents: k = -1, d
     # times; a summed loss's: k = 0; see the module doc)
-    k = split.value_degree
-    made_by = [split.producer.get(x, ("",))[0] for x in task.inputs]
     # (so do the forward's values of known degree: a cotangent the forward
-    # made because a metric reads a gradient, a per-example value divided by
-    # the batch size; an activation, degree 0, is as it is)
-    scaled = [float(d) ** -k.get(x, -1) if by == "B" else float(d) ** -k.get(x, 0)
-              if by == "F" else 1.0 for x, by in zip(task.inputs, made_by)]
+    # made because a metric reads a gradient; an activation, degree 0, is as
+    # it is; a backward's of unknown degree is a mean loss's cotangent)
+    k = split.value_degree
+    unknown = {"B": -1, "F": 0}
+    scaled = [float(d) ** -k.get(x, unknown[by]) if by in unknown else 1.0
+              for x, by in ((x, split.producer.get(x, ("",))[0]) for x in task.inputs)]
     unscaled = [float(d) ** -k.get(x, -1) for x in task.outputs]
 
     # (values whose smaller trace dropped a dimension of size one: reshaped

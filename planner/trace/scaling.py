@@ -180,7 +180,7 @@ def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
     for fe in micro.eqns:
         if any(info[o].kind == "X" for o in fe.outvars):
             stats.update(x for x in fe.invars if isinstance(x, int) and x in data
-                         and x not in batch and info[x].kind in "SMX"
+                         and info[x].kind in "SMX"
                          and _shape(micro.avals[x]) == _shape(full.avals.get(x)))
     return frozenset(stats)
 
