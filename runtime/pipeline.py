@@ -105,7 +105,7 @@ from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
 from .pipeline_partial import partial_sums
 from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, closure_eqns,
-                                const_outputs, donations, returned_leaves)
+                                fixed_outputs, donations, returned_leaves)
 from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
@@ -267,7 +267,7 @@ class PipelineExecutable:
                                     closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
                                                              self.donations, self.partial)
-        self.const_out = const_outputs(split, flat)
+        self.fixed = fixed_outputs(split, flat)
         self.returned = returned_leaves(split, flat)
         self.sums = RunningSums(split, flat, self.layouts, m, self.partial)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,

@@ -37,7 +37,7 @@ import jax
 
 from meshplan.errors import RuntimeStageError
 from meshplan.schedule import Block
-from meshplan.traced import FlatJaxpr, Lit
+from meshplan.traced import FlatJaxpr
 
 from .pipeline_split import CONCAT, LAST, StepSplit, dispatch_order
 from .pipeline_transport import concat
@@ -450,11 +450,11 @@ class StepRun:
 
     def _outputs(self, done: dict[int, Any]) -> list[Any]:
         outs = []
+        keys, make = self.ex.fixed
+        fixed = dict(zip(keys, make())) if keys else {}
         for k, x in enumerate(self.flat.outvars):
-            if isinstance(x, Lit):
-                outs.append(x.value)
-            elif x in self.ex.const_out:
-                outs.append(self.ex.const_out[x])
+            if k in fixed:
+                outs.append(fixed[k])
             elif x in self.leaf_of:
                 outs.append(self.given[x])
             else:

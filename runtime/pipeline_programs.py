@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import StalePlanError
 from meshplan.plan import Plan
-from meshplan.traced import FlatJaxpr, TracedStep
+from meshplan.traced import FlatJaxpr, Lit, TracedStep
 
 from .reads import read_layouts
 from .pipeline_partial import PartialSums, acc_sharding, partial_program
@@ -29,7 +29,7 @@ from .pipeline_split import StepSplit, Task
 from .shard import check_spec, make_evaluator, to_partition_spec
 
 __all__ = ("Program", "StageLayouts", "RunningSums", "build_programs", "donations",
-           "returned_leaves", "const_outputs", "closure_eqns",)
+           "returned_leaves", "fixed_outputs", "closure_eqns",)
 
 
 @dataclasses.dataclass
@@ -372,15 +372,21 @@ def _start(shape: tuple[int, ...], dtype: Any, extremum: str) -> Any:
     return jax.numpy.full(shape, info.min if extremum == "max" else info.max, dtype)
 
 
-def const_outputs(split: StepSplit, flat: FlatJaxpr) -> dict[int, Any]:
-    """The values of the step's outputs made from constants alone."""
-    out: dict[int, Any] = {}
-    for x in flat.outvars:
-        if isinstance(x, int) and x in split.const_eqn:
+def fixed_outputs(split: StepSplit, flat: FlatJaxpr) -> tuple[tuple[int, ...], Callable[[], Any]]:
+    """The positions among the step's outputs of those made from literals
+    and constants alone, and a jitted function making them: arrays of the
+    dtypes and weak types ``jax.jit`` returns, made anew each call (a caller
+    may donate them back, as a state's ``first_step=False``)."""
+    makers: dict[int, Callable[[], Any]] = {}
+    for k, x in enumerate(flat.outvars):
+        if isinstance(x, Lit):
+            makers[k] = lambda v=x.value: v
+        elif x in split.const_eqn:
             t = Task("K", 0, 0, [split.const_eqn[x]])
             sub = _sub(flat, closure_eqns(t, split, flat), (), (x,))
-            out[x] = make_evaluator(sub, {})()[0]
-    return out
+            makers[k] = lambda f=make_evaluator(sub, {}): f()[0]
+    keys = tuple(makers)
+    return keys, jax.jit(lambda: [makers[k]() for k in keys])
 
 
 # ---------------------------------------------------------------------------

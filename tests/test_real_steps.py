@@ -13,6 +13,7 @@ import pytest
 
 import meshplan
 from meshplan.dp_search import Session
+from _steps import assert_states_close, losses_match
 
 OPT = optax.sgd(0.1)
 
@@ -241,3 +242,66 @@ def test_python_scalar_arguments_stay_weakly_typed_as_under_jit(method):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert int(out[1]["n"]) == 5 and out[1]["n"].dtype == ref[1]["n"].dtype
+
+
+def _named_axis_step(state, batch):
+    # per-example code under vmap with an axis name, as equinox's BatchNorm
+    # writes it: the collectives over the named axis are reductions over
+    # the batch
+    def loss(w):
+        def one(x):
+            h = x @ w["a"]
+            h = jnp.tanh(h - jax.lax.pmean(h, "b"))
+            return jnp.sum((h @ w["b"]) ** 2)
+        return jax.vmap(one, axis_name="b")(batch).mean()
+    loss_value, g = jax.value_and_grad(loss)(state)
+    peak = jax.vmap(lambda x: jax.lax.pmax(jnp.abs(x).max(), "b"), axis_name="b")(batch)
+    return jax.tree.map(lambda p, d: p - 0.1 * d, state, g), {"loss": loss_value, "peak": peak}
+
+
+def test_collectives_over_a_vmapped_axis_are_planned_as_reductions():
+    # they reach the jaxpr as psum/pmax over positional axes: planned as
+    # unknown primitives (replicated, warned) until the trace took them for
+    # the reductions they are
+    ks = jax.random.split(jax.random.key(0), 3)
+    state = {"a": jax.random.normal(ks[0], (8, 16)), "b": jax.random.normal(ks[1], (16, 4))}
+    batch = jax.random.normal(ks[2], (16, 8))
+    from meshplan.trace import trace
+    graph = trace(_named_axis_step, state, batch)
+    prims = {n.primitive for n in graph.nodes}
+    assert {"reduce_sum", "reduce_max"} <= prims and not prims & {"psum", "pmax"}
+    assert not [w for w in graph.warnings if "unknown primitive" in w]
+    step = meshplan.parallelize(_named_axis_step, method=meshplan.ShardParallel())
+    got, want = losses_match(step, state, batch, _named_axis_step, steps=2)
+    assert_states_close(want, got)
+
+
+def _constant_state_step(state, batch):
+    # a flag cleared after the first step and a buffer reset to zeros: outputs
+    # made from literals and constants alone
+    def loss(w):
+        return jnp.mean((jnp.tanh(batch @ w["a"]) @ w["b"]) ** 2)
+    loss_value, g = jax.value_and_grad(loss)(state["w"])
+    w = jax.tree.map(lambda p, d: p - 0.1 * d, state["w"], g)
+    return {"w": w, "first": False, "zero": jnp.zeros(3), "n": state["n"] + 1}, \
+        {"loss": loss_value, "one": 1.0}
+
+
+def test_a_pipeline_returns_constant_outputs_as_jit_does_and_anew_each_call():
+    # a literal output came back as a Python bool (so the next call, given
+    # it, was refused as stale), and a constant one as one array shared by
+    # every call (donated back, the next call would return a deleted array)
+    ks = jax.random.split(jax.random.key(0), 3)
+    state = {"w": {"a": jax.random.normal(ks[0], (8, 16)), "b": jax.random.normal(ks[1], (16, 4))},
+             "first": jnp.asarray(True), "zero": jnp.ones(3), "n": jnp.asarray(0)}
+    batch = jax.random.normal(ks[2], (16, 8))
+    step = meshplan.parallelize(_constant_state_step, batch_argnums=(1,), donate_argnums=(0,),
+                                method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    want, got = state, jax.tree.map(jnp.copy, state)
+    for _ in range(3):
+        got, metrics = step(got, batch)
+        want, ref_metrics = jax.jit(_constant_state_step)(want, batch)
+    for a, b in zip(jax.tree.leaves((want, ref_metrics)), jax.tree.leaves((got, metrics))):
+        assert isinstance(b, jax.Array) and (b.dtype, b.weak_type) == (a.dtype, a.weak_type)
+    assert_states_close(want, got)
+    assert int(got["n"]) == 3 and not bool(got["first"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from jax import lax
 from jax.extend import core as jcore
 
 from ..traced import FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
@@ -31,6 +32,12 @@ INLINE_CALLS: dict[str, str] = {
 INLINE_CALLS = {k: v for k, v in INLINE_CALLS.items() if v is not None}
 REMAT_CALLS = frozenset({"remat2", "checkpoint", "remat"})
 COMPOSITES = frozenset({"scan", "while", "cond"})
+# a collective over positional axes (what ``vmap(..., axis_name=...)`` leaves
+# of ``lax.psum``/``pmean``/``pmax``/``pmin`` over the mapped axis, as in
+# equinox's BatchNorm) is a reduction over those axes: the stream holds the
+# reduction, which every pass has rules for and the runtime binds as such
+_POSITIONAL_COLLECTIVES = {"psum": (lax.reduce_sum_p, {"out_sharding": None}),
+                           "pmax": (lax.reduce_max_p, {}), "pmin": (lax.reduce_min_p, {})}
 
 
 def _closed_parts(j: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -79,11 +86,30 @@ class _Flattener:
                     r = self.read(inner_env, iv)
                     env[ov] = r if isinstance(r, int) else self.materialize(r)
                 continue
+            if _positional(eqn):
+                self.reduce(eqn, ins, env, remat, fence)
+                continue
             outs = tuple(self.fresh(v.aval) for v in eqn.outvars)
             for ov, i in zip(eqn.outvars, outs):
                 env[ov] = i
             self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack),
                                      fence))
+
+    def reduce(self, eqn: Any, ins: tuple[int | Lit, ...], env: dict[Any, int], remat: bool,
+               fence: int) -> None:
+        """A positional collective as one reduction per operand (over no
+        axes: the operand itself, as the transpose of a sum leaves it)."""
+        prim, extra = _POSITIONAL_COLLECTIVES[eqn.primitive.name]
+        axes = tuple(eqn.params["axes"])
+        for iv, ov, x in zip(eqn.invars, eqn.outvars, ins):
+            if not axes:
+                env[ov] = x if isinstance(x, int) else self.materialize(x)
+                continue
+            one = jcore.new_jaxpr_eqn([iv], [ov], prim, {"axes": axes, **extra}, eqn.effects,
+                                      eqn.source_info)
+            env[ov] = self.fresh(ov.aval)
+            self.eqns.append(FlatEqn(one, (x,), (env[ov],), remat,
+                                     str(eqn.source_info.name_stack), fence))
 
     def add_const(self, aval: Any, value: Any) -> int:
         i = self.fresh(aval)
@@ -94,6 +120,12 @@ class _Flattener:
     def materialize(self, lit: Lit) -> int:
         """A literal passed where a variable is expected becomes a constant."""
         return self.add_const(lit.aval, lit.value)
+
+
+def _positional(eqn: Any) -> bool:
+    return (eqn.primitive.name in _POSITIONAL_COLLECTIVES
+            and eqn.params.get("axis_index_groups") is None
+            and all(isinstance(a, int) for a in eqn.params.get("axes", ("?",))))
 
 
 def flatten(closed: Any) -> FlatJaxpr:
