@@ -222,7 +222,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
     assert "tensor<16x4xf32>" in program and "tensor<8x4xf32>" not in program
 
 
-@pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch"])
+@pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
+                                  "hardest", "running"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -240,13 +241,32 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
                      lambda p, b, loss: {"spread": jnp.max(_token_losses(p, b)) - loss})
         named, why = "spread", "of a maximum or minimum over the batch"
-    else:
+    elif case == "in-batch":
         # a contrastive loss: every example against the others of its batch
         def loss(p, b):
             u = p["emb"][b["tok"]].mean(1) @ p["w1"]
             logits = u @ (p["emb"][b["tgt"] % 32].mean(1) @ p["w1"]).T
             return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.diagonal(logits))
         step, named, why = _step(loss), "the gradients", "a product of two examples"
+    elif case == "two-views":
+        # the batch holds two views of each example, concatenated: a
+        # micro-batch pairs other examples (silently, before the rule)
+        def loss(p, b):
+            z = p["emb"][b["tok"]].mean(1) @ p["w1"]
+            z1, z2 = jnp.split(z, 2)
+            return jnp.mean((z1 - z2) ** 2) + jnp.mean(_token_losses(p, b))
+        step, named, why = _step(loss), "the gradients", "split along the batch axis"
+    elif case == "hardest":
+        # the hardest quarter of the batch: a micro-batch's own quarter
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            return jnp.mean(jax.lax.top_k(t, t.shape[0] // 4)[0])
+        step, named, why = _step(loss), "the gradients", "top_k along the batch axis"
+    elif case == "running":
+        # a running sum over the examples
+        step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                     lambda p, b, loss: {"last": jnp.cumsum(_token_losses(p, b).mean(1))[-3:]})
+        named, why = "last", "cumsum along the batch axis"
     gap, warned = _run(step)
     assert gap > 1e-4       # (what the warning is about)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned

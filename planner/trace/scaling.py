@@ -242,7 +242,63 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
     if name == "dot_general" and ins[0].kind == ins[1].kind == "P" and _across(eqn, eqn_full):
         return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
                               "similarity between examples): each micro-batch sees only its own")]
+    if any(i.kind == "P" for i in ins) and _moves(eqn, eqn_full):
+        return [Info("X", why=f"{name} along the batch axis (a sort, a running sum, a reversal "
+                              "or a cut of the batch pairs or orders examples): each micro-batch "
+                              "sees only its own") for _ in eqn.outvars]
     return [_rule(name, eqn.params, ins, p) for p in pe]
+
+
+_ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
+          "cummin": "axis", "cumlogsumexp": "axis", "top_k": "axis"}
+
+
+def _moves(eqn: Any, eqn_full: Any) -> bool:
+    """Whether an operation moves examples along a batch axis (one whose
+    size differs between the traces): sorts or accumulates along it,
+    reverses, cuts, pads or splits it, or reshapes it so that a dimension of
+    fixed size takes the batch index's major part (``x.reshape(2, B // 2)``,
+    two views of each example).  Each micro-batch would pair or order its
+    own examples only."""
+    name, p = eqn.primitive.name, eqn.params
+    shapes = [(_shape(v.aval), _shape(w.aval)) for v, w in zip(eqn.invars, eqn_full.invars)]
+    if not shapes or shapes[0][0] is None or shapes[0][1] is None:
+        return False
+    (a, b) = shapes[0]
+    axes = {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
+    if not axes:
+        return False
+    if name in _ALONG:
+        d = p.get(_ALONG[name], len(a) - 1)
+        return (d if d is not None and d >= 0 else len(a) - 1) in axes
+    if name == "rev":
+        return bool(axes & set(p["dimensions"]))
+    if name == "slice":
+        strides = p["strides"] or (1,) * len(a)
+        return any((p["start_indices"][d], p["limit_indices"][d], strides[d]) != (0, a[d], 1)
+                   for d in axes)
+    if name == "split":
+        return p["axis"] in axes and len(p["sizes"]) > 1
+    if name == "dynamic_slice":
+        return any(p["slice_sizes"][d] != a[d] for d in axes)
+    if name == "dynamic_update_slice":
+        return any(shapes[1][0][d] != a[d] for d in axes)
+    if name == "pad":
+        return any(tuple(p["padding_config"][d]) != (0, 0, 0) for d in axes)
+    if name == "concatenate":    # (a row of fixed size joined to the batch axis)
+        d = p["dimension"]
+        return d in axes and any(x is not None and x[d] == y[d] for x, y in shapes)
+    if name == "reshape":
+        out = (_shape(eqn.outvars[0].aval), _shape(eqn_full.outvars[0].aval))
+        return _major(a, b) < _major(*out)
+    return False
+
+
+def _major(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The elements major to the first axis whose size differs between a
+    value's two shapes (row-major order)."""
+    k = next((d for d, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return int(np.prod(a[:k], dtype=np.int64))
 
 
 def _across(eqn: Any, eqn_full: Any) -> bool:
