@@ -465,6 +465,15 @@ class StepRun:
                     outs.append(done[src])
                 else:
                     outs.append(self.tr.output(done.get(src), src, k))
+        # (one array returned as two outputs, as a metric that is also state:
+        # copied, as jax.jit returns distinct arrays, so that donating one
+        # deletes no other)
+        seen: set[int] = set()
+        for k, v in enumerate(outs):
+            if isinstance(v, jax.Array):
+                if id(v) in seen:
+                    outs[k] = jax.numpy.copy(v)
+                seen.add(id(v))
         return outs
 
 

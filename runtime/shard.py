@@ -223,6 +223,9 @@ class _Compiled:
     # (argnum, key path) of one leaf per donated argument: checked before each
     # fast call (jax 0.10.2 crashes the process on a jit call with a donated array)
     donated_probes: tuple[tuple[int, tuple[Any, ...]], ...] = ()
+    # flat indices of the leaves of donated arguments: none may be passed
+    # twice (jax 0.10.2 crashes the process donating a buffer twice)
+    donated_leaves: frozenset[int] = frozenset()
     # (argnum, key path, shape) of the first leaf of each batch argument: a
     # batch of another size misses the fast path without a jit re-trace
     shape_probes: tuple[tuple[int, tuple[Any, ...], tuple[int, ...]], ...] = ()
@@ -307,6 +310,9 @@ class ShardExecutable:
             except FastPathMiss:
                 pass
         entry = self._entry(args)
+        # (the caller's arrays: placing two aliases makes two arrays that may
+        # still share one device's buffer)
+        _check_aliases(entry, args)
         placed = self._place_all(entry, args)
         out = entry.jitted(*placed)
         self._last = entry
@@ -330,6 +336,7 @@ class ShardExecutable:
                 raise RuntimeStageError(
                     f"argument {argnum} of {getattr(self.fn, '__name__', 'the step')} was donated "
                     "to an earlier call and has been deleted; pass the state that call returned")
+        _check_aliases(entry, args)
         if self.multiprocess:
             args = self._assemble_batches(entry, args)
         else:
@@ -511,8 +518,12 @@ class ShardExecutable:
                 probes.append((a, tuple(path)))
             if a in self.plan.batch_argnums and hasattr(leaf, "shape"):
                 shapes.append((a, tuple(path), tuple(leaf.shape)))
+        sizes = [len(jax.tree_util.tree_leaves(a)) for a in args]
+        starts = np.cumsum([0] + sizes)
+        donated_leaves = frozenset(i for a in donated for i in range(starts[a], starts[a + 1]))
         return _Compiled(jitted, in_shardings, out_shardings, flat_in, in_treedef,
-                         tuple(batch_leaves), in_avals, tuple(probes), tuple(shapes))
+                         tuple(batch_leaves), in_avals, tuple(probes), donated_leaves,
+                         tuple(shapes))
 
 
 # ---------------------------------------------------------------------------
@@ -521,6 +532,27 @@ class ShardExecutable:
 
 def _signature(args: tuple[Any, ...]) -> Any:
     return signature(args, weak_types=True)
+
+
+def _check_aliases(entry: _Compiled, args: tuple[Any, ...]) -> None:
+    """Refuse, before anything runs, one array passed as a donated leaf and
+    as another leaf (optax's ``LookaheadParams.init_synced`` makes two)."""
+    if not entry.donated_leaves:
+        return
+    leaves = jax.tree_util.tree_leaves(args)
+    ids = [id(x) for x in leaves]
+    if len(set(ids)) == len(ids):
+        return
+    first: dict[int, int] = {}
+    for i, x in enumerate(leaves):
+        j = first.setdefault(ids[i], i) if isinstance(x, jax.Array) else i
+        if j != i and (i in entry.donated_leaves or j in entry.donated_leaves):
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+            where = [f"argument {paths[k][0].idx}{jax.tree_util.keystr(paths[k][1:])}"
+                     for k in (j, i)]
+            raise RuntimeStageError(f"{where[0]} and {where[1]} are the same array, and a "
+                                    "donated argument holds it; pass distinct arrays or do not "
+                                    "donate")
 
 
 def _follow(args: tuple[Any, ...], argnum: int, path: tuple[Any, ...]) -> Any:

@@ -111,3 +111,50 @@ def test_a_weight_two_stages_read_is_deleted_after_the_step_not_taken_over():
              if p < len(ex.split.tasks[k].inputs)}
     assert wte not in taken and taken      # the other leaves are taken over
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+
+
+def _lr_step(state, batch):
+    # the learning rate kept twice in the state and returned as a metric: one
+    # value, three outputs
+    def loss(w):
+        return jax.numpy.mean((jax.numpy.tanh(batch @ w["a"]) @ w["b"]) ** 2)
+    value, g = jax.value_and_grad(loss)(state["w"])
+    lr = state["lr"] * 0.5
+    w = jax.tree.map(lambda p, d: p - lr * d, state["w"], g)
+    return {"w": w, "lr": lr, "opt": {"lr": lr}}, {"loss": value, "lr": lr}
+
+
+def _lr_state():
+    ks = jax.random.split(jax.random.key(0), 3)
+    w = {"a": jax.random.normal(ks[0], (8, 16)), "b": jax.random.normal(ks[1], (16, 4))}
+    lr = jax.numpy.asarray(0.1)
+    return {"w": w, "lr": lr, "opt": {"lr": jax.numpy.copy(lr)}}, jax.random.normal(ks[2], (16, 8))
+
+
+PIPE = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+
+
+def test_one_value_returned_as_several_outputs_comes_back_as_distinct_arrays():
+    # the pipeline returned one array for all three: donated back, it deleted
+    # the previous step's metric, and the next call refused the state it was
+    # given as holding one array twice
+    state, batch = _lr_state()
+    step = meshplan.parallelize(_lr_step, method=PIPE, donate_argnums=(0,))
+    first, metrics = step(state, batch)
+    second, _ = step(first, batch)
+    third, _ = step(second, batch)
+    np.testing.assert_allclose([float(metrics["lr"]), float(third["opt"]["lr"])], [0.05, 0.0125])
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(), PIPE], ids=["one-stage", "pipeline"])
+def test_one_array_in_two_leaves_of_a_donated_argument_is_refused(method):
+    # as optax.LookaheadParams.init_synced makes: jax 0.10.2's jit crashed the
+    # process (segmentation fault) donating the buffer twice
+    state, batch = _lr_state()
+    state["opt"]["lr"] = state["lr"]
+    step = meshplan.parallelize(_lr_step, method=method, donate_argnums=(0,))
+    with pytest.raises(meshplan.MeshplanError, match=r"argument 0\['lr'\] and argument "
+                                                     r"0\['opt'\]\['lr'\] are the same array"):
+        step(state, batch)
+    state["opt"]["lr"] = jax.numpy.copy(state["lr"])
+    step(state, batch)
