@@ -87,6 +87,7 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
 
 # a mesh axis worth a note: this share of the operators' FLOPs runs unsplit over it
 REPLICATED_AXIS_SHARE = 0.5
+REPLICATED_NOTE = "replicated work: "
 
 
 def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
@@ -109,7 +110,7 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
         return None
     where = "; ".join(f"{share:.0%} of the operators' FLOPs run identically on each of the "
                       f"{size} devices of mesh axis {axis}" for axis, size, share in same)
-    return (f"replicated work: {where} (no layout that splits them was predicted faster); "
+    return (f"{REPLICATED_NOTE}{where} (no layout that splits them was predicted faster); "
             "a larger batch, or fewer devices, would put them to use")
 
 

@@ -23,7 +23,7 @@ from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
-from .one_stage import plan_one_stage
+from .one_stage import REPLICATED_NOTE, plan_one_stage
 from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph
 from .methods import Manual, Method
 from .plan import Plan
@@ -241,8 +241,10 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s:
-            # (the whole-graph ILP lays out every value itself: not as a hand plan)
-            searched = tuple(n for n in p.notes if n != HAND_MADE_NOTE)
+            # (the whole-graph ILP lays out every value itself: not as a hand
+            # plan, and on a mesh of its own)
+            searched = tuple(n for n in p.notes if n != HAND_MADE_NOTE
+                             and not n.startswith(REPLICATED_NOTE))
             return Planned(replace(s, notes=s.notes + searched + (ONE_STAGE_NOTE,),
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)

@@ -3,6 +3,8 @@ identically on every device of a mesh axis (no silent replication of work):
 the ILP may find that splitting a tiny step costs more in collectives than
 it saves, and the user should hear that the devices along that axis repeat
 each other's work."""
+import re
+
 import jax
 import jax.numpy as jnp
 
@@ -37,3 +39,34 @@ def test_a_step_too_small_to_split_says_which_axis_repeats_it():
 
 def test_a_data_parallel_plan_has_no_such_note():
     assert _notes(512, meshplan.ShardParallel(mesh_shape=(8,))) == []
+
+
+def test_auto_notes_only_the_axes_of_the_mesh_it_chose():
+    # Auto compares the searched plans (hand plans on data x model meshes
+    # among them) with the whole-graph plan; the note of a plan it passed
+    # over named a mesh axis ("model") the chosen plan (mesh x=8) lacks
+    import optax
+    tx = optax.adam(1e-2)
+    dims = [32, 64, 64, 64, 32]
+    p = {f"l{i}": {"w": jax.ShapeDtypeStruct((dims[i], dims[i + 1]), jnp.float32),
+                   "b": jax.ShapeDtypeStruct((dims[i + 1],), jnp.float32)} for i in range(4)}
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(4):
+            h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            h = jnp.tanh(h) if i < 3 else h
+        return jnp.mean((h - b["y"]) ** 2)
+
+    def step(s, b):
+        value, g = jax.value_and_grad(loss)(s["params"], b)
+        u, o = tx.update(g, s["opt"], s["params"])
+        return {"params": optax.apply_updates(s["params"], u), "opt": o}, {
+            "loss": value, "gnorm": optax.tree.norm(g)}
+    state = {"params": p, "opt": jax.eval_shape(tx.init, p)}
+    batch = {k: jax.ShapeDtypeStruct((16, 32), jnp.float32) for k in ("x", "y")}
+    plan = meshplan.plan(step, state, batch, method=meshplan.Auto(), batch_argnums=(1,),
+                         cluster=meshplan.Cluster.local())
+    axes = {a for s in plan.stages for a in s.logical_mesh.axes}
+    for note in (n for n in plan.notes if n.startswith("replicated work")):
+        assert set(re.findall(r"mesh axis (\w+)", note)) <= axes, (note, axes)
