@@ -222,6 +222,25 @@ def test_a_step_without_gradients_is_never_planned_with_micro_batches():
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
 
 
+def test_a_metric_run_on_the_batch_after_the_update_is_refused_with_the_reason():
+    # an EMA model's loss on the batch: the batch passes through the new
+    # state, which micro-batches cannot give before the update; the refusal
+    # told the user to use meshplan's gradient markers, which did not help
+    def loss(w, batch):
+        return jnp.mean((jnp.tanh(batch["x"] @ w) - batch["y"]) ** 2)
+
+    def step_fn(state, batch):
+        g = jax.grad(loss)(state["w"], batch)
+        w = state["w"] - 0.1 * g
+        ema = 0.9 * state["ema"] + 0.1 * w
+        return {"w": w, "ema": ema}, {"ema_loss": loss(ema, batch)}
+    state = {"w": jnp.ones((16, 4)), "ema": jnp.ones((16, 4))}
+    with pytest.raises(meshplan.InfeasiblePlanError,
+                       match=r"the output \[1\]\['ema_loss'\] runs the batch through the new state"):
+        meshplan.plan(step_fn, state, BATCH, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
 def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
     # the equinox way: one key per example (jax.random.split(key, batch
     # size)) and a vmapped draw; the per-example keys are split at the full

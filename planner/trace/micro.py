@@ -119,6 +119,13 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
         flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
         if not any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns):
             # (the runtime's split would refuse it: never plan it)
+            after = _metric_after_update(flat, graph, batch)
+            if after is not None:
+                raise TraceError(
+                    f"running more than one micro-batch needs the update to come after every "
+                    f"pass over the batch, and the output {after} runs the batch through the "
+                    "new state (a loss after the update, an EMA model's loss); compute it before "
+                    "the update, or plan with num_micro_batches=1")
             raise TraceError(
                 "running more than one micro-batch needs to know where the gradients end, and "
                 "no reduction over the batch that the new state is computed from was found in "
@@ -128,6 +135,31 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     draws = _draws(flat, per_example, full, batch)
     return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
             scaled)
+
+
+def _metric_after_update(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> str | None:
+    """The path of an output that is no new state but is computed from the
+    batch and from a new state's value, else None."""
+    producer = {o: fe for fe in flat.eqns for o in fe.outvars}
+    state = {o.tensor for o in graph.outputs if o.updates is not None} - set(flat.invars)
+
+    def ancestors(x: int) -> set[int]:
+        seen, todo = set(), [x]
+        while todo:
+            y = todo.pop()
+            if y in seen:
+                continue
+            seen.add(y)
+            fe = producer.get(y)
+            if fe is not None:
+                todo.extend(v for v in fe.invars if isinstance(v, int))
+        return seen
+    for o in graph.outputs:
+        if o.updates is None and isinstance(o.tensor, int):
+            up = ancestors(o.tensor)
+            if up & batch and (up - {o.tensor}) & state:
+                return o.path or "a metric"
+    return None
 
 
 def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
