@@ -265,7 +265,8 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
             split.degree[x] = info.degree
         elif how == MEAN and info.kind == "M" and split.producer[x][0] == "F":
             split.extremum[x] = info.extremum
-        elif not (how == CONCAT and info.kind in "PN" and info.degree == 0) \
+        elif not (how == CONCAT and info.kind in "PN" and info.degree == 0
+                  and not info.folded) \
                 and not (how == MEAN and info.kind == "N"):
             split.inexact[x] = "a value that scales with the micro-batch size"
     for k, fe in enumerate(flat.eqns):

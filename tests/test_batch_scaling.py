@@ -223,7 +223,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
-                                  "hardest", "running"])
+                                  "two-views-reshaped", "hardest", "running"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -256,6 +256,14 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z1, z2 = jnp.split(z, 2)
             return jnp.mean((z1 - z2) ** 2) + jnp.mean(_token_losses(p, b))
         step, named, why = _step(loss), "the gradients", "split along the batch axis"
+    elif case == "two-views-reshaped":
+        # the same pairing by a reshape: a dimension of 2 takes the batch
+        # index's major part
+        def loss(p, b):
+            z = p["emb"][b["tok"]].mean(1) @ p["w1"]
+            z = z.reshape(2, z.shape[0] // 2, -1)
+            return jnp.mean((z[0] - z[1]) ** 2) + jnp.mean(_token_losses(p, b))
+        step, named, why = _step(loss), "the gradients", "reshape along the batch axis"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):
@@ -271,6 +279,20 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     assert gap > 1e-4       # (what the warning is about)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
     assert "num_micro_batches=1" in warned[0]
+
+
+def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
+    # the batch reshaped into chunks a lax.scan runs one after another: the
+    # chunks' dimension holds the batch index's major part, which only the
+    # scan's iteration reads (a reshape so folded is otherwise warned of)
+    def loss(p, b):
+        chunks = jax.tree.map(lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), b)
+
+        def body(total, chunk):
+            return total + jnp.sum(_token_losses(p, chunk)), None
+        return jax.lax.scan(body, jnp.zeros(()), chunks)[0] / b["tok"].size
+    gap, warned = _run(_step(loss))
+    assert not warned and gap < 1e-5
 
 
 def test_each_value_gets_its_kind_and_degree():

@@ -45,7 +45,7 @@ the whole batch's form of the equations that compute them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -67,6 +67,10 @@ class Info:
     zero: bool = False             # known to be zero (any degree)
     why: str = ""                  # X: the first cause
     extremum: str = ""             # M: "max" or "min"
+    # P: a reshape gave the batch index's major part to a dimension of fixed
+    # size (a step's own accumulation chunks, ``x.reshape(k, B // k, ...)``):
+    # exact only where a lax.scan iterates over that dimension
+    folded: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,13 +246,23 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
     if name == "dot_general" and ins[0].kind == ins[1].kind == "P" and _across(eqn, eqn_full):
         return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
                               "similarity between examples): each micro-batch sees only its own")]
+    if any(i.folded for i in ins):
+        if name in _KEEP_VALUE and len(ins) == 1:
+            return [ins[0] for _ in eqn.outvars]
+        return [Info("X", why=_FOLDED) for _ in eqn.outvars]
     if any(i.kind == "P" for i in ins) and _moves(eqn, eqn_full):
+        if name == "reshape":
+            return [replace(i, folded=True) for i in
+                    (_rule(name, eqn.params, ins, p) for p in pe)]
         return [Info("X", why=f"{name} along the batch axis (a sort, a running sum, a reversal "
                               "or a cut of the batch pairs or orders examples): each micro-batch "
                               "sees only its own") for _ in eqn.outvars]
     return [_rule(name, eqn.params, ins, p) for p in pe]
 
 
+_FOLDED = ("reshape along the batch axis (a dimension of fixed size holds the batch index's "
+           "major part: two views of each example, chunks read other than by a lax.scan over "
+           "them): each micro-batch pairs its own examples")
 _ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
           "cummin": "axis", "cumlogsumexp": "axis", "top_k": "axis"}
 
@@ -339,6 +353,10 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
 
 def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    if any(i.folded for i in ins[:nc + nk]):
+        return [Info("X", why=_FOLDED) for _ in eqn.outvars]
+    # (iterating over a folded dimension: each step reads a chunk of examples)
+    ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in ins[nc + nk:])]
     carry = list(ins[nc:nc + nk])
     for _ in range(4):      # (a fixed point of the carries' infos)
         outs = _jaxpr(eqn.params["jaxpr"], eqn_full.params["jaxpr"],
@@ -369,6 +387,8 @@ def _join(a: Info, b: Info) -> Info:
         return a
     if a.zero:
         return b
+    if a.folded or b.folded:
+        return Info("X", why=_FOLDED)
     if "X" in (a.kind, b.kind):
         return a if a.kind == "X" else b
     kind = a.kind if b.kind == "N" else b.kind if a.kind == "N" else a.kind
