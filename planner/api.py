@@ -6,12 +6,14 @@ This module sits on top of every pass: it plans through
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
 from .errors import MeshplanError, StalePlanError
 from .graph import Graph, batch_shaped_draws
@@ -40,6 +42,7 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     ``explain``: also plan the alternatives (data parallel, ZeRO-3,
     intra-operator only, other numbers of stages, a Megatron-style grid) and
     keep them in the plan: ``plan.explain()`` prints them."""
+    cluster, method = _cluster(cluster), _method(method)
     session = session or Session.from_env()
     traced = trace_function(fn, _abstract(args), _argnums(batch_argnums),
                             getattr(fn, "__name__", "fn"), session)
@@ -72,6 +75,28 @@ def _argnums(batch_argnums: Any) -> tuple[int, ...]:
         raise MeshplanError(f"{e}; e.g. batch_argnums=1 or (1,)") from None
 
 
+def _cluster(cluster: Any) -> ClusterSpec | None:
+    """``cluster=``: a ClusterSpec, the path of a cluster JSON, or its dict."""
+    if cluster is None or isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return load_cluster(cluster)
+    if isinstance(cluster, dict):
+        return ClusterSpec.from_dict(cluster)
+    raise MeshplanError(f"cluster= takes a meshplan.Cluster, the path of a cluster JSON file or "
+                        f"its dict, not {type(cluster).__name__}")
+
+
+def _method(method: Any) -> Method | None:
+    if method is None or isinstance(method, Method):
+        return method
+    if isinstance(method, type) and issubclass(method, Method):
+        raise MeshplanError(f"method= takes a method object: meshplan.{method.__name__}(), not "
+                            f"the class meshplan.{method.__name__}")
+    raise MeshplanError(f"method= takes a meshplan method (ShardParallel(), Auto(), Manual(...) "
+                        f"...), not {type(method).__name__}")
+
+
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
         return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
@@ -90,8 +115,8 @@ class Parallelized:
                  session: Session | None = None):
         self.fn = fn
         self.session = session
-        self.cluster = cluster
-        self.method = method or ShardParallel()
+        self.cluster = _cluster(cluster)
+        self.method = _method(method) or ShardParallel()
         self.batch_argnums = _argnums(batch_argnums) if plan is None else tuple(plan.batch_argnums)
         self.donate_argnums = donate_argnums
         self._given_plan = plan
@@ -171,7 +196,8 @@ class Parallelized:
         if unstacked is not None:
             # arguments already in per-layer form (split_layers) run as they are
             self._cache[_signature(abstract)] = (p, executable)
-            executable = (_rolled(self.fn, p, traced, _abstract(args), self._donate(graph))
+            executable = (_rolled(self.fn, p, traced, _abstract(args),
+                                  self._donate(graph, len(args)))
                           or _Unstacking(executable, unstacked, jax.tree.structure(tuple(args))))
         self._cache[sig] = (p, executable)
         self._last = p
@@ -200,24 +226,61 @@ class Parallelized:
                                       fused=fused_replay(run, p.schedule,
                                                          _layer_of_node(p, run)),
                                       layer_of_node=_layer_of_node(p, run),
-                                      donate_argnums=self._donate(graph))
+                                      donate_argnums=self._donate(graph, len(abstract)))
         # (one stage: the planner's own trace, which the plan's tensor ids name)
         return ShardExecutable(step, p, abstract, traced=traced.run,
                                retrace=functools.partial(trace_for_run, step,
                                                          batch_argnums=batch_argnums),
-                               donate_argnums=self._donate(graph), replay=_replay(p, graph))
+                               donate_argnums=self._donate(graph, len(abstract)),
+                               replay=_replay(p, graph))
 
-    def _donate(self, graph: Graph) -> tuple[int, ...]:
+    def _donate(self, graph: Graph, nargs: int) -> tuple[int, ...]:
         if self.donate_argnums == "auto":
             updated = {graph.inputs[o.updates].argnum for o in graph.outputs if o.updates is not None}
             return tuple(sorted(a for a in updated if a not in graph.batch_argnums))
         if self.donate_argnums is None:
             return ()
-        if isinstance(self.donate_argnums, int):
-            return (self.donate_argnums,)
-        return tuple(self.donate_argnums)
+        d = self.donate_argnums
+        donated = (d,) if isinstance(d, int) and not isinstance(d, bool) else \
+            tuple(d) if isinstance(d, (tuple, list)) else None
+        if donated is None or not all(isinstance(a, int) and not isinstance(a, bool)
+                                      for a in donated):
+            raise MeshplanError(f"donate_argnums={d!r}: give an int, a sequence of ints or "
+                                "\"auto\", as jax.jit takes")
+        if any(not 0 <= a < nargs for a in donated):
+            raise MeshplanError(f"donate_argnums={d!r} names an argument the step is not given: "
+                                f"it was called with {nargs} positional argument(s)")
+        return donated
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = self._positional(args, kwargs)
+        try:
+            return self._call(args)
+        except _TRACED_ERRORS:
+            if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+                raise
+            raise MeshplanError(
+                "a parallelized step runs its own compiled programs on arrays: it cannot be "
+                "traced by jax.jit, jax.vmap, jax.eval_shape or (a pipeline plan) jax.grad; call "
+                "it outside them, or apply the transformation to the plain step and "
+                "parallelize that") from None
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """Keyword arguments bound to the step's positions (as jax.jit
+        accepts them); a keyword-only argument has no position to plan."""
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise MeshplanError(f"{getattr(self.fn, '__name__', 'the step')}: {e}") from None
+        if bound.kwargs:
+            raise MeshplanError(
+                f"{getattr(self.fn, '__name__', 'the step')} takes {sorted(bound.kwargs)} by "
+                "keyword only; meshplan plans positional arguments: give the step them by "
+                "position (functools.partial for fixed ones)")
+        return tuple(bound.args)
+
+    def _call(self, args: tuple[Any, ...]) -> Any:
         # [fast path] straight to the program of the last call; jit's own
         # dispatch checks the arguments, FastPathMiss says they do not fit
         fast = self._fast
@@ -253,6 +316,10 @@ class Parallelized:
     def __repr__(self) -> str:
         return f"meshplan.parallelize({getattr(self.fn, '__name__', self.fn)}, method={self.method})"
 
+
+# what jax raises where a tracer reaches the runtime's checks of concrete arrays
+_TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                  jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
 
 # a rolled scan may communicate this much more than the plan predicts (and 64 KiB)
 ROLLED_COMM_SLACK = 1.1

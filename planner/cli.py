@@ -257,6 +257,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from . import planning
     if args.emit_out and not args.emit:
         raise ModelConfigError("--emit-out names the file for --emit python; add --emit python")
+    for flag, path in (("--json", args.json), ("--timeline", args.timeline),
+                       ("--emit-out", args.emit_out)):
+        if path:    # (before minutes of planning, not after)
+            _check_out(path, flag)
+    if args.timeline and os.path.splitext(args.timeline)[1].lower() not in _IMAGES:
+        raise MeshplanError(f"--timeline {args.timeline}: name an image file ending in one of "
+                            f"{', '.join(sorted(_IMAGES))}")
     target = load_target(args)
     cluster = _cluster(args.cluster)
     method = _method(args)
@@ -348,13 +355,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .tools.calibrate import Options, calibrate
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if os.path.isdir(args.out):
-        raise MeshplanError(f"--out {args.out} is a directory; give a file name such as "
-                            f"{os.path.join(args.out, 'cluster.json')}")
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        raise MeshplanError(f"cannot write {args.out}: folder {out_dir} does not exist or is "
-                            "not writable")
+    _check_out(args.out, "--out", "cluster.json")
     result = calibrate(name=args.name, options=Options.quick() if args.quick else Options(),
                        reporter=args.session.progress)
     _write_text(args.out, result.cluster.to_json() + "\n")
@@ -363,6 +364,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0
+
+
+# the image formats a timeline may be drawn in (matplotlib's common ones)
+_IMAGES = frozenset({".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff",
+                     ".webp"})
+
+
+def _check_out(path: str, flag: str, example: str = "out.json") -> None:
+    """Refuse an output file that cannot be written, before the work."""
+    if os.path.isdir(path):
+        raise MeshplanError(f"{flag} {path} is a directory; give a file name such as "
+                            f"{os.path.join(path, example)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise MeshplanError(f"cannot write {path}: folder {folder} does not exist or is not "
+                            "writable")
 
 
 def _write_text(path: str, text: str) -> None:

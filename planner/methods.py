@@ -37,6 +37,24 @@ SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
 REMAT_NAMES = {"none": False, "full": True, "selective": "selective"}
 
 
+def _check_mesh(m: Any) -> None:
+    """``mesh_shape``: positive ints; ``axis_names``: as many distinct names."""
+    shape, names = m.mesh_shape, m.axis_names
+    if shape is not None and (not isinstance(shape, (tuple, list)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
+        raise MeshplanError(f"{type(m).__name__}(mesh_shape={shape!r}): give a tuple of positive "
+                            "ints, e.g. (2, 4)")
+    if names is None:
+        return
+    if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names) \
+            or len(set(names)) != len(names):
+        raise MeshplanError(f"{type(m).__name__}(axis_names={names!r}): give a tuple of distinct "
+                            "names, e.g. ('data', 'model')")
+    if shape is None or len(shape) != len(names):
+        raise MeshplanError(f"{type(m).__name__}(axis_names={names!r}) names "
+                            f"{len(names)} mesh axes; give mesh_shape with as many")
+
+
 @dataclass(frozen=True)
 class ShardParallel:
     """One stage; the ILP chooses every sharding.  ``mesh_shape`` fixes the
@@ -62,6 +80,7 @@ class ShardParallel:
 
     def __post_init__(self) -> None:
         _check_fraction(self)
+        _check_mesh(self)
         r = self.remat
         _check_remat(self, (True, False, "selective", "auto"),
                      "'none', 'selective', 'full', 'auto', True or False")
@@ -232,6 +251,9 @@ def _controls(method: Any) -> None:
     """Check and normalise the search controls of ``method`` (a frozen data
     class: normalised values are set in place, as ``__post_init__`` may)."""
     name = type(method).__name__
+    st = getattr(method, "stages", "auto")
+    if st != "auto" and not (isinstance(st, int) and not isinstance(st, bool) and st >= 1):
+        raise MeshplanError(f"{name}(stages={st!r}): use 'auto' (searched) or a positive integer")
     mb = method.num_micro_batches
     if mb is not None:
         counts = (mb,) if isinstance(mb, int) and not isinstance(mb, bool) else tuple(mb) \

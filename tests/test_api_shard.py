@@ -1,5 +1,6 @@
 """meshplan.parallelize with one-stage plans: numerics against the plain step,
 saved plans, stale plans, re-planning, lowering, odd shapes."""
+import functools
 import json
 
 import jax
@@ -197,3 +198,58 @@ def test_random_mlps_plan_run_and_match(hidden, layers, batch, mesh):
                                       in_dim=hidden + 4, out_dim=6)
     assert_losses(losses)
     assert_elementwise(par, ref)
+
+
+def _small_step(state, batch, scale=1.0):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((jnp.tanh(batch @ w) * scale) ** 2))(state)
+    return state - 0.1 * g, {"loss": loss}
+
+
+SMALL = (jnp.ones((8, 4)) * 0.1, jnp.linspace(-1, 1, 16 * 8).reshape(16, 8))
+
+
+def test_the_step_takes_keyword_arguments_as_jax_jit_does():
+    step = meshplan.parallelize(_small_step, cluster=local())
+    by_name = step(SMALL[0], batch=SMALL[1], scale=0.5)
+    by_place = step(*SMALL, 0.5)
+    assert float(by_name[1]["loss"]) == float(by_place[1]["loss"])
+
+
+def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
+    path = tmp_path / "local.json"
+    path.write_text(local().to_json())
+    for cluster in (str(path), path, json.loads(local().to_json())):
+        p = meshplan.plan(_small_step, *SMALL, cluster=cluster)
+        assert p.cluster == local()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method=meshplan.Auto), r"meshplan.Auto\(\), not the class"),
+    (dict(cluster=8), "cluster= takes"),
+    (dict(donate_argnums=(5,)), r"donate_argnums=\(5,\) names an argument"),
+    (dict(donate_argnums="state"), "give an int, a sequence of ints"),
+])
+def test_bad_arguments_are_one_clear_error(kwargs, match):
+    with pytest.raises(meshplan.MeshplanError, match=match):
+        meshplan.parallelize(_small_step, **kwargs)(*SMALL)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: meshplan.ShardParallel(mesh_shape=8), "give a tuple of positive ints"),
+    (lambda: meshplan.ShardParallel(mesh_shape=(2, 4), axis_names=("a", "a")), "distinct"),
+    (lambda: meshplan.ShardParallel(mesh_shape=(2, 4), axis_names=("a",)), "names 1 mesh axes"),
+    (lambda: meshplan.PipeshardParallel(stages="three"), "use 'auto'"),
+])
+def test_bad_method_values_are_refused_where_they_are_written(make, match):
+    # (a repeated axis name was planned, then crashed XLA's partitioner)
+    with pytest.raises(meshplan.MeshplanError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("transform", [jax.jit, jax.vmap, lambda f: functools.partial(
+    jax.eval_shape, f)], ids=["jit", "vmap", "eval_shape"])
+def test_a_parallelized_step_under_a_jax_transformation_says_what_to_do(transform):
+    step = meshplan.parallelize(_small_step, cluster=local())
+    args = SMALL if transform is not jax.vmap else tuple(x[None] for x in SMALL)
+    with pytest.raises(meshplan.MeshplanError, match="cannot be traced by jax.jit"):
+        transform(step)(*args)
