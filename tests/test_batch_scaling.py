@@ -223,7 +223,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
-                                  "two-views-reshaped", "hardest", "running"])
+                                  "two-views-reshaped", "hardest", "running", "loop-count"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -264,6 +264,15 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z = z.reshape(2, z.shape[0] // 2, -1)
             return jnp.mean((z[0] - z[1]) ** 2) + jnp.mean(_token_losses(p, b))
         step, named, why = _step(loss), "the gradients", "reshape along the batch axis"
+    elif case == "loop-count":
+        # a loop run a number of times taken from the batch size: fewer
+        # times per micro-batch (silently, before the rule)
+        def loss(p, b):
+            h = p["emb"][b["tok"]]
+            h = jax.lax.fori_loop(0, b["tok"].shape[0] // 8, lambda i, h: jnp.tanh(h @ p["w1"])
+                                  @ p["w2"], h)
+            return jnp.mean(h ** 2)
+        step, named, why = _step(loss), "the gradients", "number of steps depends on the batch"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):

@@ -353,6 +353,13 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
 
 def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    if eqn.params["length"] != eqn_full.params["length"] and not any(
+            _shape(v.aval)[:1] != _shape(w.aval)[:1]
+            for v, w in zip(eqn.invars[nc + nk:], eqn_full.invars[nc + nk:])):
+        # (a loop run batch-size-dependent times over no batch axis: a
+        # fori_loop to B // 8 runs fewer times per micro-batch)
+        return [Info("X", why="a loop whose number of steps depends on the batch size")
+                for _ in eqn.outvars]
     if any(i.folded for i in ins[:nc + nk]):
         return [Info("X", why=_FOLDED) for _ in eqn.outvars]
     # (iterating over a folded dimension: each step reads a chunk of examples)
