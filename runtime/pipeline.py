@@ -117,6 +117,17 @@ __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "s
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
+def _no_context_mesh() -> None:
+    """Refuse to build or run inside ``with jax.set_mesh(...)``: jit refuses a
+    stage's submesh beside the context mesh, inside its shard_map too, and
+    programs built there keep it (``jax.set_mesh(None)`` around the run did
+    not clear it)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        raise RuntimeStageError(
+            "a pipeline plan runs each stage on a submesh of its own, and this call is inside "
+            "`with jax.set_mesh(...)` (or use_mesh); call the parallelized step outside it")
+
+
 def _quick_key(leaf: Any) -> Any:
     """What jit's dispatch would tell apart about ``leaf``, cheaply: its
     type, shape, dtype and weak type (a cache key in front of the full
@@ -189,6 +200,7 @@ class PipelineExecutable:
                  timeline: bool = True, donate_argnums: Sequence[int] = (),
                  retrace: Callable[[int], TracedStep] | None = None,
                  fused: frozenset[int] = frozenset()) -> None:
+        _no_context_mesh()
         if len(plan.stages) < 2 and plan.num_micro_batches < 2:
             raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
                                     "micro-batches; use ShardExecutable for one program")
@@ -336,6 +348,7 @@ class PipelineExecutable:
     def _run(self, args: tuple[Any, ...], leaves: list[Any] | None = None) -> Any:
         if leaves is None:
             leaves = jax.tree_util.tree_leaves(args)
+        _no_context_mesh()
         run = StepRun(self, leaves)
         outs = run.run()
         self.last_stats = run.stats()

@@ -30,6 +30,7 @@ import functools
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, AbstractSet, Any, Sequence
 
@@ -497,8 +498,13 @@ class Watcher:
         self._cv = threading.Condition()
         self._put = 0
         self._seen = 0
-        t = threading.Thread(target=self._loop, daemon=True, name="meshplan-pipeline-watch")
+        self.thread = t = threading.Thread(target=self._loop, daemon=True,
+                                           name="meshplan-pipeline-watch")
         t.start()
+        # (ended before the interpreter exits: a daemon thread killed inside
+        # block_until_ready aborted the process, "terminate called after
+        # throwing an instance of ''", after the user's work was done)
+        self.end = weakref.finalize(self, _end_watch, self._q, t)
 
     def put(self, step: int, event: int, arrays: list[Any]) -> None:
         self._put += 1
@@ -509,7 +515,10 @@ class Watcher:
 
     def _loop(self) -> None:
         while True:
-            step, event, arrays = self._q.get()
+            item = self._q.get()
+            if item is None:
+                return
+            step, event, arrays = item
             try:
                 jax.block_until_ready(arrays)
             except Exception:       # the error is the caller's to see, not the watcher's
@@ -528,6 +537,11 @@ class Watcher:
         with self._cv:
             self._cv.wait_for(lambda: self._seen >= upto, timeout=120)
             return dict(self._done.get(step, {}))
+
+
+def _end_watch(q: queue.Queue, thread: threading.Thread) -> None:
+    q.put(None)
+    thread.join(timeout=30)
 
 
 def timeline_blocks(events: Sequence[tuple], t_step: float, ends: dict[int, float],

@@ -158,3 +158,27 @@ def test_one_array_in_two_leaves_of_a_donated_argument_is_refused(method):
         step(state, batch)
     state["opt"]["lr"] = jax.numpy.copy(state["lr"])
     step(state, batch)
+
+
+def test_the_pipeline_watchers_end_before_the_interpreter_exits():
+    # a daemon thread killed inside block_until_ready at exit aborted the
+    # process (exit status 134) after a successful run, about one in three
+    from meshplan.runtime.pipeline_driver import Watcher
+    w = Watcher()
+    w.put(0, 0, [jax.numpy.ones(4) * 2])
+    assert w.wait(0, 1) and w.thread.is_alive()
+    assert w.end.atexit      # (run by the interpreter's exit, before daemon threads die)
+    w.end()
+    assert not w.thread.is_alive()
+
+
+def test_a_pipeline_called_under_a_context_mesh_says_what_to_do():
+    # jit refused each stage's submesh beside the context mesh: a raw
+    # ValueError from inside the driver
+    state, batch = _lr_state()
+    step = meshplan.parallelize(_lr_step, method=PIPE)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    with jax.set_mesh(mesh):
+        with pytest.raises(meshplan.MeshplanError, match=r"outside it"):
+            step(state, batch)
+    step(state, batch)
