@@ -99,7 +99,7 @@ from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.plan import Plan
 from meshplan.recompute import SELECTIVE, selective_nodes
 from meshplan.schedule import Block, schedule_order
-from meshplan.traced import TracedStep
+from meshplan.traced import FlatJaxpr, TracedStep
 
 from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
@@ -126,6 +126,21 @@ def _no_context_mesh() -> None:
         raise RuntimeStageError(
             "a pipeline plan runs each stage on a submesh of its own, and this call is inside "
             "`with jax.set_mesh(...)` (or use_mesh); call the parallelized step outside it")
+
+
+def _no_user_mesh(flat: FlatJaxpr) -> None:
+    """Refuse a step that constrains a value to a sharding on a mesh of its
+    own (``with_sharding_constraint(x, NamedSharding(mesh, ...))``): a stage
+    program runs on its submesh, which jit refuses beside that mesh."""
+    for fe in flat.eqns:
+        sharding = fe.eqn.params.get("sharding") if fe.eqn.primitive.name == \
+            "sharding_constraint" else None
+        mesh = getattr(sharding, "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+            raise RuntimeStageError(
+                f"the step constrains a value to {sharding} (with_sharding_constraint), a mesh "
+                f"of {mesh.size} devices of its own, and a pipeline plan runs each stage on a "
+                "submesh; drop the constraint (the plan lays out every value) or plan one stage")
 
 
 def _quick_key(leaf: Any) -> Any:
@@ -216,6 +231,7 @@ class PipelineExecutable:
         if traced.micro_batches != plan.num_micro_batches:
             raise MeshplanError(f"the step was traced for {traced.micro_batches} micro-batches but "
                                 f"the plan runs {plan.num_micro_batches}")
+        _no_user_mesh(traced.flat)
         self.fn = fn
         self.plan = plan
         self.traced = traced

@@ -182,3 +182,17 @@ def test_a_pipeline_called_under_a_context_mesh_says_what_to_do():
         with pytest.raises(meshplan.MeshplanError, match=r"outside it"):
             step(state, batch)
     step(state, batch)
+
+
+def test_a_constraint_to_the_users_own_mesh_is_refused_by_a_pipeline_with_the_reason():
+    # (each stage's program failed at its first run with jit's "incompatible
+    # devices", wrapped)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+
+    def step_fn(state, batch):
+        batch = jax.lax.with_sharding_constraint(
+            batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        return _lr_step(state, batch)
+    state, batch = _lr_state()
+    with pytest.raises(meshplan.MeshplanError, match="drop the constraint"):
+        meshplan.parallelize(step_fn, method=PIPE)(state, batch)
