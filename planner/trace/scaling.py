@@ -296,7 +296,7 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
     if name == "dynamic_slice":
         return any(p["slice_sizes"][d] != a[d] for d in axes)
     if name == "dynamic_update_slice":
-        return any(shapes[1][0][d] != a[d] for d in axes)
+        return any((shapes[1][0] or a)[d] != a[d] for d in axes)
     if name == "pad":
         return any(tuple(p["padding_config"][d]) != (0, 0, 0) for d in axes)
     if name == "concatenate":    # (a row of fixed size joined to the batch axis)
@@ -354,7 +354,7 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
 def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
     if eqn.params["length"] != eqn_full.params["length"] and not any(
-            _shape(v.aval)[:1] != _shape(w.aval)[:1]
+            (_shape(v.aval) or ())[:1] != (_shape(w.aval) or ())[:1]
             for v, w in zip(eqn.invars[nc + nk:], eqn_full.invars[nc + nk:])):
         # (a loop run batch-size-dependent times over no batch axis: a
         # fori_loop to B // 8 runs fewer times per micro-batch)
