@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_args(pr)
     pr.add_argument("--plan", help="run this saved plan instead of planning")
     pr.add_argument("--steps", type=_positive(int), default=3)
-    pr.add_argument("--tolerance", type=float, default=1e-3,
+    pr.add_argument("--tolerance", type=_positive(float), default=1e-3,
                     help="largest accepted per-tensor relative error of the new state")
     pr.set_defaults(func=cmd_run)
 

@@ -210,7 +210,18 @@ class Manual:
                            offload=self.offload)
 
 
+def _check_solver(method: Any) -> None:
+    """``backend``: an ILP back end meshplan has; ``time_limit``: seconds > 0."""
+    b, t = method.backend, method.time_limit
+    if not isinstance(b, str) or b.lower() not in ("highs", "cbc"):
+        raise MeshplanError(f"{type(method).__name__}(backend={b!r}): use 'highs' or 'cbc'")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise MeshplanError(f"{type(method).__name__}(time_limit={t!r}): give the ILP's limit "
+                            "in seconds, more than 0")
+
+
 def _check_fraction(method: Any) -> None:
+    _check_solver(method)
     f = method.memory_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
         raise MeshplanError(f"{type(method).__name__}(memory_fraction={f!r}): use a fraction "

@@ -239,6 +239,8 @@ def test_bad_arguments_are_one_clear_error(kwargs, match):
     (lambda: meshplan.ShardParallel(mesh_shape=(2, 4), axis_names=("a", "a")), "distinct"),
     (lambda: meshplan.ShardParallel(mesh_shape=(2, 4), axis_names=("a",)), "names 1 mesh axes"),
     (lambda: meshplan.PipeshardParallel(stages="three"), "use 'auto'"),
+    (lambda: meshplan.ShardParallel(backend="gurobi"), "use 'highs' or 'cbc'"),
+    (lambda: meshplan.Auto(time_limit=0), "more than 0"),
 ])
 def test_bad_method_values_are_refused_where_they_are_written(make, match):
     # (a repeated axis name was planned, then crashed XLA's partitioner)

@@ -200,6 +200,7 @@ def _files(tmp_path):
     (["run", "--model", "mlp", "--plan", "{tmp}/oldformat.plan"], "meshplan.plan/0"),
     (["run", "--fn", "cli_usermod:make"], "--model"),
     (["run", "--model", "mlp", "--steps", "0"], "--steps"),
+    (["run", "--model", "mlp", "--tolerance", "-1"], "--tolerance"),
     (["calibrate", "--out", "{tmp}/no/such/dir/c.json"], "c.json"),
     (["calibrate", "--out", "{tmp}"], "directory"),
     (["calibrate"], "--out"),
