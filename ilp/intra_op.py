@@ -19,6 +19,7 @@ from ..cost_model.torus import torus_orders
 from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput, Tensor
 from ..plan import LogicalMesh
+from ..units import human_bytes
 from .build import Built, InputFilter, Pins, build_problem, stored_liveness, with_resident_cap
 from .caches import IlpCaches
 from .decode import IntraOpResult, decode
@@ -193,8 +194,8 @@ def _too_big(graph: Graph, n: int, budget: float,
     if need <= budget:
         return None
     return InfeasiblePlanError(
-        f"the model does not fit: it needs at least {need / 2**30:.2f} GiB per device on {n} "
-        f"device(s) however it is split, but the budget is {budget / 2**30:.2f} GiB; use more "
+        f"the model does not fit: it needs at least {human_bytes(need)} per device on {n} "
+        f"device(s) however it is split, but the budget is {human_bytes(budget)}; use more "
         "devices, pipeline stages, remat, smaller micro-batches or a cluster with more memory "
         "per device", budget_bytes=int(budget), needed_bytes=int(need))
 

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import InfeasiblePlanError, SolverError
+from ..units import human_bytes
 from .dp import min_sum_eliminate
 from .options import SolverOptions
 from .presolve import Presolved, classes, greedy, presolve, repair
@@ -435,9 +436,9 @@ def _cost_scale(p: IlpProblem) -> float:
 def _infeasible(p: IlpProblem) -> InfeasiblePlanError:
     budget = min((r.budget for r in p.memory), default=None)
     need = p.min_memory()
-    msg = (f"the model does not fit: it needs at least {need / 2**30:.2f} GiB per device "
+    msg = (f"the model does not fit: it needs at least {human_bytes(need)} per device "
            f"(lower bound over all shardings of this mesh) but the budget is "
-           f"{(budget or 0) / 2**30:.2f} GiB; use more devices, pipeline stages, remat, "
+           f"{human_bytes(budget or 0)}; use more devices, pipeline stages, remat, "
            "smaller micro-batches or a cluster with more memory per device")
     return InfeasiblePlanError(msg, budget_bytes=int(budget) if budget is not None else None,
                                needed_bytes=int(need))

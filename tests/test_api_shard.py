@@ -255,3 +255,11 @@ def test_a_parallelized_step_under_a_jax_transformation_says_what_to_do(transfor
     args = SMALL if transform is not jax.vmap else tuple(x[None] for x in SMALL)
     with pytest.raises(meshplan.MeshplanError, match="cannot be traced by jax.jit"):
         transform(step)(*args)
+
+
+def test_a_model_too_big_for_a_tiny_device_says_how_big_in_readable_units():
+    # ("needs at least 0.00 GiB ... the budget is 0.00 GiB" before)
+    cluster = json.loads(local().to_json())
+    cluster["device"]["memory_bytes"] = 100
+    with pytest.raises(InfeasiblePlanError, match=r"at least 6\.50 KiB per device .* budget is 90 B"):
+        meshplan.plan(_small_step, jnp.ones((64, 64)), jnp.ones((16, 64)), cluster=cluster)
