@@ -184,7 +184,7 @@ def test_a_pipeline_called_under_a_context_mesh_says_what_to_do():
     step(state, batch)
 
 
-@pytest.mark.filterwarnings("ignore:meshplan.*no sharding rule: sharding_constraint")
+@pytest.mark.filterwarnings("ignore:meshplan.*with no sharding rule")
 def test_a_constraint_to_the_users_own_mesh_is_refused_by_a_pipeline_with_the_reason():
     # (each stage's program failed at its first run with jit's "incompatible
     # devices", wrapped)
