@@ -301,8 +301,8 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
         need = min((e.needed_bytes or 0) for e in errs)
         raise InfeasiblePlanError(
             f"the model does not fit on {n} device(s) with any mesh shape: it needs at least "
-            f"{need / 2**30:.2f} GiB per device, the budget is "
-            f"{(errs[0].budget_bytes or 0) / 2**30:.2f} GiB; use more devices, pipeline stages "
+            f"{human_bytes(need)} per device, the budget is "
+            f"{human_bytes(errs[0].budget_bytes or 0)}; use more devices, pipeline stages "
             "(method=Auto()/PipeshardParallel) or a cluster with more memory per device",
             budget_bytes=errs[0].budget_bytes, needed_bytes=need)
     best = min(ok, key=lambda r: (round(r.objective_s, 12), len(r.mesh.shape)))
