@@ -312,7 +312,7 @@ class ShardExecutable:
         entry = self._entry(args)
         # (the caller's arrays: placing two aliases makes two arrays that may
         # still share one device's buffer)
-        _check_aliases(entry, args)
+        _check_aliases(entry, jax.tree_util.tree_leaves(args), args)
         placed = self._place_all(entry, args)
         out = entry.jitted(*placed)
         self._last = entry
@@ -336,13 +336,16 @@ class ShardExecutable:
                 raise RuntimeStageError(
                     f"argument {argnum} of {getattr(self.fn, '__name__', 'the step')} was donated "
                     "to an earlier call and has been deleted; pass the state that call returned")
-        _check_aliases(entry, args)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if treedef != entry.treedef:
+            raise FastPathMiss("another argument structure")
+        _check_aliases(entry, leaves, args)
         if self.multiprocess:
-            args = self._assemble_batches(entry, args)
+            args = self._assemble_batches(entry, leaves, treedef)
         else:
             # a host batch placed first: passed as it is, jit would key its
             # cache on the unplaced type and compile the step a second time
-            args = self._place_batches(entry, args)
+            args = self._place_batches(entry, leaves, treedef)
         try:
             return entry.jitted(*args)
         except _SignatureChanged as e:
@@ -387,21 +390,17 @@ class ShardExecutable:
                     placed.append(place_global(x, s, entry.flat_avals[i].dtype))
         return tuple(jax.tree_util.tree_unflatten(treedef, placed))
 
-    def _place_batches(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _place_batches(self, entry: _Compiled, leaves: list[Any], treedef: Any
+                       ) -> tuple[Any, ...]:
         """Fast path: the batch leaves on their planned shardings."""
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        if treedef != entry.treedef:
-            raise FastPathMiss("another argument structure")
         for i in entry.batch_leaves:
             leaves[i] = place(leaves[i], entry.flat_in_shardings[i])
         return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
 
-    def _assemble_batches(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _assemble_batches(self, entry: _Compiled, leaves: list[Any], treedef: Any
+                          ) -> tuple[Any, ...]:
         """Multi-process fast path: the process-local batch leaves become
         global arrays; the state must already be placed."""
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        if treedef != entry.treedef:
-            raise FastPathMiss("another argument structure")
         for i in entry.batch_leaves:
             x = leaves[i]
             if is_local_batch_leaf(x):
@@ -534,12 +533,12 @@ def _signature(args: tuple[Any, ...]) -> Any:
     return signature(args, weak_types=True)
 
 
-def _check_aliases(entry: _Compiled, args: tuple[Any, ...]) -> None:
+def _check_aliases(entry: _Compiled, leaves: list[Any], args: tuple[Any, ...]) -> None:
     """Refuse, before anything runs, one array passed as a donated leaf and
-    as another leaf (optax's ``LookaheadParams.init_synced`` makes two)."""
+    as another leaf (optax's ``LookaheadParams.init_synced`` makes two);
+    ``leaves``: those of ``args``."""
     if not entry.donated_leaves:
         return
-    leaves = jax.tree_util.tree_leaves(args)
     ids = [id(x) for x in leaves]
     if len(set(ids)) == len(ids):
         return
