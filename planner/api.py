@@ -186,7 +186,8 @@ class Parallelized:
                 raise StalePlanError(
                     f"the saved plan was made for another function or other argument shapes "
                     f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
-                    f"{graph.fingerprint[:12]}); re-plan with meshplan.plan(...) for this step")
+                    f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
+                    f"`meshplan plan ... --json FILE` with the same model options")
         else:
             p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
                               session).plan

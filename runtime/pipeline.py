@@ -90,6 +90,7 @@ predictions) are concatenated.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -99,7 +100,7 @@ from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
 from meshplan.plan import Plan
 from meshplan.recompute import SELECTIVE, selective_nodes
 from meshplan.schedule import Block, schedule_order
-from meshplan.traced import FlatJaxpr, TracedStep
+from meshplan.traced import IDENTITY_MARKERS, FlatJaxpr, TracedStep
 
 from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
@@ -303,15 +304,25 @@ class PipelineExecutable:
 
     def _warn_inexact(self, split: StepSplit) -> None:
         """Name what no combination of the micro-batches gives exactly (see
-        :func:`~.pipeline_split.split_step`): it is averaged over them."""
-        names = {o.tensor: o.path for o in self.traced.graph.outputs if isinstance(o.tensor, int)}
+        :func:`~.pipeline_split.split_step`): it is averaged over them; and
+        the step's outputs that differ for it (grouped by their first two
+        keys: a BatchNorm's new statistics may cross with the gradients)."""
+        outputs = [(o.tensor, o.path) for o in self.traced.graph.outputs
+                   if isinstance(o.tensor, int)]
+        names = dict(outputs)
+        # (the gradient marker found by meshplan.trace.micro's rule carries
+        # every sum over the batch the state is made from: the gradients,
+        # and a BatchNorm's statistics returned by has_aux)
         grads = set(split.alias.values())
-        what = {x: names.get(x) or ("the gradients" if x in grads else "a value the update reads")
+        what = {x: names.get(x) or ("the sums over the batch the update reads (gradients, batch "
+                                    "statistics)" if x in grads else "a value the update reads")
                 for x in split.inexact}
         first = min(split.inexact, key=lambda x: (x not in grads, what[x]))
         listed = sorted(set(what.values()))
+        differ = _output_groups(self.flat, split.inexact, outputs)
         warnings.warn(
-            f"meshplan: with {self.m} micro-batches this step differs from the undecorated one: "
+            f"meshplan: with {self.m} micro-batches this step differs from the undecorated one"
+            f"{' in ' + ', '.join(differ) if differ else ''}: "
             f"{', '.join(listed[:4])}{' ...' if len(listed) > 4 else ''} cannot be combined "
             f"exactly from the micro-batches ({split.inexact[first]}); the pipeline averages "
             "them over the micro-batches.  Plan with num_micro_batches=1 for the exact step",
@@ -406,3 +417,21 @@ class PipelineExecutable:
         name = getattr(self.fn, "__name__", "fn")
         return (f"PipelineExecutable({name}, {self.p} stages, {self.m} micro-batches, "
                 f"{self.schedule}, {len(self.programs)} programs)")
+
+
+def _output_groups(flat: FlatJaxpr, sources: Any, outputs: Sequence[tuple[int, str]]) -> list[str]:
+    """The outputs computed from ``sources`` (ids of ``flat``), each named by
+    the first two keys of its path (``[0]['batch_stats']``), in output order."""
+    reached = set(sources)
+    for fe in flat.eqns:
+        if fe.eqn.primitive.name in IDENTITY_MARKERS:     # (each operand is its own output)
+            reached.update(o for x, o in zip(fe.invars, fe.outvars)
+                           if isinstance(x, int) and x in reached)
+        elif any(isinstance(x, int) and x in reached for x in fe.invars):
+            reached.update(fe.outvars)
+    groups: list[str] = []
+    for tensor, path in outputs:
+        group = "".join(re.findall(r"\[[^\]]*\]", path)[:2]) or path or "the output"
+        if tensor in reached and group not in groups:
+            groups.append(group)
+    return groups

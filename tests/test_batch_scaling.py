@@ -230,7 +230,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
         def loss(p, b):
             t = _token_losses(p, b)
             return jnp.mean((t - jnp.mean(t)) ** 2 / (jnp.var(t) + 1e-3))
-        step, named, why = _step(loss), "the gradients", "per-example value computed from a sum"
+        step, named, why = _step(loss), "in [0]['emb']", "per-example value computed from a sum"
     elif case == "sort":
         # the median loss of the batch is no function of the micro-batches'
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
@@ -247,7 +247,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             u = p["emb"][b["tok"]].mean(1) @ p["w1"]
             logits = u @ (p["emb"][b["tgt"] % 32].mean(1) @ p["w1"]).T
             return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.diagonal(logits))
-        step, named, why = _step(loss), "the gradients", "a product of two examples"
+        step, named, why = _step(loss), "in [0]['emb']", "a product of two examples"
     elif case == "two-views":
         # the batch holds two views of each example, concatenated: a
         # micro-batch pairs other examples (silently, before the rule)
@@ -255,7 +255,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z = p["emb"][b["tok"]].mean(1) @ p["w1"]
             z1, z2 = jnp.split(z, 2)
             return jnp.mean((z1 - z2) ** 2) + jnp.mean(_token_losses(p, b))
-        step, named, why = _step(loss), "the gradients", "split along the batch axis"
+        step, named, why = _step(loss), "in [0]['emb']", "split along the batch axis"
     elif case == "two-views-reshaped":
         # the same pairing by a reshape: a dimension of 2 takes the batch
         # index's major part
@@ -263,7 +263,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z = p["emb"][b["tok"]].mean(1) @ p["w1"]
             z = z.reshape(2, z.shape[0] // 2, -1)
             return jnp.mean((z[0] - z[1]) ** 2) + jnp.mean(_token_losses(p, b))
-        step, named, why = _step(loss), "the gradients", "reshape along the batch axis"
+        step, named, why = _step(loss), "in [0]['emb']", "reshape along the batch axis"
     elif case == "loop-count":
         # a loop run a number of times taken from the batch size: fewer
         # times per micro-batch (silently, before the rule)
@@ -272,13 +272,13 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             h = jax.lax.fori_loop(0, b["tok"].shape[0] // 8, lambda i, h: jnp.tanh(h @ p["w1"])
                                   @ p["w2"], h)
             return jnp.mean(h ** 2)
-        step, named, why = _step(loss), "the gradients", "number of steps depends on the batch"
+        step, named, why = _step(loss), "in [0]['emb']", "number of steps depends on the batch"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):
             t = _token_losses(p, b).mean(1)
             return jnp.mean(jax.lax.top_k(t, t.shape[0] // 4)[0])
-        step, named, why = _step(loss), "the gradients", "top_k along the batch axis"
+        step, named, why = _step(loss), "in [0]['emb']", "top_k along the batch axis"
     elif case == "running":
         # a running sum over the examples
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
@@ -288,6 +288,30 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     assert gap > 1e-4       # (what the warning is about)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
     assert "num_micro_batches=1" in warned[0]
+
+
+def test_a_running_statistic_in_the_state_is_named_among_the_outputs_that_differ():
+    # batch normalisation's running variance (flax's batch_stats): the
+    # micro-batch's own statistic, mixed into the state after the gradients;
+    # the warning names that state entry, and the exact rest stays exact
+    def step_fn(state, b):
+        def loss(p):
+            h = p["emb"][b["tok"]].mean(1) @ p["w1"]
+            return jnp.mean(_token_losses(p, b)), jnp.var(h, 0)
+        (l, var), g = jax.value_and_grad(loss, has_aux=True)(state["p"])
+        return {"p": jax.tree.map(lambda a, c: a - 0.05 * c, state["p"], g),
+                "var": 0.9 * state["var"] + 0.1 * var}, {"loss": l}
+    state = {"p": _params(), "var": jnp.ones(64)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par, pm = meshplan.parallelize(step_fn, method=PIPE)(state, BATCH)
+    ref, rm = jax.jit(step_fn)(state, BATCH)
+    warned = [str(w.message) for w in caught if "micro-batches" in str(w.message)]
+    assert len(warned) == 1 and "differs from the undecorated one in [0]['var']:" in warned[0]
+    assert float(jnp.max(jnp.abs(par["var"] - ref["var"]))) > 1e-4
+    assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par["p"]), jax.tree.leaves(ref["p"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
