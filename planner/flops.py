@@ -53,6 +53,10 @@ copy device_put sharding_constraint stack unstack split convert_layout
 mesh_cast reshard pvary psum_invariant axis_index empty full_like name
 """.split()) | IDENTITY_MARKERS
 
+# Host callbacks with no outputs (jax.debug.callback, jax.debug.print): the
+# values they read cross to the host; no device work.
+HOST_CALLBACKS = frozenset({"debug_callback", "debug_print"})
+
 # Gather/scatter variants move data and may add.
 SCATTERS = frozenset("scatter scatter-add scatter_add scatter_mul scatter_min scatter_max".split())
 
@@ -144,7 +148,7 @@ FLOP_RULES: dict[str, FlopRule] = {
     **{p: elementwise_flops for p in PER_ELEMENT},
     "random_bits": random_bits_flops,
     **{p: reduction_flops for p in REDUCTIONS},
-    **{p: no_flops for p in DATA_MOVEMENT},
+    **{p: no_flops for p in DATA_MOVEMENT | HOST_CALLBACKS},
     **{p: elementwise_flops for p in SCATTERS},
     **{p: sort_flops for p in SORTS},
     "reduce_window_sum": reduction_flops,

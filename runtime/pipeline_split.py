@@ -409,6 +409,11 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
                 and any(o in flow.bdep for o in fe.outvars) \
                 and not any(o in after for o in fe.outvars):
             need.update(fe.outvars)
+    # an operation with effects only (jax.debug.callback, print) that reads
+    # a micro-batch's values runs with each micro-batch, as in a scan
+    effect = {k for k, fe in enumerate(eqns)
+              if not fe.outvars and any(isinstance(x, int) and x in flow.bdep for x in fe.invars)
+              and not any(isinstance(x, int) and x in after for x in fe.invars)}
     in_c = [False] * n
     for k in range(n - 1, -1, -1):
         fe = eqns[k]
@@ -417,7 +422,7 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
         if k in once:
             need.update(x for x in fe.invars if isinstance(x, int))
             continue
-        if any(o in need for o in fe.outvars):
+        if k in effect or any(o in need for o in fe.outvars):
             if any(o in after for o in fe.outvars):
                 raise MeshplanError(
                     f"operation {k} ({fe.eqn.primitive.name}) is needed to compute the gradients "

@@ -11,6 +11,8 @@ same step.
   backward's reductions over the batch, meshplan.trace.micro); the planner's
   retrace and the runtime's trace are the same function.
 """
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -400,3 +402,32 @@ def test_a_metric_of_frozen_gradients_keeps_the_trained_ones_exact(method):
     for name in ("norm", "g3"):
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(ref[name]), rtol=1e-5,
                                    atol=1e-7)
+
+
+@pytest.mark.parametrize("method, calls", [
+    (meshplan.ShardParallel(), [8]),
+    (meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), [4, 4])])
+def test_a_debug_callback_on_per_example_values_runs_with_each_micro_batch(method, calls):
+    # as in a scan over the micro-batches: one call each, with its rows (it
+    # ran once, in the update, on values averaged over the micro-batches,
+    # and warned the loss "scales with the micro-batch size")
+    seen = []
+
+    def step_fn(p, b):
+        def loss(p):
+            per_example = jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2, axis=1)
+            jax.debug.callback(lambda v: seen.append(np.asarray(v)), per_example)
+            return per_example.mean()
+        loss, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    p = {"w": jax.random.normal(jax.random.key(1), (4, 4))}
+    b = {"x": jax.random.normal(jax.random.key(0), (8, 4)), "y": jnp.zeros((8, 4))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par = jax.block_until_ready(meshplan.parallelize(step_fn, method=method)(p, b))
+    assert not [w for w in caught if "meshplan" in str(w.message)]
+    got, seen[:] = list(seen), []
+    ref = jax.block_until_ready(jax.jit(step_fn)(p, b))
+    assert [len(v) for v in got] == calls
+    np.testing.assert_allclose(np.concatenate(got), seen[0], rtol=1e-6)
+    assert float(par[1]["loss"]) == pytest.approx(float(ref[1]["loss"]), rel=1e-6)
