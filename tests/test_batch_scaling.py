@@ -328,6 +328,16 @@ def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
     assert not warned and gap < 1e-5
 
 
+def test_a_batch_folded_and_put_back_together_pipelines_exactly():
+    # (a reshape back to the batch's own order undoes the fold)
+    def loss(p, b):
+        h = p["emb"][b["tok"]]
+        h = h.reshape((2, h.shape[0] // 2) + h.shape[1:]).reshape(h.shape)
+        return jnp.mean(jnp.tanh(h @ p["w1"]) @ p["w2"])
+    gap, warned = _run(_step(loss))
+    assert not warned and gap < 1e-5
+
+
 def test_each_value_gets_its_kind_and_degree():
     def step(p, batch):
         def loss(p):

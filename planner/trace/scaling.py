@@ -247,6 +247,8 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
                               "similarity between examples): each micro-batch sees only its own")]
     if any(i.folded for i in ins):
+        if name == "reshape" and _unfolds(eqn, eqn_full):
+            return [replace(ins[0], folded=False)]
         if name in _KEEP_VALUE and len(ins) == 1:
             return [ins[0] for _ in eqn.outvars]
         return [Info("X", why=_FOLDED) for _ in eqn.outvars]
@@ -306,6 +308,20 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
         out = (_shape(eqn.outvars[0].aval), _shape(eqn_full.outvars[0].aval))
         return _major(a, b) < _major(*out)
     return False
+
+
+def _unfolds(eqn: Any, eqn_full: Any) -> bool:
+    """Whether a reshape of a folded value puts the batch index's parts back
+    together (``x.reshape(2, B // 2, n).reshape(B, n)``): fewer elements
+    major to the batch axis, and as many up to its end as before."""
+    (a, b), (c, d) = ((_shape(v.aval), _shape(w.aval)) for v, w in
+                      ((eqn.invars[0], eqn_full.invars[0]), (eqn.outvars[0], eqn_full.outvars[0])))
+    ka = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    kc = next((k for k, (x, y) in enumerate(zip(c, d)) if x != y), None)
+    if ka is None or kc is None:
+        return False
+    return _major(c, d) < _major(a, b) and np.prod(a[:ka + 1], dtype=np.int64) == np.prod(
+        c[:kc + 1], dtype=np.int64)
 
 
 def _major(a: tuple[int, ...], b: tuple[int, ...]) -> int:
