@@ -420,6 +420,12 @@ def forward_nodes(graph: Graph) -> list[bool]:
     marker (:func:`meshplan.value_and_grad`), so the backward is excluded."""
     targets = {o.tensor for o in graph.outputs if o.updates is None}
     markers = {n.id for n in graph.nodes if n.primitive == GRAD_MARKER}
+    if not targets and markers:
+        # a step returning its new state alone: the loss it computed and
+        # dropped (read by nothing) ends the forward, as a returned one does
+        first = min(markers)
+        targets = {t for n in graph.nodes[:first] for t in n.outputs
+                   if not graph.consumers.get(t)}
     fwd = ancestor_nodes(graph, targets, markers)
     return [n.id in fwd for n in graph.nodes]
 

@@ -431,3 +431,23 @@ def test_a_debug_callback_on_per_example_values_runs_with_each_micro_batch(metho
     assert [len(v) for v in got] == calls
     np.testing.assert_allclose(np.concatenate(got), seen[0], rtol=1e-6)
     assert float(par[1]["loss"]) == pytest.approx(float(ref[1]["loss"]), rel=1e-6)
+
+
+def test_a_step_returning_its_new_state_alone_pipelines():
+    # no loss among the outputs: the one the step computed and dropped ends
+    # the forward (the whole step was one layer, and pp=2 "did not fit")
+    def step_fn(p, b):
+        def loss(p):
+            h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+            return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, jax.grad(loss)(p))
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (16, 32)) * 0.1, "b1": jnp.zeros(32),
+         "w2": jax.random.normal(k2, (32, 8)) * 0.1}
+    b = {"x": jax.random.normal(k1, (8, 16)), "y": jax.random.normal(k2, (8, 8))}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                 num_micro_batches=2))
+    par, ref = step(p, b), jax.jit(step_fn)(p, b)
+    assert len(step.plan.stages) == 2
+    for a, c in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
