@@ -126,6 +126,12 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                     f"pass over the batch, and the output {after} runs the batch through the "
                     "new state (a loss after the update, an EMA model's loss); compute it before "
                     "the update, or plan with num_micro_batches=1")
+            if not _state_reads_batch(flat, graph, batch):
+                raise TraceError(
+                    "micro-batches split the pass over the batch that a train step's new state "
+                    "is computed from, and this step updates none of its arguments from the "
+                    "batch (an evaluation step, or one returning its gradients); plan it with "
+                    "num_micro_batches=1")
             raise TraceError(
                 "running more than one micro-batch needs to know where the gradients end, and "
                 "no reduction over the batch that the new state is computed from was found in "
@@ -135,6 +141,15 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     draws = _draws(flat, per_example, full, batch)
     return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
             scaled)
+
+
+def _state_reads_batch(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> bool:
+    """Whether an output that updates an argument is computed from the batch."""
+    bdep = set(batch)
+    for fe in flat.eqns:
+        if any(isinstance(x, int) and x in bdep for x in fe.invars):
+            bdep.update(fe.outvars)
+    return any(o.updates is not None and o.tensor in bdep for o in graph.outputs)
 
 
 def _metric_after_update(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> str | None:
