@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..cluster import ClusterSpec
-from ..errors import InfeasiblePlanError, MeshplanError, TraceError
+from ..errors import InfeasiblePlanError, MeshplanError, TraceError, batch_rows
 from ..graph import (BATCH, PARAM, Graph, Node, batch_dims_between, batch_shaped_draws,
                      stacked_scan_inputs)
 from ..plan import Plan
@@ -53,14 +53,12 @@ def _pow2(b: int) -> bool:
 
 
 def batch_size(graph: Graph) -> int:
-    sizes = {graph.tensors[i.tensor].shape[0] for i in graph.inputs
-             if i.role == BATCH and graph.tensors[i.tensor].shape}
-    if not sizes:
+    size = batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+                       for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
+    if size is None:
         raise MeshplanError("pipeline planning needs a batch: pass batch_argnums naming the "
                             "arguments whose dimension 0 is the batch")
-    if len(sizes) > 1:
-        raise MeshplanError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
-    return sizes.pop()
+    return size
 
 
 def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,

@@ -65,3 +65,20 @@ class RuntimeStageError(MeshplanError, RuntimeError):
 class CheckpointError(MeshplanError, RuntimeError):
     """A checkpoint is missing, incomplete (an interrupted save) or does not
     match the state it is restored into; the message names the path."""
+
+
+def batch_rows(leaves: "list[tuple[int, str]]") -> int | None:
+    """The batch size of the batch arguments' leaves, given as (dimension 0,
+    name) pairs (None without any); leaves that disagree are refused, naming
+    two of them."""
+    if not leaves:
+        return None
+    first = leaves[0]
+    other = next((x for x in leaves if x[0] != first[0]), None)
+    if other is not None:
+        raise MeshplanError(
+            f"the batch arguments' leaves disagree on the batch size, which is their dimension "
+            f"0: {first[1]} has {first[0]} rows, {other[1]} has {other[0]}; put the batch "
+            "first in every leaf of batch_argnums' arguments (or pass a leaf that is no batch "
+            "as another argument)")
+    return first[0]

@@ -453,3 +453,14 @@ def test_a_step_returning_its_new_state_alone_pipelines():
     assert len(step.plan.stages) == 2
     for a, c in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
+
+
+def test_batch_leaves_that_disagree_on_dimension_0_are_named():
+    def step_fn(p, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((b["xT"].T @ p["w"] - b["y"]) ** 2))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    batch = {"xT": jnp.ones((16, 8)), "y": jnp.ones((8, 4))}
+    with pytest.raises(meshplan.MeshplanError,
+                       match=r"argument 1\['xT'\] has 16 rows, argument 1\['y'\] has 8"):
+        meshplan.plan(step_fn, {"w": jnp.ones((16, 4))}, batch, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))

@@ -83,8 +83,11 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
+        hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
+                "batch arguments: is dimension 0 the batch in each of them?)"
+                if where == " at micro-batch size" else "")
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}{where}: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{type(e).__name__}: {' '.join(str(e).split())}{hint}") from e
 
 
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import flops as flop_rules
 from ..collector import with_relaxed_gc
-from ..errors import MeshplanError, TraceError
+from ..errors import MeshplanError, TraceError, batch_rows
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_params
@@ -529,13 +529,12 @@ def _grow(x: Any, k: int) -> Any:
 def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
     """Rows of one micro-batch (0 without batch arguments); a batch that does
     not split into ``m`` micro-batches is refused."""
-    sizes = {int(l.shape[0]) for a in batch_argnums if a < len(args)
-             for l in jax.tree_util.tree_leaves(args[a]) if l.shape}
-    if len(sizes) > 1:
-        raise MeshplanError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
-    if not sizes:
+    full = batch_rows([(int(l.shape[0]), f"argument {a}{jax.tree_util.keystr(path)}")
+                       for a in batch_argnums if a < len(args)
+                       for path, l in jax.tree_util.tree_flatten_with_path(args[a])[0]
+                       if l.shape])
+    if full is None:
         return 0
-    full = sizes.pop()
     if full % m:
         raise MeshplanError(f"the batch size {full} does not split into {m} micro-batches; "
                             f"use a batch size divisible by {m}")
