@@ -102,7 +102,7 @@ def check_spec(spec: Spec, shape: Sequence[int], mesh: LogicalMesh, what: str) -
             raise StalePlanError(
                 f"{what}: dimension {dim} has size {size}, which the plan splits {ways} ways over "
                 f"mesh axis {'x'.join(names)} ({mesh}); {size} is not divisible by {ways}. Use a "
-                f"size that is a multiple of {ways} (e.g. the batch size) or re-plan for these shapes")
+                f"size that is a multiple of {ways}, or re-plan for these shapes")
 
 
 def _section_keys(plan: Plan, nargs: int, stage: int = 0
