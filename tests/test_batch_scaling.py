@@ -223,7 +223,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
-                                  "two-views-reshaped", "hardest", "running", "loop-count"])
+                                  "two-views-reshaped", "hardest", "running", "loop-count",
+                                  "carried"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -273,6 +274,14 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
                                   @ p["w2"], h)
             return jnp.mean(h ** 2)
         step, named, why = _step(loss), "in [0]['emb']", "number of steps depends on the batch"
+    elif case == "carried":
+        # a recurrence over the examples: each reads the one before it
+        def loss(p, b):
+            xs = p["emb"][b["tok"]].mean(1)
+            hs = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w1"] @ p["w2"] + x),) * 2,
+                              jnp.zeros(16), xs)[1]
+            return jnp.mean(hs ** 2)
+        step, named, why = _step(loss), "in [0]['emb']", "from one example to the next"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):
@@ -324,6 +333,19 @@ def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
         def body(total, chunk):
             return total + jnp.sum(_token_losses(p, chunk)), None
         return jax.lax.scan(body, jnp.zeros(()), chunks)[0] / b["tok"].size
+    gap, warned = _run(_step(loss))
+    assert not warned and gap < 1e-5
+
+
+@pytest.mark.parametrize("loop", ["map", "summed"])
+def test_a_loop_over_the_examples_pipelines_exactly(loop):
+    # lax.map of a per-example loss (its results are per example), or a
+    # scan that sums the examples' losses into its carry (a sum over them)
+    def loss(p, b):
+        one = lambda ex: jnp.mean(_token_losses(p, {k: v[None] for k, v in ex.items()}))
+        if loop == "map":
+            return jnp.mean(jax.lax.map(one, b))
+        return jax.lax.scan(lambda c, ex: (c + one(ex), None), 0.0, b)[0] / b["tok"].shape[0]
     gap, warned = _run(_step(loss))
     assert not warned and gap < 1e-5
 

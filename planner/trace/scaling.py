@@ -232,17 +232,20 @@ def _literal(v: Any, v_full: Any, m: int) -> Info:
     return Info("N", None)
 
 
-def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: int) -> list[Info]:
+def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: int,
+         one: bool = False) -> list[Info]:
+    """The outputs' Infos; ``one``: inside a loop over the examples, whose
+    ``P`` values are one example's (:func:`_scan`)."""
     name = eqn.primitive.name
     if name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
         key = INLINE_CALLS[name]
-        return _jaxpr(eqn.params[key], eqn_full.params[key], ins, m)
+        return _jaxpr(eqn.params[key], eqn_full.params[key], ins, m, one)
     if name in IDENTITY_MARKERS or name == "optimization_barrier":
         return list(ins)
     if name == "scan":
-        return _scan(eqn, eqn_full, ins, m)
+        return _scan(eqn, eqn_full, ins, m, one)
     if name == "cond":
-        return _cond(eqn, eqn_full, ins, m)
+        return _cond(eqn, eqn_full, ins, m, one)
     if name == "dot_general" and ins[0].kind == ins[1].kind == "P" and _across(eqn, eqn_full):
         return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
                               "similarity between examples): each micro-batch sees only its own")]
@@ -343,7 +346,7 @@ def _across(eqn: Any, eqn_full: Any) -> bool:
     return free(0, (*lc, *lb)) and free(1, (*rc, *rb))
 
 
-def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int, one: bool = False) -> list[Info]:
     """The outputs of a nested jaxpr (paired with its whole-batch twin)."""
     jaxpr, consts = _closed_parts(j)
     jaxpr_full, consts_full = _closed_parts(j_full)
@@ -362,42 +365,120 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
                 for _ in jaxpr.outvars]
     for e, e_full in zip(jaxpr.eqns, jaxpr_full.eqns):
         infos = [read(v, w) for v, w in zip(e.invars, e_full.invars)]
-        pe = [_shape(v.aval) != _shape(w.aval) for v, w in zip(e.outvars, e_full.outvars)]
-        env.update(zip(e.outvars, _eqn(e, e_full, infos, pe, m)))
+        # (one example's values: what is computed from them is that example's)
+        each = one and any(i.kind == "P" for i in infos)
+        pe = [each or _shape(v.aval) != _shape(w.aval) for v, w in zip(e.outvars, e_full.outvars)]
+        env.update(zip(e.outvars, _eqn(e, e_full, infos, pe, m, one)))
     return [read(v, w) for v, w in zip(jaxpr.outvars, jaxpr_full.outvars)]
 
 
-def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = False
+          ) -> list[Info]:
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-    if eqn.params["length"] != eqn_full.params["length"] and not any(
-            (_shape(v.aval) or ())[:1] != (_shape(w.aval) or ())[:1]
-            for v, w in zip(eqn.invars[nc + nk:], eqn_full.invars[nc + nk:])):
+    xs = list(zip(eqn.invars[nc + nk:], eqn_full.invars[nc + nk:], ins[nc + nk:]))
+    lead = [(_shape(v.aval) or ())[:1] != (_shape(w.aval) or ())[:1] for v, w, _ in xs]
+    if eqn.params["length"] != eqn_full.params["length"] and not any(lead):
         # (a loop run batch-size-dependent times over no batch axis: a
         # fori_loop to B // 8 runs fewer times per micro-batch)
         return [Info("X", why="a loop whose number of steps depends on the batch size")
                 for _ in eqn.outvars]
     if any(i.folded for i in ins[:nc + nk]):
         return [Info("X", why=_FOLDED) for _ in eqn.outvars]
+    # a loop over the examples (lax.map, a scan over the batch axis): each
+    # step reads one example; its ys are per example, and a carry that sums
+    # what the steps compute is a sum over the examples
+    over = (eqn.params["length"] != eqn_full.params["length"] and not one
+            and all(i.kind == "P" and d for (_, _, i), d in zip(xs, lead) if i.kind != "N")
+            and not any(i.kind in "PSMX" for i in ins[:nc + nk]))
     # (iterating over a folded dimension: each step reads a chunk of examples)
     ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in ins[nc + nk:])]
     carry = list(ins[nc:nc + nk])
     for _ in range(4):      # (a fixed point of the carries' infos)
         outs = _jaxpr(eqn.params["jaxpr"], eqn_full.params["jaxpr"],
-                      [*ins[:nc], *carry, *ins[nc + nk:]], m)
+                      [*ins[:nc], *carry, *ins[nc + nk:]], m, one or over)
         joined = [_join(a, b) for a, b in zip(carry, outs[:nk])]
         if joined == carry:
-            return outs
+            if not over:
+                return outs
+            sums = [_summed(i, a) for i, a in zip(outs[:nk], _accumulates(eqn.params["jaxpr"],
+                                                                           nc, nk))]
+            bad = next((i for i in sums if i.kind == "X"), None)
+            # (what a step computes from such a carry is no one example's)
+            return [*sums, *outs[nk:]] if bad is None else [bad for _ in outs]
         carry = joined
     return [Info("X", why="a loop carry that does not settle") for _ in outs]
 
 
-def _cond(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int) -> list[Info]:
+def _summed(info: Info, adds: bool) -> Info:
+    """A carry after a loop over the examples: a sum over them where each
+    step only adds to it (:func:`_accumulates`)."""
+    if info.kind != "P":
+        return info
+    if adds and info.degree is not None:
+        return Info("S", info.degree + 1)
+    return Info("X", why="a loop over the examples of the batch that carries a value from one "
+                         "example to the next (other than a sum of theirs)")
+
+
+def _accumulates(closed: Any, nc: int, nk: int) -> list[bool]:
+    """Per carry of a scan body: whether it only accumulates, its new value
+    its old one plus a value not computed from it, and nothing else in the
+    body reading either (a running sum read by the step would pass one
+    example's value on to the next)."""
+    jaxpr, _ = _closed_parts(closed)
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    readers: dict[Any, list[Any]] = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                readers.setdefault(v, []).append(e)
+    returned = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)]
+
+    def step(v: Any, old: Any) -> Any:
+        """The value v is passed on to: its one reader, a cast of it or an
+        addition of a value not computed from ``old`` (None: other readers)."""
+        rs = readers.get(v, [])
+        if len(rs) != 1 or v in returned:
+            return None
+        e = rs[0]
+        if e.primitive.name in ("convert_element_type", "copy") and len(e.invars) == 1:
+            return e.outvars[0]
+        if e.primitive.name in ("add", "add_any") and sum(u is v for u in e.invars) == 1 \
+                and not any(u is not v and _reads(made, u, old) for u in e.invars):
+            return e.outvars[0]
+        return None
+    result = []
+    for c in range(nk):
+        old, new = jaxpr.invars[nc + c], jaxpr.outvars[c]
+        v, hops = old, 0
+        while v is not None and v is not new:
+            v, hops = step(v, old), hops + 1
+        result.append(v is new and hops > 0 and not readers.get(new)
+                      and returned.count(new) == 1)
+    return result
+
+
+def _reads(made: Mapping[Any, Any], v: Any, old: Any) -> bool:
+    """Whether ``v`` is computed from ``old`` inside one jaxpr."""
+    need, seen = [v], set()
+    while need:
+        x = need.pop()
+        if x is old:
+            return True
+        if isinstance(x, jcore.Literal) or id(x) in seen or x not in made:
+            continue
+        seen.add(id(x))
+        need.extend(made[x].invars)
+    return False
+
+
+def _cond(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = False) -> list[Info]:
     if ins[0].kind != "N":
         return [Info("X", why="a lax.cond branch chosen by the batch") for _ in eqn.outvars]
     xs = [i for i in ins if i.kind == "X"]
     if xs:      # (what a branch makes of it: taken to be as inexact)
         return [xs[0] for _ in eqn.outvars]
-    branches = [_jaxpr(b, b_full, ins[1:], m)
+    branches = [_jaxpr(b, b_full, ins[1:], m, one)
                 for b, b_full in zip(eqn.params["branches"], eqn_full.params["branches"])]
     outs = branches[0]
     for other in branches[1:]:
