@@ -257,7 +257,12 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
     values."""
     for x, how in split.crossing.items():
         info = scaling.info.get(x)
-        if info is None or how == LAST:
+        if info is None:
+            continue
+        if how == LAST:     # (every micro-batch's same value, unless made from its size)
+            if info.kind == "N" and info.degree != 0:
+                split.inexact[x] = ("a value computed from the batch's size (x.shape[0]), "
+                                    "which each micro-batch takes to be its own")
             continue
         if info.kind == "X":
             split.inexact[x] = info.why

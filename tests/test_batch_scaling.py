@@ -224,7 +224,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
                                   "two-views-reshaped", "hardest", "running", "loop-count",
-                                  "carried"])
+                                  "carried", "draw-per-example", "draw-per-chunk"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -282,6 +282,27 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
                               jnp.zeros(16), xs)[1]
             return jnp.mean(hs ** 2)
         step, named, why = _step(loss), "in [0]['emb']", "from one example to the next"
+    elif case == "draw-per-example":
+        # dropout drawn inside a lax.map over the examples, a key each
+        def loss(p, b):
+            def one(ex):
+                t = _token_losses(p, {k: v[None] for k, v in ex.items() if k != "key"})
+                return jnp.mean(jnp.where(jax.random.bernoulli(ex["key"], 0.7, t.shape), t, 0.0))
+            keys = jax.random.split(jax.random.key(3), b["tok"].shape[0])
+            return jnp.mean(jax.lax.map(one, {**b, "key": keys}))
+        step, named, why = _step(loss), "in [0]['emb']", "random draw over the batch inside a loop"
+    elif case == "draw-per-chunk":
+        # the step's own accumulation over chunks, dropout drawn in each
+        def loss(p, b):
+            chunks = jax.tree.map(lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), b)
+
+            def body(total, ck):
+                chunk, k = ck
+                t = _token_losses(p, chunk)
+                return total + jnp.sum(jnp.where(jax.random.bernoulli(k, 0.7, t.shape), t, 0)), None
+            keys = jax.random.split(jax.random.key(3), 2)
+            return jax.lax.scan(body, jnp.zeros(()), (chunks, keys))[0] / b["tok"].size
+        step, named, why = _step(loss), "in [0]['emb']", "random draw over the batch inside a loop"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):
@@ -321,6 +342,23 @@ def test_a_running_statistic_in_the_state_is_named_among_the_outputs_that_differ
     assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(par["p"]), jax.tree.leaves(ref["p"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_a_counter_of_the_examples_seen_is_named_among_the_outputs_that_differ():
+    # state + x.shape[0], read by the forward: each micro-batch counts its own
+    def step_fn(state, b):
+        seen = state["seen"] + b["tok"].shape[0]
+        scale = 1.0 + seen.astype(jnp.float32) / 100.0
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(_token_losses(p, b)) * scale)(state["p"])
+        return {"p": jax.tree.map(lambda a, c: a - 0.05 * c, state["p"], g),
+                "seen": seen}, {"loss": loss}
+    state = {"p": _params(), "seen": jnp.int32(0)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par, _ = meshplan.parallelize(step_fn, method=PIPE)(state, BATCH)
+    warned = [str(w.message) for w in caught if "micro-batches" in str(w.message)]
+    assert int(par["seen"]) != int(jax.jit(step_fn)(state, BATCH)[0]["seen"])
+    assert len(warned) == 1 and "in [0]['p'], [0]['seen']" in warned[0]
 
 
 def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():

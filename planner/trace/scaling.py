@@ -268,6 +268,8 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
 _FOLDED = ("reshape along the batch axis (a dimension of fixed size holds the batch index's "
            "major part: two views of each example, chunks read other than by a lax.scan over "
            "them): each micro-batch pairs its own examples")
+_NESTED_DRAW = ("a random draw over the batch inside a loop or branch (each micro-batch would "
+                "draw other numbers; draw the batch's numbers outside it, as vmap does)")
 _ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
           "cummin": "axis", "cumlogsumexp": "axis", "top_k": "axis"}
 
@@ -368,6 +370,12 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int, one: bool = False) 
         # (one example's values: what is computed from them is that example's)
         each = one and any(i.kind == "P" for i in infos)
         pe = [each or _shape(v.aval) != _shape(w.aval) for v, w in zip(e.outvars, e_full.outvars)]
+        if e.primitive.name == "random_bits" and (any(pe) or any(i.kind == "P" for i in infos)):
+            # (the pipeline draws the batch's numbers once a step where the
+            # step draws them, not inside a loop or branch: each micro-batch
+            # would draw its own)
+            env.update((v, Info("X", why=_NESTED_DRAW)) for v in e.outvars)
+            continue
         env.update(zip(e.outvars, _eqn(e, e_full, infos, pe, m, one)))
     return [read(v, w) for v, w in zip(jaxpr.outvars, jaxpr_full.outvars)]
 
@@ -400,8 +408,9 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
         if joined == carry:
             if not over:
                 return outs
-            sums = [_summed(i, a) for i, a in zip(outs[:nk], _accumulates(eqn.params["jaxpr"],
-                                                                           nc, nk))]
+            body = eqn.params["jaxpr"]
+            sums = [_carried(i, a, same) for i, a, same in
+                    zip(outs[:nk], _accumulates(body, nc, nk), _passed_on(body, nc, nk))]
             bad = next((i for i in sums if i.kind == "X"), None)
             # (what a step computes from such a carry is no one example's)
             return [*sums, *outs[nk:]] if bad is None else [bad for _ in outs]
@@ -409,10 +418,18 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
     return [Info("X", why="a loop carry that does not settle") for _ in outs]
 
 
-def _summed(info: Info, adds: bool) -> Info:
-    """A carry after a loop over the examples: a sum over them where each
-    step only adds to it (:func:`_accumulates`)."""
-    if info.kind != "P":
+def _passed_on(closed: Any, nc: int, nk: int) -> list[bool]:
+    """Per carry of a scan body: whether each step returns it unchanged."""
+    jaxpr, _ = _closed_parts(closed)
+    return [jaxpr.outvars[c] is jaxpr.invars[nc + c] for c in range(nk)]
+
+
+def _carried(info: Info, adds: bool, same: bool) -> Info:
+    """A carry after a loop over the examples: as it is where each step
+    passes it on unchanged; a sum over the examples where each step only
+    adds to it (:func:`_accumulates`; a count of the examples too); else
+    one example's value passed on to the next (a key split per example)."""
+    if same or info.kind == "X":
         return info
     if adds and info.degree is not None:
         return Info("S", info.degree + 1)
