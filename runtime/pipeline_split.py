@@ -296,9 +296,11 @@ def _statistics(flat: FlatJaxpr, phase: Sequence[str], scaling: Any) -> frozense
     late = [k for k in made if phase[k] not in ("F", "B")]
     if late:    # (the combination assumed every micro-batch reads the whole batch's value)
         raise MeshplanError(
-            f"internal: the batch statistic of operation {late[0]} "
-            f"({flat.eqns[late[0]].eqn.primitive.name}) would run after the micro-batches; "
-            "plan with num_micro_batches=1")
+            f"with micro-batches, operation {late[0]} ({flat.eqns[late[0]].eqn.primitive.name}) "
+            "computes a value from the whole batch that both the micro-batches and the update "
+            "or the outputs read (as the next key taken from a key split into the batch size "
+            "plus one), which the pipeline cannot give both; plan with num_micro_batches=1, or "
+            "split the next key off before splitting the batch's keys")
     return frozenset(made)
 
 
