@@ -464,3 +464,23 @@ def test_batch_leaves_that_disagree_on_dimension_0_are_named():
                        match=r"argument 1\['xT'\] has 16 rows, argument 1\['y'\] has 8"):
         meshplan.plan(step_fn, {"w": jnp.ones((16, 4))}, batch, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
+def test_the_next_key_split_off_with_the_batchs_keys_is_refused_with_the_fix():
+    # split(key, B + 1): the next key and one key an example from one split
+    def step_fn(state, batch):
+        p, o, key = state
+        ks = jax.random.split(key, batch["x"].shape[0] + 1)
+        key, subs = ks[0], ks[1:]
+
+        def loss(p):
+            drop = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, (32,)))(subs)
+            h = jnp.where(drop, jnp.tanh(batch["x"] @ p["w1"]), 0.0)
+            return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"] - batch["y"]) ** 2)
+        loss, g = jax.value_and_grad(loss)(p)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                 num_micro_batches=2))
+    with pytest.raises(meshplan.MeshplanError, match="split the next key off before"):
+        step(_state(), BATCH)
