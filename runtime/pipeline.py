@@ -320,12 +320,14 @@ class PipelineExecutable:
         first = min(split.inexact, key=lambda x: (x not in grads, what[x]))
         listed = sorted(set(what.values()))
         differ = _output_groups(self.flat, split.inexact, outputs)
+        subject = (f"outputs {', '.join(differ)} of this step differ" if differ else
+                   "this step differs")
         warnings.warn(
-            f"meshplan: with {self.m} micro-batches this step differs from the undecorated one"
-            f"{' in ' + ', '.join(differ) if differ else ''}: "
-            f"{', '.join(listed[:4])}{' ...' if len(listed) > 4 else ''} cannot be combined "
-            f"exactly from the micro-batches ({split.inexact[first]}); the pipeline averages "
-            "them over the micro-batches.  Plan with num_micro_batches=1 for the exact step",
+            f"meshplan: with {self.m} micro-batches, {subject} from the undecorated step's: "
+            f"what they are computed from ({', '.join(listed[:4])}"
+            f"{' ...' if len(listed) > 4 else ''}) cannot be combined exactly from the "
+            f"micro-batches ({split.inexact[first]}), and the pipeline averages it over them.  "
+            "Plan with num_micro_batches=1 for the exact step",
             stacklevel=4)
 
     # ---- running ----------------------------------------------------------

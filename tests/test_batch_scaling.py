@@ -231,7 +231,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
         def loss(p, b):
             t = _token_losses(p, b)
             return jnp.mean((t - jnp.mean(t)) ** 2 / (jnp.var(t) + 1e-3))
-        step, named, why = _step(loss), "in [0]['emb']", "per-example value computed from a sum"
+        step, named, why = _step(loss), "outputs [0]['emb']", "per-example value computed from a sum"
     elif case == "sort":
         # the median loss of the batch is no function of the micro-batches'
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
@@ -248,7 +248,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             u = p["emb"][b["tok"]].mean(1) @ p["w1"]
             logits = u @ (p["emb"][b["tgt"] % 32].mean(1) @ p["w1"]).T
             return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.diagonal(logits))
-        step, named, why = _step(loss), "in [0]['emb']", "a product of two examples"
+        step, named, why = _step(loss), "outputs [0]['emb']", "a product of two examples"
     elif case == "two-views":
         # the batch holds two views of each example, concatenated: a
         # micro-batch pairs other examples (silently, before the rule)
@@ -256,7 +256,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z = p["emb"][b["tok"]].mean(1) @ p["w1"]
             z1, z2 = jnp.split(z, 2)
             return jnp.mean((z1 - z2) ** 2) + jnp.mean(_token_losses(p, b))
-        step, named, why = _step(loss), "in [0]['emb']", "split along the batch axis"
+        step, named, why = _step(loss), "outputs [0]['emb']", "split along the batch axis"
     elif case == "two-views-reshaped":
         # the same pairing by a reshape: a dimension of 2 takes the batch
         # index's major part
@@ -264,7 +264,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             z = p["emb"][b["tok"]].mean(1) @ p["w1"]
             z = z.reshape(2, z.shape[0] // 2, -1)
             return jnp.mean((z[0] - z[1]) ** 2) + jnp.mean(_token_losses(p, b))
-        step, named, why = _step(loss), "in [0]['emb']", "reshape along the batch axis"
+        step, named, why = _step(loss), "outputs [0]['emb']", "reshape along the batch axis"
     elif case == "loop-count":
         # a loop run a number of times taken from the batch size: fewer
         # times per micro-batch (silently, before the rule)
@@ -273,7 +273,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             h = jax.lax.fori_loop(0, b["tok"].shape[0] // 8, lambda i, h: jnp.tanh(h @ p["w1"])
                                   @ p["w2"], h)
             return jnp.mean(h ** 2)
-        step, named, why = _step(loss), "in [0]['emb']", "number of steps depends on the batch"
+        step, named, why = _step(loss), "outputs [0]['emb']", "number of steps depends on the batch"
     elif case == "carried":
         # a recurrence over the examples: each reads the one before it
         def loss(p, b):
@@ -281,7 +281,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             hs = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w1"] @ p["w2"] + x),) * 2,
                               jnp.zeros(16), xs)[1]
             return jnp.mean(hs ** 2)
-        step, named, why = _step(loss), "in [0]['emb']", "from one example to the next"
+        step, named, why = _step(loss), "outputs [0]['emb']", "from one example to the next"
     elif case == "draw-per-example":
         # dropout drawn inside a lax.map over the examples, a key each
         def loss(p, b):
@@ -290,7 +290,7 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
                 return jnp.mean(jnp.where(jax.random.bernoulli(ex["key"], 0.7, t.shape), t, 0.0))
             keys = jax.random.split(jax.random.key(3), b["tok"].shape[0])
             return jnp.mean(jax.lax.map(one, {**b, "key": keys}))
-        step, named, why = _step(loss), "in [0]['emb']", "random draw over the batch inside a loop"
+        step, named, why = _step(loss), "outputs [0]['emb']", "random draw over the batch inside a loop"
     elif case == "draw-per-chunk":
         # the step's own accumulation over chunks, dropout drawn in each
         def loss(p, b):
@@ -302,13 +302,13 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
                 return total + jnp.sum(jnp.where(jax.random.bernoulli(k, 0.7, t.shape), t, 0)), None
             keys = jax.random.split(jax.random.key(3), 2)
             return jax.lax.scan(body, jnp.zeros(()), (chunks, keys))[0] / b["tok"].size
-        step, named, why = _step(loss), "in [0]['emb']", "random draw over the batch inside a loop"
+        step, named, why = _step(loss), "outputs [0]['emb']", "random draw over the batch inside a loop"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):
             t = _token_losses(p, b).mean(1)
             return jnp.mean(jax.lax.top_k(t, t.shape[0] // 4)[0])
-        step, named, why = _step(loss), "in [0]['emb']", "top_k along the batch axis"
+        step, named, why = _step(loss), "outputs [0]['emb']", "top_k along the batch axis"
     elif case == "running":
         # a running sum over the examples
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
@@ -337,7 +337,7 @@ def test_a_running_statistic_in_the_state_is_named_among_the_outputs_that_differ
         par, pm = meshplan.parallelize(step_fn, method=PIPE)(state, BATCH)
     ref, rm = jax.jit(step_fn)(state, BATCH)
     warned = [str(w.message) for w in caught if "micro-batches" in str(w.message)]
-    assert len(warned) == 1 and "differs from the undecorated one in [0]['var']:" in warned[0]
+    assert len(warned) == 1 and "outputs [0]['var'] of this step differ" in warned[0]
     assert float(jnp.max(jnp.abs(par["var"] - ref["var"]))) > 1e-4
     assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(par["p"]), jax.tree.leaves(ref["p"])):
@@ -358,7 +358,7 @@ def test_a_counter_of_the_examples_seen_is_named_among_the_outputs_that_differ()
         par, _ = meshplan.parallelize(step_fn, method=PIPE)(state, BATCH)
     warned = [str(w.message) for w in caught if "micro-batches" in str(w.message)]
     assert int(par["seen"]) != int(jax.jit(step_fn)(state, BATCH)[0]["seen"])
-    assert len(warned) == 1 and "in [0]['p'], [0]['seen']" in warned[0]
+    assert len(warned) == 1 and "outputs [0]['p'], [0]['seen']," in warned[0]
 
 
 def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():

@@ -333,8 +333,8 @@ def test_a_custom_vjp_that_clips_its_cotangent_is_warned_of():
     # cotangents are the micro-batch count times the whole batch's, and a
     # backward that clips them (not linear in the cotangent) clips other
     # values: no combination of micro-batches is the whole batch's gradient
-    with pytest.warns(UserWarning, match=r"in \[0\].*\(gradients, batch statistics\) cannot be "
-                                         r"combined exactly .*clipped"):
+    with pytest.warns(UserWarning, match=r"outputs \[0\].*\(gradients, batch statistics\)\) cannot "
+                                         r"be combined exactly .*clipped"):
         gap = _custom_vjp_gap(lambda g: jnp.clip(g, -0.01, 0.01))
     assert gap > 1e-3     # (the difference the warning names)
 
