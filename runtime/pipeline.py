@@ -106,7 +106,8 @@ from .multihost import global_view, is_multiprocess
 from .pipeline_driver import StepRun, Watcher, timeline_blocks, wire
 from .pipeline_partial import partial_sums
 from .pipeline_programs import (Program, RunningSums, StageLayouts, build_programs, closure_eqns,
-                                fixed_outputs, donations, returned_leaves)
+                                constant_gradients, fixed_outputs, donations,
+                                returned_leaves)
 from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
@@ -297,6 +298,7 @@ class PipelineExecutable:
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
                                                              self.donations, self.partial)
         self.fixed = fixed_outputs(split, flat)
+        self.constant_grads = constant_gradients(split, flat)
         self.returned = returned_leaves(split, flat)
         self.sums = RunningSums(split, flat, self.layouts, m, self.partial)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,

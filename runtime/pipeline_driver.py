@@ -414,6 +414,9 @@ class StepRun:
         return x in done if self.xp is None else x in self.split.producer
 
     def _update(self, done: dict[int, Any]) -> None:
+        keys, make = self.ex.constant_grads
+        if keys:
+            done.update(zip(keys, make()))
         for key in self.w.update_order:
             prog = self.ex.programs[key]
             s = key[1]
@@ -434,6 +437,8 @@ class StepRun:
         src = x if x in self.leaf_of or self._produced(x, done) else self.split.alias.get(x, x)
         if src in self.leaf_of:
             return self._arg_on(src, s, 0) if self.local[s] else None
+        if src in self.split.const_eqn:     # (made here: constant_gradients)
+            return self.tr.send(done[src], src, s) if self.local[s] else None
         xp, local = self.xp, self.local
         r = self.split.producer[src][1] if xp is not None else s
         if xp is None or (local[r] and local[s]):

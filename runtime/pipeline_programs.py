@@ -382,11 +382,26 @@ def fixed_outputs(split: StepSplit, flat: FlatJaxpr) -> tuple[tuple[int, ...], C
         if isinstance(x, Lit):
             makers[k] = lambda v=x.value: v
         elif x in split.const_eqn:
-            t = Task("K", 0, 0, [split.const_eqn[x]])
-            sub = _sub(flat, closure_eqns(t, split, flat), (), (x,))
-            makers[k] = lambda f=make_evaluator(sub, {}): f()[0]
+            makers[k] = _constant(split, flat, x)
     keys = tuple(makers)
     return keys, jax.jit(lambda: [makers[k]() for k in keys])
+
+
+def constant_gradients(split: StepSplit, flat: FlatJaxpr
+                       ) -> tuple[tuple[int, ...], Callable[[], Any]]:
+    """The marked gradients made from constants alone (the zeros of a
+    parameter the loss never reads, under meshplan.value_and_grad), which no
+    stage program makes, and a jitted function making them for the update."""
+    ids = tuple(sorted({i for i in split.alias.values() if i in split.const_eqn}))
+    makers = [_constant(split, flat, x) for x in ids]
+    return ids, jax.jit(lambda: [f() for f in makers])
+
+
+def _constant(split: StepSplit, flat: FlatJaxpr, x: int) -> Callable[[], Any]:
+    """A function computing the constant value ``x`` (traceable)."""
+    t = Task("K", 0, 0, [split.const_eqn[x]])
+    f = make_evaluator(_sub(flat, closure_eqns(t, split, flat), (), (x,)), {})
+    return lambda: f()[0]
 
 
 # ---------------------------------------------------------------------------

@@ -484,3 +484,18 @@ def test_the_next_key_split_off_with_the_batchs_keys_is_refused_with_the_fix():
                                                                  num_micro_batches=2))
     with pytest.raises(meshplan.MeshplanError, match="split the next key off before"):
         step(_state(), BATCH)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_marked_zero_gradient_of_a_parameter_the_loss_never_reads_pipelines(schedule):
+    # meshplan.value_and_grad marks the zeros jax makes for it: a constant no
+    # stage program computes (the update's driver looked it up and crashed)
+    def step_fn(state, batch):
+        p, o, key = state
+        loss, g = meshplan.value_and_grad(_loss)(p, batch["x"], batch["y"], key)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss}
+    p, o, key = _state()
+    p = {**p, "unused": jnp.ones((4, 4))}
+    _compare(step_fn, (p, SGD.init(p), key),
+             meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, schedule=schedule))
