@@ -154,3 +154,32 @@ def test_state_kept_per_layer_between_calls():
     assert pieces[0].sharding.device_set != pieces[3].sharding.device_set
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
     _assert_trees_close(step.stack_layers(layered), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
+    # a micro-batch of 4 rows and 4 stacked layers, gradients unmarked: a
+    # broadcast to the micro-batch's rows is no stacked value (it was made
+    # lazily, where first read, at this batch size only, and the step
+    # "traced to other operations" at the micro-batch)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"emb": jax.random.normal(k1, (16, 16)) * 0.3,
+              "w": jax.random.normal(k2, (4, 16, 16)) * 0.3}
+
+    def step_fn(p, batch):
+        def loss(p):
+            h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), p["emb"][batch["x"]],
+                                p["w"])
+            logits = h @ p["emb"].T
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+                logits, batch["y"][..., None], -1)[..., 0])
+        loss, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    tok = jax.random.randint(jax.random.key(1), (16, 9), 0, 16)
+    batch = {"x": tok[:, :-1], "y": tok[:, 1:]}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                 num_micro_batches=4))
+    par, metrics = step(params, batch)
+    ref, ref_metrics = jax.jit(step_fn)(params, batch)
+    assert step.plan.num_micro_batches == 4 and len(step.plan.stages) == 2
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    _assert_trees_close(par, ref, rtol=1e-4, atol=1e-5)

@@ -152,11 +152,15 @@ def _elementwise(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     return [_Stack(n, pieces)]
 
 
-def _broadcast(eqn: Any, invals: Sequence[Any], lengths: frozenset[int]) -> list[Any] | None:
-    """A broadcast along the leading axis (the learning rate times a stacked
-    update): a lazy stack, so the pieces need not be sliced out of it."""
+def _broadcast(eqn: Any, invals: Sequence[Any], shapes: frozenset[tuple[int, ...]]
+               ) -> list[Any] | None:
+    """A broadcast to a stacked leaf's shape (the learning rate times a
+    stacked update): a lazy stack, so the pieces need not be sliced out of
+    it.  (Not any leading axis of a layer count: a value of the batch whose
+    rows are as many would be made where it is first read, at one batch
+    size but not at another.)"""
     shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
-    if not shape or shape[0] not in lengths or 0 in dims or isinstance(invals[0], _Stack):
+    if tuple(shape) not in shapes or 0 in dims or isinstance(invals[0], _Stack):
         return None
     x = _whole(invals[0])
     return [_Stack(shape[0],
@@ -180,7 +184,8 @@ def _marker(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return res
 
 
-def _scan(eqn: Any, invals: Sequence[Any], lengths: frozenset[int]) -> list[Any] | None:
+def _scan(eqn: Any, invals: Sequence[Any], shapes: frozenset[tuple[int, ...]]
+          ) -> list[Any] | None:
     p = eqn.params
     n, nc, ncarry = p["length"], p["num_consts"], p["num_carry"]
     xs = invals[nc + ncarry:]
@@ -194,7 +199,7 @@ def _scan(eqn: Any, invals: Sequence[Any], lengths: frozenset[int]) -> list[Any]
         consts = [_fresh(v, memo) for v in invals[:nc]]
         x_i = [x.piece(i) if isinstance(x, _Stack)
                else lax.index_in_dim(_whole(x), i, keepdims=False) for x in xs]
-        out = _eval(body, body_consts, consts + carry + x_i, lengths)
+        out = _eval(body, body_consts, consts + carry + x_i, shapes)
         carry = [_whole(v) for v in out[:ncarry]]
         for k, y in enumerate(out[ncarry:]):
             ys[k][i] = y
@@ -210,7 +215,7 @@ def _cheap(eqn: Any) -> bool:
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-          lengths: frozenset[int]) -> list[Any]:
+          shapes: frozenset[tuple[int, ...]]) -> list[Any]:
     """Evaluate ``jaxpr`` (tracing it again) with stacked values kept apart."""
     env: dict[Any, Any] = {}
 
@@ -231,13 +236,13 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             elif name in MARKERS:
                 out = _marker(eqn, invals)
             elif name == "scan":
-                out = _scan(eqn, invals, lengths)
+                out = _scan(eqn, invals, shapes)
             elif name in INLINE_CALLS and name not in REMAT_CALLS \
                     and INLINE_CALLS[name] in eqn.params:
                 inner, inner_consts = _closed_parts(eqn.params[INLINE_CALLS[name]])
-                out = _eval(inner, inner_consts, invals, lengths)
+                out = _eval(inner, inner_consts, invals, shapes)
         elif name == "broadcast_in_dim":
-            out = _broadcast(eqn, invals, lengths)
+            out = _broadcast(eqn, invals, shapes)
         if out is None and _cheap(eqn) and all(
                 isinstance(x, _Const) or isinstance(v, jcore.Literal)
                 for v, x in zip(eqn.invars, invals)):
@@ -375,7 +380,7 @@ def unstack_scanned_layers(graph: Graph, fn: Callable, abstract: Sequence[Any]
                 k += 1
         closed, out_shape = jax.make_jaxpr(
             lambda *a: fn(*a), return_shape=True)(*jax.tree_util.tree_unflatten(in_tree, whole))
-        outs = _eval(closed.jaxpr, closed.consts, vals, lengths)
+        outs = _eval(closed.jaxpr, closed.consts, vals, shapes)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         res, out_mask = [], []
         for o, v in zip(out_leaves, outs):
