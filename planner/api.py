@@ -199,7 +199,8 @@ class Parallelized:
             self._cache[_signature(abstract)] = (p, executable)
             executable = (_rolled(self.fn, p, traced, _abstract(args),
                                   self._donate(graph, len(args)))
-                          or _Unstacking(executable, unstacked, jax.tree.structure(tuple(args))))
+                          or _Unstacking(executable, unstacked, jax.tree.structure(tuple(args)),
+                                         self._donate(graph, len(args))))
         self._cache[sig] = (p, executable)
         self._last = p
         return p, executable
@@ -359,19 +360,30 @@ class _Unstacking:
     """An executable of the rewritten step (:mod:`meshplan.trace.unstack`) called
     with the user's stacked arguments: split on the way in, stacked on the way out."""
 
-    def __init__(self, inner: Any, unstacked: Unstacked, in_tree: Any) -> None:
+    def __init__(self, inner: Any, unstacked: Unstacked, in_tree: Any,
+                 donated: tuple[int, ...] = ()) -> None:
         self.inner = inner
         self.unstacked = unstacked
         self.in_tree = in_tree      # the stacked arguments' structure
+        self.donated = donated
 
     def __call__(self, *args: Any) -> Any:
-        return self.unstacked.restore(self.inner(*self.unstacked.split(args)))
+        out = self.unstacked.restore(self.inner(*self.unstacked.split(args)))
+        self._consume(args)
+        return out
 
     def call_fast(self, args: tuple[Any, ...]) -> Any:
         from meshplan.runtime import FastPathMiss
         if jax.tree.structure(tuple(args)) != self.in_tree:
             raise FastPathMiss("not the stacked arguments")   # e.g. already per layer
-        return self.unstacked.restore(self.inner.call_fast(self.unstacked.split(args)))
+        out = self.unstacked.restore(self.inner.call_fast(self.unstacked.split(args)))
+        self._consume(args)
+        return out
+
+    def _consume(self, args: Sequence[Any]) -> None:
+        # the donated stacked arrays go as jax.jit's donated arguments go
+        # (the program consumed their pieces)
+        self.unstacked.delete_split(args, self.donated)
 
     def lower(self, *args: Any) -> Any:
         return self.inner.lower(*self.unstacked.split(args))

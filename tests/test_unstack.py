@@ -156,11 +156,9 @@ def test_state_kept_per_layer_between_calls():
     _assert_trees_close(step.stack_layers(layered), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
-    # a micro-batch of 4 rows and 4 stacked layers, gradients unmarked: a
-    # broadcast to the micro-batch's rows is no stacked value (it was made
-    # lazily, where first read, at this batch size only, and the step
-    # "traced to other operations" at the micro-batch)
+def _scanned_step():
+    """A step over 4 layers stacked in a lax.scan, gradients unmarked, its
+    parameters and a batch of 16 rows."""
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {"emb": jax.random.normal(k1, (16, 16)) * 0.3,
               "w": jax.random.normal(k2, (4, 16, 16)) * 0.3}
@@ -175,7 +173,15 @@ def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
         loss, g = jax.value_and_grad(loss)(p)
         return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
     tok = jax.random.randint(jax.random.key(1), (16, 9), 0, 16)
-    batch = {"x": tok[:, :-1], "y": tok[:, 1:]}
+    return step_fn, params, {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+
+def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
+    # a micro-batch of 4 rows and 4 stacked layers: a broadcast to the
+    # micro-batch's rows is no stacked value (it was made lazily, where
+    # first read, at this batch size only, and the step "traced to other
+    # operations" at the micro-batch)
+    step_fn, params, batch = _scanned_step()
     step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
                                                                  num_micro_batches=4))
     par, metrics = step(params, batch)
@@ -183,3 +189,19 @@ def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
     assert step.plan.num_micro_batches == 4 and len(step.plan.stages) == 2
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
     _assert_trees_close(par, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(),
+                                    meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)])
+def test_donated_stacked_arrays_are_deleted_as_jit_deletes_them(method):
+    # the step runs on per-layer pieces; the stacked arrays it was given
+    # stayed alive beside the new ones (twice the parameters' memory)
+    step_fn, params, batch = _scanned_step()
+    params = jax.device_put(params)
+    step = meshplan.parallelize(step_fn, method=method, donate_argnums=(0,))
+    new, _ = step(params, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
+    again, _ = step(new, batch)      # (what it returned runs again, and goes too)
+    assert all(x.is_deleted() for x in jax.tree.leaves(new))
+    with pytest.raises(meshplan.MeshplanError, match="donated"):
+        step(params, batch)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from ..errors import MeshplanError
+from ..errors import MeshplanError, RuntimeStageError
 from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
 from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph, stacked_scan_inputs
 from .walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
@@ -290,17 +290,30 @@ class Unstacked:
     def _splits(self, a: int, x: Any) -> bool:
         return a not in self.batch_argnums and tuple(getattr(x, "shape", ())) in self.shapes
 
+    def delete_split(self, args: Sequence[Any], argnums: Sequence[int]) -> None:
+        """Delete the arrays of arguments ``argnums`` that :meth:`split` cut
+        into pieces (donated: the step ran on, and consumed, the pieces)."""
+        for a in argnums:
+            for x in jax.tree.leaves(args[a]) if a < len(args) else ():
+                if isinstance(x, jax.Array) and self._splits(a, x) and not x.is_deleted():
+                    x.delete()
+
     def split(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """The user's arguments as the rewritten step takes them."""
-        def one(a: int, x: Any) -> Any:
+        def one(a: int, path: Any, x: Any) -> Any:
             if not self._splits(a, x):
                 return x
             if isinstance(x, jax.ShapeDtypeStruct):
                 return tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for _ in range(x.shape[0]))
             if not isinstance(x, jax.Array):    # host data stays on the host
                 return tuple(x[i] for i in range(x.shape[0]))
+            if x.is_deleted():
+                raise RuntimeStageError(
+                    f"argument {a}{jax.tree_util.keystr(path)} was donated to an earlier call "
+                    "and has been deleted; pass the state that call returned")
             return _unstack_array(x)
-        return tuple(jax.tree.map(lambda x, a=a: one(a, x), arg) for a, arg in enumerate(args))
+        return tuple(jax.tree_util.tree_map_with_path(lambda p, x, a=a: one(a, p, x), arg)
+                     for a, arg in enumerate(args))
 
     def _is_pieces(self, x: Any) -> bool:
         return (type(x) is tuple and len(x) > 0 and all(hasattr(p, "shape") for p in x)
