@@ -290,8 +290,10 @@ class PipelineExecutable:
             self.donated = frozenset()
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
         # data-parallel gradients reduced once per step (see pipeline_partial;
-        # it rewrites whole backwards, not zb-h1's W programs)
-        if self.schedule == "zb-h1":
+        # it rewrites whole backwards, not zb-h1's W programs, and replays
+        # each on a data shard's rows: not where a statistic of the
+        # micro-batch is inexact already, which would become the shard's)
+        if self.schedule == "zb-h1" or split.inexact:
             retrace = None
         self.partial = partial_sums(retrace, traced, plan, self.meshes, split,
                                     closure_eqns, self.layouts.planned)

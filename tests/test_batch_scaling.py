@@ -440,3 +440,31 @@ def test_an_analysis_that_fails_warns_and_averages(monkeypatch):
     gap, warned = _run(_step(lambda p, b: jnp.mean(_token_losses(p, b))))
     assert len(warned) == 1 and "could not tell how this step's values scale" in warned[0]
     assert gap < 1e-5       # (a mean loss: averaging is exact)
+
+
+def test_an_inexact_step_is_the_average_of_its_micro_batches_under_data_parallelism():
+    # batch normalisation: warned of, and then what the warning says (the
+    # micro-batches' steps averaged), not statistics of each data shard's
+    # rows (the once-a-step reduction replays a backward on a shard's rows)
+    def step_fn(p, b):
+        def loss(p):
+            h = b["x"] @ p["w1"] + p["b1"]
+            h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+            return jnp.mean((jax.nn.relu(h) @ p["w2"] - b["y"]) ** 2)
+        loss, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"w1": jax.random.normal(k[0], (8, 16)) * 0.3, "b1": jnp.zeros(16),
+         "w2": jax.random.normal(k[1], (16, 4)) * 0.3}
+    b = {"x": jax.random.normal(k[2], (16, 8)), "y": jax.random.normal(k[3], (16, 4))}
+    halves = [jax.jit(step_fn)(p, jax.tree.map(lambda a: a[i * 8:(i + 1) * 8], b))
+              for i in range(2)]
+    average = jax.tree.map(lambda x, y: (x + y) / 2, *halves)
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=4, pp=1,
+                                                                 num_micro_batches=2))
+    with pytest.warns(UserWarning, match="averages it over them"):
+        par = step(p, b)
+    _, rm = jax.jit(step_fn)(p, b)
+    assert abs(float(par[1]["loss"]) - float(rm["loss"])) > 1e-4
+    for x, y in zip(jax.tree.leaves(par), jax.tree.leaves(average)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
