@@ -367,6 +367,8 @@ def _start(shape: tuple[int, ...], dtype: Any, extremum: str) -> Any:
     smallest (largest) value."""
     if not extremum:
         return jax.numpy.zeros(shape, dtype)
+    if jax.numpy.dtype(dtype) == jax.numpy.bool_:
+        return jax.numpy.full(shape, extremum == "min", dtype)
     info = jax.numpy.finfo(dtype) if jax.numpy.issubdtype(dtype, jax.numpy.inexact) \
         else jax.numpy.iinfo(dtype)
     return jax.numpy.full(shape, info.min if extremum == "max" else info.max, dtype)

@@ -125,7 +125,10 @@ def test_maxima_and_minima_over_the_batch_are_the_micro_batches_extremes():
                             "longest": jnp.max(jnp.sum(b["tgt"] >= 0, 1)),      # (an integer)
                             "max_logit": jnp.max(p["emb"][b["tok"]] @ p["emb"].T).astype(
                                 jnp.bfloat16),
-                            "tokens": jnp.sum(mask(b))}))
+                            "tokens": jnp.sum(mask(b)),
+                            # (a bool's any and all: its largest and smallest)
+                            "any_hard": jnp.any(_token_losses(p, b) > 4.0),
+                            "all_easy": jnp.all(_token_losses(p, b) < 10.0, axis=0)}))
     assert gap < 1e-5 and not warned
 
 

@@ -113,6 +113,9 @@ _EQUAL = frozenset({"add", "sub", "add_any", "max", "min", "concatenate", "clamp
                     "dynamic_update_slice", "scatter-add", "scatter_add", "scatter", "select_n",
                     "eq", "ne", "gt", "ge", "lt", "le"})
 _TO_ZERO = frozenset({"sign", "eq", "ne", "gt", "ge", "lt", "le", "argmax", "argmin"})
+# reductions over the batch that combine as the micro-batches' largest or
+# smallest (a bool's any and all: the largest and smallest of its values)
+_EXTREMA = {"reduce_max": "max", "reduce_min": "min", "reduce_or": "max", "reduce_and": "min"}
 _INDEX_ARGS = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2, "scatter-add": 1,
                "scatter_add": 1, "scatter": 1}
 
@@ -552,8 +555,8 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
                                  "gradient)")
         return Info("P", degree)
     if any(i.kind == "P" for i in ins):      # a reduction over the batch
-        if name in ("reduce_max", "reduce_min") and not sums and degree == 0:
-            return Info("M", degree, extremum=name[len("reduce_"):])
+        if name in _EXTREMA and not sums and degree == 0:
+            return Info("M", degree, extremum=_EXTREMA[name])
         if name not in _SUMS or sums:
             return Info("X", why=f"{name} over the examples of the batch (some examples picked, "
                                  "a maximum, a sort): only sums over them combine exactly "
