@@ -116,6 +116,17 @@ def test_per_example_gradients_clipped_then_averaged_pipeline_exactly():
     assert gap < 1e-5 and not warned
 
 
+def test_a_guarded_division_by_the_batchs_count_pipelines_exactly():
+    # keras.ops.divide_no_nan, keras' default loss reduction: the count from
+    # the shape guarded by where(n == 0, 1, n) is still the count
+    def loss(p, b):
+        t = _token_losses(p, b)
+        n = jnp.asarray(t.size, jnp.float32)
+        return jnp.where(n == 0, 0, jnp.sum(t) / jnp.where(n == 0, 1, n))
+    gap, warned = _run(_step(loss))
+    assert gap < 1e-5 and not warned
+
+
 def test_maxima_and_minima_over_the_batch_are_the_micro_batches_extremes():
     mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
     gap, warned = _run(_step(

@@ -53,6 +53,7 @@ import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jcore
 
+from ..flops import ELEMENTWISE
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
 from .walk import INLINE_CALLS, _closed_parts, same_stream
@@ -151,6 +152,10 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
         if env[i].degree != 0 and np.size(c) == 1:
             consts[i] = c_full
     literals: dict[tuple[int, int], Any] = {}
+    # scalars made from literals and constants alone, at both sizes
+    known: dict[int, tuple[Any, Any]] = {
+        i: (c, c_full) for (i, c), c_full in zip(zip(micro.constvars, micro.consts), full.consts)
+        if np.size(c) == 1 and np.size(c_full) == 1}
     for fe, fe_full in zip(micro.eqns, full.eqns):
         ins = []
         for pos, (x, y) in enumerate(zip(fe.invars, fe_full.invars)):
@@ -161,10 +166,49 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
                 ins.append(info)
             else:
                 ins.append(env[x])
-        pe = [_shape(micro.avals[o]) != _shape(full.avals.get(o)) for o in fe.outvars]
-        outs = _eqn(fe.eqn, fe_full.eqn, ins, pe, m)
+        folded = _fold(fe, fe_full, known)
+        if folded is not None:
+            # (computed here, at both sizes: ``where(n == 0, 1, n)`` of a
+            # count is the count, as keras.ops.divide_no_nan makes it)
+            known[fe.outvars[0]] = folded
+            outs = [_literal(*folded, m)]
+        else:
+            pe = [_shape(micro.avals[o]) != _shape(full.avals.get(o)) for o in fe.outvars]
+            outs = _eqn(fe.eqn, fe_full.eqn, ins, pe, m)
         env.update((o, Info("N") if o in stats else i) for o, i in zip(fe.outvars, outs))
     return Scaling(env, literals, consts)
+
+
+# what a value made from literals alone is folded through (:func:`_fold`)
+_FOLDABLE = ELEMENTWISE | {"select_n", "convert_element_type", "broadcast_in_dim", "reshape"}
+
+
+def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[Any, Any] | None:
+    """The value of an equation's one scalar output at the micro-batch and
+    at the whole batch, where its operands are literals or such values (what
+    a count taken from a shape becomes); else None."""
+    if fe.eqn.primitive.name not in _FOLDABLE or len(fe.outvars) != 1 or not fe.invars:
+        return None
+    ins: list[list[Any]] = [[], []]
+    for x, y in zip(fe.invars, fe_full.invars):
+        if isinstance(x, Lit) and isinstance(y, Lit):
+            pair = (x.value, y.value)
+        elif isinstance(x, int) and x in known:
+            pair = known[x]
+        else:
+            return None
+        if np.size(pair[0]) != 1 or np.size(pair[1]) != 1:
+            return None
+        ins[0].append(pair[0])
+        ins[1].append(pair[1])
+    try:
+        a, b = (np.asarray(e.eqn.primitive.bind(*vals, **e.eqn.params))
+                for e, vals in ((fe, ins[0]), (fe_full, ins[1])))
+    except Exception:       # (what does not bind eagerly stays unfolded)
+        return None
+    # (scalars only: an array's Info is its shape's, per example where it
+    # has the batch's rows)
+    return (a, b) if a.size == 1 and a.shape == b.shape else None
 
 
 def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
