@@ -437,7 +437,7 @@ class StepRun:
         src = x if x in self.leaf_of or self._produced(x, done) else self.split.alias.get(x, x)
         if src in self.leaf_of:
             return self._arg_on(src, s, 0) if self.local[s] else None
-        if src in self.split.const_eqn:     # (made here: constant_gradients)
+        if src in self.ex.constant_grads[0]:     # (made here: constant_gradients)
             return self.tr.send(done[src], src, s) if self.local[s] else None
         xp, local = self.xp, self.local
         r = self.split.producer[src][1] if xp is not None else s

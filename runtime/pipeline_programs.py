@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import StalePlanError
 from meshplan.plan import Plan
-from meshplan.traced import FlatJaxpr, Lit, TracedStep
+from meshplan.traced import GRAD_BOUNDARY, FlatJaxpr, Lit, TracedStep
 
 from .reads import read_layouts
 from .pipeline_partial import PartialSums, acc_sharding, partial_program
@@ -393,10 +393,19 @@ def constant_gradients(split: StepSplit, flat: FlatJaxpr
                        ) -> tuple[tuple[int, ...], Callable[[], Any]]:
     """The marked gradients made from constants alone (the zeros of a
     parameter the loss never reads, under meshplan.value_and_grad), which no
-    stage program makes, and a jitted function making them for the update."""
-    ids = tuple(sorted({i for i in split.alias.values() if i in split.const_eqn}))
-    makers = [_constant(split, flat, x) for x in ids]
-    return ids, jax.jit(lambda: [f() for f in makers])
+    stage program makes: their ids (the marker's operand, or its output
+    where the operand is a literal) and a jitted function making them for
+    the update."""
+    makers: dict[int, Callable[[], Any]] = {}
+    for fe in flat.eqns:
+        if fe.eqn.primitive.name == GRAD_BOUNDARY:
+            for i, o in zip(fe.invars, fe.outvars):
+                if isinstance(i, Lit):
+                    makers[o] = lambda v=i.value, a=flat.avals[o]: jax.numpy.asarray(v, a.dtype)
+                elif i in split.const_eqn:
+                    makers[i] = _constant(split, flat, i)
+    ids = tuple(sorted(makers))
+    return ids, jax.jit(lambda: [makers[k]() for k in ids])
 
 
 def _constant(split: StepSplit, flat: FlatJaxpr, x: int) -> Callable[[], Any]:

@@ -496,6 +496,6 @@ def test_a_marked_zero_gradient_of_a_parameter_the_loss_never_reads_pipelines(sc
         u, o = SGD.update(g, o, p)
         return (optax.apply_updates(p, u), o, key), {"loss": loss}
     p, o, key = _state()
-    p = {**p, "unused": jnp.ones((4, 4))}
+    p = {**p, "unused": jnp.ones((4, 4)), "unused_scalar": jnp.float32(1.0)}   # (a literal zero)
     _compare(step_fn, (p, SGD.init(p), key),
              meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, schedule=schedule))
