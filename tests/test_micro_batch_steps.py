@@ -499,3 +499,23 @@ def test_a_marked_zero_gradient_of_a_parameter_the_loss_never_reads_pipelines(sc
     p = {**p, "unused": jnp.ones((4, 4)), "unused_scalar": jnp.float32(1.0)}   # (a literal zero)
     _compare(step_fn, (p, SGD.init(p), key),
              meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2, schedule=schedule))
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(),
+                                    meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)])
+def test_a_cond_between_two_forwards_of_several_layers_is_differentiated_through(method):
+    # the forward cond hands its backward residuals that depend on the
+    # batch and are no per-example values: they were taken for gradients,
+    # and the marker came before the backward cond that makes the real ones
+    # (a KeyError under ShardParallel, a refusal with micro-batches)
+    def step_fn(state, batch):
+        p, o, key = state
+
+        def loss(p):
+            fwd = lambda act: (lambda h: jnp.tanh(act(h @ p["w1"]) @ p["w2"]) @ p["w3"])
+            out = jax.lax.cond(p["w3"][0, 0] > 0, fwd(jnp.tanh), fwd(jax.nn.relu), batch["x"])
+            return jnp.mean((out - batch["y"]) ** 2)
+        loss, g = jax.value_and_grad(loss)(p)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss}
+    _compare(step_fn, _state(), method)

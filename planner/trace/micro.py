@@ -313,6 +313,7 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
                 and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact))
     grads = [o for fe in eqns if any(isinstance(x, int) and x in per_example for x in fe.invars)
              for o in fe.outvars if gradient(o)]
+    grads = _not_feeding(eqns, grads)
     try:
         _check_outputs(flat, grads, per_example, forward, bdep, metrics)
     except TraceError:
@@ -328,6 +329,16 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
     if not grads:
         return flat
     return _insert_marker(flat, _through_glue(flat, grads))
+
+
+def _not_feeding(eqns: Sequence[FlatEqn], grads: list[int]) -> list[int]:
+    """``grads`` less those another of them is computed from (a residual a
+    lax.cond's forward hands its backward is no gradient: the marker would
+    have to come both before and after the backward cond)."""
+    made = set(grads)
+    up = _ancestors(eqns, {x for fe in eqns if not made.isdisjoint(fe.outvars)
+                           for x in fe.invars if isinstance(x, int)})
+    return [g for g in grads if g not in up]
 
 
 def _gradients_of_sums(eqns: Sequence[FlatEqn], grads: list[int], sums: set[int],
