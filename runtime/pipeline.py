@@ -293,8 +293,10 @@ class PipelineExecutable:
         # it rewrites whole backwards, not zb-h1's W programs, and replays
         # each on a data shard's rows: not where a statistic of the
         # micro-batch is inexact already, which would become the shard's)
-        if self.schedule == "zb-h1" or split.inexact:
-            retrace = None
+        if self.schedule == "zb-h1" or split.inexact or any(
+                not fe.outvars and split.eqn_phase[k] == "B" for k, fe in enumerate(flat.eqns)):
+            retrace = None      # (nor where a backward holds a host callback: shard_map's
+            #                     manual axes take it no mesh to run under)
         self.partial = partial_sums(retrace, traced, plan, self.meshes, split,
                                     closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,

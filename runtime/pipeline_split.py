@@ -421,6 +421,7 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
     effect = {k for k, fe in enumerate(eqns)
               if not fe.outvars and any(isinstance(x, int) and x in flow.bdep for x in fe.invars)
               and not any(isinstance(x, int) and x in after for x in fe.invars)}
+    aside = _effects_of_forward(eqns, effect, forward, flow.producer_eqn)
     in_c = [False] * n
     for k in range(n - 1, -1, -1):
         fe = eqns[k]
@@ -443,10 +444,34 @@ def _phases(eqns: Sequence[FlatEqn], flow: _Flow, forward: Sequence[bool],
         elif flow.is_const[k]:
             phase.append("K")
         elif in_c[k] and k not in once:
-            phase.append("F" if forward[k] else "B")
+            phase.append("F" if forward[k] or k in aside else "B")
         else:
             phase.append("A")
     return phase
+
+
+def _effects_of_forward(eqns: Sequence[FlatEqn], effect: set[int], forward: Sequence[bool],
+                        producer_eqn: dict[int, int]) -> set[int]:
+    """The effects (:func:`_phases`) that read forward values alone, and
+    the equations only they read (``jnp.mean(h)`` printed): they run with
+    the forward, though the loss is computed from none of them."""
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, fe in enumerate(eqns):
+        for x in fe.invars:
+            if isinstance(x, int):
+                readers[x].append(k)
+    feeding = set(effect)       # (read by the effects alone)
+    for k in range(len(eqns) - 1, -1, -1):
+        outs = eqns[k].outvars
+        if k not in feeding and outs and all(
+                readers[o] and all(r in feeding for r in readers[o]) for o in outs):
+            feeding.add(k)
+    aside: set[int] = set()
+    for k, fe in enumerate(eqns):
+        if k in feeding and all(forward[producer_eqn[x]] or producer_eqn[x] in aside
+                                for x in fe.invars if isinstance(x, int) and x in producer_eqn):
+            aside.add(k)
+    return aside
 
 
 def _keep_pipeline(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],

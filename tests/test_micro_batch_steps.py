@@ -519,3 +519,24 @@ def test_a_cond_between_two_forwards_of_several_layers_is_differentiated_through
         u, o = SGD.update(g, o, p)
         return (optax.apply_updates(p, u), o, key), {"loss": loss}
     _compare(step_fn, _state(), method)
+
+
+def test_a_callback_on_a_value_only_it_reads_runs_with_the_forward():
+    # jnp.mean(h) read by jax.debug.print alone: no ancestor of the loss, it
+    # ran in a backward, under the once-a-step reduction's shard_map, and
+    # failed ("the context mesh cannot be empty")
+    seen = []
+
+    def step_fn(state, batch):
+        p, o, key = state
+
+        def loss(p):
+            h = jnp.tanh(batch["x"] @ p["w1"])
+            jax.debug.callback(lambda v: seen.append(float(v)), jnp.mean(h))
+            return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"] - batch["y"]) ** 2)
+        loss, g = jax.value_and_grad(loss)(p)
+        u, o = SGD.update(g, o, p)
+        return (optax.apply_updates(p, u), o, key), {"loss": loss}
+    _compare(step_fn, _state(), meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), steps=1)
+    assert len(seen) == 3       # (jit's one, and one per micro-batch)
+    assert (seen[1] + seen[2]) / 2 == pytest.approx(seen[0], rel=1e-5)
