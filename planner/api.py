@@ -185,7 +185,9 @@ class Parallelized:
             if p.graph_fingerprint != graph.fingerprint:
                 raise StalePlanError(
                     f"the saved plan was made for another function or other argument shapes "
-                    f"(plan fingerprint {p.graph_fingerprint[:12]}, this call "
+                    f"(a saved plan holds for the shapes it was made for: a batch of another "
+                    f"size, as an epoch's last, needs a plan of its own; plan fingerprint "
+                    f"{p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
                     f"`meshplan plan ... --json FILE` with the same model options")
         else:

@@ -130,7 +130,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  fingerprint:     {s['fingerprint']}")
     print("  ops by primitive: " + ", ".join(
         f"{k} {v}" for k, v in list(s["ops_by_primitive"].items())[:12]))
-    print(f"  biggest ops by FLOPs:")
+    print("  biggest ops by FLOPs:")
     for b in s["biggest_ops"]:
         shapes = " ".join("x".join(map(str, sh)) or "()" for sh in b["output_shapes"])
         print(f"    n{b['node']:<6} {b['primitive']:<22} {b['flops']:.3g} FLOPs -> {shapes}  {b['scope']}")
@@ -311,6 +311,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if target.init is None:
         raise ModelConfigError("meshplan run needs a built-in model (--model) with concrete data")
     if args.plan:
+        given = [f"--{k.replace('_', '-')}" for k, default in _PLANNING_DEFAULTS.items()
+                 if getattr(args, k, default) != default]
+        if given:
+            raise ModelConfigError(f"--plan runs the saved plan as it is; drop {', '.join(given)} "
+                                   "(or drop --plan to plan with them)")
         try:
             text = open(args.plan).read()
         except OSError as e:
@@ -416,6 +421,13 @@ def _fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
     return value
+
+
+# the planning flags and their defaults (``meshplan run --plan`` takes none of them)
+_PLANNING_DEFAULTS = {"method": "auto", "mesh": None, "dp": None, "tp": None, "pp": None,
+                      "micro_batches": None, "schedule": "auto", "max_stages": None,
+                      "memory_fraction": 0.9, "tp_within_host": False, "remat": None,
+                      "offload": None, "time_limit": 60.0}
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:

@@ -198,6 +198,8 @@ def _files(tmp_path):
     (["run", "--model", "mlp", "--plan", "{tmp}/notjson.plan"], "not valid JSON"),
     (["run", "--model", "mlp", "--plan", "{tmp}/noformat.plan"], "malformed plan"),
     (["run", "--model", "mlp", "--plan", "{tmp}/oldformat.plan"], "meshplan.plan/0"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/missing.plan", "--method", "shard", "--mesh",
+      "2x4"], "drop --method, --mesh"),
     (["run", "--fn", "cli_usermod:make"], "--model"),
     (["run", "--model", "mlp", "--steps", "0"], "--steps"),
     (["run", "--model", "mlp", "--tolerance", "-1"], "--tolerance"),
