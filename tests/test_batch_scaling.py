@@ -127,6 +127,18 @@ def test_a_guarded_division_by_the_batchs_count_pipelines_exactly():
     assert gap < 1e-5 and not warned
 
 
+def test_a_slice_at_a_computed_start_pipelines_exactly():
+    # dynamic_slice along the features, its start taken from a parameter:
+    # the backward's dynamic_update_slice has one index operand a dimension
+    def loss(p, b):
+        h = p["emb"][b["tok"]]
+        start = jnp.argmax(p["w1"][0]) % 8
+        h = jax.lax.dynamic_slice_in_dim(h, start, 8, axis=2)
+        return jnp.mean(jnp.tanh(h @ p["w1"][:8]) @ p["w2"])
+    gap, warned = _run(_step(loss))
+    assert gap < 1e-5 and not warned
+
+
 def test_maxima_and_minima_over_the_batch_are_the_micro_batches_extremes():
     mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
     gap, warned = _run(_step(

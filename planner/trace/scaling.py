@@ -637,6 +637,8 @@ def _degree(name: str, params: Mapping[str, Any], ins: Sequence[Info]) -> Fracti
                         "square": 2}.get(name, Fraction(params.get("y", 1)))
     skip = _INDEX_ARGS.get(name)
     operands = [i for k, i in enumerate(ins) if k != skip and not (name == "select_n" and k == 0)]
+    if name in ("dynamic_slice", "dynamic_update_slice"):    # (one index operand a dimension)
+        operands = list(ins[:skip])
     if name in _EQUAL:
         return _same(operands)
     if name in _LINEAR or name in _HOMOGENEOUS:
