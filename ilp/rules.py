@@ -522,6 +522,7 @@ def _rules() -> Mapping[str, Rule]:
         "slice": slice_like_rule,
         "pad": slice_like_rule,
         "dynamic_slice": slice_like_rule,
+        "tile": slice_like_rule,      # (the dimensions repeated once may be split)
         "dynamic_update_slice": dynamic_update_slice_rule,
         "concatenate": concatenate_rule,
         "split": split_rule,

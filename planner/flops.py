@@ -51,6 +51,7 @@ reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
 dynamic_update_slice concatenate pad gather rev iota select_and_gather_add
 copy device_put sharding_constraint stack unstack split convert_layout
 mesh_cast reshard pvary psum_invariant axis_index empty empty2 full_like name platform_index
+tile
 """.split()) | IDENTITY_MARKERS
 
 # Host callbacks with no outputs (jax.debug.callback, jax.debug.print): the

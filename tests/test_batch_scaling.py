@@ -139,6 +139,18 @@ def test_a_slice_at_a_computed_start_pipelines_exactly():
     assert gap < 1e-5 and not warned
 
 
+def test_a_tile_along_the_features_is_sharded_and_pipelines_exactly():
+    # jnp.tile is a primitive of its own: known (no unknown-primitive
+    # warning, no work planned replicated) and exact with micro-batches
+    def loss(p, b):
+        h = jnp.tile(p["emb"][b["tok"]], (1, 1, 2))
+        return jnp.mean(jnp.tanh(h[..., :16] @ p["w1"]) @ p["w2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gap, warned = _run(_step(loss))
+    assert gap < 1e-5 and not [w for w in caught if "meshplan" in str(w.message)]
+
+
 def test_maxima_and_minima_over_the_batch_are_the_micro_batches_extremes():
     mask = lambda b: (b["tgt"] >= 0).astype(jnp.float32)
     gap, warned = _run(_step(
@@ -250,7 +262,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
                                   "two-views-reshaped", "hardest", "running", "loop-count",
-                                  "carried", "draw-per-example", "draw-per-chunk"])
+                                  "carried", "draw-per-example", "draw-per-chunk", "tiled"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -329,6 +341,13 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             keys = jax.random.split(jax.random.key(3), 2)
             return jax.lax.scan(body, jnp.zeros(()), (chunks, keys))[0] / b["tok"].size
         step, named, why = _step(loss), "outputs [0]['emb']", "random draw over the batch inside a loop"
+    elif case == "tiled":
+        # the batch repeated (jnp.tile along it): each micro-batch repeats its own
+        def loss(p, b):
+            z = p["emb"][b["tok"]].mean(1) @ p["w1"]
+            zz = jnp.tile(z, (2, 1))
+            return jnp.mean((zz[: z.shape[0] + 1] - zz[1: z.shape[0] + 2]) ** 2)
+        step, named, why = _step(loss), "outputs [0]['emb']", "tile along the batch axis"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):

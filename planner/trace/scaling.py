@@ -341,6 +341,8 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
         return (d if d is not None and d >= 0 else len(a) - 1) in axes
     if name == "rev":
         return bool(axes & set(p["dimensions"]))
+    if name == "tile":      # (repeats of the batch: each micro-batch repeats its own)
+        return any(p["reps"][d] != 1 for d in axes)
     if name == "slice":
         strides = p["strides"] or (1,) * len(a)
         return any((p["start_indices"][d], p["limit_indices"][d], strides[d]) != (0, a[d], 1)
