@@ -199,10 +199,10 @@ class Parallelized:
         if unstacked is not None:
             # arguments already in per-layer form (split_layers) run as they are
             self._cache[_signature(abstract)] = (p, executable)
-            executable = (_rolled(self.fn, p, traced, _abstract(args),
-                                  self._donate(graph, len(args)))
+            donated = self._donate(graph, len(args))
+            executable = (_rolled(self.fn, p, traced, _abstract(args), donated)
                           or _Unstacking(executable, unstacked, jax.tree.structure(tuple(args)),
-                                         self._donate(graph, len(args))))
+                                         donated))
         self._cache[sig] = (p, executable)
         self._last = p
         return p, executable

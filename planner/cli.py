@@ -423,7 +423,8 @@ def _fraction(text: str) -> float:
     return value
 
 
-# the planning flags and their defaults (``meshplan run --plan`` takes none of them)
+# the planning flags and their defaults (``meshplan run --plan`` takes none of
+# them; the parser takes its defaults from here)
 _PLANNING_DEFAULTS = {"method": "auto", "mesh": None, "dp": None, "tp": None, "pp": None,
                       "micro_batches": None, "schedule": "auto", "max_stages": None,
                       "memory_fraction": 0.9, "tp_within_host": False, "remat": None,
@@ -432,19 +433,20 @@ _PLANNING_DEFAULTS = {"method": "auto", "mesh": None, "dp": None, "tp": None, "p
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["auto", "shard", "pipeshard", "data", "manual"],
-                   default="auto")
+                   default=_PLANNING_DEFAULTS["method"])
     p.add_argument("--mesh", help="logical mesh for --method shard, e.g. 2x4")
     p.add_argument("--dp", type=_positive(int))
     p.add_argument("--tp", type=_positive(int))
     p.add_argument("--pp", type=_positive(int))
     p.add_argument("--micro-batches", dest="micro_batches", metavar="N[,N...]",
                    help="micro-batches: one count, or (auto, pipeshard) the counts to search")
-    p.add_argument("--schedule", default="auto", metavar="NAME[,NAME...]",
+    p.add_argument("--schedule", default=_PLANNING_DEFAULTS["schedule"], metavar="NAME[,NAME...]",
                    help="auto, gpipe, 1f1b, interleaved or zb-h1; auto and pipeshard take a "
                         "list to search")
     p.add_argument("--max-stages", type=_positive(int), dest="max_stages",
                    help="auto, pipeshard: search at most this many pipeline stages")
-    p.add_argument("--memory-fraction", type=_fraction, default=0.9, dest="memory_fraction",
+    p.add_argument("--memory-fraction", type=_fraction, dest="memory_fraction",
+                   default=_PLANNING_DEFAULTS["memory_fraction"],
                    help="share of each device's memory the plan may use (default 0.9)")
     p.add_argument("--tp-within-host", action="store_true", dest="tp_within_host",
                    help="auto, pipeshard: only the first (data) mesh axis may cross hosts, so "
@@ -461,7 +463,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="auto, shard, data, manual: keep the optimizer state in host memory "
                         "between steps (optimizer; one-stage plans), only where the plan does "
                         "not fit without it (auto; the default but for manual), or never (none)")
-    p.add_argument("--time-limit", type=_positive(float), default=60.0, dest="time_limit",
+    p.add_argument("--time-limit", type=_positive(float), dest="time_limit",
+                   default=_PLANNING_DEFAULTS["time_limit"],
                    help="seconds per ILP solve (default 60)")
 
 

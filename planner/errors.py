@@ -82,3 +82,11 @@ def batch_rows(leaves: "list[tuple[int, str]]") -> int | None:
             "first in every leaf of batch_argnums' arguments (or pass a leaf that is no batch "
             "as another argument)")
     return first[0]
+
+
+def deleted_argument(where: str) -> RuntimeStageError:
+    """The error for an array a call was given after an earlier call took
+    it over (donated): ``where`` names it."""
+    return RuntimeStageError(f"{where} was donated to an earlier call and has been deleted; "
+                             "pass the state that call returned")
+

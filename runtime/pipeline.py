@@ -303,6 +303,7 @@ class PipelineExecutable:
                                                              self.donations, self.partial)
         self.fixed = fixed_outputs(split, flat)
         self.constant_grads = constant_gradients(split, flat)
+        self.constant_ids = frozenset(self.constant_grads[0])
         self.returned = returned_leaves(split, flat)
         self.sums = RunningSums(split, flat, self.layouts, m, self.partial)
         self.transfers = Transfers(self.meshes, self.layouts, split, traced, m, xp,

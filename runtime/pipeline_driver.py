@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Sequence
 
 import jax
 
-from meshplan.errors import RuntimeStageError
+from meshplan.errors import RuntimeStageError, deleted_argument
 from meshplan.schedule import Block
 from meshplan.traced import FlatJaxpr
 
 from .pipeline_split import CONCAT, LAST, StepSplit, dispatch_order
 from .pipeline_transport import concat
+from .shard import check_donated_aliases
 
 if TYPE_CHECKING:
     from .pipeline import PipelineExecutable
@@ -195,17 +196,9 @@ class StepRun:
         donated leaf and as another leaf (it would be taken over twice)."""
         for x, v in self.given.items():
             if isinstance(v, jax.Array) and v.is_deleted():
-                raise RuntimeStageError(f"{self._where(x)} was donated to an earlier call and has "
-                                        "been deleted; pass the state that call returned")
+                raise deleted_argument(self._where(x))
         if self.ex.donated:
-            seen: dict[int, int] = {}
-            for x, v in self.given.items():
-                if isinstance(v, jax.Array):
-                    y = seen.setdefault(id(v), x)
-                    if y != x and (x in self.ex.donated or y in self.ex.donated):
-                        raise RuntimeStageError(
-                            f"{self._where(y)} and {self._where(x)} are the same array, and a "
-                            "donated argument holds it; pass distinct arrays or do not donate")
+            check_donated_aliases(self.given.items(), self.ex.donated, self._where)
 
     def _where(self, x: int) -> str:
         a, path = self.ex.arg_path[x]
@@ -437,7 +430,7 @@ class StepRun:
         src = x if x in self.leaf_of or self._produced(x, done) else self.split.alias.get(x, x)
         if src in self.leaf_of:
             return self._arg_on(src, s, 0) if self.local[s] else None
-        if src in self.ex.constant_grads[0]:     # (made here: constant_gradients)
+        if src in self.ex.constant_ids:     # (made here: constant_gradients)
             return self.tr.send(done[src], src, s) if self.local[s] else None
         xp, local = self.xp, self.local
         r = self.split.producer[src][1] if xp is not None else s

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan.errors import RuntimeStageError, StalePlanError
+from meshplan.errors import RuntimeStageError, StalePlanError, deleted_argument
 from meshplan.plan import Plan
 from meshplan.recompute import NONE
 # (meshes and specs: shared with Plan.shardings, re-exported for the runtime's modules)
@@ -333,9 +333,8 @@ class ShardExecutable:
         for argnum, path in entry.donated_probes:
             leaf = _follow(args, argnum, path)
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise RuntimeStageError(
-                    f"argument {argnum} of {getattr(self.fn, '__name__', 'the step')} was donated "
-                    "to an earlier call and has been deleted; pass the state that call returned")
+                raise deleted_argument(
+                    f"argument {argnum} of {getattr(self.fn, '__name__', 'the step')}")
         leaves, treedef = jax.tree_util.tree_flatten(args)
         if treedef != entry.treedef:
             raise FastPathMiss("another argument structure")
@@ -537,19 +536,26 @@ def _check_aliases(entry: _Compiled, leaves: list[Any], args: tuple[Any, ...]) -
     """Refuse, before anything runs, one array passed as a donated leaf and
     as another leaf (optax's ``LookaheadParams.init_synced`` makes two);
     ``leaves``: those of ``args``."""
-    if not entry.donated_leaves:
+    if not entry.donated_leaves or len({id(x) for x in leaves}) == len(leaves):
         return
-    ids = [id(x) for x in leaves]
-    if len(set(ids)) == len(ids):
-        return
-    first: dict[int, int] = {}
-    for i, x in enumerate(leaves):
-        j = first.setdefault(ids[i], i) if isinstance(x, jax.Array) else i
-        if j != i and (i in entry.donated_leaves or j in entry.donated_leaves):
-            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-            where = [f"argument {paths[k][0].idx}{jax.tree_util.keystr(paths[k][1:])}"
-                     for k in (j, i)]
-            raise RuntimeStageError(f"{where[0]} and {where[1]} are the same array, and a "
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    check_donated_aliases(enumerate(leaves), entry.donated_leaves,
+                          lambda k: f"argument {paths[k][0].idx}"
+                                    f"{jax.tree_util.keystr(paths[k][1:])}")
+
+
+def check_donated_aliases(leaves: Iterable[tuple[Any, Any]], donated: Container[Any],
+                          name: Callable[[Any], str]) -> None:
+    """Refuse one array passed as a donated leaf and as another leaf (it
+    would be taken over twice): ``leaves`` are (key, value) pairs, ``donated``
+    the donated keys, ``name(key)`` a leaf's name for the message."""
+    seen: dict[int, Any] = {}
+    for key, value in leaves:
+        if not isinstance(value, jax.Array):
+            continue
+        first = seen.setdefault(id(value), key)
+        if first != key and (key in donated or first in donated):
+            raise RuntimeStageError(f"{name(first)} and {name(key)} are the same array, and a "
                                     "donated argument holds it; pass distinct arrays or do not "
                                     "donate")
 

@@ -68,7 +68,7 @@ from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
 from .scaling import batch_scaling
-from .walk import flatten, same_stream
+from .walk import computed_from, flatten, same_stream
 
 __all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations", "BatchDraw")
 
@@ -148,33 +148,17 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
 
 def _state_reads_batch(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> bool:
     """Whether an output that updates an argument is computed from the batch."""
-    bdep = set(batch)
-    for fe in flat.eqns:
-        if any(isinstance(x, int) and x in bdep for x in fe.invars):
-            bdep.update(fe.outvars)
+    bdep = computed_from(flat, batch)
     return any(o.updates is not None and o.tensor in bdep for o in graph.outputs)
 
 
 def _metric_after_update(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> str | None:
     """The path of an output that is no new state but is computed from the
     batch and from a new state's value, else None."""
-    producer = {o: fe for fe in flat.eqns for o in fe.outvars}
     state = {o.tensor for o in graph.outputs if o.updates is not None} - set(flat.invars)
-
-    def ancestors(x: int) -> set[int]:
-        seen, todo = set(), [x]
-        while todo:
-            y = todo.pop()
-            if y in seen:
-                continue
-            seen.add(y)
-            fe = producer.get(y)
-            if fe is not None:
-                todo.extend(v for v in fe.invars if isinstance(v, int))
-        return seen
     for o in graph.outputs:
         if o.updates is None and isinstance(o.tensor, int):
-            up = ancestors(o.tensor)
+            up = _ancestors(flat.eqns, {o.tensor})
             if up & batch and (up - {o.tensor}) & state:
                 return o.path or "a metric"
     return None
@@ -283,10 +267,7 @@ def _key_chains(flat: FlatJaxpr, draws: Sequence[int]) -> list[list[tuple[str, t
 
 def _refuse_batch_keys(flat: FlatJaxpr, draws: Sequence[FlatEqn], batch: set[int]) -> None:
     """A draw whose key is computed from the batch cannot be drawn once per step."""
-    bdep = set(batch)
-    for fe in flat.eqns:
-        if any(isinstance(x, int) and x in bdep for x in fe.invars):
-            bdep.update(fe.outvars)
+    bdep = computed_from(flat, batch)
     if any(isinstance(x, int) and x in bdep for fe in draws for x in fe.invars):
         raise TraceError("a random draw over the batch takes its key from the batch, so it cannot "
                          "be drawn once per step; pass the key outside the batch arguments or use "
@@ -300,10 +281,7 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
     outputs; ``batch``: the batch input ids; ``metrics``: output ids that
     update no input).  Unchanged when no gradient is found."""
     eqns = flat.eqns
-    bdep = set(batch)
-    for fe in eqns:
-        if any(isinstance(x, int) and x in bdep for x in fe.invars):
-            bdep.update(fe.outvars)
+    bdep = computed_from(flat, batch)
     # values some per-example value is computed from, and those the state is
     feeds = _ancestors(eqns, per_example)
     state = _ancestors(eqns, {x for x in flat.outvars if isinstance(x, int) and x not in metrics})

@@ -27,7 +27,7 @@ from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARA
 from .cond import cond_params
 from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
-from .walk import COMPOSITES, FlatJaxpr, Lit, flatten, sub_jaxprs
+from .walk import COMPOSITES, FlatJaxpr, Lit, computed_from, flatten, sub_jaxprs
 from ..traced import TracedStep, signature
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
@@ -546,7 +546,7 @@ def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int,
     """Output ids whose dimension 0 is the batch; another output whose shape
     depends on the batch is refused."""
     concat = []
-    bdep = _batch_dependent(flat, batch_ids)
+    bdep = computed_from(flat, batch_ids)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(step_out)[0]]
     for k, (a, b, x) in enumerate(zip(jax.tree_util.tree_leaves(micro_out),
                                       jax.tree_util.tree_leaves(step_out), flat.outvars)):
@@ -572,12 +572,3 @@ def _batch_ids(flat: FlatJaxpr, args: tuple[Any, ...], batch_argnums: tuple[int,
     """The flat input ids of the batch arguments' leaves."""
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
     return {i for i, (path, _) in zip(flat.invars, leaves) if int(path[0].idx) in batch_argnums}
-
-
-def _batch_dependent(flat: FlatJaxpr, batch_ids: set[int]) -> set[int]:
-    """The ids of ``flat`` whose values depend on the batch inputs."""
-    dep = set(batch_ids)
-    for fe in flat.eqns:
-        if any(isinstance(x, int) and x in dep for x in fe.invars):
-            dep.update(fe.outvars)
-    return dep

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from ..errors import MeshplanError, RuntimeStageError
+from ..errors import MeshplanError, deleted_argument
 from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
 from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph, stacked_scan_inputs
 from .walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
@@ -308,9 +308,7 @@ class Unstacked:
             if not isinstance(x, jax.Array):    # host data stays on the host
                 return tuple(x[i] for i in range(x.shape[0]))
             if x.is_deleted():
-                raise RuntimeStageError(
-                    f"argument {a}{jax.tree_util.keystr(path)} was donated to an earlier call "
-                    "and has been deleted; pass the state that call returned")
+                raise deleted_argument(f"argument {a}{jax.tree_util.keystr(path)}")
             return _unstack_array(x)
         return tuple(jax.tree_util.tree_map_with_path(lambda p, x, a=a: one(a, p, x), arg)
                      for a, arg in enumerate(args))

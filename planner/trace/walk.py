@@ -143,6 +143,16 @@ def flatten(closed: Any) -> FlatJaxpr:
     return FlatJaxpr(invars, tuple(f.constvars), tuple(f.consts), tuple(f.eqns), outs, f.avals)
 
 
+def computed_from(flat: FlatJaxpr, ids: Any) -> set[int]:
+    """``ids`` and the ids of ``flat`` computed from any of them (the values
+    that depend on the batch, given its inputs)."""
+    dep = set(ids)
+    for fe in flat.eqns:
+        if any(isinstance(x, int) and x in dep for x in fe.invars):
+            dep.update(fe.outvars)
+    return dep
+
+
 def same_stream(a: FlatJaxpr, b: FlatJaxpr) -> bool:
     """Whether two traces of one step (at two batch sizes) are the same
     equations: their ids then match."""
