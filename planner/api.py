@@ -20,6 +20,7 @@ from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
 from .recompute import NONE
+from .shardings import check_updates_in_place
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
@@ -190,6 +191,7 @@ class Parallelized:
                     f"{p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
                     f"`meshplan plan ... --json FILE` with the same model options")
+            check_updates_in_place(p, graph, len(args))
         else:
             p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
                               session).plan

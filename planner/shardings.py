@@ -16,14 +16,15 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import tpu
-from .errors import ClusterSpecError, RuntimeStageError, StalePlanError
+from .errors import ClusterSpecError, PlanFormatError, RuntimeStageError, StalePlanError
 from .specs import Spec, spec_axes, spec_str
 
 if TYPE_CHECKING:      # (annotations only: plan.py imports this module)
+    from .graph import Graph
     from .plan import LogicalMesh, Plan, Stage
 
 __all__ = ("build_mesh", "stage_devices", "to_partition_spec", "check_spec", "arg_specs",
-           "StageShardings", "plan_shardings")
+           "StageShardings", "plan_shardings", "check_updates_in_place")
 
 
 # ---------------------------------------------------------------------------
@@ -257,6 +258,39 @@ def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
             f"the plan names {len(missing)} argument leaf/leaves these arguments lack (e.g. "
             f"{missing[0]}); pass the arguments the plan was made for, with the same pytree "
             "structure, or re-plan for these arguments")
+
+
+def check_updates_in_place(plan: Plan, graph: Graph, nargs: int) -> None:
+    """Refuse a plan (a hand-edited file) that lays out an updated argument
+    leaf and its new value differently: meshplan's plans keep the new value
+    in its argument's layout, where the donated buffer takes it, and a spec
+    edited on one side only would apply to that side alone."""
+    prefixes = plan.key_prefixes(nargs)
+    for k, st in enumerate(plan.stages):
+        params, outputs = dict(st.params), dict(st.outputs)
+        for o in graph.outputs:
+            if o.updates is None:
+                continue
+            leaf = graph.inputs[o.updates]
+            key = prefixes.get(leaf.argnum, "") + leaf.path
+            a, b = params.get(key), outputs.get(o.path)
+            if a is None or b is None or _canonical(a) == _canonical(b):
+                continue
+            where = f" of stage {k}" if len(plan.stages) > 1 else ""
+            raise PlanFormatError(
+                f"the plan{where} lays out argument leaf {key} as {spec_str(a)} but its new "
+                f"value, output leaf {o.path or '<root>'}, as {spec_str(b)}; an updated value "
+                "keeps its argument's layout (the donated buffer): give both entries the same "
+                "spec, or re-plan")
+
+
+def _canonical(spec: Spec) -> tuple[tuple[str, ...], ...]:
+    """``spec`` compared as jax compares PartitionSpecs: ``'x'`` is ``('x',)``
+    and trailing unsplit dimensions are dropped."""
+    dims = [(d,) if isinstance(d, str) else tuple(d or ()) for d in spec]
+    while dims and not dims[-1]:
+        dims.pop()
+    return tuple(dims)
 
 
 # ---------------------------------------------------------------------------

@@ -157,3 +157,47 @@ def test_ctrl_c_while_planning_leaves_no_plan_file(tmp_path):
             except OSError:
                 pass
         assert alive == [], alive
+
+
+def _mlp_step():
+    import jax
+    import jax.numpy as jnp
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(p, batch):
+        value, g = jax.value_and_grad(loss)(p, *batch)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    p = {"w1": jax.random.normal(k1, (256, 1024)) / 16, "w2": jax.random.normal(k2, (1024, 256)) / 32}
+    batch = (jax.random.normal(k3, (512, 256)), jnp.zeros((512, 256)))
+    return step, p, batch
+
+
+def test_a_spec_edited_on_one_side_of_an_update_is_refused_and_on_both_runs():
+    import jax
+    import numpy as np
+    step, p, batch = _mlp_step()
+    plan = meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                         method=meshplan.ShardParallel())
+    d = json.loads(plan.to_json())
+    st = d["stages"][0]
+    assert st["params"]["['w1']"] == st["outputs"]["[0]['w1']"]   # (as planned)
+    st["params"]["['w1']"] = [None, None]
+    one_side = meshplan.parallelize(step, plan=meshplan.Plan.from_dict(d), donate_argnums=(0,))
+    with pytest.raises(meshplan.PlanFormatError) as e:
+        one_side(p, batch)
+    assert "['w1']" in str(e.value) and "[0]['w1']" in str(e.value)
+    assert "same spec" in str(e.value)
+    # both sides edited: the parameter lives in the edited layout, step after step
+    st["outputs"]["[0]['w1']"] = [None, None]
+    both = meshplan.parallelize(step, plan=meshplan.Plan.from_dict(d), donate_argnums=(0,))
+    want, got = p, jax.tree.map(jax.numpy.copy, p)
+    for _ in range(2):
+        want, lw = jax.jit(step)(want, batch)
+        got, lg = both(got, batch)
+        assert tuple(got["w1"].sharding.spec) in ((), (None, None))
+    np.testing.assert_allclose(float(lg), float(lw), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got["w1"]), np.asarray(want["w1"]), rtol=1e-4, atol=1e-6)
