@@ -292,7 +292,8 @@ def _statistics(flat: FlatJaxpr, phase: Sequence[str], scaling: Any) -> frozense
     chose them among the per-micro-batch work that only such work reads."""
     if scaling is None or not scaling.statistics:
         return frozenset()
-    made = [k for k, fe in enumerate(flat.eqns) if any(o in scaling.statistics for o in fe.outvars)]
+    made = [k for k, fe in enumerate(flat.eqns) if any(o in scaling.statistics for o in fe.outvars)
+            and not (phase[k] == "A" and all(o in scaling.sized for o in fe.outvars))]
     late = [k for k in made if phase[k] not in ("F", "B")]
     if late:    # (the combination assumed every micro-batch reads the whole batch's value)
         raise MeshplanError(

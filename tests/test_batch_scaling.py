@@ -389,21 +389,34 @@ def test_a_running_statistic_in_the_state_is_named_among_the_outputs_that_differ
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-def test_a_counter_of_the_examples_seen_is_named_among_the_outputs_that_differ():
-    # state + x.shape[0], read by the forward: each micro-batch counts its own
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32])
+def test_a_counter_of_the_examples_seen_pipelines_exactly_or_is_named(dtype):
+    # state + x.shape[0], read by the forward: an integer counter is made once
+    # a step with the whole batch's size; a float one (which could be a
+    # parameter) is still each micro-batch's own, and named
     def step_fn(state, b):
         seen = state["seen"] + b["tok"].shape[0]
         scale = 1.0 + seen.astype(jnp.float32) / 100.0
         loss, g = jax.value_and_grad(lambda p: jnp.mean(_token_losses(p, b)) * scale)(state["p"])
         return {"p": jax.tree.map(lambda a, c: a - 0.05 * c, state["p"], g),
-                "seen": seen}, {"loss": loss}
-    state = {"p": _params(), "seen": jnp.int32(0)}
+                "seen": seen}, {"loss": loss, "seen": seen}
+    state = {"p": _params(), "seen": jnp.zeros((), dtype)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        par, _ = meshplan.parallelize(step_fn, method=PIPE)(state, BATCH)
+        step = meshplan.parallelize(step_fn, method=PIPE)
+        par, ref = state, state
+        for _ in range(2):
+            (par, pm), (ref, rm) = step(par, BATCH), jax.jit(step_fn)(ref, BATCH)
     warned = [str(w.message) for w in caught if "micro-batches" in str(w.message)]
-    assert int(par["seen"]) != int(jax.jit(step_fn)(state, BATCH)[0]["seen"])
-    assert len(warned) == 1 and "outputs [0]['p'], [0]['seen']," in warned[0]
+    if dtype == jnp.float32:
+        assert float(par["seen"]) != float(ref["seen"])
+        assert len(warned) == 1 and "outputs [0]['p'], [0]['seen']," in warned[0]
+        return
+    assert not warned
+    assert int(par["seen"]) == int(ref["seen"]) == 32 and int(pm["seen"]) == 32
+    assert float(pm["loss"]) == pytest.approx(float(rm["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par["p"]), jax.tree.leaves(ref["p"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():

@@ -40,6 +40,8 @@ divided by it).  Computed at the whole batch and read by every
 micro-batch, such a value does not depend on the micro-batch (``N``), and
 what reads it combines exactly (the token-normalised loss becomes a sum of
 the micro-batches' shares; the update and the outputs read the one value).
+A count the state keeps, ``seen + x.shape[0]``, is made so too where the
+micro-batches or the outputs read it.
 :attr:`Scaling.statistics` names them and :attr:`Scaling.full_eqns` holds
 the whole batch's form of the equations that compute them.
 """
@@ -86,6 +88,10 @@ class Scaling:
     # jaxpr equation)
     statistics: frozenset[int] = frozenset()
     full_eqns: Mapping[int, Any] = field(default_factory=dict)
+    # those of the statistics made from the batch's size alone (``count +
+    # x.shape[0]``): where only the update and the outputs read one, the
+    # update makes it, with the whole batch's literals
+    sized: frozenset[int] = frozenset()
 
 
 # linear in a sum over the batch (and homogeneous in the scale of a per-example value)
@@ -136,7 +142,8 @@ def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
     again = _analyse(micro, full, batch, m, stats)
     return Scaling(again.info, again.literals, again.consts, stats,
                    {micro.eqns[k].outvars[0]: full.eqns[k].eqn
-                    for k in _ancestors(micro, stats)})
+                    for k in _ancestors(micro, stats)},
+                   frozenset(x for x in stats if first.info[x].kind == "N"))
 
 
 def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
@@ -217,22 +224,34 @@ def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
     the batch, constants, literals and keys alone that are no longer per
     example (a sum, mean or maximum over the batch: the same shape in both
     traces) and that an operation reads which the first pass found no
-    combination for."""
+    combination for; and a count made from the state and the batch's
+    size, read so or given as an output."""
     # (and the arguments that are no floating-point parameters: the PRNG key a
     # draw over the batch is made with, a step counter)
-    data = set(batch) | set(micro.constvars) | {
-        i for i in micro.invars
-        if not jnp.issubdtype(getattr(micro.avals[i], "dtype", np.float32), jnp.inexact)}
+    state = {i for i in micro.invars if i not in batch and not jnp.issubdtype(
+        getattr(micro.avals[i], "dtype", np.float32), jnp.inexact)}
+    data = set(batch) | set(micro.constvars) | state
     for fe in micro.eqns:
         if fe.eqn.primitive.name not in IDENTITY_MARKERS and not getattr(fe.eqn, "effects", None) \
                 and all(isinstance(x, Lit) or x in data for x in fe.invars):
             data.update(fe.outvars)
-    stats = set()
+            if any(isinstance(x, int) and x in state for x in fe.invars):
+                state.update(fe.outvars)
+
+    def whole(x: Any) -> bool:
+        # (a sum, extremum or mixture over the batch, or a state's count
+        # made with the batch's size, ``seen + x.shape[0]``: each differs
+        # between the micro-batch and the whole batch, where it has the
+        # same shape; what literals alone make, each program folds itself)
+        if not isinstance(x, int) or x not in data:
+            return False
+        i = info[x]
+        return ((i.kind in "SMX" or (i.kind == "N" and i.degree != 0 and x in state))
+                and _shape(micro.avals[x]) == _shape(full.avals.get(x)))
+    stats = {x for x in micro.outvars if whole(x) and info[x].kind == "N"}
     for fe in micro.eqns:
         if any(info[o].kind == "X" for o in fe.outvars):
-            stats.update(x for x in fe.invars if isinstance(x, int) and x in data
-                         and info[x].kind in "SMX"
-                         and _shape(micro.avals[x]) == _shape(full.avals.get(x)))
+            stats.update(x for x in fe.invars if whole(x))
     return frozenset(stats)
 
 
