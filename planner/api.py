@@ -20,7 +20,7 @@ from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
 from .recompute import NONE
-from .shardings import check_updates_in_place
+from .shardings import check_arguments, check_updates_in_place
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
@@ -98,6 +98,22 @@ def _method(method: Any) -> Method | None:
                         f"...), not {type(method).__name__}")
 
 
+def _check_given_plan(plan: Any, cluster: Any, method: Any, batch_argnums: Any) -> None:
+    """``plan=`` runs a plan as it is: refuse what is not one, and the
+    planning arguments it would ignore."""
+    if not isinstance(plan, Plan):
+        raise MeshplanError(f"plan= takes a meshplan.Plan, not {type(plan).__name__}: read a "
+                            "saved plan with meshplan.Plan.from_json(text) or Plan.from_dict(d)")
+    given = [k for k, v in (("cluster=", cluster), ("method=", method)) if v is not None]
+    if given:
+        raise MeshplanError(f"plan= runs the plan as it is, on its own cluster and method: drop "
+                            f"{' and '.join(given)}")
+    # (batch_argnums left at its default takes the plan's)
+    if batch_argnums != (1,) and _argnums(batch_argnums) != tuple(plan.batch_argnums):
+        raise MeshplanError(f"batch_argnums={batch_argnums!r}, but the plan was made with "
+                            f"batch_argnums={tuple(plan.batch_argnums)}: drop it, or re-plan")
+
+
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
         return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
@@ -114,6 +130,8 @@ class Parallelized:
     def __init__(self, fn: Callable, *, cluster: ClusterSpec | None, method: Method | None,
                  batch_argnums: Sequence[int], donate_argnums: Any, plan: Plan | None,
                  session: Session | None = None):
+        if plan is not None:
+            _check_given_plan(plan, cluster, method, batch_argnums)
         self.fn = fn
         self.session = session
         self.cluster = _cluster(cluster)
@@ -191,7 +209,9 @@ class Parallelized:
                     f"{p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
                     f"`meshplan plan ... --json FILE` with the same model options")
-            check_updates_in_place(p, graph, len(args))
+            # (a scan's stacked layers: the plan names the per-layer arguments)
+            check_arguments(p, abstract)
+            check_updates_in_place(p, graph, len(abstract))
         else:
             p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
                               session).plan

@@ -90,7 +90,11 @@ def save_state(path: str | os.PathLike[str], state: Any, *, overwrite: bool = Fa
     if primary:
         # a save killed earlier leaves its partial directory behind: clear it
         shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+        try:
+            os.makedirs(partial)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint directory {partial}: "
+                                  f"{e.strerror}; save to a path in a writable directory") from None
     _barrier("meshplan_save_start")
     checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     try:

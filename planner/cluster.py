@@ -802,12 +802,16 @@ def _decode_json(text: str, source: str) -> Any:
 
 def load_cluster(path: str | os.PathLike[str]) -> ClusterSpec:
     """Read and validate a cluster JSON file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ClusterSpecError("$", f"load_cluster takes the path of a cluster JSON file, not "
+                               f"{type(path).__name__} (a cluster's dict: ClusterSpec.from_dict)")
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise ClusterSpecError("$", f"cluster file {source!r} does not exist; check the "
+        local = " (the local devices: meshplan.Cluster.local())" if source == "local" else ""
+        raise ClusterSpecError("$", f"cluster file {source!r} does not exist{local}; check the "
                                f"path (examples live in examples/clusters/)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ClusterSpecError("$", f"cannot read cluster file {source!r}: {e}") from None

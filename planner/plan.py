@@ -264,9 +264,9 @@ class Stage:
             recompute=str(d.get("recompute", "")),
             recompute_layers=int(d.get("recompute_layers", 0)),
             keep_casts=bool(d.get("keep_casts", True)),
-            params=tuple((p, spec_from_json(s)) for p, s in d["params"].items()),
+            params=_specs(d["params"], "params"),
             predicted=Predicted.from_dict(d["predicted"]),
-            outputs=tuple((p, spec_from_json(s)) for p, s in d.get("outputs", {}).items()),
+            outputs=_specs(d.get("outputs", {}), "outputs"),
             constraints=tuple((int(t), spec_from_json(s)) for t, s in d.get("constraints", [])),
             strategies=tuple((int(n), str(s)) for n, s in d.get("strategies", [])),
             read_constraints=tuple((int(t), int(p), spec_from_json(s))
@@ -276,6 +276,36 @@ class Stage:
             host_outputs=tuple(str(k) for k in d.get("host_memory", {}).get("outputs", ())),
             device_group=int(d.get("device_group", -1)),
         )
+
+
+def _specs(table: Mapping[str, Any], section: str) -> SpecTable:
+    """A JSON spec table, a bad entry named by its key."""
+    out = []
+    for key, spec in table.items():
+        try:
+            out.append((str(key), spec_from_json(spec)))
+        except ValueError as e:
+            raise PlanFormatError(f"malformed plan JSON: {section} {key}: {e}") from None
+    return tuple(out)
+
+
+def _check_structure(plan: "Plan") -> None:
+    """Refuse a plan (a hand edit) whose stages, devices or micro-batch
+    count no runtime can follow."""
+    bad = "malformed plan JSON: "
+    if not plan.stages:
+        raise PlanFormatError(bad + "the plan has no stages; re-plan")
+    if plan.num_micro_batches < 1:
+        raise PlanFormatError(bad + f"num_micro_batches is {plan.num_micro_batches}; give 1 or "
+                              "more")
+    for k, st in enumerate(plan.stages):
+        twice = sorted({x for x in st.devices if st.devices.count(x) > 1})
+        if twice:
+            raise PlanFormatError(bad + f"stage {k} lists device {twice[0]} twice; each device "
+                                  "once")
+        if len(st.devices) != st.logical_mesh.size:
+            raise PlanFormatError(bad + f"stage {k} has {len(st.devices)} devices for its mesh "
+                                  f"{st.logical_mesh} of {st.logical_mesh.size}; give as many")
 
 
 def _remat_note(s: Stage) -> str:
@@ -408,7 +438,7 @@ class Plan:
                 f"plan format {fmt!r} is not supported by this meshplan (it reads {PLAN_FORMAT!r}); "
                 "re-create the plan with this version of meshplan")
         try:
-            return cls(
+            plan = cls(
                 graph_fingerprint=str(d["graph_fingerprint"]),
                 function=str(d.get("function", "")),
                 cluster=ClusterSpec.from_dict(d["cluster"]),
@@ -417,7 +447,7 @@ class Plan:
                 schedule=str(d["schedule"]),
                 batch_argnums=tuple(int(x) for x in d.get("batch_argnums", (1,))),
                 arg_prefixes=tuple((int(a), str(p)) for a, p in d.get("arg_prefixes", [])),
-                batch=tuple((p, spec_from_json(s)) for p, s in d["batch"].items()),
+                batch=_specs(d["batch"], "batch"),
                 stages=tuple(Stage.from_dict(s) for s in d["stages"]),
                 predicted=PlanPredicted(**d["predicted"]),
                 notes=tuple(d.get("notes", ())),
@@ -430,9 +460,14 @@ class Plan:
             if isinstance(e, PlanFormatError):
                 raise
             raise PlanFormatError(f"malformed plan JSON: {type(e).__name__}: {e}") from e
+        _check_structure(plan)
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanFormatError(f"Plan.from_json takes the plan's JSON text, not "
+                                  f"{type(text).__name__}")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:      # (annotations only: plan.py imports this module)
     from .plan import LogicalMesh, Plan, Stage
 
 __all__ = ("build_mesh", "stage_devices", "to_partition_spec", "check_spec", "arg_specs",
-           "StageShardings", "plan_shardings", "check_updates_in_place")
+           "StageShardings", "plan_shardings", "check_arguments", "check_updates_in_place")
 
 
 # ---------------------------------------------------------------------------
@@ -87,8 +87,8 @@ def check_spec(spec: Spec, shape: Sequence[int], mesh: LogicalMesh, what: str) -
     if len(spec) != len(shape):
         raise StalePlanError(
             f"{what}: the plan gives {spec_str(spec)} ({len(spec)} dimension(s)) for a tensor of "
-            f"shape {shape} ({len(shape)} dimension(s)); the plan was made for other arguments: "
-            "re-plan with these arguments")
+            f"shape {shape} ({len(shape)} dimension(s)); the plan was made for other arguments, "
+            "or edited: give one entry per dimension, or re-plan with these arguments")
     axes = spec_axes(spec)
     unknown = [a for a in axes if a not in mesh.axes]
     if unknown:
@@ -168,7 +168,7 @@ def plan_shardings(plan: Plan, args: Sequence[Any], step: Callable[..., Any] | N
     if not plan.stages:
         raise StalePlanError("the plan has no stages; re-plan")
     args = tuple(args)
-    _check_arguments(plan, args)
+    check_arguments(plan, args)
     out_tree = jax.eval_shape(step, *args) if step is not None else None
     if len(plan.stages) == 1:
         st = plan.stages[0]
@@ -235,7 +235,7 @@ def _out_shardings(st: Stage, mesh: Mesh, out_tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, out_tree)
 
 
-def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
+def check_arguments(plan: Plan, args: Sequence[Any]) -> None:
     """Refuse arguments the plan was not made for: too few, or leaves the
     plan names that are missing (another structure, another model)."""
     argnums = [a for a, _ in plan.arg_prefixes]
@@ -257,7 +257,8 @@ def _check_arguments(plan: Plan, args: tuple[Any, ...]) -> None:
         raise StalePlanError(
             f"the plan names {len(missing)} argument leaf/leaves these arguments lack (e.g. "
             f"{missing[0]}); pass the arguments the plan was made for, with the same pytree "
-            "structure, or re-plan for these arguments")
+            "structure, or re-plan for these arguments (a key edited by hand must name an "
+            "argument leaf as jax.tree_util.keystr writes its path)")
 
 
 def check_updates_in_place(plan: Plan, graph: Graph, nargs: int) -> None:
@@ -274,7 +275,12 @@ def check_updates_in_place(plan: Plan, graph: Graph, nargs: int) -> None:
             leaf = graph.inputs[o.updates]
             key = prefixes.get(leaf.argnum, "") + leaf.path
             a, b = params.get(key), outputs.get(o.path)
-            if a is None or b is None or _canonical(a) == _canonical(b):
+            if a is None or b is None:
+                continue
+            shape = graph.tensors[leaf.tensor].shape
+            check_spec(a, shape, st.logical_mesh, f"argument leaf {key}")
+            check_spec(b, shape, st.logical_mesh, f"output leaf {o.path or '<root>'}")
+            if _canonical(a) == _canonical(b):
                 continue
             where = f" of stage {k}" if len(plan.stages) > 1 else ""
             raise PlanFormatError(

@@ -18,7 +18,15 @@ def spec_to_json(spec: Spec) -> list[Any]:
 
 
 def spec_from_json(data: Sequence[Any]) -> Spec:
-    return tuple(tuple(d) if isinstance(d, list) else d for d in data)
+    """A spec from its JSON list (ValueError for anything else)."""
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"a spec is a list with one entry per dimension, not {data!r}")
+    for d in data:
+        names = d if isinstance(d, (list, tuple)) else (d,) if d is not None else ()
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError(f"a spec's entry is null, a mesh axis name or a list of them, "
+                             f"not {d!r}")
+    return tuple(tuple(d) if isinstance(d, (list, tuple)) else d for d in data)
 
 
 def spec_str(spec: Spec) -> str:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import meshplan
@@ -201,3 +202,64 @@ def test_a_spec_edited_on_one_side_of_an_update_is_refused_and_on_both_runs():
         assert tuple(got["w1"].sharding.spec) in ((), (None, None))
     np.testing.assert_allclose(float(lg), float(lw), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got["w1"]), np.asarray(want["w1"]), rtol=1e-4, atol=1e-6)
+
+
+def _stage0(d):
+    return d["stages"][0]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.update(stages=[]), "no stages"),
+    (lambda d: d.update(num_micro_batches=0), "num_micro_batches is 0"),
+    (lambda d: _stage0(d)["params"].update({"['w1']": [1, None]}), "['w1']: a spec's entry"),
+    (lambda d: _stage0(d)["params"].update({"['w1']": None}), "['w1']: a spec is a list"),
+    (lambda d: _stage0(d).update(devices=[0, 0] + _stage0(d)["devices"][2:]),
+     "lists device 0 twice"),
+    (lambda d: _stage0(d).update(devices=_stage0(d)["devices"][:4]), "has 4 devices for"),
+])
+def test_a_plan_file_no_runtime_can_follow_is_one_clear_error(edit, words):
+    step, p, batch = _mlp_step()
+    d = json.loads(meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                                 method=meshplan.ShardParallel()).to_json())
+    edit(d)
+    with pytest.raises(meshplan.PlanFormatError, match="malformed plan JSON") as e:
+        meshplan.Plan.from_dict(d)
+    assert words in str(e.value)
+
+
+def test_a_plan_key_the_arguments_lack_is_refused_naming_it():
+    step, p, batch = _mlp_step()
+    d = json.loads(meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                                 method=meshplan.ShardParallel()).to_json())
+    params = _stage0(d)["params"]
+    params["['W1']"] = params.pop("['w1']")     # (a typo: the leaf is 'w1')
+    step_run = meshplan.parallelize(step, plan=meshplan.Plan.from_dict(d))
+    with pytest.raises(meshplan.StalePlanError, match=r"\['W1'\]"):
+        step_run(p, batch)
+
+
+def test_parallelize_with_a_plan_refuses_what_it_would_ignore(plan_json):
+    m = build_model("mlp", {"optimizer": "sgd"})
+    plan = meshplan.Plan.from_json(plan_json)
+    for bad, words in [(dict(plan=plan_json), "takes a meshplan.Plan, not str"),
+                       (dict(plan=json.loads(plan_json)), "Plan.from_json(text)"),
+                       (dict(plan=plan, method=meshplan.Auto()), "drop method="),
+                       (dict(plan=plan, cluster=meshplan.Cluster.local()), "drop cluster="),
+                       (dict(plan=plan, batch_argnums=(0,)), "batch_argnums=(1,)")]:
+        with pytest.raises(meshplan.MeshplanError, match=None) as e:
+            meshplan.parallelize(m.train_step, **bad)
+        assert words in str(e.value), (bad.keys(), str(e.value))
+    assert meshplan.parallelize(m.train_step, plan=plan, batch_argnums=1).plan is plan
+
+
+def test_api_misuse_of_files_is_one_clear_error(plan_json, tmp_path):
+    with pytest.raises(meshplan.PlanFormatError, match="takes the plan's JSON text, not NoneType"):
+        meshplan.Plan.from_json(None)
+    cluster = meshplan.load_cluster(CLUSTER)
+    with pytest.raises(meshplan.ClusterSpecError, match="ClusterSpec.from_dict"):
+        meshplan.load_cluster(cluster.to_dict())
+    with pytest.raises(meshplan.ClusterSpecError, match=r"Cluster\.local\(\)"):
+        meshplan.load_cluster("local")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(meshplan.CheckpointError, match="cannot create the checkpoint directory"):
+        meshplan.save_state(tmp_path / "file" / "ckpt", {"w": np.ones(3)})
