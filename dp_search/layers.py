@@ -96,7 +96,7 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     cands = sorted(set(c for c in candidates if 0 <= c < n - 1))
     pts = [-1] + cands + [n - 1]
-    for slack in (0.1, 0.25, imbalance, 1.0, 3.0, float("inf")):
+    for slack in (0.1, 0.25, imbalance, 1.0, 3.0):
         cap = (1 + slack) * prefix[-1] / num_layers
         low = prefix[-1] / num_layers / (1 + slack) / 2
         INF = float("inf")
@@ -123,7 +123,37 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
                     cuts.append(pts[i])
                 j, m = i, m - 1
             return sorted(cuts)
-    return []
+    return _least_uneven(prefix, cut_bytes, num_layers, pts)
+
+
+def _least_uneven(prefix: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
+                  pts: list[int]) -> list[int]:
+    """Where no cut keeps the segments near an even share (a few large
+    operations, more layers asked than they make): the cuts whose largest
+    segment has the fewest FLOPs, then the fewest bytes crossing; so each
+    large operation gets a layer of its own before any layer gets two."""
+    INF = (float("inf"), float("inf"))
+    best = [[INF] * (num_layers + 1) for _ in pts]
+    back = [[-1] * (num_layers + 1) for _ in pts]
+    best[0][0] = (0.0, 0.0)
+    for j in range(1, len(pts)):
+        cost = 0.0 if j == len(pts) - 1 else float(cut_bytes[pts[j]])
+        for i in range(j):
+            seg = float(prefix[pts[j] + 1] - prefix[pts[i] + 1])
+            for m in range(1, min(num_layers, j) + 1):
+                top, nbytes = best[i][m - 1]
+                v = (max(top, seg), nbytes + cost)
+                if v < best[j][m]:
+                    best[j][m] = v
+                    back[j][m] = i
+    m = max((k for k in range(1, num_layers + 1) if best[-1][k] < INF), default=1)
+    cuts, j = [], len(pts) - 1
+    while j > 0:
+        i = back[j][m]
+        if i > 0:
+            cuts.append(pts[i])
+        j, m = i, m - 1
+    return sorted(cuts)
 
 
 def _structure_params(n) -> tuple:

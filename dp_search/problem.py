@@ -177,6 +177,14 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
             analyses[key] = a
     layering = a.layering
     L = layering.num_layers
+    if L < need:
+        # (no cut of the step makes that many layers: few operations)
+        chunks = f" of {CHUNKS} chunks each" if opts.schedules == ("interleaved",) else ""
+        stages = need // CHUNKS if chunks else need
+        raise MeshplanError(
+            f"the step's forward cuts into at most {L} layer(s), too few for {stages} pipeline "
+            f"stages{chunks}: ask for {L // CHUNKS if chunks else L} stages or fewer, or let the "
+            "search choose the count")
     # the stage DP cuts between groups of consecutive layers (repeated blocks
     # make many small layers; each kind is costed once, and a stage's cost is
     # the sum of its layers' costs)

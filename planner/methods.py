@@ -165,7 +165,7 @@ class Manual:
     def __post_init__(self) -> None:
         for k in ("dp", "tp", "pp", "num_micro_batches"):
             v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise MeshplanError(f"Manual({k}={v!r}): must be a positive integer")
         if self.schedule not in SCHEDULES[1:]:
             raise MeshplanError(f"Manual(schedule={self.schedule!r}): use one of {SCHEDULES[1:]}")
@@ -180,7 +180,8 @@ class Manual:
         used = self.dp * self.tp * self.pp
         if used != num_devices:
             raise MeshplanError(f"Manual(dp={self.dp}, tp={self.tp}, pp={self.pp}) uses "
-                                f"{used} devices but the cluster has {num_devices}")
+                                f"{used} devices but the cluster has {num_devices}: give dp, tp "
+                                f"and pp (CLI --dp, --tp, --pp) whose product is {num_devices}")
         staged = self.pp > 1 or self.num_micro_batches > 1 or self.remat in (True, "selective")
         if self.sequence_parallel and not staged:
             raise MeshplanError("Manual(sequence_parallel=True) plans layers apart: it needs "
@@ -200,6 +201,8 @@ class Manual:
                 time_limit=self.time_limit, backend=self.backend, remat=self.remat,
                 input_filter="model+sequence" if self.sequence_parallel else "model",
                 memory_fraction=float(self.memory_fraction)),
+                batch_split=self.dp,
+                batch_split_by=f"Manual(dp={self.dp}, num_micro_batches={self.num_micro_batches})",
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("manual", mesh_shape=(self.dp, self.tp),

@@ -114,13 +114,22 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
             "a larger batch, or fewer devices, would put them to use")
 
 
-def check_batch_divisible(graph: Graph, n: int, what: str) -> None:
-    """Refuse a batch whose dimension 0 does not split ``n`` ways (``what`` asks for it)."""
+def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 1) -> None:
+    """Refuse a batch whose dimension 0 does not split ``n`` ways (``what``
+    asks for it): with ``micro_batches``, each of them ``n`` ways (one that
+    does not divide the batch is the search's to refuse)."""
     for inp in graph.inputs:
         if inp.role == BATCH:
             shape = graph.tensors[inp.tensor].shape
-            if shape and shape[0] % n:
+            if not shape or shape[0] % micro_batches or not (shape[0] // micro_batches) % n:
+                continue
+            of = f"{inp.path or 'the batch'}"
+            if micro_batches == 1:
                 raise InfeasiblePlanError(
-                    f"{what}: the batch dimension of {inp.path or 'the batch'} has size {shape[0]}, "
-                    f"which does not split over {n} devices; use a batch size divisible by {n} "
-                    "or ShardParallel()")
+                    f"{what}: the batch dimension of {of} has size {shape[0]}, which does not "
+                    f"split over {n} devices; use a batch size divisible by {n} or ShardParallel()")
+            raise InfeasiblePlanError(
+                f"{what}: the batch dimension of {of} has size {shape[0]}, whose micro-batches "
+                f"of {shape[0] // micro_batches} do not split over the {n} data-parallel devices "
+                f"(each would run the whole micro-batch); use a batch size divisible by "
+                f"{n * micro_batches}, or fewer micro-batches")

@@ -18,12 +18,13 @@ import jax
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds
+from .dp_search.stage_dp import IDLE_SHARE
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline, warn_of_scans)
 from .errors import InfeasiblePlanError, MeshplanError
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
-from .one_stage import REPLICATED_NOTE, plan_one_stage
+from .one_stage import REPLICATED_NOTE, check_batch_divisible, plan_one_stage
 from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph
 from .methods import Manual, Method
 from .plan import Plan
@@ -152,6 +153,10 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (once a plan, however many searches ran)
     warn_of_scans(graph, planned.plan, stacklevel=3)
+    idle = idle_stages(planned.plan) if request.pipeline and request.pipeline.num_stages else None
+    if idle:
+        warnings.warn(f"meshplan: {idle}", stacklevel=3)
+        planned = replace(planned, plan=replace(planned.plan, notes=planned.plan.notes + (idle,)))
     # (a fingerprint names the Graph's content: plans of one step ask once)
     why = session.replicated.get(graph.fingerprint)
     if why is None:
@@ -166,6 +171,26 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
 
 
 REPLICATED_SHARE = 0.02     # replicated work worth a word: this share of FLOPs or bytes
+
+
+def idle_stages(plan: Plan) -> str | None:
+    """A word on the stages of a plan with a fixed number of them that
+    compute less than ``IDLE_SHARE`` of an even share (a small step cut
+    into more stages than it has work for), else None."""
+    if len(plan.stages) < 2 or plan.chunks > 1:
+        return None
+    t = [s.predicted.compute_s for s in plan.stages]
+    even = sum(t) / len(t)
+    idle = [k for k, x in enumerate(t) if x < IDLE_SHARE * even]
+    if not idle:
+        return None
+    share = min(t[k] for k in idle) / even
+    which = (f"stage {idle[0]} computes {share:.0%} of an even share while its devices wait"
+             if len(idle) == 1 else
+             f"stages {', '.join(str(k) for k in idle)} compute as little as {share:.0%} of an "
+             "even share while their devices wait")
+    return (f"{len(t)} stages were asked for, but the step's work does not cut into that many: "
+            f"{which}; fewer stages (or a searched count) would put those devices to use")
 
 
 def replicated_work(graph: Graph) -> str | None:
@@ -207,6 +232,9 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     best plan per number of stages)."""
     if request.pipeline is None:
         return Planned(plan_one_stage(graph, cluster, request, session))
+    if request.batch_split > 1:     # (Manual's data-parallel degree, each micro-batch split so)
+        check_batch_divisible(graph, request.batch_split, request.batch_split_by,
+                              request.pipeline.num_micro_batches[0])
     if request.offload == "optimizer":
         # (offloading is planned for one stage: the whole-graph ILP's path)
         return Planned(plan_one_stage(graph, cluster, replace(request, pipeline=None), session))

@@ -652,3 +652,35 @@ def test_pipeshard_stages_is_an_exact_count(stages):
     with pytest.raises(meshplan.MeshplanError, match="stages=9"):
         meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
                       method=meshplan.PipeshardParallel(stages=9))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_uneven_operations_get_layers_of_their_own_before_any_layer_gets_two(seed):
+    # a few large operations among small ones, more layers asked than an even
+    # share allows: the cuts minimise the largest layer's FLOPs (brute force)
+    import itertools
+    from meshplan.dp_search.layers import cluster_forward
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 9))
+    flops = np.where(rng.random(n) < 0.3, 1e6, rng.random(n))
+    flops[int(rng.integers(n))] = 1e6
+    L = int(rng.integers(2, n + 1))
+    cut = rng.random(n)
+    cuts = cluster_forward(flops, cut, L, list(range(n - 1)))
+    bounds = [-1] + cuts + [n - 1]
+    got = max(flops[a + 1:b + 1].sum() for a, b in zip(bounds, bounds[1:]))
+    best = min(max(flops[a + 1:b + 1].sum() for a, b in zip((-1,) + c, c + (n - 1,)))
+               for c in itertools.combinations(range(n - 1), L - 1))
+    assert got == pytest.approx(best)
+    assert len(cuts) == L - 1
+
+
+def test_more_stages_than_the_step_cuts_into_is_one_clear_error():
+    def step(p, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(b @ p["w"]) @ p["o"]))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), loss
+    p = {"w": jnp.ones((16, 16)), "o": jnp.ones((16, 1))}
+    with pytest.raises(meshplan.MeshplanError, match="too few for 8 pipeline stages") as e:
+        meshplan.plan(step, p, jnp.ones((16, 16)), cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=8))
+    assert "stages or fewer" in str(e.value)

@@ -92,6 +92,65 @@ def test_bad_controls_are_one_clear_error(cls, kwargs, needle):
     assert needle in str(e.value) and cls.__name__ in str(e.value)
 
 
+@pytest.mark.parametrize("kwargs", [dict(dp=True, tp=4, pp=2), dict(dp=2, tp=2, pp=2,
+                                                                   num_micro_batches=False)])
+def test_manual_takes_integers_not_bools(kwargs):
+    with pytest.raises(MeshplanError, match="must be a positive integer"):
+        meshplan.Manual(**kwargs)
+
+
+def _mlp_step(batch, width=16):
+    import jax
+    import jax.numpy as jnp
+
+    def step(p, b):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(b["x"] @ p["w0"]) @ p["w1"] - b["y"]) ** 2))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    p = {"w0": jnp.ones((16, width)) / 16, "w1": jnp.ones((width, 16)) / width}
+    return step, p, {"x": jnp.ones((batch, 16)), "y": jnp.zeros((batch, 16))}
+
+
+@pytest.mark.parametrize("batch, dp, tp, pp, mb, micro", [
+    (16, 8, 1, 1, 4, 4),        # a micro-batch of 4 over 8 replicas
+    (12, 2, 2, 2, 4, 3),
+    (16, 2, 2, 2, 16, 1),
+])
+def test_manual_micro_batches_the_data_axis_cannot_split_are_refused(batch, dp, tp, pp, mb, micro):
+    # (each replica would run the whole micro-batch: work replicated, unasked)
+    step, p, b = _mlp_step(batch)
+    with pytest.raises(InfeasiblePlanError) as e:
+        meshplan.plan(step, p, b, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=mb))
+    assert f"micro-batches of {micro} do not split over the {dp} data-parallel devices" \
+        in str(e.value)
+    assert f"divisible by {dp * mb}" in str(e.value)
+
+
+def test_a_fixed_stage_count_the_work_does_not_fill_is_noted_and_warned():
+    # one matmul and a head: four stages leave two with next to nothing
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    def step(p, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(b["x"] @ p["w0"]) @ p["out"]))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": loss}
+    p = {"w0": jnp.ones((256, 256)) / 256, "out": jnp.ones((256, 1)) / 256}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = meshplan.plan(step, p, {"x": jnp.ones((64, 256))},
+                             cluster=meshplan.Cluster.local(),
+                             method=meshplan.PipeshardParallel(stages=4))
+    note = [n for n in plan.notes if "4 stages were asked for" in n]
+    assert len(plan.stages) == 4 and len(note) == 1
+    t = [s.predicted.compute_s for s in plan.stages]
+    idle = [k for k, x in enumerate(t) if x < 0.25 * sum(t) / 4]
+    assert idle and ", ".join(map(str, idle)) in note[0]
+    assert any(note[0] in str(w.message) for w in caught)
+
+
 def test_exact_stages_above_max_stages_is_refused():
     with pytest.raises(MeshplanError, match="max_stages"):
         meshplan.PipeshardParallel(stages=4, max_stages=2).request(8)
