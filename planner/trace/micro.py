@@ -77,12 +77,18 @@ BatchDraw = tuple[int, int, tuple[int, ...]]
 
 
 def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, Any]:
-    """``jax.make_jaxpr(fn, return_shape=True)(*args)``; a failure of the user's
-    function becomes one TraceError that says so (``where``: at what size)
-    and keeps the cause."""
+    """``jax.make_jaxpr(fn, return_shape=True)(*args)``.  A failure at the
+    arguments as given is the function's own: it is raised as it is, as
+    ``jax.jit`` raises it, with a note saying meshplan was tracing it.  A
+    failure at another size (``where``) becomes one TraceError that says so
+    and keeps the cause (the search tries other sizes)."""
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
+        if not where:
+            e.add_note(f"(raised while meshplan traced {getattr(fn, '__name__', fn)!r} to plan "
+                       "it, at the arguments' own shapes)")
+            raise
         hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
                 "batch arguments: is dimension 0 the batch in each of them?)"
                 if where == " at micro-batch size" else "")
