@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import progress
-from .errors import MeshplanError, ModelConfigError
+from .errors import MeshplanError, ModelConfigError, step_failure
 from .methods import normalize_argnums
 from .units import human_bytes
 
@@ -566,6 +566,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except MeshplanError as e:
         print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except Exception as e:
+        line = step_failure(e)      # (the user's --fn step failing as it is traced)
+        if line is None:
+            raise
+        print("meshplan: error: " + line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)

@@ -90,3 +90,24 @@ def deleted_argument(where: str) -> RuntimeStageError:
     return RuntimeStageError(f"{where} was donated to an earlier call and has been deleted; "
                              "pass the state that call returned")
 
+
+
+def mark_step_failure(e: BaseException, step: str) -> None:
+    """Note on ``e``, an exception the user's step raised while meshplan
+    traced it at its own arguments, that it did: it is re-raised as it is (as
+    jax.jit raises it), and the CLI reports it in one line
+    (:func:`step_failure`)."""
+    e.add_note(f"(raised while meshplan traced {step!r} to plan it, at the arguments' own shapes)")
+    try:
+        e.meshplan_step = step      # type: ignore[attr-defined]
+    except AttributeError:          # (an exception type without a __dict__)
+        pass
+
+
+def step_failure(e: BaseException) -> str | None:
+    """One line for an exception :func:`mark_step_failure` marked, else None."""
+    step = getattr(e, "meshplan_step", None)
+    if step is None:
+        return None
+    return (f"the step {step!r} raised {type(e).__name__} while meshplan traced it: "
+            f"{' '.join(str(e).split())}")

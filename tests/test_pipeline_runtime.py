@@ -551,7 +551,7 @@ def test_one_stage_with_micro_batches_accumulates_gradients_as_planned():
     # the plan's memory counts one micro-batch in flight: the runtime must run
     # the micro-batches one by one (it used to run the whole batch as one program)
     m = build_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
-                            "batch": 8})
+                            "batch": 32})
     state, batch = m.init(0)
     step = meshplan.parallelize(m.train_step, cluster=meshplan.Cluster.local(),
                                 method=meshplan.Manual(dp=8, num_micro_batches=4))

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ..errors import TraceError
+from ..errors import TraceError, mark_step_failure
 from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
@@ -86,8 +86,7 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
         if not where:
-            e.add_note(f"(raised while meshplan traced {getattr(fn, '__name__', fn)!r} to plan "
-                       "it, at the arguments' own shapes)")
+            mark_step_failure(e, getattr(fn, "__name__", str(fn)))
             raise
         hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
                 "batch arguments: is dimension 0 the batch in each of them?)"
