@@ -262,7 +262,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
                                   "two-views-reshaped", "hardest", "running", "loop-count",
-                                  "carried", "draw-per-example", "draw-per-chunk", "tiled"])
+                                  "carried", "draw-per-example", "draw-per-chunk", "tiled",
+                                  "callback"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -348,6 +349,19 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             zz = jnp.tile(z, (2, 1))
             return jnp.mean((zz[: z.shape[0] + 1] - zz[1: z.shape[0] + 2]) ** 2)
         step, named, why = _step(loss), "outputs [0]['emb']", "tile along the batch axis"
+    elif case == "callback":
+        # a host function of the examples' losses that normalises them over
+        # the batch: meshplan cannot see into it, and it mixes examples
+        def norm(v):
+            w = np.exp(-np.asarray(v))
+            return (w / w.sum() * len(w)).astype(np.float32)
+
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            w = jax.pure_callback(norm, jax.ShapeDtypeStruct(t.shape, t.dtype),
+                                  jax.lax.stop_gradient(t))
+            return jnp.mean(w * t)
+        step, named, why = _step(loss), "outputs [0]['emb']", "pure_callback, which meshplan"
     elif case == "hardest":
         # the hardest quarter of the batch: a micro-batch's own quarter
         def loss(p, b):

@@ -55,7 +55,7 @@ import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jcore
 
-from ..flops import ELEMENTWISE
+from ..flops import ELEMENTWISE, is_known
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
 from .walk import INLINE_CALLS, _closed_parts, same_stream
@@ -328,6 +328,12 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         return [Info("X", why=f"{name} along the batch axis (a sort, a running sum, a reversal "
                               "or a cut of the batch pairs or orders examples): each micro-batch "
                               "sees only its own") for _ in eqn.outvars]
+    if any(pe) and not is_known(name) and any(i.kind == "P" for i in ins):
+        # (a callback, a kernel, a shard_map: what it does with the rows it
+        # is given is not seen here, and it may mix them)
+        return [Info("X", why=f"{name}, which meshplan cannot see into, given the batch's "
+                              "examples: it may combine them, and each micro-batch would give "
+                              "it only its own") for _ in eqn.outvars]
     return [_rule(name, eqn.params, ins, p) for p in pe]
 
 
