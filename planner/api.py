@@ -114,6 +114,39 @@ def _check_given_plan(plan: Any, cluster: Any, method: Any, batch_argnums: Any) 
                             f"batch_argnums={tuple(plan.batch_argnums)}: drop it, or re-plan")
 
 
+def _no_explicit_context_mesh() -> None:
+    """Refuse a call inside ``with jax.set_mesh(mesh)`` of a mesh with
+    Explicit axes (jax.make_mesh's default): the step's values then carry
+    that mesh's shardings in their types, which the plan's own layouts
+    cannot meet (a mesh of Auto axes only is fine)."""
+    from jax.sharding import AxisType
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
+        raise MeshplanError(
+            "this call is inside `with jax.set_mesh(...)` (or use_mesh) of a mesh with Explicit "
+            "axes, whose shardings the step's values would carry in their types, and meshplan "
+            "lays them out on its own mesh; call the parallelized step outside it, or give "
+            "that mesh axis_types=(AxisType.Auto, ...)")
+
+
+def _one_device_effects(run: TracedStep) -> None:
+    """Refuse, before planning, a step with an ordered effect that jax runs
+    on one device only (``jax.debug.print(..., ordered=True)``): every plan
+    of several devices would fail to compile."""
+    try:    # (jax's own sets of ordered effects and those it shards)
+        from jax._src import effects as jax_effects
+    except ImportError:
+        return
+    for fe in run.flat.eqns:
+        bad = jax_effects.shardable_ordered_effects.filter_not_in(
+            jax_effects.ordered_effects.filter_in(fe.eqn.effects))
+        if bad:
+            raise MeshplanError(
+                f"the step's {fe.eqn.primitive.name} is ordered (ordered=True), an effect jax "
+                "runs on one device only, and the plan spans several; drop ordered=True (or use "
+                "jax.experimental.io_callback(..., ordered=True), which jax runs on several)")
+
+
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
         return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
@@ -189,6 +222,7 @@ class Parallelized:
         # process's rows: plan and compile for the global batch (dim 0 times
         # jax.process_count()); with one process the args come back unchanged.
         from meshplan.runtime.multihost import agree_on_plan, global_view
+        _no_explicit_context_mesh()
         args = global_view(args, self.batch_argnums)
         sig = _signature(args)
         hit = self._cache.get(sig)
@@ -199,6 +233,9 @@ class Parallelized:
         traced = trace_function(self.fn, _abstract(args), self.batch_argnums,
                                 getattr(self.fn, "__name__", "fn"), session)
         graph, abstract, unstacked = traced.graph, traced.args, traced.unstacked
+        cluster = self._given_plan.cluster if self._given_plan is not None else self.cluster
+        if (cluster or ClusterSpec.local()).num_devices > 1:
+            _one_device_effects(traced.run)
         if self._given_plan is not None:
             p = self._given_plan
             if p.graph_fingerprint != graph.fingerprint:

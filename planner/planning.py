@@ -205,8 +205,11 @@ def replicated_work(graph: Graph) -> str | None:
     # a model's repeated blocks ask the same few hundred)
     ruled: dict[tuple, bool] = {}
     for n in graph.nodes:
-        if n.primitive in IDENTITY_MARKERS or not any(graph.tensors[t].shape for t in n.outputs):
-            continue        # (markers change nothing; scalars have nothing to split)
+        if n.primitive in IDENTITY_MARKERS or n.primitive == "sharding_constraint" \
+                or not any(graph.tensors[t].shape for t in n.outputs):
+            # (markers change nothing; a constraint of the step's own keeps its
+            # layout, no work; scalars have nothing to split)
+            continue
         key = (n.primitive, tuple(graph.tensors[t].shape for t in n.inputs),
                tuple(graph.tensors[t].shape for t in n.outputs), n.params)
         if key not in ruled:

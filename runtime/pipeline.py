@@ -127,7 +127,9 @@ def _no_context_mesh() -> None:
     if not jax.sharding.get_abstract_mesh().empty:
         raise RuntimeStageError(
             "a pipeline plan runs each stage on a submesh of its own, and this call is inside "
-            "`with jax.set_mesh(...)` (or use_mesh); call the parallelized step outside it")
+            "`with jax.set_mesh(...)` (or use_mesh); call the parallelized step outside it (a "
+            "step that needs that mesh, as a with_sharding_constraint to a bare PartitionSpec "
+            "does, runs as one stage only: drop the constraint, or plan one stage)")
 
 
 def _no_user_mesh(flat: FlatJaxpr) -> None:

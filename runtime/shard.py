@@ -27,7 +27,7 @@ from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import RuntimeStageError, StalePlanError, deleted_argument
 from meshplan.plan import Plan
@@ -238,6 +238,25 @@ class _Compiled:
             a = self.assemblers[i] = BatchAssembler(self.flat_in_shardings[i],
                                                     self.flat_avals[i].shape)
         return a
+
+
+def _check_user_meshes(flat: FlatJaxpr, mesh: Mesh) -> None:
+    """Refuse a step that constrains a value to a mesh of its own on other
+    devices than the plan's (``with_sharding_constraint(x,
+    NamedSharding(mesh4, ...))``): jit cannot run the two together."""
+    ours = {d.id for d in mesh.devices.flat}
+    for fe in flat.eqns:
+        if fe.eqn.primitive.name != "sharding_constraint":
+            continue
+        sharding = fe.eqn.params.get("sharding")
+        theirs = getattr(sharding, "mesh", None)
+        if isinstance(theirs, Mesh) and not theirs.empty \
+                and {d.id for d in theirs.devices.flat} != ours:
+            raise RuntimeStageError(
+                f"the step constrains a value to {sharding} (with_sharding_constraint), on "
+                f"{theirs.size} devices of a mesh of its own, and the plan runs on {len(ours)} "
+                "devices, not those; constrain on a mesh of the plan's devices, or drop the "
+                "constraint (the plan lays out every value)")
 
 
 class ShardExecutable:
@@ -451,6 +470,7 @@ class ShardExecutable:
 
         traced = traced if traced is not None else self._trace(args)
         out_shape, flat = traced.out_shape, traced.flat
+        _check_user_meshes(flat, self.mesh)
         in_avals = tuple(flat.avals[i] for i in flat.invars)
         constraints: dict[int, NamedSharding] = {}
         for tid, spec in self.stage.constraints:

@@ -263,3 +263,44 @@ def test_a_model_too_big_for_a_tiny_device_says_how_big_in_readable_units():
     cluster["device"]["memory_bytes"] = 100
     with pytest.raises(InfeasiblePlanError, match=r"at least 6\.50 KiB per device .* budget is 90 B"):
         meshplan.plan(_small_step, jnp.ones((64, 64)), jnp.ones((16, 64)), cluster=cluster)
+
+
+def _residual_step(extra=lambda h: h):
+    def step(p, x):
+        def loss(p):
+            h = extra(jnp.tanh(x @ p["w0"]))
+            return jnp.mean((h @ p["w1"]) ** 2)
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+    p = {"w0": jnp.ones((64, 256)) / 64, "w1": jnp.ones((256, 64)) / 256}
+    return step, p, jnp.ones((64, 64))
+
+
+def test_steps_jax_runs_only_otherwise_are_refused_in_one_line():
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+    # inside set_mesh of a mesh with Explicit axes (jax.make_mesh's default)
+    step, p, x = _residual_step()
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh), pytest.raises(meshplan.MeshplanError, match="Explicit axes"):
+        meshplan.parallelize(step)(p, x)
+    # a constraint on a mesh of 4 of the 8 devices
+    four = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    step, p, x = _residual_step(
+        lambda h: jax.lax.with_sharding_constraint(h, NamedSharding(four, P("a", None))))
+    with pytest.raises(meshplan.errors.RuntimeStageError, match="on 4 devices of a mesh of its own"):
+        meshplan.parallelize(step)(p, x)
+    # an ordered print: jax runs ordered effects on one device only
+    step, p, x = _residual_step(lambda h: (jax.debug.print("{}", h.sum(), ordered=True), h)[1])
+    with pytest.raises(meshplan.MeshplanError, match="ordered=True"):
+        meshplan.parallelize(step)(p, x)
+
+
+def test_a_constraint_of_the_steps_own_is_no_replicated_work():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    step, p, x = _residual_step(
+        lambda h: jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None))))
+    got = meshplan.parallelize(step, method=meshplan.ShardParallel())
+    (pn, loss), (rn, ref) = got(p, x), jax.jit(step)(p, x)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert not any("sharding_constraint" in n for n in got.plan.notes)
