@@ -301,6 +301,6 @@ def test_a_constraint_of_the_steps_own_is_no_replicated_work():
     step, p, x = _residual_step(
         lambda h: jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None))))
     got = meshplan.parallelize(step, method=meshplan.ShardParallel())
-    (pn, loss), (rn, ref) = got(p, x), jax.jit(step)(p, x)
+    (_, loss), (_, ref) = got(p, x), jax.jit(step)(p, x)
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
     assert not any("sharding_constraint" in n for n in got.plan.notes)
