@@ -205,10 +205,10 @@ def replicated_work(graph: Graph) -> str | None:
     # a model's repeated blocks ask the same few hundred)
     ruled: dict[tuple, bool] = {}
     for n in graph.nodes:
-        if n.primitive in IDENTITY_MARKERS or n.primitive == "sharding_constraint" \
+        if n.primitive in IDENTITY_MARKERS or n.primitive in ("sharding_constraint", "shard_map") \
                 or not any(graph.tensors[t].shape for t in n.outputs):
-            # (markers change nothing; a constraint of the step's own keeps its
-            # layout, no work; scalars have nothing to split)
+            # (markers change nothing; the step's own constraints and shard_maps
+            # keep their layouts, as written; scalars have nothing to split)
             continue
         key = (n.primitive, tuple(graph.tensors[t].shape for t in n.inputs),
                tuple(graph.tensors[t].shape for t in n.outputs), n.params)
@@ -235,6 +235,13 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     best plan per number of stages)."""
     if request.pipeline is None:
         return Planned(plan_one_stage(graph, cluster, request, session))
+    opts = request.pipeline
+    stages = opts.fixed[2] if opts.fixed else opts.num_stages or 1
+    if stages > 1 and any(n.primitive == "shard_map" for n in graph.nodes):
+        raise MeshplanError(
+            f"the step runs a jax.shard_map on a mesh of its own, which the {stages} stages of a "
+            "pipeline, each on a submesh, cannot run; plan one stage (ShardParallel(), Auto(), "
+            "Manual(pp=1)), or drop the shard_map")
     if request.batch_split > 1:     # (Manual's data-parallel degree, each micro-batch split so)
         check_batch_divisible(graph, request.batch_split, request.batch_split_by,
                               request.pipeline.num_micro_batches[0])

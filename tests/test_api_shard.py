@@ -304,3 +304,28 @@ def test_a_constraint_of_the_steps_own_is_no_replicated_work():
     (_, loss), (_, ref) = got(p, x), jax.jit(step)(p, x)
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
     assert not any("sharding_constraint" in n for n in got.plan.notes)
+
+
+def test_a_steps_own_shard_map_runs_as_written_and_is_refused_by_pipelines():
+    import warnings
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def step(p, x):
+        def loss(p):
+            def local(p, x):
+                return jax.lax.pmean(jnp.mean(jnp.tanh(x @ p["w0"]) @ p["w1"]) ** 2, "data")
+            return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(p, x)
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+    _, p, x = _residual_step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = meshplan.parallelize(step, method=meshplan.ShardParallel())
+        (_, loss), (_, ref) = got(p, x), jax.jit(step)(p, x)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    said = [str(w.message) for w in caught if "meshplan" in str(w.message)]
+    assert any("shard_map runs as written" in w for w in said)
+    assert not any("replicated" in w for w in said), said
+    with pytest.raises(meshplan.MeshplanError, match="jax.shard_map on a mesh of its own"):
+        meshplan.plan(step, p, x, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))

@@ -136,7 +136,11 @@ def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str],
     if name in COMPOSITES:
         f, b, _ = _composite_cost(eqn, warnings)
         return f, b + nbytes
-    if not flop_rules.is_known(name):
+    if name == "shard_map":     # (the user's own parallel code: it runs as written)
+        warnings.add("the step's jax.shard_map runs as written, on its own mesh and specs; "
+                     "meshplan plans the rest of the step around it, pricing it as one FLOP "
+                     "per output element")
+    elif not flop_rules.is_known(name):
         warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
                      "and planned replicated")
     params = dict(eqn.params, **random_generator([aval_of(i) for i in fe.invars])) \
