@@ -147,12 +147,22 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         lost_s, lost_bytes = costs.undeferred(st.first, st.last, st.submesh, mesh_k, opt.tighten)
         comm, cbytes = comm + joint_s + lost_s, cbytes + joint_bytes + lost_bytes
         sub = submeshes[st.submesh]
+        # (the new value of an updated argument leaf keeps its layout, as the
+        # whole-graph ILP's plans record it: a plain jit of the plan needs it)
+        outputs = {}
+        for o in full.outputs:
+            if o.updates is not None:
+                leaf = full.inputs[o.updates]
+                spec = params.get(pre.get(leaf.argnum, "") + leaf.path)
+                if spec is not None:
+                    outputs[o.path] = spec
         stages.append(Stage(layers=(st.first, st.last),
                             devices=device_order(cluster, devices, mesh),
                             submesh=(sub.hosts, sub.devices_per_host), logical_mesh=mesh,
                             remat=remat, recompute=opt.recompute,
                             recompute_layers=opt.recompute_layers, keep_casts=opt.keep_casts,
                             params=tuple(sorted(params.items())),
+                            outputs=tuple(sorted(outputs.items())),
                             predicted=Predicted(compute, comm, int(mem), opt.memory, opt.latency_s,
                                                 int(round(cbytes * B))),
                             constraints=tuple(sorted(constraints.items())),

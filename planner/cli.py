@@ -273,12 +273,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   explain=args.explain).plan
     snippet = None
     if args.emit:
+        if traced.unstacked is not None:
+            raise MeshplanError(
+                "--emit python: this step's lax.scan over stacked layers was unrolled for "
+                "planning, so the plan lays out per-layer arguments that the step as written "
+                "never sees; run it with meshplan run (or meshplan.parallelize), or write the "
+                "step without the scan for a plain jax.jit")
         from .tools.snippet import python_snippet
         snippet = python_snippet(plan, len(target.args))
     # --emit python without --emit-out: the snippet is all that goes to stdout
     say = print if snippet is None or args.emit_out else _to_stderr
     if snippet is not None and not args.emit_out:
         print(snippet, end="")
+        if args.explain:
+            say(plan.explain())
     else:
         print(plan)
         if args.explain:

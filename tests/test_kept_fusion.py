@@ -95,7 +95,8 @@ def _compiled_kept_per_layer(s, b, h, a):
 def test_kept_bytes_per_layer_against_a_compiled_program():
     """A GPT block (float32, s=128, b=4, h=64, 4 heads): meshplan's kept bytes
     per layer within 0.8..1.0 of what XLA's compiled program keeps (measured
-    0.85); the traced backward's reads before fusion overstate it (1.3x).
+    0.85); the traced backward's reads before fusion overstate it (1.1x; 1.3x
+    before the tracer dropped the equations no output is computed from).
     XLA:CPU keeps more than the fused rule: its reduction kernels read the
     LayerNorm's centred and normalised values from memory (4 x 4 s b h), and it
     keeps the GELU's tanh rather than make an expensive op twice (4 s b h x 4);
@@ -112,7 +113,7 @@ def test_kept_bytes_per_layer_against_a_compiled_program():
     traced = sum(sub.tensors[t].nbytes for t in saved_for_backward(g, lay.layering)[1])
     compiled = _compiled_kept_per_layer(s, b, h, a)
     assert 0.8 <= predicted / compiled <= 1.0, (predicted, compiled)
-    assert traced / compiled > 1.2, (traced, compiled)
+    assert traced / compiled > 1.05, (traced, compiled)
     np.testing.assert_allclose(predicted / (s * b * h), 136.6, rtol=0.01)
 
 

@@ -212,3 +212,36 @@ def test_arguments_the_plan_was_not_made_for_are_refused(gpt, plan):
         plan.stages[0], devices=tuple(range(8, 16))),))
     with pytest.raises(meshplan.MeshplanError, match="only 8 devices are available"):
         elsewhere.shardings(state, batch)
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(remat="full"),
+                                    meshplan.Manual(dp=4, tp=2, remat="full")])
+def test_a_recomputing_one_stage_plans_shardings_run_step_after_step(gpt, method):
+    # (priced by the stage DP, whose plans recorded no output layouts: jit
+    # chose its own, and the second step refused the state it returned)
+    plan = meshplan.plan(gpt.train_step, *gpt.abstract_args, cluster=meshplan.Cluster.local(),
+                         method=method)
+    state, batch = gpt.init(0)
+    mesh, in_s, out_s = plan.shardings(state, batch, step=gpt.train_step)
+    assert all(s is not None for s in jax.tree.leaves(out_s[0]))
+    jitted = jax.jit(gpt.train_step, in_shardings=in_s, out_shardings=out_s)
+    s = jax.device_put(state, in_s[0])
+    for _ in range(2):
+        s, _ = jitted(s, batch)
+    for got, want in zip(jax.tree.leaves(s), jax.tree.leaves(in_s[0])):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+
+
+def test_cli_emit_of_a_scanned_step_is_refused_and_explain_goes_to_stderr(capsys):
+    # (the plan keys per-layer arguments the stacked step never sees: every
+    # spec of the snippet would have matched nothing, unsaid)
+    small = ["--model-arg", "layers=2", "--model-arg", "hidden=32", "--model-arg", "heads=2",
+             "--model-arg", "seq_len=16", "--model-arg", "vocab=64"]
+    assert main(["-q", "plan", "--model", "gpt", *small, "--model-arg", "scan_layers=true",
+                 "--cluster", "local", "--emit", "python"]) == 2
+    out, err = capsys.readouterr()
+    assert "lax.scan over stacked layers" in err and out == ""
+    assert main(["-q", "plan", "--model", "mlp", "--model-arg", "layers=2", "--cluster", "local",
+                 "--emit", "python", "--explain"]) == 0
+    out, err = capsys.readouterr()
+    assert "jax.jit" in out and "faster" in err

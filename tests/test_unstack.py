@@ -205,3 +205,38 @@ def test_donated_stacked_arrays_are_deleted_as_jit_deletes_them(method):
     assert all(x.is_deleted() for x in jax.tree.leaves(new))
     with pytest.raises(meshplan.MeshplanError, match="donated"):
         step(params, batch)
+
+
+def test_layers_in_a_scan_plan_as_the_same_layers_in_a_loop():
+    # the scan's transpose also makes the gradient of its carry's first
+    # value (the batch input), which nothing reads: unrolled, it must not be
+    # priced, or the scanned step plans otherwise than the loop
+    def block(p, x):
+        return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+    def step_of(loss):
+        def step(p, b):
+            value, g = jax.value_and_grad(loss)(p, b)
+            return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), value
+        return step
+
+    def loop(p, b):
+        x = b["x"]
+        for i in range(4):
+            x = block(p[f"l{i}"], x)
+        return jnp.mean((x - b["y"]) ** 2)
+
+    def scanned(p, b):
+        return jnp.mean((jax.lax.scan(lambda x, lp: (block(lp, x), None), b["x"], p)[0]
+                         - b["y"]) ** 2)
+    ks = jax.random.split(jax.random.key(0), 8)
+    layers = [{"w1": jax.random.normal(ks[2 * i], (64, 256)) / 8, "b1": jnp.zeros(256),
+               "w2": jax.random.normal(ks[2 * i + 1], (256, 64)) / 16} for i in range(4)]
+    b = {"x": jnp.ones((64, 64)), "y": jnp.zeros((64, 64))}
+    plans = [meshplan.plan(step_of(loop), {f"l{i}": p for i, p in enumerate(layers)}, b),
+             meshplan.plan(step_of(scanned), jax.tree.map(lambda *xs: jnp.stack(xs), *layers), b)]
+    assert plans[0].predicted.iteration_s == pytest.approx(plans[1].predicted.iteration_s,
+                                                           rel=1e-9)
+    assert plans[0].stages[0].logical_mesh == plans[1].stages[0].logical_mesh
+    specs = [sorted(str(s) for _, s in p.stages[0].params) for p in plans]
+    assert specs[0] == specs[1]

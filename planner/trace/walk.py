@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from jax import lax
 from jax.extend import core as jcore
 
-from ..traced import FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
+from ..traced import IDENTITY_MARKERS, FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
 
 # primitive name -> name of the param holding the inlined (Closed)Jaxpr
 INLINE_CALLS: dict[str, str] = {
@@ -140,7 +140,30 @@ def flatten(closed: Any) -> FlatJaxpr:
         env[v] = i
     f.walk(jaxpr, env, remat=False)
     outs = tuple(f.read(env, v) for v in jaxpr.outvars)
-    return FlatJaxpr(invars, tuple(f.constvars), tuple(f.consts), tuple(f.eqns), outs, f.avals)
+    return FlatJaxpr(invars, tuple(f.constvars), tuple(f.consts), _live(f.eqns, outs), outs,
+                     f.avals)
+
+
+def _live(eqns: list[FlatEqn], outs: tuple[int | Lit, ...]) -> tuple[FlatEqn, ...]:
+    """``eqns`` less those no output is computed from and that have no
+    effect: XLA drops them from the program, so the plan must not price them
+    (an unrolled scan's transpose makes the gradient of its carry's initial
+    value, a batch input's, which nothing reads).  Markers stay, and so do
+    scalars nobody reads with what they are computed from."""
+    need = {x for x in outs if isinstance(x, int)}
+    read = {x for fe in eqns for x in fe.invars if isinstance(x, int)} | need
+    keep = [False] * len(eqns)
+    for k in range(len(eqns) - 1, -1, -1):
+        fe = eqns[k]
+        # (a scalar nobody reads is a loss or metric the step computed and
+        # dropped, which ends the forward of a step returning its state alone)
+        dropped = fe.outvars and not any(o in read for o in fe.outvars) and all(
+            getattr(v.aval, "shape", None) == () for v in fe.eqn.outvars)
+        if fe.eqn.effects or fe.eqn.primitive.name in IDENTITY_MARKERS or dropped \
+                or any(o in need for o in fe.outvars):
+            keep[k] = True
+            need.update(x for x in fe.invars if isinstance(x, int))
+    return tuple(fe for fe, k in zip(eqns, keep) if k)
 
 
 def computed_from(flat: FlatJaxpr, ids: Any) -> set[int]:
