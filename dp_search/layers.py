@@ -116,14 +116,20 @@ def cluster_forward(flops: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
                         best[j][m] = v
                         back[j][m] = i
         if best[-1][num_layers] < INF:
-            cuts, j, m = [], len(pts) - 1, num_layers
-            while j > 0:
-                i = back[j][m]
-                if i > 0:
-                    cuts.append(pts[i])
-                j, m = i, m - 1
-            return sorted(cuts)
+            return _cuts(back, pts, num_layers)
     return _least_uneven(prefix, cut_bytes, num_layers, pts)
+
+
+def _cuts(back: list[list[int]], pts: list[int], m: int) -> list[int]:
+    """The cut positions of ``m`` segments ending at the last point, read
+    back from a segmenting DP's ``back[j][m]`` (the point before ``j``)."""
+    cuts, j = [], len(pts) - 1
+    while j > 0:
+        i = back[j][m]
+        if i > 0:
+            cuts.append(pts[i])
+        j, m = i, m - 1
+    return sorted(cuts)
 
 
 def _least_uneven(prefix: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
@@ -146,14 +152,8 @@ def _least_uneven(prefix: np.ndarray, cut_bytes: np.ndarray, num_layers: int,
                 if v < best[j][m]:
                     best[j][m] = v
                     back[j][m] = i
-    m = max((k for k in range(1, num_layers + 1) if best[-1][k] < INF), default=1)
-    cuts, j = [], len(pts) - 1
-    while j > 0:
-        i = back[j][m]
-        if i > 0:
-            cuts.append(pts[i])
-        j, m = i, m - 1
-    return sorted(cuts)
+    return _cuts(back, pts, max((k for k in range(1, num_layers + 1) if best[-1][k] < INF),
+                                default=1))
 
 
 def _structure_params(n) -> tuple:

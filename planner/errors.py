@@ -91,7 +91,6 @@ def deleted_argument(where: str) -> RuntimeStageError:
                              "pass the state that call returned")
 
 
-
 def mark_step_failure(e: BaseException, step: str) -> None:
     """Note on ``e``, an exception the user's step raised while meshplan
     traced it at its own arguments, that it did: it is re-raised as it is (as
