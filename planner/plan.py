@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -299,7 +300,7 @@ def _check_structure(plan: "Plan") -> None:
         raise PlanFormatError(bad + f"num_micro_batches is {plan.num_micro_batches}; give 1 or "
                               "more")
     for k, st in enumerate(plan.stages):
-        twice = sorted({x for x in st.devices if st.devices.count(x) > 1})
+        twice = sorted(x for x, n in Counter(st.devices).items() if n > 1)
         if twice:
             raise PlanFormatError(bad + f"stage {k} lists device {twice[0]} twice; each device "
                                   "once")

@@ -111,7 +111,7 @@ from .pipeline_programs import (Program, RunningSums, StageLayouts, build_progra
 from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
-from .shard import FastPathMiss, _signature, build_mesh, stage_devices
+from .shard import FastPathMiss, _signature, build_mesh, stage_devices, user_meshes
 
 __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
            "SCHEDULES",)
@@ -136,15 +136,11 @@ def _no_user_mesh(flat: FlatJaxpr) -> None:
     """Refuse a step that constrains a value to a sharding on a mesh of its
     own (``with_sharding_constraint(x, NamedSharding(mesh, ...))``): a stage
     program runs on its submesh, which jit refuses beside that mesh."""
-    for fe in flat.eqns:
-        sharding = fe.eqn.params.get("sharding") if fe.eqn.primitive.name == \
-            "sharding_constraint" else None
-        mesh = getattr(sharding, "mesh", None)
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
-            raise RuntimeStageError(
-                f"the step constrains a value to {sharding} (with_sharding_constraint), a mesh "
-                f"of {mesh.size} devices of its own, and a pipeline plan runs each stage on a "
-                "submesh; drop the constraint (the plan lays out every value) or plan one stage")
+    for sharding, mesh in user_meshes(flat):
+        raise RuntimeStageError(
+            f"the step constrains a value to {sharding} (with_sharding_constraint), a mesh "
+            f"of {mesh.size} devices of its own, and a pipeline plan runs each stage on a "
+            "submesh; drop the constraint (the plan lays out every value) or plan one stage")
 
 
 def _quick_key(leaf: Any) -> Any:

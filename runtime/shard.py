@@ -240,18 +240,25 @@ class _Compiled:
         return a
 
 
-def _check_user_meshes(flat: FlatJaxpr, mesh: Mesh) -> None:
-    """Refuse a step that constrains a value to a mesh of its own on other
-    devices than the plan's (``with_sharding_constraint(x,
-    NamedSharding(mesh4, ...))``): jit cannot run the two together."""
-    ours = {d.id for d in mesh.devices.flat}
+def user_meshes(flat: FlatJaxpr) -> Iterable[tuple[Any, Mesh]]:
+    """``(sharding, its mesh)`` of every value the step constrains to a mesh
+    of its own (``with_sharding_constraint(x, NamedSharding(mesh, ...))``)."""
     for fe in flat.eqns:
         if fe.eqn.primitive.name != "sharding_constraint":
             continue
         sharding = fe.eqn.params.get("sharding")
-        theirs = getattr(sharding, "mesh", None)
-        if isinstance(theirs, Mesh) and not theirs.empty \
-                and {d.id for d in theirs.devices.flat} != ours:
+        mesh = getattr(sharding, "mesh", None)
+        if isinstance(mesh, Mesh) and not mesh.empty:
+            yield sharding, mesh
+
+
+def _check_user_meshes(flat: FlatJaxpr, mesh: Mesh) -> None:
+    """Refuse a step that constrains a value to a mesh of its own on other
+    devices than the plan's (``NamedSharding(mesh4, ...)``): jit cannot run
+    the two together."""
+    ours = {d.id for d in mesh.devices.flat}
+    for sharding, theirs in user_meshes(flat):
+        if {d.id for d in theirs.devices.flat} != ours:
             raise RuntimeStageError(
                 f"the step constrains a value to {sharding} (with_sharding_constraint), on "
                 f"{theirs.size} devices of a mesh of its own, and the plan runs on {len(ours)} "
