@@ -152,6 +152,8 @@ def batches(keys: list[tuple], mesh_of: dict, workers: int) -> list[list[tuple]]
 # fit it (halving, the gap between two caps could be the whole difference
 # between a stage that keeps its weights' copies and one that recomputes).
 TIGHTEN = tuple(2 ** (i / 4) for i in range(41))
+# seconds an interrupted search waits for its worker pool to stop (LayerSolver.close)
+ABORT_WAIT_S = 5.0
 
 
 def _cap_key(tighten: float, pins: Pins | None = None) -> tuple:
@@ -370,13 +372,22 @@ class LayerSolver:
     def close(self, abort: bool = False) -> None:
         """Stop the worker processes; ``abort`` (an interrupt, an error)
         kills them instead of letting them finish."""
-        if self._pool is not None:
-            if abort:
-                self._pool.terminate()
-            else:
-                self._pool.close()
-            self._pool.join()
-            self._pool = None
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        if not abort:
+            pool.close()
+            pool.join()
+            return
+        # (CPython's Pool.terminate kills the workers, then may wait forever for
+        # its task thread, blocked sending a task to them: wait a while, then
+        # leave that daemon thread behind; the workers are gone either way)
+        import threading
+        stop = threading.Thread(target=pool.terminate, daemon=True)
+        stop.start()
+        stop.join(ABORT_WAIT_S)
+        if not stop.is_alive():
+            pool.join()
 
     def layer_cost(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                    grads: frozenset[int] = frozenset(),
