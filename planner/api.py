@@ -274,7 +274,7 @@ class Parallelized:
         if len(p.stages) > 1 or (p.num_micro_batches > 1 and p.layer_of_node):
             # [pipeline] stages on submeshes, micro-batches, GPipe / 1F1B (one
             # stage with several micro-batches: gradient accumulation, as
-            # planned; plan files from before it was recorded run as one program)
+            # planned; Plan.from_dict refuses such a plan without its layers)
             from meshplan.runtime.pipeline import PipelineExecutable
             run = trace_for_run(step, abstract, batch_argnums, p.num_micro_batches)
             why = batch_shaped_draws(graph, run.graph) if p.num_micro_batches > 1 else None

@@ -299,6 +299,12 @@ def _check_structure(plan: "Plan") -> None:
     if plan.num_micro_batches < 1:
         raise PlanFormatError(bad + f"num_micro_batches is {plan.num_micro_batches}; give 1 or "
                               "more")
+    if len(plan.stages) == 1 and plan.num_micro_batches > 1 and not plan.layer_of_node:
+        # (a one-program plan: its tensor ids name the whole batch's graph)
+        raise PlanFormatError(bad + f"num_micro_batches is {plan.num_micro_batches}, but this "
+                              "one-stage plan was made for one program of the whole batch; "
+                              "set it to 1, or re-plan with num_micro_batches="
+                              f"{plan.num_micro_batches}")
     for k, st in enumerate(plan.stages):
         twice = sorted(x for x, n in Counter(st.devices).items() if n > 1)
         if twice:

@@ -216,6 +216,9 @@ def _stage0(d):
     (lambda d: _stage0(d).update(devices=[0, 0] + _stage0(d)["devices"][2:]),
      "lists device 0 twice"),
     (lambda d: _stage0(d).update(devices=_stage0(d)["devices"][:4]), "has 4 devices for"),
+    # (a one-program plan's tensor ids name the whole batch's graph: it ran
+    # one program, ignoring the count, before)
+    (lambda d: d.update(num_micro_batches=2), "re-plan with num_micro_batches=2"),
 ])
 def test_a_plan_file_no_runtime_can_follow_is_one_clear_error(edit, words):
     step, p, batch = _mlp_step()
