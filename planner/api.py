@@ -45,8 +45,7 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     keep them in the plan: ``plan.explain()`` prints them."""
     cluster, method = _cluster(cluster), _method(method)
     session = session or Session.from_env()
-    traced = trace_function(fn, _abstract(args), _argnums(batch_argnums),
-                            getattr(fn, "__name__", "fn"), session)
+    traced = _trace(fn, args, _argnums(batch_argnums), session)
     return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
                          session, explain=explain).plan
 
@@ -147,6 +146,35 @@ def _one_device_effects(run: TracedStep) -> None:
                 "jax.experimental.io_callback(..., ordered=True), which jax runs on several)")
 
 
+def _trace(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
+           session: Session) -> TracedFunction:
+    """:func:`trace_function` of ``fn`` at ``args``' shapes.  Where the step
+    itself fails, and an argument's layout was part of its type (a mesh of
+    Explicit axes) that the step may rely on, the failure says so: meshplan
+    traces every argument without its layout, which it chooses itself."""
+    try:
+        return trace_function(fn, _abstract(args), batch_argnums,
+                              getattr(fn, "__name__", "fn"), session)
+    except Exception as e:
+        typed = _explicit_leaf(args)
+        if typed is not None and getattr(e, "meshplan_step", None) is not None:
+            e.add_note(f"(argument {typed} has a sharding on a mesh with Explicit axes, part "
+                       "of its type under jax.jit; meshplan traces the step without the "
+                       "arguments' shardings, which it chooses itself, so a step that relies on "
+                       "them fails here)")
+        raise
+
+
+def _explicit_leaf(args: Sequence[Any]) -> str | None:
+    """The first argument leaf whose sharding is on a mesh with Explicit axes."""
+    from jax.sharding import AxisType, NamedSharding
+    for path, x in jax.tree_util.tree_leaves_with_path(tuple(args)):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and AxisType.Explicit in tuple(sh.mesh.axis_types):
+            return f"{path[0].idx}{jax.tree_util.keystr(path[1:])}"
+    return None
+
+
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
     def one(x: Any) -> Any:
         return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
@@ -230,8 +258,7 @@ class Parallelized:
             self._last = hit[0]
             return hit
         session = self.session or Session.from_env()
-        traced = trace_function(self.fn, _abstract(args), self.batch_argnums,
-                                getattr(self.fn, "__name__", "fn"), session)
+        traced = _trace(self.fn, args, self.batch_argnums, session)
         graph, abstract, unstacked = traced.graph, traced.args, traced.unstacked
         cluster = self._given_plan.cluster if self._given_plan is not None else self.cluster
         if (cluster or ClusterSpec.local()).num_devices > 1:

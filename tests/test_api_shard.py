@@ -295,6 +295,21 @@ def test_steps_jax_runs_only_otherwise_are_refused_in_one_line():
         meshplan.parallelize(step)(p, x)
 
 
+def test_a_step_that_needs_its_arguments_explicit_shardings_says_meshplan_drops_them():
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    # (the matmul's gradient contracts the rows split on "d": jax.jit asks
+    # for an out_sharding unless the arguments' types carry theirs)
+    step, p, x = _residual_step(
+        lambda h: jax.sharding.reshard(h, NamedSharding(mesh, P("d", None))))
+    typed = jax.device_put((p, x), (NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))))
+    jax.jit(step)(*typed)
+    with pytest.raises(Exception) as e:
+        meshplan.parallelize(step, method=meshplan.ShardParallel())(*typed)
+    assert "argument 0['w0'] has a sharding on a mesh with Explicit axes" in \
+        "".join(getattr(e.value, "__notes__", ()))
+
+
 def test_a_constraint_of_the_steps_own_is_no_replicated_work():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
