@@ -179,9 +179,14 @@ def _of_size(retrace: Callable[[int], TracedStep], traced: TracedStep, split: St
         return None
     eqn, value = aligned
     made_by = {o: j for j, fe in enumerate(flat.eqns) for o in fe.outvars}
+    # (rows' places, jnp.arange(B) in logp[arange(B), y]: a forward's are the
+    # micro-batch's, and a data shard cut from them would index rows it lacks)
+    info = traced.scaling.info if traced.scaling is not None else {}
     stages, ids, batch_dim, eqns = set(), set(), {}, {}
     for key, t in split.tasks.items():
         if key[0] != "B" or not t.accumulate or key[1] not in of:
+            continue
+        if any(getattr(info.get(x), "position", False) for x in t.inputs):
             continue
         mine = _small_eqns(t, closure(dataclasses.replace(t, eqns=sorted(t.replay + t.eqns)),
                                       split, big), flat, eqn, value, made_by)

@@ -270,6 +270,9 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
             split.degree[x] = info.degree
         elif how == MEAN and info.kind == "M" and split.producer[x][0] == "F":
             split.extremum[x] = info.extremum
+        elif how == CONCAT and info.position:
+            split.inexact[x] = ("an output made from the rows' places in the batch (jnp.arange "
+                                "of the batch size): each micro-batch's rows start again at 0")
         elif not (how == CONCAT and info.kind in "PN" and info.degree == 0
                   and not info.folded) \
                 and not (how == MEAN and info.kind == "N"):

@@ -263,7 +263,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
                                   "two-views-reshaped", "hardest", "running", "loop-count",
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
-                                  "callback"])
+                                  "callback", "first-rows", "weighted-by-place",
+                                  "table-by-place"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -373,10 +374,35 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
                      lambda p, b, loss: {"last": jnp.cumsum(_token_losses(p, b).mean(1))[-3:]})
         named, why = "last", "cumsum along the batch axis"
+    elif case in ("first-rows", "weighted-by-place", "table-by-place"):
+        # a value made from the rows' places, not their examples: row i of a
+        # numpy table (each micro-batch read rows 0..7 again, silently before),
+        # weights by place, a jax table gathered by place
+        rows = {"first-rows": lambda n: np.linspace(0.5, 1.5, 64, dtype=np.float32)[:n],
+                "weighted-by-place": lambda n: jnp.arange(n) / 16.0,
+                "table-by-place": lambda n: jnp.linspace(0.5, 1.5, 64)[jnp.arange(n) % 64]}[case]
+
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            return jnp.mean(t * rows(t.shape[0]))
+        step, named, why = _step(loss), "outputs [0]['emb']", "the rows' places in the batch"
     gap, warned = _run(step)
     assert gap > 1e-5       # (what the warning is about; rounding is ~1e-7)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
     assert "num_micro_batches=1" in warned[0]
+
+
+def test_places_that_pick_each_examples_own_row_pipeline_exactly():
+    # logp[arange(B), y] picks each example's own row; a numpy mask made at
+    # the batch's size is alike for every micro-batch's rows
+    def loss(p, b):
+        h = p["emb"][b["tok"]].mean(1) @ p["w1"] @ p["w2"] @ p["emb"].T
+        logp = jax.nn.log_softmax(h)
+        n = b["tok"].shape[0]
+        picked = logp[jnp.arange(n), jnp.maximum(b["tgt"][:, 0], 0)]
+        return -jnp.mean(picked * np.ones(n, np.float32))
+    gap, warned = _run(_step(loss))
+    assert gap < 1e-5 and not warned
 
 
 def test_a_running_statistic_in_the_state_is_named_among_the_outputs_that_differ():

@@ -74,6 +74,10 @@ class Info:
     # size (a step's own accumulation chunks, ``x.reshape(k, B // k, ...)``):
     # exact only where a lax.scan iterates over that dimension
     folded: bool = False
+    # P: made from the rows' places in the micro-batch, not from its examples
+    # (``jnp.arange(B)``, a constant's first B rows): exact only where it picks
+    # each example's own row of a per-example value (``logp[arange(B), y]``)
+    position: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,8 @@ def _shape(aval: Any) -> Any:
 def _literal(v: Any, v_full: Any, m: int) -> Info:
     """A literal or captured constant, of value ``v`` at the micro-batch and
     ``v_full`` at the whole batch."""
+    if np.shape(v) != np.shape(v_full):
+        return _batch_constant(v, v_full)
     if np.size(v) >= 4096:      # (a captured array: not copied to look at)
         return Info("N")
     try:
@@ -286,9 +292,7 @@ def _literal(v: Any, v_full: Any, m: int) -> Info:
         zero = 0 < a.size < 4096 and not np.any(a != 0)
     except (TypeError, ValueError):
         return Info("N")
-    if x is None or a.shape != b.shape:
-        # (an array: its values taken not to scale; one whose shape differs
-        # between the traces is per example, as a padding mask is)
+    if x is None:       # (an array: its values taken not to scale)
         return Info("N", Fraction(0), zero=bool(zero))
     if x == y or (np.isnan(x) and np.isnan(y)):
         return Info("N", Fraction(0), zero=x == 0)
@@ -296,6 +300,26 @@ def _literal(v: Any, v_full: Any, m: int) -> Info:
         if x and abs(y - x * float(m) ** d) <= 1e-6 * abs(y):
             return Info("N", Fraction(d))
     return Info("N", None)
+
+
+def _batch_constant(v: Any, v_full: Any) -> Info:
+    """A constant with the batch's size, made at each trace's size (a padding
+    mask built with numpy, a table's first rows): each micro-batch reads the
+    micro-batch trace's, which is exact where every micro-batch's rows of
+    the whole batch's are that one."""
+    a, b = np.shape(v), np.shape(v_full)
+    axes = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(a) == len(b) and len(axes) == 1 and a[axes[0]] and b[axes[0]] % a[axes[0]] == 0 \
+            and np.size(v_full) <= 2 ** 24:
+        d, n = axes[0], a[axes[0]]
+        try:
+            small, whole = np.asarray(v), np.asarray(v_full)
+        except TypeError:       # (typed PRNG keys)
+            return Info("P")
+        if all(np.array_equal(np.take(whole, range(k, k + n), axis=d), small, equal_nan=True)
+               for k in range(0, b[d], n)):
+            return Info("P")
+    return Info("P", position=True)
 
 
 def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: int,
@@ -334,7 +358,62 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         return [Info("X", why=f"{name}, which meshplan cannot see into, given the batch's "
                               "examples: it may combine them, and each micro-batch would give "
                               "it only its own") for _ in eqn.outvars]
-    return [_rule(name, eqn.params, ins, p) for p in pe]
+    if _index_arithmetic(ins):
+        # (places, and literals that may hold the batch's size: jnp's
+        # ``where(i < 0, i + B, i)`` of an index; how it scales does not
+        # matter, where it ends up matters)
+        return [Info("P", Fraction(0), position=True) if p else Info("X", why=_POSITIONS)
+                for p in pe]
+    return [_placed(eqn, eqn_full, ins, _rule(name, eqn.params, ins, p), p) for p in pe]
+
+
+def _index_arithmetic(ins: Sequence[Info]) -> bool:
+    """Whether an equation reads places and nothing else of the batch."""
+    batch = [i for i in ins if i.kind != "N"]
+    return bool(batch) and all(i.kind == "P" and i.position for i in batch)
+
+
+_POSITIONS = ("a value made from the rows' places in the batch (jnp.arange of the batch size, "
+              "a constant's first rows, as many as the batch has): each micro-batch reads the "
+              "first rows again")
+# what picks rows of its first operand by indices (its own rows, where they
+# are the examples' places)
+_INDEXING = frozenset({"gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                       "scatter_mul", "scatter-min", "scatter-max", "dynamic_slice",
+                       "dynamic_update_slice"})
+
+
+def _placed(eqn: Any, eqn_full: Any, ins: Sequence[Info], out: Info, per_example: bool) -> Info:
+    """``out`` with :attr:`Info.position` where it is made from the rows'
+    places; a sum or an extremum over the batch of such a value is ``X``.
+    A random draw from places (a key per row) is not: the runtime draws the
+    whole batch's numbers once a step (``TracedStep.batch_draws``)."""
+    name = eqn.primitive.name
+    placed = [i for i in ins if i.kind == "P" and i.position]
+    if out.kind in "SM" and placed:
+        return Info("X", why=_POSITIONS)
+    if out.kind != "P" or name.startswith("random_") or name == "threefry2x32":
+        return out
+    if any(i.kind == "P" for i in ins):
+        position = bool(placed) and not (name in _INDEXING and ins[0].kind == "P"
+                                         and not ins[0].position)
+    else:
+        position = per_example and _from_places(eqn, eqn_full)
+    return replace(out, position=True) if position else out
+
+
+def _from_places(eqn: Any, eqn_full: Any) -> bool:
+    """Whether an equation that reads nothing of the batch makes an axis of
+    the batch's size out of places: an iota along it, or rows cut from a
+    value of fixed size (a slice, a gather of a table by an iota)."""
+    name = eqn.primitive.name
+    out, out_full = _shape(eqn.outvars[0].aval), _shape(eqn_full.outvars[0].aval)
+    if name == "iota":
+        d = eqn.params["dimension"]
+        return out is not None and out_full is not None and out[d] != out_full[d]
+    if name in ("slice", "dynamic_slice", "gather") and eqn.invars:
+        return _shape(eqn.invars[0].aval) == _shape(eqn_full.invars[0].aval)
+    return False
 
 
 _FOLDED = ("reshape along the batch axis (a dimension of fixed size holds the batch index's "
