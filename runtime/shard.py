@@ -368,8 +368,8 @@ class ShardExecutable:
         if self.multiprocess:
             args = self._assemble_batches(entry, leaves, treedef)
         else:
-            # a host batch placed first: passed as it is, jit would key its
-            # cache on the unplaced type and compile the step a second time
+            # a host batch (or scalar) placed first: passed as it is, jit would
+            # key its cache on the unplaced type and compile the step again
             args = self._place_batches(entry, leaves, treedef)
         try:
             return entry.jitted(*args)
@@ -417,9 +417,14 @@ class ShardExecutable:
 
     def _place_batches(self, entry: _Compiled, leaves: list[Any], treedef: Any
                        ) -> tuple[Any, ...]:
-        """Fast path: the batch leaves on their planned shardings."""
+        """Fast path: the batch leaves on their planned shardings, and every
+        leaf not yet on a device of its own choosing (a Python scalar, a numpy
+        array, an uncommitted array: jit keys its cache on that type too)."""
         for i in entry.batch_leaves:
             leaves[i] = place(leaves[i], entry.flat_in_shardings[i])
+        for i, x in enumerate(leaves):
+            if not isinstance(x, jax.Array) or not x.committed:
+                leaves[i] = place(x, entry.flat_in_shardings[i])
         return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
 
     def _assemble_batches(self, entry: _Compiled, leaves: list[Any], treedef: Any

@@ -403,6 +403,20 @@ def test_a_host_batch_on_later_calls_compiles_the_step_once():
     assert executable._last.jitted._cache_size() == 1
 
 
+def test_scalars_and_host_arrays_besides_the_batch_compile_the_step_once():
+    # a learning rate passed as a Python float, numpy scale, uncommitted
+    # array, fresh each call: the fast path places them as the first call did
+    def step(p, x, lr, scale, shift):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] * scale + shift) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - lr * b, p, g), loss
+    p = {"w": jnp.ones((32, 32)) * 0.1}
+    run = meshplan.parallelize(step, method=meshplan.ShardParallel(), donate_argnums=(0,))
+    for i in range(3):
+        p, _ = run(p, jnp.ones((16, 32)), 0.1 / (i + 1), np.float32(2.0), jnp.zeros(32))
+    (executable,) = [e for _, e in run._cache.values()]
+    assert executable._last.jitted._cache_size() == 1
+
+
 def test_a_one_device_plan_compiles_the_step_once():
     # the state from init sits on device 0 with a SingleDeviceSharding that is
     # equivalent to the plan's; passed through as it is, its type differs from
