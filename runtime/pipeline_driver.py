@@ -455,11 +455,11 @@ class StepRun:
             if k in fixed:
                 outs.append(fixed[k])
             elif x in self.leaf_of:
-                outs.append(self.given[x])
+                outs.append(_as_array(self.given[x]))
             else:
                 src = x if self._produced(x, done) else self.split.alias.get(x, x)
                 if src in self.leaf_of:
-                    outs.append(self.given[src])
+                    outs.append(_as_array(self.given[src]))
                 elif self.xp is None:
                     outs.append(done[src])
                 else:
@@ -474,6 +474,12 @@ class StepRun:
                     outs[k] = jax.numpy.copy(v)
                 seen.add(id(v))
         return outs
+
+
+def _as_array(v: Any) -> Any:
+    """An argument returned as it is, as jax.jit returns it: an array (a
+    Python scalar weakly typed)."""
+    return v if isinstance(v, jax.Array) else jax.numpy.asarray(v)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -146,6 +146,20 @@ def test_one_value_returned_as_several_outputs_comes_back_as_distinct_arrays():
     np.testing.assert_allclose([float(metrics["lr"]), float(third["opt"]["lr"])], [0.05, 0.0125])
 
 
+def test_scalars_a_pipeline_returns_as_given_come_back_as_jax_jit_returns_them():
+    # (a Python float came back a float: metrics["lr"].dtype raised)
+    def step(state, batch, lr, count):
+        new, metrics = _lr_step(state, batch)
+        return new, {**metrics, "given_lr": lr, "count": count}
+    state, batch = _lr_state()
+    want = jax.jit(step)(state, batch, 0.1, 3)[1]
+    got = meshplan.parallelize(step, method=PIPE)(state, batch, 0.1, 3)[1]
+    for key in ("given_lr", "count"):
+        assert isinstance(got[key], jax.Array)
+        assert (got[key].dtype, got[key].weak_type) == (want[key].dtype, want[key].weak_type)
+        assert float(got[key]) == float(want[key])
+
+
 @pytest.mark.parametrize("method", [meshplan.ShardParallel(), PIPE], ids=["one-stage", "pipeline"])
 def test_one_array_in_two_leaves_of_a_donated_argument_is_refused(method):
     # as optax.LookaheadParams.init_synced makes: jax 0.10.2's jit crashed the
