@@ -663,9 +663,9 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
                     f"the update ({t.name()}) reads the batch itself; with micro-batches the "
                     "update may only read gradients, state and batch means")
             cross(flow.alias.get(x, x), f"a value the update ({t.name()}) reads")
-    for x in flat.outvars:
+    for k, x in enumerate(flat.outvars):
         if isinstance(x, int):
-            cross(flow.alias.get(x, x), "an output of the step")
+            cross(flow.alias.get(x, x), f"output leaf {k} of the step (jax.tree.leaves order)")
     # marker outputs whose input comes straight from the C phase
     for o, i in flow.alias.items():
         cross(i, "a gradient")

@@ -116,12 +116,16 @@ def test_per_example_gradients_clipped_then_averaged_pipeline_exactly():
     assert gap < 1e-5 and not warned
 
 
-def test_a_guarded_division_by_the_batchs_count_pipelines_exactly():
+@pytest.mark.parametrize("count", ["size", "shape-array"])
+def test_a_guarded_division_by_the_batchs_count_pipelines_exactly(count):
     # keras.ops.divide_no_nan, keras' default loss reduction: the count from
-    # the shape guarded by where(n == 0, 1, n) is still the count
+    # the shape guarded by where(n == 0, 1, n) is still the count; keras 3
+    # takes it as prod(convert_to_tensor(shape(values))), a constant array
+    # of the shape (falsely warned of before)
     def loss(p, b):
         t = _token_losses(p, b)
-        n = jnp.asarray(t.size, jnp.float32)
+        n = jnp.asarray(t.size, jnp.float32) if count == "size" else \
+            jnp.prod(jnp.array(t.shape)).astype(jnp.float32)
         return jnp.where(n == 0, 0, jnp.sum(t) / jnp.where(n == 0, 1, n))
     gap, warned = _run(_step(loss))
     assert gap < 1e-5 and not warned
@@ -175,7 +179,9 @@ def test_nonlinear_metrics_of_batch_sums_are_computed_once_a_step():
         lambda p, b: jnp.mean(_token_losses(p, b)),
         lambda p, b, loss: {"perplexity": jnp.exp(loss),
                             "token_loss": jnp.sum(_token_losses(p, b) * mask(b))
-                            / jnp.maximum(jnp.sum(mask(b)), 1.0)}))
+                            / jnp.maximum(jnp.sum(mask(b)), 1.0),
+                            # (a cast to integers rounds: refused before)
+                            "decis": (loss * 10).astype(jnp.int32)}))
     assert gap < 1e-5 and not warned
 
 
@@ -524,7 +530,9 @@ def test_an_integer_output_no_combination_gives_is_refused():
                                       lambda p, b, loss: {
                                           "top": jnp.argmax(_token_losses(p, b).sum(1))}),
                                 method=PIPE)
-    with pytest.raises(meshplan.MeshplanError, match="int32 value, which cannot be averaged"):
+    # (named by its place among the leaves: params emb, w1, w2, then loss, top)
+    with pytest.raises(meshplan.MeshplanError, match="output leaf 4 of the step .* int32 value, "
+                                                     "which cannot be averaged"):
         step(_params(), BATCH)
 
 

@@ -166,7 +166,7 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
     # scalars made from literals and constants alone, at both sizes
     known: dict[int, tuple[Any, Any]] = {
         i: (c, c_full) for (i, c), c_full in zip(zip(micro.constvars, micro.consts), full.consts)
-        if np.size(c) == 1 and np.size(c_full) == 1}
+        if np.size(c) <= _SHAPE_VECTOR and np.shape(c) == np.shape(c_full)}
     for fe, fe_full in zip(micro.eqns, full.eqns):
         ins = []
         for pos, (x, y) in enumerate(zip(fe.invars, fe_full.invars)):
@@ -190,14 +190,21 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
     return Scaling(env, literals, consts)
 
 
-# what a value made from literals alone is folded through (:func:`_fold`)
-_FOLDABLE = ELEMENTWISE | {"select_n", "convert_element_type", "broadcast_in_dim", "reshape"}
+# what a value made from literals alone is folded through (:func:`_fold`):
+# also the product of a shape taken as an array (keras's loss reduction
+# divides by ``prod(convert_to_tensor(shape(values)))``)
+_FOLDABLE = ELEMENTWISE | {"select_n", "convert_element_type", "broadcast_in_dim", "reshape",
+                           "reduce_prod", "reduce_sum", "reduce_max", "reduce_min", "squeeze",
+                           "slice", "concatenate"}
+# the most elements such a value has (a shape as an array: one per dimension)
+_SHAPE_VECTOR = 8
 
 
 def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[Any, Any] | None:
-    """The value of an equation's one scalar output at the micro-batch and
-    at the whole batch, where its operands are literals or such values (what
-    a count taken from a shape becomes); else None."""
+    """The value of an equation's one output (a scalar, or a shape as a
+    small array) at the micro-batch and at the whole batch, where its
+    operands are literals or such values (what a count taken from a shape
+    becomes); else None."""
     if fe.eqn.primitive.name not in _FOLDABLE or len(fe.outvars) != 1 or not fe.invars:
         return None
     ins: list[list[Any]] = [[], []]
@@ -208,7 +215,7 @@ def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[
             pair = known[x]
         else:
             return None
-        if np.size(pair[0]) != 1 or np.size(pair[1]) != 1:
+        if np.size(pair[0]) > _SHAPE_VECTOR or np.shape(pair[0]) != np.shape(pair[1]):
             return None
         ins[0].append(pair[0])
         ins[1].append(pair[1])
@@ -217,9 +224,9 @@ def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[
                 for e, vals in ((fe, ins[0]), (fe_full, ins[1])))
     except Exception:       # (what does not bind eagerly stays unfolded)
         return None
-    # (scalars only: an array's Info is its shape's, per example where it
-    # has the batch's rows)
-    return (a, b) if a.size == 1 and a.shape == b.shape else None
+    # (small arrays of one shape at both sizes only: an array's Info is its
+    # shape's, per example where it has the batch's rows)
+    return (a, b) if a.size <= _SHAPE_VECTOR and a.shape == b.shape else None
 
 
 def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
@@ -358,6 +365,11 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         return [Info("X", why=f"{name}, which meshplan cannot see into, given the batch's "
                               "examples: it may combine them, and each micro-batch would give "
                               "it only its own") for _ in eqn.outvars]
+    if name == "convert_element_type" and any(i.kind == "S" for i in ins) and \
+            jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.inexact) and \
+            not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact):
+        # (rounding: computed once a step from the combined sum, as jnp.round is)
+        return [Info("X", why="a sum or mean over the batch cast to integers")]
     if _index_arithmetic(ins):
         # (places, and literals that may hold the batch's size: jnp's
         # ``where(i < 0, i + B, i)`` of an index; how it scales does not
