@@ -55,6 +55,25 @@ def test_roles_outputs_and_topology():
     assert g.matmul_flops == 2 * 32 * (8 * 16 + 16 * 4) * 2 + 2 * 32 * 16 * 4
 
 
+def test_state_the_forward_does_not_read_is_optimizer_state_whatever_its_path():
+    # keras's stateless API: (trainable, non_trainable, optimizer variables)
+    # as lists, so no path names a moment; an EMA of the weights, too
+    def step(state, batch):
+        (w,), (), (m, v, ema) = state
+
+        def loss(w):
+            return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
+        w = w - 0.01 * m / (jnp.sqrt(v) + 1e-8)
+        return ([w], [], [m, v, 0.9 * ema + 0.1 * w]), value
+    w = jnp.ones((8, 4))
+    g = trace(step, ([w], [], [w * 0, w * 0, w]), {"x": jnp.ones((32, 8)), "y": jnp.ones((32, 4))})
+    roles = {i.path: i.role for i in g.inputs if i.argnum == 0}
+    assert roles == {"[0][0]": PARAM, "[2][0]": OPT_STATE, "[2][1]": OPT_STATE,
+                     "[2][2]": OPT_STATE}
+
+
 def test_abstract_args_trace_without_allocation():
     step, state, batch = _mlp_step()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))

@@ -8,6 +8,7 @@ state) and links each output leaf to the input it updates.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -366,7 +367,23 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
     tensor_tuple = tuple(tensors[i] for i in range(next_id))
     g = Graph(name=name, tensors=tensor_tuple, nodes=tuple(nodes), inputs=tuple(inputs),
               outputs=outputs, batch_argnums=batch_argnums, warnings=tuple(sorted(warnings)))
-    return _with_fingerprint(g)
+    return _with_fingerprint(_update_only_state(g))
+
+
+def _update_only_state(g: Graph) -> Graph:
+    """``g`` with the parameters by name that the forward does not read
+    (optimizer moments under positional paths, as keras's
+    ``optimizer.variables`` are; an EMA of the weights) taken as optimizer
+    state: no gradient, read by the update alone.  Only where the forward
+    reads some parameter (a step with no loss has no forward to go by)."""
+    fwd = forward_nodes(g)
+    read = {t for n, f in zip(g.nodes, fwd) if f for t in n.inputs}
+    params = [i for i in g.inputs if i.role == PARAM]
+    if not any(i.tensor in read for i in params) or all(i.tensor in read for i in params):
+        return g
+    return dataclasses.replace(g, inputs=tuple(
+        dataclasses.replace(i, role=OPT_STATE) if i.role == PARAM and i.tensor not in read else i
+        for i in g.inputs))
 
 
 def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
