@@ -270,7 +270,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
                                   "two-views-reshaped", "hardest", "running", "loop-count",
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
                                   "callback", "first-rows", "weighted-by-place",
-                                  "table-by-place"])
+                                  "table-by-place", "while-until"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -392,10 +392,34 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             t = _token_losses(p, b).mean(1)
             return jnp.mean(t * rows(t.shape[0]))
         step, named, why = _step(loss), "outputs [0]['emb']", "the rows' places in the batch"
+    elif case == "while-until":
+        step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                     lambda p, b, loss: {"refined": jnp.mean(_refined(p, b, "until") ** 2)})
+        named, why = "refined", "while loop whose number of steps depends on the batch"
     gap, warned = _run(step)
     assert gap > 1e-5       # (what the warning is about; rounding is ~1e-7)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
     assert "num_micro_batches=1" in warned[0]
+
+
+def _refined(p, b, stop):
+    """A forward refined by a while loop: a fixed number of times, or as
+    many as a sum over the batch says (then fewer for a micro-batch)."""
+    h = p["emb"][b["tok"]].mean(1)
+
+    def body(c):
+        i, h = c
+        return i + 1, jnp.tanh(h @ p["w1"]) @ p["w2"] * 0.9
+    cond = (lambda c: c[0] < 3) if stop == "fixed" else \
+        (lambda c: c[0] < jnp.sum(b["tok"][:, 0]) // 40)
+    return jax.lax.while_loop(cond, body, (0, h))[1]
+
+
+def test_a_while_loop_of_a_fixed_count_pipelines_exactly():
+    # (warned of as something meshplan cannot see into, before)
+    gap, warned = _run(_step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                             lambda p, b, loss: {"refined": jnp.mean(_refined(p, b, "fixed") ** 2)}))
+    assert gap < 1e-5 and not warned
 
 
 def test_places_that_pick_each_examples_own_row_pipeline_exactly():

@@ -343,6 +343,8 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         return _scan(eqn, eqn_full, ins, m, one)
     if name == "cond":
         return _cond(eqn, eqn_full, ins, m, one)
+    if name == "while":
+        return _while(eqn, eqn_full, ins, m, one)
     if name == "dot_general" and ins[0].kind == ins[1].kind == "P" and _across(eqn, eqn_full):
         return [Info("X", why="a product of two examples of the batch (in-batch negatives, a "
                               "similarity between examples): each micro-batch sees only its own")]
@@ -581,6 +583,27 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
             return [*sums, *outs[nk:]] if bad is None else [bad for _ in outs]
         carry = joined
     return [Info("X", why="a loop carry that does not settle") for _ in outs]
+
+
+def _while(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = False
+           ) -> list[Info]:
+    """A while loop: its carries as its body makes them (a fixed point, as
+    a scan's), where the number of steps is the same for every micro-batch
+    (its condition reads no value of the batch, nor the batch's size)."""
+    p, p_full = eqn.params, eqn_full.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    carry = list(ins[cn + bn:])
+    for _ in range(4):
+        outs = _jaxpr(p["body_jaxpr"], p_full["body_jaxpr"], [*ins[cn:cn + bn], *carry], m, one)
+        joined = [_join(a, b) for a, b in zip(carry, outs)]
+        if joined == carry:
+            (pred,) = _jaxpr(p["cond_jaxpr"], p_full["cond_jaxpr"], [*ins[:cn], *carry], m, one)
+            if pred.kind != "N" or pred.degree != 0:
+                return [Info("X", why="a while loop whose number of steps depends on the batch")
+                        for _ in eqn.outvars]
+            return outs
+        carry = joined
+    return [Info("X", why="a loop carry that does not settle") for _ in eqn.outvars]
 
 
 def _passed_on(closed: Any, nc: int, nk: int) -> list[bool]:
