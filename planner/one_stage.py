@@ -123,7 +123,7 @@ def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 
             shape = graph.tensors[inp.tensor].shape
             if not shape or shape[0] % micro_batches or not (shape[0] // micro_batches) % n:
                 continue
-            of = f"{inp.path or 'the batch'}"
+            of = f"argument {inp.argnum}{inp.path}"
             if micro_batches == 1:
                 raise InfeasiblePlanError(
                     f"{what}: the batch dimension of {of} has size {shape[0]}, which does not "

@@ -122,8 +122,8 @@ def test_manual_micro_batches_the_data_axis_cannot_split_are_refused(batch, dp, 
     with pytest.raises(InfeasiblePlanError) as e:
         meshplan.plan(step, p, b, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=mb))
-    assert f"micro-batches of {micro} do not split over the {dp} data-parallel devices" \
-        in str(e.value)
+    assert f"batch dimension of argument 1['x'] has size {batch}, whose micro-batches of " \
+        f"{micro} do not split over the {dp} data-parallel devices" in str(e.value)
     assert f"divisible by {dp * mb}" in str(e.value)
 
 
