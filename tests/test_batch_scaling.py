@@ -270,7 +270,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
                                   "two-views-reshaped", "hardest", "running", "loop-count",
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
                                   "callback", "first-rows", "weighted-by-place",
-                                  "table-by-place", "while-until"])
+                                  "table-by-place", "while-until", "edited-row",
+                                  "picked-rows"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -396,6 +397,13 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
                      lambda p, b, loss: {"refined": jnp.mean(_refined(p, b, "until") ** 2)})
         named, why = "refined", "while loop whose number of steps depends on the batch"
+    elif case in ("edited-row", "picked-rows"):
+        # the first example's loss dropped, some examples picked by index:
+        # each micro-batch drops or picks its own (silently, before)
+        pick = {"edited-row": lambda t: t.at[0].set(0.0),
+                "picked-rows": lambda t: t[jnp.array([1, 5, 9, 12])]}[case]
+        step = _step(lambda p, b: jnp.mean(pick(_token_losses(p, b).mean(1))))
+        named, why = "outputs [0]['emb']", "of examples of the batch by index"
     gap, warned = _run(step)
     assert gap > 1e-5       # (what the warning is about; rounding is ~1e-7)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned
@@ -420,6 +428,17 @@ def test_a_while_loop_of_a_fixed_count_pipelines_exactly():
     gap, warned = _run(_step(lambda p, b: jnp.mean(_token_losses(p, b)),
                              lambda p, b, loss: {"refined": jnp.mean(_refined(p, b, "fixed") ** 2)}))
     assert gap < 1e-5 and not warned
+
+
+def test_an_operation_jax_leaves_out_at_the_micro_batch_size_is_warned_of():
+    # x[:8] of a micro-batch of 8 rows is no operation at all in its trace:
+    # the two traces differ, and the combination falls back to averaging
+    # (with jax.value_and_grad the gradients are not found: refused)
+    def step(p, b):
+        loss, g = meshplan.value_and_grad(lambda p: jnp.mean(_token_losses(p, b).mean(1)[:8]))(p)
+        return jax.tree.map(lambda a, d: a - 0.05 * d, p, g), {"loss": loss}
+    gap, warned = _run(step)
+    assert gap > 1e-5 and len(warned) == 1 and "slice at the whole batch" in warned[0], warned
 
 
 def test_places_that_pick_each_examples_own_row_pipeline_exactly():

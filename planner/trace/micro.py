@@ -173,7 +173,22 @@ def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
     """:func:`~meshplan.trace.scaling.batch_scaling`, or None (micro-batches
     averaged, as before the analysis) with a warning where it fails."""
     try:
-        return batch_scaling(flat, full, batch, m)
+        found = batch_scaling(flat, full, batch, m)
+        if found is None and not any(getattr(flat.avals[i], "shape", (0,))[:1] == (1,)
+                                     for i in batch):
+            # (jax traces a micro-batch of one otherwise, eliding broadcasts
+            # over it: known, and averaged as before)
+            k = next((k for k, (x, y) in enumerate(zip(flat.eqns, full.eqns))
+                      if x.eqn.primitive is not y.eqn.primitive), min(len(flat.eqns),
+                                                                      len(full.eqns)))
+            at = (lambda f: f.eqns[k].eqn.primitive.name if k < len(f.eqns) else "the end")
+            warnings.warn(f"meshplan: could not tell how this step's values scale with the "
+                          f"batch: jax traces other operations at a micro-batch than at the "
+                          f"whole batch (operation {k}: {at(full)} at the whole batch, {at(flat)} "
+                          "at a micro-batch; an operation left out at one size, as x[:8] of 8 "
+                          "rows); the pipeline averages every value over the micro-batches, "
+                          "which is exact only for means", stacklevel=2)
+        return found
     except Exception as e:      # (an operation the analysis did not foresee)
         warnings.warn(f"meshplan: could not tell how this step's values scale with the batch "
                       f"({type(e).__name__}: {e}); the pipeline averages every value over the "

@@ -354,7 +354,13 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         if name in _KEEP_VALUE and len(ins) == 1:
             return [ins[0] for _ in eqn.outvars]
         return [Info("X", why=_FOLDED) for _ in eqn.outvars]
-    if any(i.kind == "P" for i in ins) and _moves(eqn, eqn_full):
+    # (an operand that is X already keeps its first cause: _rule)
+    batch_rows = any(i.kind == "P" for i in ins) and not any(i.kind == "X" for i in ins)
+    if batch_rows and _picks_rows(eqn, eqn_full, ins):
+        return [Info("X", why=f"{name} of examples of the batch by index (x[idx], "
+                              "x.at[i].set(...)): a micro-batch holds other examples at those "
+                              "places") for _ in eqn.outvars]
+    if batch_rows and _moves(eqn, eqn_full):
         if name == "reshape":
             return [replace(i, folded=True) for i in
                     (_rule(name, eqn.params, ins, p) for p in pe)]
@@ -461,10 +467,12 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
         return bool(axes & set(p["dimensions"]))
     if name == "tile":      # (repeats of the batch: each micro-batch repeats its own)
         return any(p["reps"][d] != 1 for d in axes)
-    if name == "slice":
-        strides = p["strides"] or (1,) * len(a)
-        return any((p["start_indices"][d], p["limit_indices"][d], strides[d]) != (0, a[d], 1)
-                   for d in axes)
+    if name == "slice":     # (at either size: x[:8] keeps all of a micro-batch of 8)
+        def cut(q: Mapping[str, Any], n: tuple[int, ...]) -> bool:
+            strides = q["strides"] or (1,) * len(n)
+            return any((q["start_indices"][d], q["limit_indices"][d], strides[d]) != (0, n[d], 1)
+                       for d in axes)
+        return cut(p, a) or cut(eqn_full.params, b)
     if name == "split":
         return p["axis"] in axes and len(p["sizes"]) > 1
     if name == "dynamic_slice":
@@ -480,6 +488,26 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
         out = (_shape(eqn.outvars[0].aval), _shape(eqn_full.outvars[0].aval))
         return _major(a, b) < _major(*out)
     return False
+
+
+def _picks_rows(eqn: Any, eqn_full: Any, ins: Sequence[Info]) -> bool:
+    """Whether a gather or scatter indexes the batch axis of its operand by
+    anything but the rows' own places (``x[jnp.array([1, 5])]``,
+    ``l.at[0].set(0)``, ``x[perm]``): it picks or edits some examples, which a
+    micro-batch holds other ones of.  (``logp[arange(B), y]`` picks each
+    row's own.)"""
+    name = eqn.primitive.name
+    if name == "gather":
+        indexed = eqn.params["dimension_numbers"].start_index_map
+    elif name.startswith("scatter"):
+        indexed = eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
+    else:
+        return False
+    a, b = _shape(eqn.invars[0].aval), _shape(eqn_full.invars[0].aval)
+    if a is None or b is None:
+        return False
+    batch_axes = {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
+    return bool(batch_axes & set(indexed)) and not (ins[1].kind == "P" and ins[1].position)
 
 
 def _unfolds(eqn: Any, eqn_full: Any) -> bool:
