@@ -316,7 +316,8 @@ class Parallelized:
                                       fused=fused_replay(run, p.schedule,
                                                          _layer_of_node(p, run)),
                                       layer_of_node=_layer_of_node(p, run),
-                                      donate_argnums=self._donate(graph, len(abstract)))
+                                      donate_argnums=self._donate(graph, len(abstract)),
+                                      whole=traced.run)
         # (one stage: the planner's own trace, which the plan's tensor ids name)
         return ShardExecutable(step, p, abstract, traced=traced.run,
                                retrace=functools.partial(trace_for_run, step,

@@ -206,7 +206,9 @@ class PipelineExecutable:
     ``fused``: the forward equations a stage recomputing nothing replays in
     its backward (the element-wise chains XLA would fuse there in one
     program; see :func:`~meshplan.runtime.pipeline_split.split_step`); with
-    none, the backward reads every forward value it uses.
+    none, the backward reads every forward value it uses.  ``whole``: the
+    step traced at the whole batch (the outputs made from constants alone
+    are made at its size).
     """
 
     def __init__(self, fn: Any, plan: Plan, args: Sequence[Any], *, traced: TracedStep,
@@ -214,7 +216,8 @@ class PipelineExecutable:
                  devices: Sequence[jax.Device] | None = None,
                  timeline: bool = True, donate_argnums: Sequence[int] = (),
                  retrace: Callable[[int], TracedStep] | None = None,
-                 fused: frozenset[int] = frozenset()) -> None:
+                 fused: frozenset[int] = frozenset(),
+                 whole: TracedStep | None = None) -> None:
         _no_context_mesh()
         if len(plan.stages) < 2 and plan.num_micro_batches < 2:
             raise RuntimeStageError("PipelineExecutable runs plans of two or more stages or "
@@ -254,7 +257,7 @@ class PipelineExecutable:
         self._treedef = jax.tree_util.tree_structure(tuple(args))
         self._nleaves = len(traced.flat.invars)
         self._quick: tuple | None = None
-        self._build(layer_of_node, xp, retrace, fused)
+        self._build(layer_of_node, xp, retrace, fused, whole)
         self.last_stats: dict[str, Any] = {}
         self._steps = 0
         self._events: tuple | None = None
@@ -264,7 +267,8 @@ class PipelineExecutable:
 
     # ---- building ---------------------------------------------------------
     def _build(self, layer_of_node: Sequence[int], xp: StageTransport | None,
-               retrace: Callable[[int], TracedStep] | None, fused: frozenset[int]) -> None:
+               retrace: Callable[[int], TracedStep] | None, fused: frozenset[int],
+               whole: TracedStep | None = None) -> None:
         traced, plan, m, flat = self.traced, self.plan, self.m, self.flat
         batch_ids = [i for i, b in zip(flat.invars, traced.batch_leaves) if b]
         self.split = split = split_step(flat, traced.forward, layer_of_node,
@@ -299,7 +303,7 @@ class PipelineExecutable:
                                     closure_eqns, self.layouts.planned)
         self.programs: dict[tuple, Program] = build_programs(split, flat, self.layouts,
                                                              self.donations, self.partial)
-        self.fixed = fixed_outputs(split, flat)
+        self.fixed = fixed_outputs(split, flat, whole.flat if whole is not None else None)
         self.constant_grads = constant_gradients(split, flat)
         self.constant_ids = frozenset(self.constant_grads[0])
         self.returned = returned_leaves(split, flat)

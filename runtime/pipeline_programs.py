@@ -374,17 +374,24 @@ def _start(shape: tuple[int, ...], dtype: Any, extremum: str) -> Any:
     return jax.numpy.full(shape, info.min if extremum == "max" else info.max, dtype)
 
 
-def fixed_outputs(split: StepSplit, flat: FlatJaxpr) -> tuple[tuple[int, ...], Callable[[], Any]]:
+def fixed_outputs(split: StepSplit, flat: FlatJaxpr, whole: FlatJaxpr | None = None
+                  ) -> tuple[tuple[int, ...], Callable[[], Any]]:
     """The positions among the step's outputs of those made from literals
     and constants alone, and a jitted function making them: arrays of the
     dtypes and weak types ``jax.jit`` returns, made anew each call (a caller
-    may donate them back, as a state's ``first_step=False``)."""
+    may donate them back, as a state's ``first_step=False``).  ``whole``:
+    the step traced at the whole batch, the same equations; its literals and
+    constants are the outputs' (``x.shape[0]``, ``jnp.sum(jnp.ones(B))``:
+    the micro-batch's trace holds the micro-batch's size)."""
+    same = whole is not None and len(whole.eqns) == len(flat.eqns) and all(
+        a.eqn.primitive is b.eqn.primitive for a, b in zip(flat.eqns, whole.eqns))
+    src = whole if same else flat
     makers: dict[int, Callable[[], Any]] = {}
-    for k, x in enumerate(flat.outvars):
+    for k, (x, y) in enumerate(zip(flat.outvars, src.outvars)):
         if isinstance(x, Lit):
-            makers[k] = lambda v=x.value: v
+            makers[k] = lambda v=(y.value if isinstance(y, Lit) else x.value): v
         elif x in split.const_eqn:
-            makers[k] = _constant(split, flat, x)
+            makers[k] = _constant(split, src, x)
     keys = tuple(makers)
     return keys, jax.jit(lambda: [makers[k]() for k in keys])
 

@@ -191,7 +191,9 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     micro-batches combine (:func:`_combination`); None: averaged."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches,
-                 {o for k, _, _ in draws for o in flat.eqns[k].outvars})
+                 {o for k, _, _ in draws for o in flat.eqns[k].outvars},
+                 scaling.statistics if scaling is not None and num_micro_batches > 1
+                 else frozenset())
     # a gradient summed from several layers' contributions: summed once a step
     once, _ = once_a_step([(fe.eqn.primitive.name, [x for x in fe.invars if isinstance(x, int)],
                             fe.outvars) for fe in flat.eqns], layer_of_node, GRAD_BOUNDARY)
@@ -340,9 +342,15 @@ class _Flow:
 
 
 def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int,
-          drawn: set[int] = frozenset()) -> _Flow:
+          drawn: set[int] = frozenset(), statistics: frozenset[int] = frozenset()) -> _Flow:
     """What every value depends on; ``drawn``: the draws over the batch,
-    which differ per micro-batch like the batch (each reads its rows)."""
+    which differ per micro-batch like the batch (each reads its rows).
+    ``statistics``: the batch statistics.  One made from constants alone (the
+    count of a mask built with jnp.ones of the batch's shape), like a draw
+    from a constant key (dropout keyed by jax.random.key(0) in the step), is
+    no constant each program remakes at its micro-batch's size: as the
+    others, it is made once a step at the whole batch's and read by the
+    micro-batches."""
     eqns = flat.eqns
     producer_eqn: dict[int, int] = {}
     for k, fe in enumerate(eqns):
@@ -351,12 +359,16 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int,
     # constant equations: read only constants and literals (transitively)
     const_ids = set(flat.constvars)
     is_const = [False] * len(eqns)
+    made_once: set[int] = set()
     for k, fe in enumerate(eqns):
         if all(isinstance(x, Lit) or x in const_ids for x in fe.invars):
+            if any(o in statistics or o in drawn for o in fe.outvars):
+                made_once.update(fe.outvars)
+                continue
             is_const[k] = True
             const_ids.update(fe.outvars)
     # batch dependence and "after the gradients"
-    bdep = set(batch_ids) | set(drawn)
+    bdep = set(batch_ids) | set(drawn) | made_once
     after: set[int] = set()
     markers = [k for k, fe in enumerate(eqns) if fe.eqn.primitive.name == GRAD_BOUNDARY]
     alias: dict[int, int] = {}

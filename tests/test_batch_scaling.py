@@ -441,6 +441,31 @@ def test_an_operation_jax_leaves_out_at_the_micro_batch_size_is_warned_of():
     assert gap > 1e-5 and len(warned) == 1 and "slice at the whole batch" in warned[0], warned
 
 
+def test_values_made_from_the_batchs_size_alone_are_the_whole_batchs():
+    # outputs and a mask's count made from constants of the batch's shape:
+    # the micro-batch's size (outputs 8 not 16; the count refused, naming a
+    # key, before); a mask of places alike in every micro-batch (falsely
+    # warned of before); keys per example folded from their places and a
+    # draw, from constant keys
+    def step(p, b):
+        def loss(p):
+            t = _token_losses(p, b)
+            mask = jnp.ones(t.shape).at[:, 6:].set(0.0) * \
+                ((jnp.arange(t.size) % t.shape[1]) > 0).reshape(t.shape)
+            keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(5), i))(
+                jnp.arange(t.shape[0]))
+            keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, t.shape[1:]))(keys)
+            # (a draw from a constant key: each micro-batch drew the first
+            # rows' numbers again, silently)
+            keep = keep & jax.random.bernoulli(jax.random.key(6), 0.9, t.shape)
+            return jnp.sum(jnp.where(keep, t, 0.0) * mask) / jnp.sum(mask)
+        loss, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, d: a - 0.05 * d, p, g), {
+            "loss": loss, "rows": b["tok"].shape[0], "tokens": jnp.sum(jnp.ones(b["tok"].shape))}
+    gap, warned = _run(step)
+    assert gap < 1e-5 and not warned
+
+
 def test_places_that_pick_each_examples_own_row_pipeline_exactly():
     # logp[arange(B), y] picks each example's own row; a numpy mask made at
     # the batch's size is alike for every micro-batch's rows

@@ -166,7 +166,7 @@ def _analyse(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int,
     # scalars made from literals and constants alone, at both sizes
     known: dict[int, tuple[Any, Any]] = {
         i: (c, c_full) for (i, c), c_full in zip(zip(micro.constvars, micro.consts), full.consts)
-        if np.size(c) <= _SHAPE_VECTOR and np.shape(c) == np.shape(c_full)}
+        if _foldable(c, c_full)}
     for fe, fe_full in zip(micro.eqns, full.eqns):
         ins = []
         for pos, (x, y) in enumerate(zip(fe.invars, fe_full.invars)):
@@ -198,14 +198,27 @@ _FOLDABLE = ELEMENTWISE | {"select_n", "convert_element_type", "broadcast_in_dim
                            "slice", "concatenate"}
 # the most elements such a value has (a shape as an array: one per dimension)
 _SHAPE_VECTOR = 8
+# ... or, where it has the batch's size (places: jnp.arange(B * T) % T), this
+_PLACES = 2 ** 16
+
+
+def _foldable(a: Any, b: Any) -> bool:
+    """Whether a value of ``a`` at the micro-batch and ``b`` at the whole
+    batch is kept folded: a scalar or a shape as an array, or an array of
+    the batch's size made from places (read by :func:`_batch_constant`)."""
+    if np.shape(a) == np.shape(b):
+        return np.size(a) <= _SHAPE_VECTOR
+    return np.size(b) <= _PLACES
 
 
 def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[Any, Any] | None:
-    """The value of an equation's one output (a scalar, or a shape as a
-    small array) at the micro-batch and at the whole batch, where its
-    operands are literals or such values (what a count taken from a shape
-    becomes); else None."""
-    if fe.eqn.primitive.name not in _FOLDABLE or len(fe.outvars) != 1 or not fe.invars:
+    """The value of an equation's one output (:func:`_foldable`) at the
+    micro-batch and at the whole batch, where its operands are literals or
+    such values (what a count taken from a shape becomes, an iota and what
+    is computed from it); else None."""
+    name = fe.eqn.primitive.name
+    if (name not in _FOLDABLE and name != "iota") or len(fe.outvars) != 1 or (
+            not fe.invars and name != "iota"):
         return None
     ins: list[list[Any]] = [[], []]
     for x, y in zip(fe.invars, fe_full.invars):
@@ -215,18 +228,23 @@ def _fold(fe: Any, fe_full: Any, known: Mapping[int, tuple[Any, Any]]) -> tuple[
             pair = known[x]
         else:
             return None
-        if np.size(pair[0]) > _SHAPE_VECTOR or np.shape(pair[0]) != np.shape(pair[1]):
+        if not _foldable(*pair):
             return None
         ins[0].append(pair[0])
         ins[1].append(pair[1])
+    grows = _shape(fe.eqn.outvars[0].aval) != _shape(fe_full.eqn.outvars[0].aval)
+    if grows and name != "iota" and all(np.shape(x) == np.shape(y) for x, y in zip(*ins)):
+        # (a scalar filled out to the batch: alike in every row, and how it
+        # scales is _rule's)
+        return None
     try:
         a, b = (np.asarray(e.eqn.primitive.bind(*vals, **e.eqn.params))
                 for e, vals in ((fe, ins[0]), (fe_full, ins[1])))
     except Exception:       # (what does not bind eagerly stays unfolded)
         return None
-    # (small arrays of one shape at both sizes only: an array's Info is its
-    # shape's, per example where it has the batch's rows)
-    return (a, b) if a.size <= _SHAPE_VECTOR and a.shape == b.shape else None
+    # (an array of one shape at both sizes is taken not to scale: only a
+    # small one is folded on)
+    return (a, b) if _foldable(a, b) else None
 
 
 def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
@@ -378,7 +396,7 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
             not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact):
         # (rounding: computed once a step from the combined sum, as jnp.round is)
         return [Info("X", why="a sum or mean over the batch cast to integers")]
-    if _index_arithmetic(ins):
+    if _index_arithmetic(ins) and not name.startswith("random_") and name != "threefry2x32":
         # (places, and literals that may hold the batch's size: jnp's
         # ``where(i < 0, i + B, i)`` of an index; how it scales does not
         # matter, where it ends up matters)
