@@ -271,7 +271,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
                                   "callback", "first-rows", "weighted-by-place",
                                   "table-by-place", "while-until", "edited-row",
-                                  "picked-rows"])
+                                  "picked-rows", "rolled"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -404,6 +404,14 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
                 "picked-rows": lambda t: t[jnp.array([1, 5, 9, 12])]}[case]
         step = _step(lambda p, b: jnp.mean(pick(_token_losses(p, b).mean(1))))
         named, why = "outputs [0]['emb']", "of examples of the batch by index"
+    elif case == "rolled":
+        # each example against its neighbour in the batch (its backward's
+        # split of a padded constant was made once a step at the whole
+        # batch's size, and the pipeline failed)
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            return jnp.mean(t * jnp.roll(t, 1, axis=0))
+        step, named, why = _step(loss), "outputs [0]['emb']", "along the batch axis"
     gap, warned = _run(step)
     assert gap > 1e-5       # (what the warning is about; rounding is ~1e-7)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned

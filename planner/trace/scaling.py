@@ -281,7 +281,12 @@ def _statistics(micro: FlatJaxpr, full: FlatJaxpr, batch: set[int],
     for fe in micro.eqns:
         if any(info[o].kind == "X" for o in fe.outvars):
             stats.update(x for x in fe.invars if whole(x))
-    return frozenset(stats)
+    # (made once at the whole batch, every result of the operation is the
+    # whole batch's: not one that also makes a value of the batch's size,
+    # as a split of the batch's rows does)
+    made = {o: fe for fe in micro.eqns for o in fe.outvars}
+    return frozenset(x for x in stats if x not in made or all(
+        _shape(micro.avals[o]) == _shape(full.avals.get(o)) for o in made[x].outvars))
 
 
 def _ancestors(micro: FlatJaxpr, values: frozenset[int]) -> list[int]:
