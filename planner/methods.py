@@ -104,6 +104,9 @@ class ShardParallel:
                 remat=None if self.remat == "auto" else self.remat,
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction)),
+                # ("auto": recomputing nothing, the whole-graph ILP's plan is
+                # one of the three, and more exact than a sum of layer costs)
+                one_stage_by_whole_graph=self.remat == "auto",
                 time_limit=self.time_limit, backend=self.backend,
                 memory_fraction=float(self.memory_fraction))
         return PlanRequest("shard", mesh_shape=meshes, axis_names=self.axis_names,
