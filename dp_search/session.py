@@ -83,10 +83,14 @@ class Session:
         workers = usable_cpus()
         if env:
             try:
-                # (more processes than cores would only take turns on them)
-                workers = max(1, min(int(env), workers))
+                asked = int(env)
             except ValueError:
-                raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer") from None
+                asked = 0
+            if asked < 1:
+                raise MeshplanError(f"MESHPLAN_WORKERS={env!r}: use a positive integer (1: the "
+                                    "layer ILPs in this process)")
+            # (more processes than cores would only take turns on them)
+            workers = min(asked, workers)
         try:
             solver = SolverOptions.from_env()
         except ValueError as e:

@@ -226,6 +226,11 @@ def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
     assert Session.from_env().workers == 96
     monkeypatch.setenv("MESHPLAN_WORKERS", "3")
     assert Session.from_env().workers == 3
+    for bad in ("0", "-3", "abc"):      # (0 and -3 were taken as 1, silently)
+        monkeypatch.setenv("MESHPLAN_WORKERS", bad)
+        with pytest.raises(MeshplanError, match="use a positive integer"):
+            Session.from_env()
+    monkeypatch.setenv("MESHPLAN_WORKERS", "3")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     solver = LayerSolver(meshplan.Cluster.local(), None, Session(workers=64))
     assert solver.workers == 2
