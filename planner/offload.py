@@ -147,7 +147,11 @@ def _update_point(graph: Graph, plan: Plan, prefixes: dict[int, str]) -> MemoryB
 
 
 def not_fitting(err: InfeasiblePlanError, cluster: ClusterSpec) -> InfeasiblePlanError:
-    """``err`` (the plan without offloading) saying offloading did not help either."""
+    """``err`` (the plan without offloading) saying offloading did not help
+    either; as it is where it is no shortage of memory (a batch that does not
+    split over the devices)."""
+    if err.budget_bytes is None:
+        return err
     return InfeasiblePlanError(f"{err} (offloading the optimizer state to host memory over "
                                f"{cluster.name}'s host link does not make it fit either)",
                                budget_bytes=err.budget_bytes, needed_bytes=err.needed_bytes)

@@ -2,6 +2,7 @@
 of a cluster file, the plan's choice and its costs, and the one-stage runtime
 keeping the state in pinned host memory between steps."""
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,17 @@ def test_auto_offloads_only_where_memory_binds():
     with pytest.raises(InfeasiblePlanError, match="does not make it fit either"):
         _plan(meshplan.Manual(offload="auto"), _one_device((peak - opt) / 0.9 - 1024),
               ACTIVATION_HEAVY)
+
+
+def test_a_refusal_that_is_not_about_memory_does_not_mention_offloading():
+    # (a batch of 8 over 16 devices was refused "... offloading the optimizer
+    # state ... does not make it fit either")
+    m = build_model("gpt")
+    cluster = pathlib.Path(__file__).resolve().parents[1] / "examples/clusters/dgx-a100-x2.json"
+    with pytest.raises(InfeasiblePlanError) as e:
+        meshplan.plan(m.train_step, *m.abstract_args, method=meshplan.DataParallel(),
+                      cluster=meshplan.load_cluster(str(cluster)))
+    assert "does not split over 16 devices" in str(e.value) and "offload" not in str(e.value)
 
 
 def test_the_update_needs_the_state_back_on_the_device():
