@@ -29,6 +29,7 @@ from .cluster import ClusterSpec
 from .dp_search import AUTO_SCHEDULES, PipelineOptions, SearchStats, Session, search_pipeline
 from .errors import InfeasiblePlanError, MeshplanError
 from .graph import Graph
+from .methods import Manual
 from .one_stage import plan_one_stage
 from .plan import Plan
 from .request import PlanRequest
@@ -140,14 +141,19 @@ class _Context:
                                    schedules=("1f1b", "gpipe") if pp > 1 else ("1f1b",),
                                    time_limit=self.request.time_limit,
                                    backend=self.request.backend)
+            found = []
             try:
-                p, _ = search_pipeline(self.graph, self.cluster, opts, method_name="manual",
-                                       session=self.session, retrace=self.retrace)
+                found.append(search_pipeline(self.graph, self.cluster, opts, method_name="manual",
+                                             session=self.session, retrace=self.retrace)[0])
+                if pp == 1:     # (Manual(dp, tp)'s own plan: one program, the whole graph)
+                    found.append(plan_one_stage(self.graph, self.cluster,
+                                                Manual(dp=dp, tp=tp).request(self.n),
+                                                self.session))
             except MeshplanError as e:        # (also: fewer layers than stages, no batch)
                 err = e
-                continue
-            if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
-                best = replace(p, notes=(f"dp={dp} tp={tp} pp={pp}",))
+            for p in found:
+                if best is None or p.predicted.iteration_s < best.predicted.iteration_s:
+                    best = replace(p, notes=(f"dp={dp} tp={tp} pp={pp}",))
         tried = ", ".join(f"{dp}x{tp}x{pp}" for dp, tp, pp in points)
         what = f"best Megatron-style grid (dp x tp x pp of {tried})"
         if best is None:
