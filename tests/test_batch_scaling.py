@@ -271,7 +271,7 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
                                   "callback", "first-rows", "weighted-by-place",
                                   "table-by-place", "while-until", "edited-row",
-                                  "picked-rows", "rolled"])
+                                  "picked-rows", "rolled", "rolled-by-gather"])
 def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
     if case == "batch-norm":
         # each example normalised with its micro-batch's statistics
@@ -412,6 +412,12 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             t = _token_losses(p, b).mean(1)
             return jnp.mean(t * jnp.roll(t, 1, axis=0))
         step, named, why = _step(loss), "outputs [0]['emb']", "along the batch axis"
+    elif case == "rolled-by-gather":
+        # the same neighbours picked by places that are not the rows' own
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            return jnp.mean(t * t[(jnp.arange(t.shape[0]) - 1) % t.shape[0]])
+        step, named, why = _step(loss), "outputs [0]['emb']", "of examples of the batch by index"
     gap, warned = _run(step)
     assert gap > 1e-5       # (what the warning is about; rounding is ~1e-7)
     assert len(warned) == 1 and named in warned[0] and why in warned[0], warned

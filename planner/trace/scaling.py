@@ -78,6 +78,9 @@ class Info:
     # (``jnp.arange(B)``, a constant's first B rows): exact only where it picks
     # each example's own row of a per-example value (``logp[arange(B), y]``)
     position: bool = False
+    # P, position: places known not to be the rows' own (``(arange(B) - 1) % B``,
+    # a roll written as a gather): picking rows by it moves examples
+    shifted: bool = False
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,10 @@ def _batch_constant(v: Any, v_full: Any) -> Info:
         if all(np.array_equal(np.take(whole, range(k, k + n), axis=d), small, equal_nan=True)
                for k in range(0, b[d], n)):
             return Info("P")
+        if np.issubdtype(small.dtype, np.integer):      # (indices: each row's own place?)
+            own = np.arange(n).reshape([n if k == d else 1 for k in range(len(a))])
+            return Info("P", position=True, shifted=not np.array_equal(
+                small, np.broadcast_to(own, a)))
     return Info("P", position=True)
 
 
@@ -405,8 +412,9 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         # (places, and literals that may hold the batch's size: jnp's
         # ``where(i < 0, i + B, i)`` of an index; how it scales does not
         # matter, where it ends up matters)
-        return [Info("P", Fraction(0), position=True) if p else Info("X", why=_POSITIONS)
-                for p in pe]
+        shifted = any(i.shifted for i in ins)
+        return [Info("P", Fraction(0), position=True, shifted=shifted) if p
+                else Info("X", why=_POSITIONS) for p in pe]
     return [_placed(eqn, eqn_full, ins, _rule(name, eqn.params, ins, p), p) for p in pe]
 
 
@@ -442,7 +450,9 @@ def _placed(eqn: Any, eqn_full: Any, ins: Sequence[Info], out: Info, per_example
                                          and not ins[0].position)
     else:
         position = per_example and _from_places(eqn, eqn_full)
-    return replace(out, position=True) if position else out
+    if not position:
+        return out
+    return replace(out, position=True, shifted=any(i.shifted for i in placed))
 
 
 def _from_places(eqn: Any, eqn_full: Any) -> bool:
@@ -530,7 +540,8 @@ def _picks_rows(eqn: Any, eqn_full: Any, ins: Sequence[Info]) -> bool:
     if a is None or b is None:
         return False
     batch_axes = {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
-    return bool(batch_axes & set(indexed)) and not (ins[1].kind == "P" and ins[1].position)
+    return bool(batch_axes & set(indexed)) and not (ins[1].kind == "P" and ins[1].position
+                                                    and not ins[1].shifted)
 
 
 def _unfolds(eqn: Any, eqn_full: Any) -> bool:
