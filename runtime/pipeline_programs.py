@@ -342,7 +342,7 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
     def program(*xs: Any) -> tuple[list[Any], list[Any]]:
         vals = evaluate(*xs[:n_in])
         accs = xs[n_in:]
-        plain = list(vals[:n_out])
+        plain = [_weak_as_traced(v, flat.avals.get(x)) for v, x in zip(vals[:n_out], task.outputs)]
         new = [vals[p] for p in acc_pos]
         if accs:
             new = [_combine(split.extremum.get(x, ""), a, v)
@@ -353,6 +353,17 @@ def _program(task: Task, split: StepSplit, flat: FlatJaxpr, layouts: StageLayout
     program.__name__ = f"stage{s}_{task.kind}{task.level if task.kind == 'A' else ''}"
     program.__qualname__ = program.__name__
     return Program(task, jax.jit(program, donate_argnums=donate), cons, donate)
+
+
+def _weak_as_traced(v: Any, aval: Any) -> Any:
+    """``v`` weakly typed where the step's trace has it so (a parameter made
+    by ``jnp.array(2.0)``: its update, from running sums of a dtype's zeros,
+    came back strongly typed, and the next call was refused as another
+    signature)."""
+    if getattr(aval, "weak_type", False) and not getattr(v, "weak_type", True):
+        from jax._src.lax.lax import _convert_element_type     # (no public way)
+        return _convert_element_type(v, aval.dtype, weak_type=True)
+    return v
 
 
 def _combine(extremum: str, a: Any, v: Any) -> Any:

@@ -160,6 +160,23 @@ def test_scalars_a_pipeline_returns_as_given_come_back_as_jax_jit_returns_them()
         assert float(got[key]) == float(want[key])
 
 
+def test_a_weakly_typed_parameter_stays_weak_and_the_next_call_runs():
+    # (a temperature made by jnp.array(2.0): its update came back strongly
+    # typed from the running sums, and the second call was refused as stale)
+    state, batch = _lr_state()
+    state = {**state, "w": {**state["w"], "t": jax.numpy.array(0.5)}}
+
+    def step(state, batch):
+        def loss(w):
+            return jax.numpy.mean((jax.numpy.tanh(batch @ w["a"]) @ w["b"] * w["t"]) ** 2)
+        value, g = jax.value_and_grad(loss)(state["w"])
+        return {**state, "w": jax.tree.map(lambda p, d: p - 0.1 * d, state["w"], g)}, value
+    run, ref = meshplan.parallelize(step, method=PIPE), jax.jit(step)
+    got, want = run(state, batch)[0], ref(state, batch)[0]
+    assert got["w"]["t"].weak_type and want["w"]["t"].weak_type
+    np.testing.assert_allclose(float(run(got, batch)[1]), float(ref(want, batch)[1]), rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", [meshplan.ShardParallel(), PIPE], ids=["one-stage", "pipeline"])
 def test_one_array_in_two_leaves_of_a_donated_argument_is_refused(method):
     # as optax.LookaheadParams.init_synced makes: jax 0.10.2's jit crashed the
