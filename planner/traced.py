@@ -25,7 +25,7 @@ import numpy as np
 from .graph import GRAD_BOUNDARY, IDENTITY_MARKERS, PIPELINE_BOUNDARY, Graph
 
 __all__ = ["Lit", "FlatEqn", "FlatJaxpr", "TracedStep", "GRAD_BOUNDARY", "PIPELINE_BOUNDARY",
-           "IDENTITY_MARKERS", "signature"]
+           "IDENTITY_MARKERS", "signature", "same_stream"]
 
 
 def signature(tree: Any, *, weak_types: bool = False) -> Any:
@@ -77,6 +77,13 @@ class FlatJaxpr:
     eqns: tuple[FlatEqn, ...]
     outvars: tuple[int | Lit, ...]
     avals: dict[int, Any]           # global id -> abstract value
+
+
+def same_stream(a: FlatJaxpr, b: FlatJaxpr) -> bool:
+    """Whether two traces of one step (at two batch sizes) are the same
+    equations: their ids then match."""
+    return len(a.eqns) == len(b.eqns) and len(a.avals) == len(b.avals) and all(
+        x.eqn.primitive is y.eqn.primitive for x, y in zip(a.eqns, b.eqns))
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import StalePlanError
 from meshplan.plan import Plan
-from meshplan.traced import GRAD_BOUNDARY, FlatJaxpr, Lit, TracedStep
+from meshplan.traced import GRAD_BOUNDARY, FlatJaxpr, Lit, TracedStep, same_stream
 
 from .reads import read_layouts
 from .pipeline_partial import PartialSums, acc_sharding, partial_program
@@ -394,9 +394,7 @@ def fixed_outputs(split: StepSplit, flat: FlatJaxpr, whole: FlatJaxpr | None = N
     the step traced at the whole batch, the same equations; its literals and
     constants are the outputs' (``x.shape[0]``, ``jnp.sum(jnp.ones(B))``:
     the micro-batch's trace holds the micro-batch's size)."""
-    same = whole is not None and len(whole.eqns) == len(flat.eqns) and all(
-        a.eqn.primitive is b.eqn.primitive for a, b in zip(flat.eqns, whole.eqns))
-    src = whole if same else flat
+    src = whole if whole is not None and same_stream(flat, whole) else flat
     makers: dict[int, Callable[[], Any]] = {}
     for k, (x, y) in enumerate(zip(flat.outvars, src.outvars)):
         if isinstance(x, Lit):

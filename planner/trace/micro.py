@@ -178,22 +178,27 @@ def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
                                      for i in batch):
             # (jax traces a micro-batch of one otherwise, eliding broadcasts
             # over it: known, and averaged as before)
-            k = next((k for k, (x, y) in enumerate(zip(flat.eqns, full.eqns))
-                      if x.eqn.primitive is not y.eqn.primitive), min(len(flat.eqns),
-                                                                      len(full.eqns)))
-            at = (lambda f: f.eqns[k].eqn.primitive.name if k < len(f.eqns) else "the end")
             warnings.warn(f"meshplan: could not tell how this step's values scale with the "
                           f"batch: jax traces other operations at a micro-batch than at the "
-                          f"whole batch (operation {k}: {at(full)} at the whole batch, {at(flat)} "
-                          "at a micro-batch; an operation left out at one size, as x[:8] of 8 "
-                          "rows); the pipeline averages every value over the micro-batches, "
-                          "which is exact only for means", stacklevel=2)
+                          f"whole batch ({_first_difference(flat, full)}; an operation left out "
+                          "at one size, as x[:8] of 8 rows); the pipeline averages every value "
+                          "over the micro-batches, which is exact only for means", stacklevel=2)
         return found
     except Exception as e:      # (an operation the analysis did not foresee)
         warnings.warn(f"meshplan: could not tell how this step's values scale with the batch "
                       f"({type(e).__name__}: {e}); the pipeline averages every value over the "
                       "micro-batches, which is exact only for means", stacklevel=2)
         return None
+
+
+def _first_difference(micro: FlatJaxpr, full: FlatJaxpr) -> str:
+    """Where two traces' streams of equations part, in words."""
+    k = next((k for k, (x, y) in enumerate(zip(micro.eqns, full.eqns))
+              if x.eqn.primitive is not y.eqn.primitive), min(len(micro.eqns), len(full.eqns)))
+
+    def at(f: FlatJaxpr) -> str:
+        return f.eqns[k].eqn.primitive.name if k < len(f.eqns) else "the end"
+    return f"operation {k}: {at(full)} at the whole batch, {at(micro)} at a micro-batch"
 
 
 def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any],

@@ -335,15 +335,20 @@ def _literal(v: Any, v_full: Any, m: int) -> Info:
     return Info("N", None)
 
 
+# the most elements of a captured constant of the batch's shape compared
+# row for row (a larger one is taken to differ between micro-batches)
+_COMPARED = 2 ** 24
+
+
 def _batch_constant(v: Any, v_full: Any) -> Info:
     """A constant with the batch's size, made at each trace's size (a padding
     mask built with numpy, a table's first rows): each micro-batch reads the
     micro-batch trace's, which is exact where every micro-batch's rows of
     the whole batch's are that one."""
     a, b = np.shape(v), np.shape(v_full)
-    axes = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+    axes = sorted(_grown(a, b))
     if len(a) == len(b) and len(axes) == 1 and a[axes[0]] and b[axes[0]] % a[axes[0]] == 0 \
-            and np.size(v_full) <= 2 ** 24:
+            and np.size(v_full) <= _COMPARED:
         d, n = axes[0], a[axes[0]]
         try:
             small, whole = np.asarray(v), np.asarray(v_full)
@@ -408,7 +413,7 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
             not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact):
         # (rounding: computed once a step from the combined sum, as jnp.round is)
         return [Info("X", why="a sum or mean over the batch cast to integers")]
-    if _index_arithmetic(ins) and not name.startswith("random_") and name != "threefry2x32":
+    if _index_arithmetic(ins) and not _draws(name):
         # (places, and literals that may hold the batch's size: jnp's
         # ``where(i < 0, i + B, i)`` of an index; how it scales does not
         # matter, where it ends up matters)
@@ -443,7 +448,7 @@ def _placed(eqn: Any, eqn_full: Any, ins: Sequence[Info], out: Info, per_example
     placed = [i for i in ins if i.kind == "P" and i.position]
     if out.kind in "SM" and placed:
         return Info("X", why=_POSITIONS)
-    if out.kind != "P" or name.startswith("random_") or name == "threefry2x32":
+    if out.kind != "P" or _draws(name):
         return out
     if any(i.kind == "P" for i in ins):
         position = bool(placed) and not (name in _INDEXING and ins[0].kind == "P"
@@ -453,6 +458,18 @@ def _placed(eqn: Any, eqn_full: Any, ins: Sequence[Info], out: Info, per_example
     if not position:
         return out
     return replace(out, position=True, shifted=any(i.shifted for i in placed))
+
+
+def _draws(name: str) -> bool:
+    """A random key or draw operation: a draw from places (a key per row) is
+    a draw over the batch, made once a step by the runtime, not places."""
+    return name.startswith("random_") or name == "threefry2x32"
+
+
+def _grown(a: tuple[int, ...], b: tuple[int, ...]) -> set[int]:
+    """The axes of a value whose size differs between its micro-batch shape
+    ``a`` and its whole-batch shape ``b``: the batch's."""
+    return {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
 
 
 def _from_places(eqn: Any, eqn_full: Any) -> bool:
@@ -490,7 +507,7 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
     if not shapes or shapes[0][0] is None or shapes[0][1] is None:
         return False
     (a, b) = shapes[0]
-    axes = {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
+    axes = _grown(a, b)
     if not axes:
         return False
     if name in _ALONG:
@@ -539,8 +556,7 @@ def _picks_rows(eqn: Any, eqn_full: Any, ins: Sequence[Info]) -> bool:
     a, b = _shape(eqn.invars[0].aval), _shape(eqn_full.invars[0].aval)
     if a is None or b is None:
         return False
-    batch_axes = {d for d, (x, y) in enumerate(zip(a, b)) if x != y}
-    return bool(batch_axes & set(indexed)) and not (ins[1].kind == "P" and ins[1].position
+    return bool(_grown(a, b) & set(indexed)) and not (ins[1].kind == "P" and ins[1].position
                                                     and not ins[1].shifted)
 
 
@@ -629,22 +645,37 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
             and not any(i.kind in "PSMX" for i in ins[:nc + nk]))
     # (iterating over a folded dimension: each step reads a chunk of examples)
     ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in ins[nc + nk:])]
-    carry = list(ins[nc:nc + nk])
-    for _ in range(4):      # (a fixed point of the carries' infos)
-        outs = _jaxpr(eqn.params["jaxpr"], eqn_full.params["jaxpr"],
-                      [*ins[:nc], *carry, *ins[nc + nk:]], m, one or over)
-        joined = [_join(a, b) for a, b in zip(carry, outs[:nk])]
+    settled = _settled(eqn.params["jaxpr"], eqn_full.params["jaxpr"], ins[:nc],
+                       ins[nc:nc + nk], ins[nc + nk:], m, one or over)
+    if settled is None:
+        return [Info("X", why=_UNSETTLED) for _ in eqn.outvars]
+    outs = settled[0]
+    if not over:
+        return outs
+    body = eqn.params["jaxpr"]
+    sums = [_carried(i, a, same) for i, a, same in
+            zip(outs[:nk], _accumulates(body, nc, nk), _passed_on(body, nc, nk))]
+    bad = next((i for i in sums if i.kind == "X"), None)
+    # (what a step computes from such a carry is no one example's)
+    return [*sums, *outs[nk:]] if bad is None else [bad for _ in outs]
+
+
+_UNSETTLED = "a loop carry that does not settle"
+
+
+def _settled(body: Any, body_full: Any, consts: Sequence[Info], carry: Sequence[Info],
+             xs: Sequence[Info], m: int, one: bool
+             ) -> tuple[list[Info], list[Info]] | None:
+    """(a loop body's outputs, its carries' infos) at a fixed point of the
+    carries (the body's first outputs), or None where they do not settle."""
+    carry = list(carry)
+    for _ in range(4):
+        outs = _jaxpr(body, body_full, [*consts, *carry, *xs], m, one)
+        joined = [_join(a, b) for a, b in zip(carry, outs[:len(carry)])]
         if joined == carry:
-            if not over:
-                return outs
-            body = eqn.params["jaxpr"]
-            sums = [_carried(i, a, same) for i, a, same in
-                    zip(outs[:nk], _accumulates(body, nc, nk), _passed_on(body, nc, nk))]
-            bad = next((i for i in sums if i.kind == "X"), None)
-            # (what a step computes from such a carry is no one example's)
-            return [*sums, *outs[nk:]] if bad is None else [bad for _ in outs]
+            return outs, carry
         carry = joined
-    return [Info("X", why="a loop carry that does not settle") for _ in outs]
+    return None
 
 
 def _while(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = False
@@ -654,18 +685,16 @@ def _while(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fal
     (its condition reads no value of the batch, nor the batch's size)."""
     p, p_full = eqn.params, eqn_full.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    carry = list(ins[cn + bn:])
-    for _ in range(4):
-        outs = _jaxpr(p["body_jaxpr"], p_full["body_jaxpr"], [*ins[cn:cn + bn], *carry], m, one)
-        joined = [_join(a, b) for a, b in zip(carry, outs)]
-        if joined == carry:
-            (pred,) = _jaxpr(p["cond_jaxpr"], p_full["cond_jaxpr"], [*ins[:cn], *carry], m, one)
-            if pred.kind != "N" or pred.degree != 0:
-                return [Info("X", why="a while loop whose number of steps depends on the batch")
-                        for _ in eqn.outvars]
-            return outs
-        carry = joined
-    return [Info("X", why="a loop carry that does not settle") for _ in eqn.outvars]
+    settled = _settled(p["body_jaxpr"], p_full["body_jaxpr"], ins[cn:cn + bn], ins[cn + bn:],
+                       (), m, one)
+    if settled is None:
+        return [Info("X", why=_UNSETTLED) for _ in eqn.outvars]
+    outs, carry = settled
+    (pred,) = _jaxpr(p["cond_jaxpr"], p_full["cond_jaxpr"], [*ins[:cn], *carry], m, one)
+    if pred.kind != "N" or pred.degree != 0:
+        return [Info("X", why="a while loop whose number of steps depends on the batch")
+                for _ in eqn.outvars]
+    return outs
 
 
 def _passed_on(closed: Any, nc: int, nk: int) -> list[bool]:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from jax import lax
 from jax.extend import core as jcore
 
-from ..traced import IDENTITY_MARKERS, FlatEqn, FlatJaxpr, Lit  # noqa: F401  (the stream's data types)
+from ..traced import IDENTITY_MARKERS, FlatEqn, FlatJaxpr, Lit, same_stream  # noqa: F401  (the stream's data types)
 
 # primitive name -> name of the param holding the inlined (Closed)Jaxpr
 INLINE_CALLS: dict[str, str] = {
@@ -174,13 +174,6 @@ def computed_from(flat: FlatJaxpr, ids: Any) -> set[int]:
         if any(isinstance(x, int) and x in dep for x in fe.invars):
             dep.update(fe.outvars)
     return dep
-
-
-def same_stream(a: FlatJaxpr, b: FlatJaxpr) -> bool:
-    """Whether two traces of one step (at two batch sizes) are the same
-    equations: their ids then match."""
-    return len(a.eqns) == len(b.eqns) and len(a.avals) == len(b.avals) and all(
-        x.eqn.primitive is y.eqn.primitive for x, y in zip(a.eqns, b.eqns))
 
 
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
