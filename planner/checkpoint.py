@@ -3,7 +3,8 @@
 A checkpoint is a directory written with orbax-checkpoint (one OCDBT store of
 every array's shards, written in parallel by the devices that hold them) plus
 a small ``meshplan_checkpoint.json`` that lists every leaf (pytree path,
-shape, dtype).  What the checkpoint does *not* hold is a layout: it is read
+shape, dtype; a typed PRNG key, stored as its key data, also its
+implementation).  What the checkpoint does *not* hold is a layout: it is read
 back onto whatever plan the caller names, so state saved under a 2 x 4 mesh
 restores under a 4-device mesh, or under a pipeline plan whose stages own
 different parameters on different device subsets -- each array read straight
@@ -87,6 +88,9 @@ def save_state(path: str | os.PathLike[str], state: Any, *, overwrite: bool = Fa
                                   "overwrite=True replaces checkpoints only: remove it yourself "
                                   "or choose another path")
     leaves = _leaf_table(state)
+    # (orbax stores numeric arrays: a typed PRNG key is stored as its key
+    # data, and the marker records its implementation to wrap it again)
+    state = jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
     if primary:
         # a save killed earlier leaves its partial directory behind: clear it
         shutil.rmtree(partial, ignore_errors=True)
@@ -156,13 +160,25 @@ def restore_state(path: str | os.PathLike[str], like: Any, plan: Any = None, *,
     want = _leaf_table(like)
     _check_leaves(final, info["leaves"], want)
     shardings = shardings_for(like, plan, argnum=argnum)
-    target = jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s),
-        like, shardings)
+    saved = {d["path"]: d for d in info["leaves"]}
+
+    def stored(path: Any, x: Any, s: Any) -> jax.ShapeDtypeStruct:
+        if _is_key(x):      # its key data, the leaf's sharding on its leading dimensions
+            return jax.ShapeDtypeStruct(tuple(saved[jax.tree_util.keystr(path)]["key_data"]),
+                                        np.uint32, sharding=s)
+        return jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
+
+    def rewrapped(path: Any, x: Any, got: Any) -> Any:
+        if not _is_key(x):
+            return got
+        return jax.random.wrap_key_data(got, impl=saved[jax.tree_util.keystr(path)]["impl"])
+
+    target = jax.tree_util.tree_map_with_path(stored, like, shardings)
     checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     try:
-        return checkpointer.restore(os.path.join(final, _STATE),
-                                    args=ocp.args.StandardRestore(target))
+        got = checkpointer.restore(os.path.join(final, _STATE),
+                                   args=ocp.args.StandardRestore(target))
+        return jax.tree_util.tree_map_with_path(rewrapped, like, got)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise CheckpointError(f"cannot read the checkpoint at {final}: {type(e).__name__}: "
                               f"{e}") from e
@@ -309,17 +325,28 @@ def _own_sharding(leaf: Any) -> Any:
 # helpers
 # ---------------------------------------------------------------------------
 
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key array (``jax.random.key``), or its ShapeDtypeStruct."""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
 def _dtype(x: Any) -> Any:
     d = getattr(x, "dtype", None)
+    if _is_key(x):
+        return d
     return np.dtype(d) if d is not None else np.asarray(x).dtype
 
 
 def _leaf_table(tree: Any) -> list[dict[str, Any]]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out.append({"path": jax.tree_util.keystr(path),
-                    "shape": [int(s) for s in np.shape(leaf)],
-                    "dtype": str(_dtype(leaf))})
+        entry = {"path": jax.tree_util.keystr(path),
+                 "shape": [int(s) for s in np.shape(leaf)],
+                 "dtype": str(_dtype(leaf))}
+        if _is_key(leaf) and isinstance(leaf, jax.Array):
+            entry["impl"] = str(jax.random.key_impl(leaf))
+            entry["key_data"] = [int(s) for s in jax.random.key_data(leaf).shape]
+        out.append(entry)
     return out
 
 

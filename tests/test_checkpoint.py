@@ -211,6 +211,22 @@ def test_mismatched_state_is_refused_naming_the_leaf(gpt, trained, tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+def test_typed_prng_keys_round_trip_with_their_implementation(tmp_path):
+    # (a new-style key in a train state, as flax nnx.Rngs and dropout steps keep one)
+    state = {"w": np.ones((8, 4), np.float32), "key": jax.random.key(3, impl="rbg"),
+             "keys": jax.random.split(jax.random.key(5), 4)}
+    meshplan.save_state(tmp_path / "ck", state)
+    like = jax.eval_shape(lambda: state)
+    got = meshplan.restore_state(tmp_path / "ck", like=like)
+    for k in ("key", "keys"):
+        assert got[k].dtype == state[k].dtype, k
+        assert np.array_equal(jax.random.key_data(got[k]), jax.random.key_data(state[k])), k
+    assert np.array_equal(jax.random.bits(got["key"]), jax.random.bits(state["key"]))
+    other = {**like, "key": jax.eval_shape(lambda: jax.random.key(0))}     # threefry
+    with pytest.raises(meshplan.CheckpointError, match=r"\['key'\] was saved as key<rbg>"):
+        meshplan.restore_state(tmp_path / "ck", like=other)
+
+
 # ---------------------------------------------------------------------------
 # interrupted saves
 # ---------------------------------------------------------------------------
