@@ -15,7 +15,7 @@ import jax
 
 from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
-from .errors import MeshplanError, StalePlanError
+from .errors import MeshplanError, StalePlanError, TraceError
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
@@ -176,9 +176,20 @@ def _explicit_leaf(args: Sequence[Any]) -> str | None:
 
 
 def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
-    def one(x: Any) -> Any:
-        return x if isinstance(x, jax.ShapeDtypeStruct) else abstract_leaf(x)
-    return tuple(jax.tree.map(one, tuple(args)))
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        try:
+            return abstract_leaf(x)
+        except TypeError:
+            # (a function or a module's static field among the arrays, as
+            # jax.jit refuses it too)
+            where = f"{path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            raise TraceError(
+                f"argument {where} is a {type(x).__name__}, not an array: the step's arguments "
+                "are pytrees of arrays and scalars; keep it out of them (a closure, or "
+                "eqx.partition / nnx.split of the module)") from None
+    return tuple(jax.tree_util.tree_map_with_path(one, tuple(args)))
 
 
 def _signature(args: Sequence[Any]) -> Any:

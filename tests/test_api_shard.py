@@ -295,6 +295,16 @@ def test_steps_jax_runs_only_otherwise_are_refused_in_one_line():
         meshplan.parallelize(step)(p, x)
 
 
+def test_a_leaf_that_is_no_array_is_named_by_its_path():
+    # (an equinox module's activation function left in the state)
+    def step(state, b):
+        return state, jnp.mean(state["act"](b @ state["w"]))
+    state = {"w": jnp.ones((4, 2)), "act": jax.nn.relu}
+    with pytest.raises(meshplan.errors.TraceError,
+                       match=r"argument 0\['act'\] is a custom_jvp, not an array.*eqx.partition"):
+        meshplan.parallelize(step)(state, jnp.ones((8, 4)))
+
+
 def test_a_step_that_needs_its_arguments_explicit_shardings_says_meshplan_drops_them():
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
