@@ -455,6 +455,22 @@ def test_a_step_returning_its_new_state_alone_pipelines():
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
 
 
+
+def test_the_new_state_returned_again_among_the_metrics_pipelines():
+    # (a metrics dict that holds the new state: it is no metric computed
+    # after the update, and the gradients are still found)
+    def step_fn(state, batch):
+        p, o, key = state
+        loss, g = jax.value_and_grad(_loss)(p, batch["x"], batch["y"], key)
+        u, o = SGD.update(g, o, p)
+        new = (optax.apply_updates(p, u), o, key)
+        return new, {"loss": loss, "state": new[0]}
+    step = _compare(step_fn, _state(), meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    assert len(step.plan.stages) == 2
+    new, metrics = step(_state(), BATCH)
+    for a, b in zip(jax.tree.leaves(metrics["state"]), jax.tree.leaves(new[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 def test_batch_leaves_that_disagree_on_dimension_0_are_named():
     def step_fn(p, b):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((b["xT"].T @ p["w"] - b["y"]) ** 2))(p)

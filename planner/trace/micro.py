@@ -123,7 +123,7 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
         return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch), scaled
     per_example = _per_example(flat, full)
     if not marked:
-        metrics = {o.tensor for o in graph.outputs if o.updates is None}
+        metrics = _metrics(graph)
         flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
         if not any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns):
             # (the runtime's split would refuse it: never plan it)
@@ -149,6 +149,13 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     draws = _draws(flat, per_example, full, batch)
     return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
             scaled)
+
+
+def _metrics(graph: Graph) -> set[int]:
+    """The outputs that update no argument: metrics, less a new state's
+    value returned again among them (a metrics dict holding the new state)."""
+    state = {o.tensor for o in graph.outputs if o.updates is not None}
+    return {o.tensor for o in graph.outputs if o.updates is None} - state
 
 
 def _state_reads_batch(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> bool:
@@ -218,7 +225,7 @@ def mark_full_batch(fn: Callable, args: Sequence[Any], probe_args: Sequence[Any]
     try:
         other = flatten(jax.make_jaxpr(fn)(*probe_args))
         per_example = _per_example(flat, other)
-        metrics = {o.tensor for o in graph.outputs if o.updates is None}
+        metrics = _metrics(graph)
         marked = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
     except Exception:   # (a step that traces only at its own batch size: as traced)
         return flat, graph
