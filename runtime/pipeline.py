@@ -432,7 +432,8 @@ class PipelineExecutable:
 
 def _output_groups(flat: FlatJaxpr, sources: Any, outputs: Sequence[tuple[int, str]]) -> list[str]:
     """The outputs computed from ``sources`` (ids of ``flat``), each named by
-    the first two keys of its path (``[0]['batch_stats']``), in output order."""
+    the first two keys of its path (``[0]['batch_stats']``, ``[0].params``),
+    in output order."""
     reached = set(sources)
     for fe in flat.eqns:
         if fe.eqn.primitive.name in IDENTITY_MARKERS:     # (each operand is its own output)
@@ -442,7 +443,8 @@ def _output_groups(flat: FlatJaxpr, sources: Any, outputs: Sequence[tuple[int, s
             reached.update(fe.outvars)
     groups: list[str] = []
     for tensor, path in outputs:
-        group = "".join(re.findall(r"\[[^\]]*\]", path)[:2]) or path or "the output"
+        # (a key is an index or an attribute: a flax TrainState's .params)
+        group = "".join(re.findall(r"\[[^\]]*\]|\.\w+", path)[:2]) or path or "the output"
         if tensor in reached and group not in groups:
             groups.append(group)
     return groups

@@ -647,3 +647,13 @@ def test_a_host_batch_crosses_to_a_stage_in_one_put(monkeypatch):
             for k, piece in enumerate(got[j]):
                 assert piece.sharding.is_equivalent_to(tr.layouts.arg(j, s), piece.ndim)
                 np.testing.assert_array_equal(np.asarray(piece), host[k * 4:(k + 1) * 4])
+
+
+def test_outputs_that_differ_are_named_by_their_first_two_keys_attributes_included():
+    # (a flax TrainState's fields are attributes: .params, .batch_stats)
+    from types import SimpleNamespace
+    from meshplan.runtime.pipeline import _output_groups
+    outputs = [(1, "[0].step"), (2, "[0].params['Dense_0']['kernel']"),
+               (3, "[0].batch_stats['BatchNorm_0']['mean']"), (4, "[0]['opt'][0]"), (5, "[1]")]
+    got = _output_groups(SimpleNamespace(eqns=[]), {2, 3, 4, 5}, outputs)
+    assert got == ["[0].params", "[0].batch_stats", "[0]['opt']", "[1]"]
