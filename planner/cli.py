@@ -50,6 +50,9 @@ def _parse_model_args(items: Sequence[str]) -> dict[str, str]:
 def load_target(args: argparse.Namespace) -> Target:
     """The train step named by ``--model``/``--model-arg`` or ``--fn``."""
     if getattr(args, "fn", None):
+        if args.model_arg:
+            raise ModelConfigError(f"--model-arg sizes a built-in --model; --fn {args.fn} "
+                                   "builds its own step: set its sizes in that function")
         return _load_fn(args.fn)
     from .models import build_model
     m = build_model(args.model, _parse_model_args(args.model_arg or []))
@@ -72,7 +75,8 @@ def _load_fn(spec: str) -> Target:
                                f"{type(e).__name__}: {e}") from e
     factory = getattr(module, func_name, None)
     if not callable(factory):
-        raise ModelConfigError(f"--fn {spec}: module {module_name!r} has no function {func_name!r}")
+        what = "no function" if factory is None else f"a {type(factory).__name__}, no function,"
+        raise ModelConfigError(f"--fn {spec}: module {module_name!r} has {what} {func_name!r}")
     try:
         result = factory()
     except Exception as e:  # the user's function fails (or needs arguments)
@@ -111,6 +115,8 @@ def _add_target_args(p: argparse.ArgumentParser, fn: bool = True) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .trace import trace
+    if args.json:
+        _check_out(args.json, "--json")
     target = load_target(args)
     with args.session.progress.step(f"tracing {target.name}"):
         graph = trace(target.train_step, *target.args, batch_argnums=target.batch_argnums,
@@ -147,8 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from .cluster import load_cluster
-    spec = load_cluster(args.path)
+    spec = _cluster(args.path)
     if args.cluster_cmd == "validate":
         unit = "TPU slice(s)" if spec.tpu is not None else "host(s)"
         print(f"{args.path}: ok ({spec.name}: {spec.num_hosts} {unit} x "
@@ -498,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("inspect", parents=flags, help="trace a model and print a graph summary")
     _add_target_args(pi)
     pi.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
-    pi.add_argument("--top", type=int, default=10, help="how many of the biggest ops to list")
+    pi.add_argument("--top", type=_positive(int), default=10, help="how many of the biggest ops to list")
     pi.set_defaults(func=cmd_inspect)
 
     pp = sub.add_parser("plan", parents=flags, help="plan a model for a cluster and print the plan")
@@ -531,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub = pc.add_subparsers(dest="cluster_cmd", required=True, parser_class=_Parser)
     for name, text in (("validate", "check a cluster file"), ("show", "describe a cluster file")):
         c = csub.add_parser(name, help=text)
-        c.add_argument("path")
+        c.add_argument("path", help="a cluster JSON file, or local (the devices jax sees)")
         c.set_defaults(func=cmd_cluster)
 
     pk = sub.add_parser("calibrate", parents=flags,

@@ -59,8 +59,15 @@ class LogicalMesh:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LogicalMesh":
-        return cls(tuple(d["axes"]), tuple(int(s) for s in d["shape"]),
+        mesh = cls(tuple(str(a) for a in d["axes"]), tuple(int(s) for s in d["shape"]),
                    tuple(int(t) for t in d.get("torus", ())))
+        if any(s < 1 for s in mesh.shape):
+            raise PlanFormatError(f"malformed plan JSON: logical mesh shape {list(mesh.shape)}: "
+                                  "every axis needs a size of 1 or more")
+        if len(set(mesh.axes)) != len(mesh.axes):
+            raise PlanFormatError(f"malformed plan JSON: logical mesh axes {list(mesh.axes)} "
+                                  "repeat a name; name each axis once")
+        return mesh
 
     def __str__(self) -> str:
         text = " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
@@ -279,6 +286,28 @@ class Stage:
         )
 
 
+def _malformed(e: Exception, where: str) -> PlanFormatError:
+    """A hand edit's damage in words: a key missing, or a value of another type."""
+    if isinstance(e, KeyError):
+        what = f"the key {e.args[0]!r} is missing"
+    elif isinstance(e, (TypeError, AttributeError)):
+        what = f"a value has the wrong type ({e})"
+    else:
+        what = str(e)
+    return PlanFormatError(f"malformed plan JSON{where}: {what}; restore it as meshplan wrote "
+                           "it, or re-plan")
+
+
+def _stage(k: int, d: Any) -> "Stage":
+    """Stage ``k`` of a plan JSON, its damage located."""
+    try:
+        return Stage.from_dict(d)
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _malformed(e, f" in stages[{k}]") from e
+
+
 def _specs(table: Mapping[str, Any], section: str) -> SpecTable:
     """A JSON spec table, a bad entry named by its key."""
     out = []
@@ -455,7 +484,7 @@ class Plan:
                 batch_argnums=tuple(int(x) for x in d.get("batch_argnums", (1,))),
                 arg_prefixes=tuple((int(a), str(p)) for a, p in d.get("arg_prefixes", [])),
                 batch=_specs(d["batch"], "batch"),
-                stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+                stages=tuple(_stage(k, s) for k, s in enumerate(d["stages"])),
                 predicted=PlanPredicted(**d["predicted"]),
                 notes=tuple(d.get("notes", ())),
                 layer_of_node=_unrle(d.get("layer_of_node", [])),
@@ -466,7 +495,7 @@ class Plan:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):
                 raise
-            raise PlanFormatError(f"malformed plan JSON: {type(e).__name__}: {e}") from e
+            raise _malformed(e, "") from e
         _check_structure(plan)
         return plan
 

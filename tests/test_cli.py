@@ -62,6 +62,9 @@ def test_inspect_fn(tmp_path, monkeypatch, capsys):
     (["cluster", "show", "/nonexistent/cluster.json"], "/nonexistent/cluster.json"),
     (["inspect"], "--model"),
     (["frobnicate"], "frobnicate"),
+    (["inspect", "--model", "mlp", "--top", "-1"], "--top"),
+    (["inspect", "--fn", "no_such_module_xyz:f", "--model-arg", "hidden=3"], "--model-arg"),
+    (["inspect", "--model", "mlp", "--json", "/nonexistent/x.json"], "/nonexistent"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, needle):
     code, out, err = run(*argv)
@@ -86,6 +89,8 @@ def test_cluster_show_and_validate_ok():
     assert code == 0 and "ok" in out
     code, out, _ = run("cluster", "show", "examples/clusters/aws-p3.16xlarge-x1.json")
     assert code == 0 and "V100" in out
+    code, out, _ = run("cluster", "validate", "local")      # (as plan --cluster local)
+    assert code == 0 and "local: ok (local-" in out
 
 
 # ---------------------------------------------------------------------------

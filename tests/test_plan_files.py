@@ -219,6 +219,12 @@ def _stage0(d):
     # (a one-program plan's tensor ids name the whole batch's graph: it ran
     # one program, ignoring the count, before)
     (lambda d: d.update(num_micro_batches=2), "re-plan with num_micro_batches=2"),
+    # (hand edits that reached the runtime as numpy's or Python's own errors)
+    (lambda d: _stage0(d)["logical_mesh"].update(shape=[-2, -4]), "a size of 1 or more"),
+    (lambda d: _stage0(d)["logical_mesh"].update(axes=["x", "x"]), "repeat a name"),
+    (lambda d: d.pop("stages"), "the key 'stages' is missing"),
+    (lambda d: _stage0(d).pop("devices"), "in stages[0]: the key 'devices' is missing"),
+    (lambda d: _stage0(d).update(params=None), "in stages[0]: a value has the wrong type"),
 ])
 def test_a_plan_file_no_runtime_can_follow_is_one_clear_error(edit, words):
     step, p, batch = _mlp_step()

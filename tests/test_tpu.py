@@ -76,6 +76,8 @@ def test_wraparound_defaults_to_rings_of_more_than_two_chips():
     (lambda d: d.update(num_devices=31), "$.num_devices"),
     (lambda d: d.update(links={}), "$.links"),
     (lambda d: d["slice"].update(torus=[4, 4]), "$.slice.torus"),
+    # (a GPU file's key in a TPU file: named itself, not the TPU keys)
+    (lambda d: d.update(num_hosts=16), "$.num_hosts"),
 ])
 def test_bad_tpu_values_name_their_json_path(mutate, path):
     d = tpu_dict()
