@@ -268,6 +268,37 @@ def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
     assert step.plan.num_micro_batches == 4
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_per_example_keys_the_batch_holds_pipeline_with_micro_batches(raw):
+    # (the equinox idiom with the keys made by the data pipeline: row i
+    # draws with keys[i] at any micro-batch size); keys whose rows are
+    # mixed (reversed) are still refused
+    def one(p, x, key):
+        key = jax.random.wrap_key_data(key) if raw else key
+        keep = jax.random.bernoulli(jax.random.split(key)[1], 0.8, (32,))
+        return jnp.where(keep, jnp.tanh(x @ p["w1"]), 0.0) @ p["w2"]
+
+    def step_fn(p, batch, flip=False):
+        keys = batch["keys"][::-1] if flip else batch["keys"]
+        l, g = jax.value_and_grad(
+            lambda p: jnp.mean(jax.vmap(one, (None, 0, 0))(p, batch["x"], keys) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (16, 32)) * 0.3, "w2": jax.random.normal(k2, (32, 4)) * 0.3}
+    keys = jax.random.split(jax.random.key(1), 16)
+    batch = {"x": BATCH["x"], "keys": jax.random.key_data(keys) if raw else keys}
+    method = meshplan.PipeshardParallel(stages=2, num_micro_batches=2)
+    step = meshplan.parallelize(step_fn, method=method)
+    (got, lg), (want, lw) = step(p, batch), jax.jit(step_fn)(p, batch)
+    assert step.plan.num_micro_batches == 2
+    np.testing.assert_allclose(float(lg), float(lw), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    with pytest.raises(meshplan.MeshplanError, match="takes its key from the batch"):
+        meshplan.plan(lambda p, b: step_fn(p, b, flip=True), p, batch,
+                      cluster=meshplan.Cluster.local(), method=method)
+
+
 # (the threefry pipeline runs with -m extended; threefry draws in pipelines:
 # test_dropout_over_the_batch_pipelines_with_micro_batches)
 @pytest.mark.parametrize("method,impl,rows", [

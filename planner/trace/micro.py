@@ -474,8 +474,10 @@ def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
     """The draws over the batch of ``flat`` (see :func:`draw_batch_dims`);
     a draw whose key is computed from the batch is refused (it cannot be
     drawn once per step)."""
+    made = {o: k for k, fe in enumerate(flat.eqns) for o in fe.outvars}
     found = [(k, fe) for k, fe in enumerate(flat.eqns) if fe.eqn.primitive.name == "random_bits"
-             and fe.outvars and fe.outvars[0] in per_example]
+             and fe.outvars and fe.outvars[0] in per_example
+             and not _keyed_by_rows(flat, fe.invars[0], batch, per_example, made)]
     _refuse_batch_keys(flat, [fe for _, fe in found], batch)
     micro = [tuple(flat.avals[fe.outvars[0]].shape) for _, fe in found]
     whole = [tuple(full.avals[fe.outvars[0]].shape) for _, fe in found]
@@ -483,6 +485,38 @@ def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
     if isinstance(dims, str):
         raise TraceError(dims)
     return tuple((k, d, w) for (k, _), d, w in zip(found, dims, whole))
+
+
+# equations that keep a key per row the row's own (its leading dimension the
+# batch's, untouched): the key may be split, folded with a value no example
+# owns, or have its per-row parts cut out
+_ROW_KEYS = frozenset({"random_wrap", "random_split", "random_fold_in", "slice", "squeeze"})
+
+
+def _keyed_by_rows(flat: FlatJaxpr, key: Any, batch: set[int], per_example: set[int],
+                   made: dict[int, int]) -> bool:
+    """Whether ``key`` is a key per example that the batch itself holds
+    (``jax.vmap(model)(x, batch["keys"])``): a draw from it draws each row
+    with its own key, at any micro-batch size, so it needs no drawing once a
+    step; a key of the batch's rows mixed in another way is not."""
+    while isinstance(key, int) and key in per_example:
+        if key in batch:
+            return True
+        k = made.get(key)
+        if k is None:
+            return False
+        fe = flat.eqns[k]
+        name, params = fe.eqn.primitive.name, fe.eqn.params
+        if (name not in _ROW_KEYS
+                or any(isinstance(x, int) and x in per_example for x in fe.invars[1:])
+                or name == "slice" and (params["start_indices"][0] != 0 or params["strides"]
+                                        and params["strides"][0] != 1
+                                        or params["limit_indices"][0]
+                                        != flat.avals[fe.invars[0]].shape[0])
+                or name == "squeeze" and 0 in params["dimensions"]):
+            return False
+        key = fe.invars[0]
+    return False
 
 
 def draw_equations(flat: FlatJaxpr, draws: Sequence[BatchDraw], per_example: set[int],
