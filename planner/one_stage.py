@@ -10,7 +10,7 @@ from .cost_model import default_axis_names
 from .cost_model.mesh import default_submesh
 from .dp_search import Session
 from .dp_search.assemble import plan_from_intra_op
-from .errors import InfeasiblePlanError
+from .errors import InfeasiblePlanError, batch_rows
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
                   within_host)
@@ -117,7 +117,10 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
 def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 1) -> None:
     """Refuse a batch whose dimension 0 does not split ``n`` ways (``what``
     asks for it): with ``micro_batches``, each of them ``n`` ways (one that
-    does not divide the batch is the search's to refuse)."""
+    does not divide the batch is the search's to refuse).  Leaves that
+    disagree on the batch size are refused as such, not as indivisible."""
+    batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+                for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
     for inp in graph.inputs:
         if inp.role == BATCH:
             shape = graph.tensors[inp.tensor].shape

@@ -185,6 +185,11 @@ def test_data_parallel_refuses_indivisible_batch():
     m = build_model("mlp", {"batch": "12"})
     with pytest.raises(InfeasiblePlanError, match="divisible by 8"):
         meshplan.plan(m.train_step, *m.abstract_args, cluster=local(), method=meshplan.DataParallel())
+    # (a key of 2 words among 16 rows: the leaves disagree; the batch divides)
+    step, p, x = _residual_step()
+    with pytest.raises(meshplan.MeshplanError, match=r"argument 1\['rng'\] has 2 rows"):
+        meshplan.plan(lambda p, b: step(p, b["x"]), p, {"x": x, "rng": jax.random.PRNGKey(0)},
+                      cluster=local(), method=meshplan.DataParallel())
 
 
 @pytest.mark.extended
