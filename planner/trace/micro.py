@@ -89,7 +89,8 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
             mark_step_failure(e, getattr(fn, "__name__", str(fn)))
             raise
         hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
-                "batch arguments: is dimension 0 the batch in each of them?)"
+                "batch arguments: is dimension 0 the batch in each of them, and does the step "
+                "take the batch size from x.shape[0] rather than from a constant?)"
                 if where == " at micro-batch size" else "")
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}{where}: "
                          f"{type(e).__name__}: {' '.join(str(e).split())}{hint}") from e
