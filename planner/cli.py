@@ -504,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(pi)
     pi.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
     pi.add_argument("--top", type=_positive(int), default=10, help="how many of the biggest ops to list")
-    pi.set_defaults(func=cmd_inspect)
+    pi.set_defaults(func=cmd_inspect, parser=pi)
 
     pp = sub.add_parser("plan", parents=flags, help="plan a model for a cluster and print the plan")
     _add_target_args(pp)
@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--explain", action="store_true",
                     help="also plan and list the alternatives (data parallel, ZeRO-3, intra-op "
                          "only, other stage counts, a Megatron-style grid) and what bound the choice")
-    pp.set_defaults(func=cmd_plan)
+    pp.set_defaults(func=cmd_plan, parser=pp)
 
     pr = sub.add_parser("run", parents=flags, help="plan a built-in model, run it on the local devices and "
                                     "compare with the unparallelized step")
@@ -530,14 +530,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=_positive(int), default=3)
     pr.add_argument("--tolerance", type=_positive(float), default=1e-3,
                     help="largest accepted per-tensor relative error of the new state")
-    pr.set_defaults(func=cmd_run)
+    pr.set_defaults(func=cmd_run, parser=pr)
 
     pc = sub.add_parser("cluster", parents=flags, help="validate or show a cluster JSON file")
     csub = pc.add_subparsers(dest="cluster_cmd", required=True, parser_class=_Parser)
     for name, text in (("validate", "check a cluster file"), ("show", "describe a cluster file")):
         c = csub.add_parser(name, help=text)
         c.add_argument("path", help="a cluster JSON file, or local (the devices jax sees)")
-        c.set_defaults(func=cmd_cluster)
+        c.set_defaults(func=cmd_cluster, parser=c)
 
     pk = sub.add_parser("calibrate", parents=flags,
                         help="measure the local devices into a cluster JSON")
@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--name", help="cluster name (default calibrated-PLATFORM-HOSTSxDEVICES)")
     pk.add_argument("--quick", action="store_true",
                     help="small sizes and few repetitions: seconds, rough figures")
-    pk.set_defaults(func=cmd_calibrate)
+    pk.set_defaults(func=cmd_calibrate, parser=pk)
     return p
 
 
@@ -568,7 +568,9 @@ def _show_warning(seen: set[str]) -> Callable[..., None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # (named by the subcommand, whose --help lists what it takes)
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     reporter = progress.Progress(args.verbosity)
     try:
         from .dp_search import Session
