@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from ..flops import BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, window_free_dims
+from ..flops import BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, sorted_axis, window_free_dims
 from .loops import loop_classes
 
 Shape = tuple[int, ...]
@@ -187,10 +187,9 @@ def reduce_window_rule(ins, outs, params) -> OpSpace:
 
 
 def top_k_rule(ins, outs, params) -> OpSpace:
-    """top_k along ``axis`` (the last by default): every other dimension may be split."""
+    """top_k (and approx_max_k) along its axis: every other dimension may be split."""
     rank = len(ins[0])
-    axis = params.get("axis", -1)
-    axis = (rank - 1 if axis is None else axis) % rank
+    axis = sorted_axis(params, rank)
     L = _Labels()
     inl = L.fresh(ins[0], blocked_dims=[axis])
     outl = [tuple(inl[d] if d != axis else L.new(o[d], True) for d in range(rank)) for o in outs]
@@ -515,6 +514,7 @@ def _rules() -> Mapping[str, Rule]:
         "cumlogsumexp": along_axis_rule("axis"),
         "sort": along_axis_rule("dimension"),
         "top_k": top_k_rule,
+        "approx_top_k": top_k_rule,
         **{p: reduce_window_rule for p in WINDOWED},
         "transpose": transpose_rule,
         "broadcast_in_dim": broadcast_rule,

@@ -61,7 +61,15 @@ HOST_CALLBACKS = frozenset({"debug_callback", "debug_print"})
 # Gather/scatter variants move data and may add.
 SCATTERS = frozenset("scatter scatter-add scatter_add scatter_mul scatter_min scatter_max".split())
 
-SORTS = frozenset("sort top_k".split())
+SORTS = frozenset("sort top_k approx_top_k".split())
+
+
+def sorted_axis(params: Mapping[str, Any], rank: int) -> int:
+    """The dimension a sort or top-k orders (each names it its own way; the
+    last by default), counted from 0."""
+    d = next((params[k] for k in ("dimension", "axis", "reduction_dimension")
+              if params.get(k) is not None), -1)
+    return d % rank if rank else 0
 
 
 def _size(shape: Shape) -> int:
@@ -121,8 +129,7 @@ def no_flops(ins, outs, params) -> float:
 
 def sort_flops(ins, outs, params) -> float:
     n = _size(ins[0]) if ins else 0
-    dim = params.get("dimension", -1)
-    k = ins[0][dim] if ins and ins[0] else 1
+    k = ins[0][sorted_axis(params, len(ins[0]))] if ins and ins[0] else 1
     return float(n * max(math.log2(max(k, 2)), 1.0))
 
 

@@ -267,7 +267,8 @@ def test_a_pipeline_reading_batch_statistics_lowers_at_the_whole_batch():
 
 
 @pytest.mark.parametrize("case", ["batch-norm", "sort", "max-of", "in-batch", "two-views",
-                                  "two-views-reshaped", "hardest", "running", "loop-count",
+                                  "two-views-reshaped", "hardest", "hardest-approx",
+                                  "running", "loop-count",
                                   "carried", "draw-per-example", "draw-per-chunk", "tiled",
                                   "callback", "first-rows", "weighted-by-place",
                                   "table-by-place", "while-until", "edited-row",
@@ -376,6 +377,13 @@ def test_what_micro_batches_cannot_give_exactly_is_warned_of(case):
             t = _token_losses(p, b).mean(1)
             return jnp.mean(jax.lax.top_k(t, t.shape[0] // 4)[0])
         step, named, why = _step(loss), "outputs [0]['emb']", "top_k along the batch axis"
+    elif case == "hardest-approx":
+        # the same by jax.lax.approx_max_k (along a token's row it is exact:
+        # tests/test_rules_coverage.py)
+        def loss(p, b):
+            t = _token_losses(p, b).mean(1)
+            return jnp.mean(jax.lax.approx_max_k(t, t.shape[0] // 4)[0])
+        step, named, why = _step(loss), "outputs [0]['emb']", "approx_top_k along the batch axis"
     elif case == "running":
         # a running sum over the examples
         step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),

@@ -38,6 +38,7 @@ def _last(f):
 CASES = {
     "pool": (("reduce_window_max", "reduce_window_sum", "select_and_scatter_add"), _pool),
     "top_k": (("top_k",), _last(lambda h: jax.lax.top_k(h, 3)[0].mean())),
+    "approx_max_k": (("approx_top_k",), _last(lambda h: jax.lax.approx_max_k(h, 3)[0].mean())),
     "cumsum": (("cumsum",), _last(lambda h: (jnp.cumsum(h, axis=1) ** 2).mean())),
     # (under grad these two become an associative scan; on values without a
     # gradient they stay one primitive)

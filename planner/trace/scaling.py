@@ -55,7 +55,7 @@ import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jcore
 
-from ..flops import ELEMENTWISE, is_known
+from ..flops import ELEMENTWISE, SORTS, is_known, sorted_axis
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
 from .walk import INLINE_CALLS, _closed_parts, same_stream
@@ -491,8 +491,8 @@ _FOLDED = ("reshape along the batch axis (a dimension of fixed size holds the ba
            "them): each micro-batch pairs its own examples")
 _NESTED_DRAW = ("a random draw over the batch inside a loop or branch (each micro-batch would "
                 "draw other numbers; draw the batch's numbers outside it, as vmap does)")
-_ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
-          "cummin": "axis", "cumlogsumexp": "axis", "top_k": "axis"}
+_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+          "cumlogsumexp": "axis"}
 
 
 def _moves(eqn: Any, eqn_full: Any) -> bool:
@@ -510,6 +510,8 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
     axes = _grown(a, b)
     if not axes:
         return False
+    if name in SORTS:
+        return sorted_axis(p, len(a)) in axes
     if name in _ALONG:
         d = p.get(_ALONG[name], len(a) - 1)
         return (d if d is not None and d >= 0 else len(a) - 1) in axes
