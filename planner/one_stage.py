@@ -117,15 +117,16 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
 def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 1) -> None:
     """Refuse a batch whose dimension 0 does not split ``n`` ways (``what``
     asks for it): with ``micro_batches``, each of them ``n`` ways (one that
-    does not divide the batch is the search's to refuse).  Leaves that
-    disagree on the batch size are refused as such, not as indivisible."""
-    batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
-                for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
+    does not divide the batch is the search's to refuse).  Where leaves
+    disagree on the batch size, that is what is refused (a key among the
+    rows), not the size."""
     for inp in graph.inputs:
         if inp.role == BATCH:
             shape = graph.tensors[inp.tensor].shape
             if not shape or shape[0] % micro_batches or not (shape[0] // micro_batches) % n:
                 continue
+            batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+                        for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
             of = f"argument {inp.argnum}{inp.path}"
             if micro_batches == 1:
                 raise InfeasiblePlanError(

@@ -248,6 +248,15 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     if request.offload == "optimizer":
         # (offloading is planned for one stage: the whole-graph ILP's path)
         return Planned(plan_one_stage(graph, cluster, replace(request, pipeline=None), session))
+    if request.one_stage_by_whole_graph:
+        try:
+            batch_size(graph)
+        except MeshplanError as e:
+            # no one batch to cut into micro-batches (a graph's nodes beside
+            # its edges): one program, as ShardParallel plans it
+            p = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
+            return Planned(replace(p, notes=p.notes + (
+                f"{NO_BATCH_NOTE} ({' '.join(str(e).split())})",)))
     try:
         p, stats = _searched(graph, cluster, request, retrace, session, explain)
     except InfeasiblePlanError as e:
@@ -287,6 +296,10 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)
+
+
+NO_BATCH_NOTE = ("planned as one program, without pipeline stages or micro-batches: the "
+                 "step's batch arguments hold no one batch to split")
 
 
 EACH_MICRO_BATCH_NOTE = (

@@ -359,3 +359,25 @@ def test_a_steps_own_shard_map_runs_as_written_and_is_refused_by_pipelines():
     assert not any("replicated" in w for w in said), said
     with pytest.raises(meshplan.MeshplanError, match="jax.shard_map on a mesh of its own"):
         meshplan.plan(step, p, x, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
+@pytest.mark.parametrize("batch_argnums", [(), (1,)])
+def test_auto_plans_one_program_for_a_step_without_one_batch(batch_argnums):
+    # (a graph's nodes beside its edges: no batch to cut into micro-batches;
+    # Auto was refused where ShardParallel ran)
+    def step(w, g):
+        def loss(w):
+            h = g["nodes"] @ w
+            agg = jax.ops.segment_sum(h[g["senders"]], g["receivers"], num_segments=h.shape[0])
+            return jnp.mean((agg.sum(1) - g["y"]) ** 2)
+        value, grad = jax.value_and_grad(loss)(w)
+        return w - 0.01 * grad, value
+    g = {"nodes": jnp.linspace(-1, 1, 32 * 8).reshape(32, 8), "senders": jnp.arange(64) % 32,
+         "receivers": (jnp.arange(64) * 7) % 32, "y": jnp.ones(32)}
+    w = jnp.full((8, 16), 0.1)
+    par = meshplan.parallelize(step, method=meshplan.Auto(), batch_argnums=batch_argnums)
+    (got, lg), (want, lw) = par(w, g), jax.jit(step)(w, g)
+    assert len(par.plan.stages) == 1 and par.plan.num_micro_batches == 1
+    assert any("no one batch to split" in n for n in par.plan.notes)
+    np.testing.assert_allclose(float(lg), float(lw), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
