@@ -125,8 +125,11 @@ class TracedStep:
 
     @property
     def batch_leaves(self) -> tuple[bool, ...]:
-        """Per flat input: is it a leaf of a batch argument?"""
-        return tuple(a in self.batch_argnums for a, _ in self.arg_paths)
+        """Per flat input: is it a leaf of a batch argument with rows (a
+        scalar among them is every micro-batch's whole, as jax.vmap's
+        in_axes=None)?"""
+        return tuple(a in self.batch_argnums and bool(getattr(self.flat.avals[i], "shape", ()))
+                     for (a, _), i in zip(self.arg_paths, self.flat.invars))
 
     def updated_input(self) -> dict[int, int]:
         """Output id -> id of the input it is the new value of."""

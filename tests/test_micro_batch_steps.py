@@ -502,6 +502,27 @@ def test_the_new_state_returned_again_among_the_metrics_pipelines():
     for a, b in zip(jax.tree.leaves(metrics["state"]), jax.tree.leaves(new[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+def test_a_scalar_among_the_batch_leaves_is_every_micro_batchs_whole():
+    # (a loss weight passed with the batch: it has no rows to cut, and the
+    # micro-batches' losses scaled by it are no "mul over the examples")
+    def step_fn(p, b):
+        def loss(p):
+            return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2) * b["scale"]
+        l, g = meshplan.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": l}
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (16, 32)) * 0.2, "w2": jax.random.normal(k2, (32, 4)) * 0.2}
+    b = dict(BATCH, scale=jnp.float32(2.0))
+    step = meshplan.parallelize(step_fn, method=meshplan.PipeshardParallel(stages=2,
+                                                                             num_micro_batches=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got, gm), (want, wm) = step(p, b), jax.jit(step_fn)(p, b)
+    np.testing.assert_allclose(float(gm["loss"]), float(wm["loss"]), rtol=1e-6)
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
+
+
 def test_batch_leaves_that_disagree_on_dimension_0_are_named():
     def step_fn(p, b):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((b["xT"].T @ p["w"] - b["y"]) ** 2))(p)

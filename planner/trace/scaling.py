@@ -141,7 +141,8 @@ def batch_scaling(micro: FlatJaxpr, full: FlatJaxpr, batch_ids: Iterable[int],
     batch); ``None`` where the two streams differ."""
     if not same_stream(micro, full):
         return None
-    batch = set(batch_ids)
+    # (a scalar among the batch arguments: every micro-batch reads it whole)
+    batch = {i for i in batch_ids if getattr(micro.avals[i], "shape", ())}
     first = _analyse(micro, full, batch, m, frozenset())
     stats = _statistics(micro, full, batch, first.info)
     if not stats:
