@@ -365,22 +365,25 @@ class ShardExecutable:
         if treedef != entry.treedef:
             raise FastPathMiss("another argument structure")
         _check_aliases(entry, leaves, args)
-        if self.multiprocess:
-            args = self._assemble_batches(entry, leaves, treedef)
-        else:
-            # a host batch (or scalar) placed first: passed as it is, jit would
-            # key its cache on the unplaced type and compile the step again
-            args = self._place_batches(entry, leaves, treedef)
         try:
+            if self.multiprocess:
+                args = self._assemble_batches(entry, leaves, treedef)
+            else:
+                # a host batch (or scalar) placed first: passed as it is, jit would
+                # key its cache on the unplaced type and compile the step again
+                args = self._place_batches(entry, leaves, treedef)
             return entry.jitted(*args)
         except _SignatureChanged as e:
             raise FastPathMiss(str(e)) from None
-        except (ValueError, TypeError) as e:
-            # e.g. an argument committed to another sharding: jit refuses it
-            # before running; the full path places it.  A donated (deleted)
-            # argument is the caller's error: report it as jit does.
-            if any(isinstance(x, jax.Array) and x.is_deleted()
-                   for x in jax.tree_util.tree_leaves(args)):
+        except (ValueError, TypeError, RuntimeError) as e:
+            # a leaf an earlier call took over (jit deletes the donated leaves
+            # it could alias, not only the one probed above) is the caller's
+            # error; else, e.g. an argument committed to another sharding:
+            # jit refuses it before running, and the full path places it
+            where = _deleted_leaf(args)
+            if where is not None:
+                raise deleted_argument(where) from None
+            if isinstance(e, RuntimeError):
                 raise
             raise FastPathMiss(str(e)) from e
 
@@ -402,6 +405,9 @@ class ShardExecutable:
         return global_view(args, self.plan.batch_argnums)
 
     def _place_all(self, entry: _Compiled, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        where = _deleted_leaf(args)
+        if where is not None:
+            raise deleted_argument(where)
         leaves, treedef = jax.tree_util.tree_flatten(args)
         if not self.multiprocess:
             placed = [place(x, s) for x, s in zip(leaves, entry.flat_in_shardings)]
@@ -643,6 +649,14 @@ def _on_host(in_shardings: tuple[Any, ...], plan: Plan, keys: Sequence[str], hos
         out.append(jax.tree_util.tree_map_with_path(
             one, tree, is_leaf=lambda x: isinstance(x, NamedSharding)))
     return tuple(out)
+
+
+def _deleted_leaf(args: tuple[Any, ...]) -> str | None:
+    """``argument N[path]`` of the first deleted array among ``args``."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tuple(args)):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            return f"argument {path[0].idx}{jax.tree_util.keystr(path[1:])}"
+    return None
 
 
 def place(x: Any, sharding: NamedSharding) -> Any:

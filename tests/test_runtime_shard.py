@@ -368,6 +368,22 @@ def test_donation_and_reuse_of_placed_outputs():
     assert not s2["params"]["w1"].is_deleted()
 
 
+def test_a_deleted_leaf_of_the_state_is_named_on_either_path():
+    # (jit deletes the donated leaves it could alias, not necessarily the one
+    # the fast path probes: a raw "Array has been deleted" before)
+    state, batch = init()
+    plan = data_parallel_plan(state, batch)
+    ex = executable(step, plan, (state, batch))
+    s1, _ = ex(state, batch)
+    s2 = jax.tree.map(jnp.copy, s1)
+    s2["params"]["b2"].delete()
+    with pytest.raises(RuntimeStageError, match=r"argument 0\['params'\]\['b2'\] was donated"):
+        ex(s2, batch)                           # the fast path
+    _, half = init(batch=BATCH // 2)
+    with pytest.raises(RuntimeStageError, match=r"argument 0\['params'\]\['b2'\] was donated"):
+        ex(s2, half)                            # another shape: the full path
+
+
 def test_batch_not_divisible_by_the_mesh_is_a_clear_error():
     state, batch = init()
     plan = data_parallel_plan(state, batch)
