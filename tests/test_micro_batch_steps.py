@@ -523,6 +523,23 @@ def test_a_scalar_among_the_batch_leaves_is_every_micro_batchs_whole():
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
 
 
+def test_a_complex_parameters_gradient_combines_without_a_warning():
+    # (its gradient is built by complex(re, 0.0): linear, as an add)
+    def step_fn(p, b):
+        l, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.real(b["x"] @ p["cw"]) - b["y"]) ** 2))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * jnp.conj(c), p, g), {"loss": l}
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"cw": (jax.random.normal(k1, (16, 4)) + 1j * jax.random.normal(k2, (16, 4))) * 0.2}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=4, tp=2, pp=1,
+                                                                 num_micro_batches=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got, gm), (want, wm) = step(p, BATCH), jax.jit(step_fn)(p, BATCH)
+    np.testing.assert_allclose(float(gm["loss"]), float(wm["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["cw"]), np.asarray(want["cw"]), rtol=1e-5, atol=1e-7)
+
+
 def test_batch_leaves_that_disagree_on_dimension_0_are_named():
     def step_fn(p, b):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((b["xT"].T @ p["w"] - b["y"]) ** 2))(p)

@@ -107,7 +107,7 @@ _LINEAR = frozenset({
     "expand_dims", "slice", "rev", "copy", "copy_p", "reduce_precision", "reduce_sum", "cumsum",
     "dynamic_slice", "gather", "pad", "concatenate", "add", "sub", "add_any", "dot_general",
     "mul", "div", "select_n", "dynamic_update_slice", "scatter-add", "scatter_add", "real",
-    "imag", "conj", "conv_general_dilated", "reduce_window_sum", "split", "unstack",
+    "imag", "conj", "complex", "conv_general_dilated", "reduce_window_sum", "split", "unstack",
     "sharding_constraint",
 })
 # homogeneous in a per-example value's scale but not linear
@@ -123,7 +123,8 @@ _KEEP_VALUE = frozenset({"convert_element_type", "reshape", "squeeze", "expand_d
                          "sharding_constraint"})
 _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add", "scatter_add",
                    "conv_general_dilated"})
-_EQUAL = frozenset({"add", "sub", "add_any", "max", "min", "concatenate", "clamp", "pad",
+# (complex(x, y) = x + i y: its parts add)
+_EQUAL = frozenset({"add", "sub", "add_any", "complex", "max", "min", "concatenate", "clamp", "pad",
                     "dynamic_update_slice", "scatter-add", "scatter_add", "scatter", "select_n",
                     "eq", "ne", "gt", "ge", "lt", "le"})
 _TO_ZERO = frozenset({"sign", "eq", "ne", "gt", "ge", "lt", "le", "argmax", "argmin"})
