@@ -218,10 +218,13 @@ class Parallelized:
 
     @property
     def plan(self) -> Plan | None:
-        """The plan of the most recent call (or the plan given)."""
+        """The plan of the most recent call (or the plan given); None before
+        the first call (:meth:`plan_for` plans without running)."""
         return self._last
 
     def plan_for(self, *args: Any) -> Plan:
+        """The plan for ``args`` (arrays or ShapeDtypeStructs), planned and
+        compiled on first use as a call would, without running the step."""
         return self._entry(args)[0]
 
     def shardings(self, *args: Any) -> Any:
@@ -364,7 +367,7 @@ class Parallelized:
                 raise
             raise MeshplanError(
                 "a parallelized step runs its own compiled programs on arrays: it cannot be "
-                "traced by jax.jit, jax.vmap, jax.eval_shape or (a pipeline plan) jax.grad; call "
+                "traced by jax.jit, jax.vmap, jax.eval_shape or jax.grad; call "
                 "it outside them, or apply the transformation to the plain step and "
                 "parallelize that") from None
 

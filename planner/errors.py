@@ -97,6 +97,14 @@ def mark_step_failure(e: BaseException, step: str) -> None:
     jax.jit raises it), and the CLI reports it in one line
     (:func:`step_failure`)."""
     e.add_note(f"(raised while meshplan traced {step!r} to plan it, at the arguments' own shapes)")
+    import jax
+    if isinstance(e, jax.errors.ConcretizationTypeError) or (
+            isinstance(e, ValueError) and "static arguments" in str(e)):
+        # (a Python flag among the arguments: every argument is traced)
+        e.add_note("(meshplan.parallelize traces every argument as an array, as jax.jit without "
+                   "static_argnums does: where a Python flag or option is passed as an "
+                   "argument, bind it with functools.partial(step, flag=...) before "
+                   "parallelizing)")
     try:
         e.meshplan_step = step      # type: ignore[attr-defined]
     except AttributeError:          # (an exception type without a __dict__)

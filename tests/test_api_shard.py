@@ -381,3 +381,18 @@ def test_auto_plans_one_program_for_a_step_without_one_batch(batch_argnums):
     assert any("no one batch to split" in n for n in par.plan.notes)
     np.testing.assert_allclose(float(lg), float(lw), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_a_python_flag_passed_as_an_argument_is_explained():
+    # (jax.jit's static_argnums idiom: meshplan traces every argument)
+    step, p, x = _residual_step()
+
+    def flagged(p, x, double):
+        new, value = step(p, x)
+        return new, (value * 2 if double else value)
+    for fn in (flagged, jax.jit(flagged, static_argnums=2)):
+        with pytest.raises((ValueError, TypeError)) as e:
+            meshplan.parallelize(fn)(p, x, True)
+        assert any("functools.partial" in n for n in getattr(e.value, "__notes__", ())), e.value
+    par = meshplan.parallelize(functools.partial(flagged, double=True))
+    np.testing.assert_allclose(float(par(p, x)[1]), 2 * float(jax.jit(step)(p, x)[1]), rtol=1e-5)
