@@ -223,8 +223,8 @@ class Parallelized:
         return self._last
 
     def plan_for(self, *args: Any) -> Plan:
-        """The plan for ``args`` (arrays or ShapeDtypeStructs), planned and
-        compiled on first use as a call would, without running the step."""
+        """The plan for ``args`` (arrays or ShapeDtypeStructs), made (with
+        its executable) as a call would make it, without running the step."""
         return self._entry(args)[0]
 
     def shardings(self, *args: Any) -> Any:
