@@ -191,10 +191,11 @@ def _method(args: argparse.Namespace):
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         users = sorted({u for k in given for u in APPLIES[k]} - {name})
+        # (manual fixes its stages with --pp, where the searches bound them)
+        why = ("give the stage count with --pp" if name == "manual" and given == ["max_stages"]
+               else f"--method {name} chooses {'it' if len(given) == 1 else 'them'} itself")
         raise ModelConfigError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to "
-                               f"--method {_either(users)} only (got --method {name}); "
-                               f"--method {name} chooses {'it' if len(given) == 1 else 'them'} "
-                               "itself")
+                               f"--method {_either(users)} only (got --method {name}); {why}")
     mb, sched = _counts(args.micro_batches), _names(args.schedule)
     common = dict(time_limit=args.time_limit, memory_fraction=args.memory_fraction)
     if getattr(args, "offload", None) is not None and name != "pipeshard":
