@@ -302,15 +302,18 @@ NO_BATCH_NOTE = ("planned as one program, without pipeline stages or micro-batch
                  "step's batch arguments hold no one batch to split")
 
 
+# why the search's later passes ran: memory, or the method's own recomputation
+BINDS, ASKED = "memory binds", "the method recomputes"
+
 EACH_MICRO_BATCH_NOTE = (
-    "the data-parallel gradient sums are reduced every micro-batch, not once a step: memory "
-    "binds, and running sums in the parameters' layout fit a faster plan than sums kept "
-    "whole per data shard")
+    f"the data-parallel gradient sums are reduced every micro-batch, not once a step: {BINDS}, "
+    "and running sums in the parameters' layout fit a faster plan than sums kept whole per "
+    "data shard")
 
 
 SEQUENCE_NOTE = (
     "the activations between layers are handed over split along the sequence (sequence "
-    "parallelism, found by the search): memory binds, and what recomputation keeps per "
+    f"parallelism, found by the search): {BINDS}, and what recomputation keeps per "
     "micro-batch in flight fits a faster plan split")
 
 
@@ -335,15 +338,19 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     if opts.input_filter is not None or opts.fixed is not None:
         return run(opts)
 
+    def why(note: str) -> str:
+        # (ShardParallel(remat="full") recomputes with memory to spare)
+        return note if opts.remat is None else note.replace(BINDS, ASKED)
+
     def eager(p: Plan) -> Plan:
         if p.num_micro_batches == 1:    # (a step's one reduction either way)
             return p
-        return replace(p, notes=p.notes + (EACH_MICRO_BATCH_NOTE,),
+        return replace(p, notes=p.notes + (why(EACH_MICRO_BATCH_NOTE),),
                        reduce_grads_each_micro_batch=True)
 
     def split(p: Plan) -> Plan:
         p = eager(p)
-        return replace(p, notes=p.notes + (SEQUENCE_NOTE,))
+        return replace(p, notes=p.notes + (why(SEQUENCE_NOTE),))
 
     passes = ((None, lambda p: p), (EachMicroBatch(), eager), (SequenceSplit(), split))
     if not SequenceSplit.applies(graph):

@@ -257,3 +257,17 @@ def test_the_sequence_split_filter():
     assert f(act, ((), (), ()), ids)        # token ids and positions stay free
     assert f(GraphInput(0, 0, "", PARAM), ((), (), ()), x)
     assert f(GraphInput(0, 0, "", BATCH), ((0,), (), ()), x)
+
+
+def test_recomputation_the_method_asks_for_is_not_called_memory_binding(
+        monkeypatch, gpt_searched):
+    # (ShardParallel(remat="full") with memory to spare: the sequence-split
+    # pass's note said "memory binds")
+    _scripted(monkeypatch, gpt_searched[1]["plain"], ("full", 2.0), ("full", 1.9),
+              ("full", 1.2))
+    p = _plan(method=meshplan.PipeshardParallel(num_micro_batches=4))
+    assert planning.SEQUENCE_NOTE in p.notes
+    p = _plan(method=meshplan.ShardParallel(remat="full"))
+    assert p.predicted.iteration_s == 1.2
+    assert not any(planning.BINDS in n for n in p.notes), p.notes
+    assert any(planning.ASKED in n for n in p.notes), p.notes
