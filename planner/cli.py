@@ -191,8 +191,8 @@ def _method(args: argparse.Namespace):
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         users = sorted({u for k in given for u in APPLIES[k]} - {name})
-        # (manual fixes its stages with --pp, where the searches bound them)
-        why = ("give the stage count with --pp" if name == "manual" and given == ["max_stages"]
+        # (manual is told its shape, where the searches are bounded)
+        why = ("give its shape with --dp, --tp and --pp" if name == "manual"
                else f"--method {name} chooses {'it' if len(given) == 1 else 'them'} itself")
         raise ModelConfigError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to "
                                f"--method {_either(users)} only (got --method {name}); {why}")

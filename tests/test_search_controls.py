@@ -175,7 +175,7 @@ def test_cli_flags_reach_the_methods():
     (("--method", "data", "--max-stages", "2"), "--max-stages applies to --method auto or pipeshard"),
     (("--method", "shard", "--tp-within-host"), "--tp-within-host applies"),
     (("--method", "manual", "--dp", "4", "--pp", "2", "--max-stages", "2"),
-     "give the stage count with --pp"),
+     "give its shape with --dp, --tp and --pp"),
     (("--method", "manual", "--micro-batches", "2,4"), "one --micro-batches count"),
     (("--micro-batches", "0"), "--micro-batches expects"),
     (("--schedule", "gpipe,zigzag"), "--schedule expects"),
