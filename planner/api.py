@@ -15,7 +15,7 @@ import jax
 
 from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
-from .errors import MeshplanError, StalePlanError, TraceError
+from .errors import MeshplanError, StalePlanError, TraceError, argument_leaf
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
@@ -158,7 +158,7 @@ def _trace(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
     except Exception as e:
         typed = _explicit_leaf(args)
         if typed is not None and getattr(e, "meshplan_step", None) is not None:
-            e.add_note(f"(argument {typed} has a sharding on a mesh with Explicit axes, part "
+            e.add_note(f"({typed} has a sharding on a mesh with Explicit axes, part "
                        "of its type under jax.jit; meshplan traces the step without the "
                        "arguments' shardings, which it chooses itself, so a step that relies on "
                        "them fails here)")
@@ -171,7 +171,7 @@ def _explicit_leaf(args: Sequence[Any]) -> str | None:
     for path, x in jax.tree_util.tree_leaves_with_path(tuple(args)):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, NamedSharding) and AxisType.Explicit in tuple(sh.mesh.axis_types):
-            return f"{path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            return argument_leaf(path)
     return None
 
 
@@ -184,9 +184,8 @@ def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
         except TypeError:
             # (a function or a module's static field among the arrays, as
             # jax.jit refuses it too)
-            where = f"{path[0].idx}{jax.tree_util.keystr(path[1:])}"
             raise TraceError(
-                f"argument {where} is a {type(x).__name__}, not an array: the step's arguments "
+                f"{argument_leaf(path)} is a {type(x).__name__}, not an array: the step's arguments "
                 "are pytrees of arrays and scalars; keep it out of them (a closure, or "
                 "eqx.partition / nnx.split of the module)") from None
     return tuple(jax.tree_util.tree_map_with_path(one, tuple(args)))

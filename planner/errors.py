@@ -6,6 +6,8 @@ to change, not where the code tripped.
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 class MeshplanError(Exception):
     """Root of all errors raised by meshplan on purpose."""
@@ -82,6 +84,13 @@ def batch_rows(leaves: "list[tuple[int, str]]") -> int | None:
             "first in every leaf of batch_argnums' arguments (or pass a leaf that is no batch "
             "as another argument)")
     return first[0]
+
+
+def argument_leaf(path: Any) -> str:
+    """``argument N[path]``: a leaf of the step's arguments by its pytree
+    path in the tuple of them (as ``jax.tree_util`` gives it)."""
+    import jax
+    return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
 
 
 def deleted_argument(where: str) -> RuntimeStageError:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshplan.errors import RuntimeStageError, StalePlanError, deleted_argument
+from meshplan.errors import RuntimeStageError, StalePlanError, argument_leaf, deleted_argument
 from meshplan.plan import Plan
 from meshplan.recompute import NONE
 # (meshes and specs: shared with Plan.shardings, re-exported for the runtime's modules)
@@ -655,7 +655,7 @@ def _deleted_leaf(args: tuple[Any, ...]) -> str | None:
     """``argument N[path]`` of the first deleted array among ``args``."""
     for path, x in jax.tree_util.tree_leaves_with_path(tuple(args)):
         if isinstance(x, jax.Array) and x.is_deleted():
-            return f"argument {path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            return argument_leaf(path)
     return None
 
 
