@@ -126,6 +126,11 @@ class Built:
     # the optimizer update's operators (ilp.accumulation.update_nodes): once
     # a step where ``grad_accum`` > 1, and after the gradient reductions
     update_nodes: frozenset[int] = frozenset()
+    # what the memory rows of node positions hold besides the values live
+    # there (the inputs on the device, the held copies), and those copies:
+    # more such rows can be added (rows_over)
+    memory_base: dict[int, np.ndarray] | None = None
+    held: frozenset[int] = frozenset()
 
 
 def first_node(g: Group) -> int | None:
@@ -769,22 +774,56 @@ class _Builder:
                     memory_points: int, held: frozenset[int] = frozenset()) -> list[MemoryRow]:
         """Resident inputs plus live intermediates at the peaks of the liveness
         profile (those of ``held`` are among the resident already)."""
-        graph, shape, groups = self.graph, self.mm.shape, self.groups
-        rows = []
-        live = stored_liveness(graph)
-        for step in peak_steps(live, memory_points):
-            coefs = {gid: v.copy() for gid, v in resident.items()}
-            for t in live.live_at(step):
-                if t not in self.group_of_tensor or t in held:
-                    continue
-                g = groups[self.group_of_tensor[t]]
-                nb = graph.tensors[t].nbytes
-                v = np.array([nb / num_shards(s[t], shape) for s in g.specs])
-                coefs[g.gid] = coefs[g.gid] + v if g.gid in coefs else v
-            rows.append(MemoryRow(coefs, budget, name=f"mem_node{step}"))
+        live = stored_liveness(self.graph)
+        rows = [step_row(self.graph, self.mm.shape, self.groups, self.group_of_tensor, live,
+                         step, resident, held, budget)
+                for step in peak_steps(live, memory_points)]
         if not rows:
             rows.append(MemoryRow(dict(resident), budget, name="mem_resident"))
         return rows
+
+
+def step_row(graph: Graph, shape: tuple[int, ...], groups: list[Group],
+             group_of_tensor: dict[int, int], live: Liveness, step: int,
+             resident: dict[int, np.ndarray], held: frozenset[int], budget: float) -> MemoryRow:
+    """The memory row of node position ``step``: ``resident`` plus each value
+    live there (but ``held``, among the resident already) in its group's layouts."""
+    coefs = {gid: v.copy() for gid, v in resident.items()}
+    for t in live.live_at(step):
+        if t not in group_of_tensor or t in held:
+            continue
+        g = groups[group_of_tensor[t]]
+        nb = graph.tensors[t].nbytes
+        v = np.array([nb / num_shards(s[t], shape) for s in g.specs])
+        coefs[g.gid] = coefs[g.gid] + v if g.gid in coefs else v
+    return MemoryRow(coefs, budget, name=f"mem_node{step}")
+
+
+def rows_over(graph: Graph, shape: tuple[int, ...], built: Built, choice, k: int = 4
+              ) -> list[MemoryRow]:
+    """Rows for up to ``k`` node positions where ``choice`` holds more than
+    the budget though no row bounds them.  The rows bound the peaks of the
+    unsharded profile; under the chosen layouts another position can peak
+    (a value the solver left whole beside values it split), and the decoded
+    plan's peak would pass the budget unnoticed."""
+    rows = [r for r in built.problem.memory if r.name.startswith("mem_node")]
+    if not rows or built.memory_base is None:
+        return []
+    budget, bounded = rows[0].budget, {int(r.name[len("mem_node"):]) for r in rows}
+    groups, gt = built.groups, built.group_of_tensor
+    live = stored_liveness(graph)
+
+    def local(t: int) -> float:
+        if t not in gt or t in built.held:
+            return 0.0
+        g = groups[gt[t]]
+        return graph.tensors[t].nbytes / num_shards(g.specs[choice[g.gid]][t], shape)
+    base = sum(float(v[choice[gid]]) for gid, v in built.memory_base.items())
+    total = base + live_bytes(live.intervals, len(graph.nodes), local)
+    over = Liveness(live.intervals, np.where(total > budget * (1 + 1e-9) + 1e-6, total, 0.0))
+    steps = [s for s in peak_steps(over, k) if over.profile[s] > 0 and s not in bounded]
+    return [step_row(graph, shape, groups, gt, live, s, built.memory_base, built.held, budget)
+            for s in steps]
 
 
 # the inputs whose layouts a hand-made method decides
@@ -895,7 +934,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
                  grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes,
-                 update_nodes=b.update_nodes)
+                 update_nodes=b.update_nodes, memory_base=on_device, held=held)
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

@@ -7,6 +7,7 @@ compute + communication + resharding time under the per-device memory budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,10 +21,12 @@ from ..errors import InfeasiblePlanError
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, GraphInput, Tensor
 from ..plan import LogicalMesh
 from ..units import human_bytes
-from .build import Built, InputFilter, Pins, build_problem, stored_liveness, with_resident_cap
+from .build import (Built, InputFilter, Pins, build_problem, rows_over, stored_liveness,
+                    with_resident_cap)
 from .caches import IlpCaches
 from .decode import IntraOpResult, decode
 from .options import SolverOptions
+from .problem import IlpProblem
 from .solvers import solve
 
 
@@ -237,8 +240,18 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
         built = with_resident_cap(built, resident_budget)
     # (a capped layer's MIP proves its last percent slowly, and the caps
     # themselves are steps of 19%: SolverOptions.capped_gap)
+    gap = options.capped_gap if resident_budget is not None else 0.0
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
-                gap=options.capped_gap if resident_budget is not None else 0.0, seed=seed)
+                gap=gap, seed=seed)
+    # Rows bound a few positions only; where the chosen layouts peak at
+    # another one, bound it too and solve again (each round adds rows, and
+    # there are finitely many positions).
+    while extra := rows_over(graph, mm.shape, built, sol.choice):
+        p = built.problem
+        built = dataclasses.replace(built, problem=IlpProblem(p.names, p.costs, p.edges,
+                                                              p.memory + extra))
+        sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
+                    gap=gap, seed=sol.choice)
     return decode(graph, mm, built, sol)
 
 
