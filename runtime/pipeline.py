@@ -282,7 +282,8 @@ class PipelineExecutable:
                                         draws=traced.batch_draws,
                                         draw_eqns=traced.draw_eqns,
                                         zero_bubble=self.schedule == "zb-h1",
-                                        scaling=traced.scaling)
+                                        scaling=traced.scaling,
+                                        output_paths=[o.path for o in traced.graph.outputs])
         if split.inexact:
             self._warn_inexact(split)
         self.layouts = StageLayouts(plan, self.meshes, traced, split)

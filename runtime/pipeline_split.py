@@ -172,7 +172,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                draws: Sequence[tuple[int, int, tuple[int, ...]]] = (),
                draw_eqns: Sequence[tuple[int, Any]] = (),
                zero_bubble: bool = False, remat_layers: Sequence[int] = (),
-               keep_casts: Sequence[bool] = (), scaling: Any = None) -> StepSplit:
+               keep_casts: Sequence[bool] = (), scaling: Any = None,
+               output_paths: Sequence[str] = ()) -> StepSplit:
     """Assign every equation of ``flat`` to a stage and phase and build the
     tasks (see the module doc).  ``concat_outputs``: output ids whose
     dimension 0 is the batch.  ``remat``: per stage, whether its backward
@@ -188,7 +189,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     per stage, whether its parameters' narrowed copies are made once a step
     (:func:`_hoisted_casts`; default yes).  ``scaling``: how the values
     scale with the batch (``TracedStep.scaling``), which says how the
-    micro-batches combine (:func:`_combination`); None: averaged."""
+    micro-batches combine (:func:`_combination`); None: averaged.
+    ``output_paths``: each output leaf's path, to name it in a refusal."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
     flow = _flow(flat, frozenset(batch_ids), num_micro_batches,
                  {o for k, _, _ in draws for o in flat.eqns[k].outvars},
@@ -221,7 +223,7 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     # (what is computed from the statistics alone is every micro-batch's same value)
     whole = {x for x, i in scaling.info.items() if i.kind == "N"} if stats else set()
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches,
-                          sums, whole)
+                          sums, whole, output_paths)
     prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None
               for (lo, _), n in zip(stage_layers, remat_layers)]
     _replay_forwards(tasks, flat.eqns, remat, needed_by, selective, fused, prefix)
@@ -268,6 +270,10 @@ def _combination(split: StepSplit, flat: FlatJaxpr, scaling: Any) -> None:
             continue
         if info.kind == "X":
             split.inexact[x] = info.why
+        elif info.folded and how != CONCAT:
+            split.inexact[x] = ("a value per chunk of the batch (x.reshape(k, B // k, ...)): "
+                                "each micro-batch's chunk k holds other examples than the "
+                                "whole batch's")
         elif how == MEAN and info.kind == "S" and info.degree is not None:
             split.degree[x] = info.degree
         elif how == MEAN and info.kind == "M" and split.producer[x][0] == "F":
@@ -642,7 +648,8 @@ def _c_phase(key: tuple | None) -> bool:
 
 def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tuple],
                flow: _Flow, concat: set[int], num_micro_batches: int,
-               sums: set[int] = frozenset(), whole: set[int] = frozenset()) -> dict[int, str]:
+               sums: set[int] = frozenset(), whole: set[int] = frozenset(),
+               output_paths: Sequence[str] = ()) -> dict[int, str]:
     """What crosses from the per-micro-batch phase into the update and the
     outputs, and how it is combined over micro-batches.  ``sums``: sums over
     the examples (an integer one is summed, exactly); ``whole``: values the
@@ -677,7 +684,9 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
             cross(flow.alias.get(x, x), f"a value the update ({t.name()}) reads")
     for k, x in enumerate(flat.outvars):
         if isinstance(x, int):
-            cross(flow.alias.get(x, x), f"output leaf {k} of the step (jax.tree.leaves order)")
+            cross(flow.alias.get(x, x), f"the output {output_paths[k]}"
+                  if len(output_paths) == len(flat.outvars) and output_paths[k]
+                  else f"output leaf {k} of the step (jax.tree.leaves order)")
     # marker outputs whose input comes straight from the C phase
     for o, i in flow.alias.items():
         cross(i, "a gradient")

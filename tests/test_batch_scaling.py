@@ -569,6 +569,34 @@ def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
     assert not warned and gap < 1e-5
 
 
+def _chunk_losses(p, b):
+    """Each chunk's mean loss, stacked by the step's own lax.scan."""
+    chunks = jax.tree.map(lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), b)
+    return jax.lax.scan(lambda c, chunk: (c, jnp.mean(_token_losses(p, chunk))), 0.0, chunks)[1]
+
+
+@pytest.mark.parametrize("metric,exact", [
+    (lambda per_chunk: per_chunk, False),           # chunk k: other rows in each micro-batch
+    (lambda per_chunk: jnp.mean(per_chunk), True),
+    (lambda per_chunk: jnp.sum(per_chunk / 2), True),
+    (lambda per_chunk: jnp.max(per_chunk * 2.0), False),    # a chunk's mean is no example's
+])
+def test_what_a_steps_own_chunks_stack_is_exact_only_over_every_chunk(metric, exact):
+    """A lax.scan over the step's own chunks stacks a value per chunk; each
+    micro-batch's chunk k holds other rows than the whole batch's chunk k,
+    so that value was averaged silently.  Over every chunk, it is over every
+    example, however they are grouped."""
+    step = _step(lambda p, b: jnp.mean(_token_losses(p, b)),
+                 lambda p, b, loss: {"chunks": metric(_chunk_losses(p, b))})
+    if exact:
+        gap, warned = _run(step)
+        assert not warned and gap < 1e-5
+    else:
+        with pytest.warns(UserWarning, match=r"\['chunks'\].*(chunk k holds other examples|"
+                                             "reshape along the batch axis)"):
+            meshplan.parallelize(step, method=PIPE)(_params(), BATCH)
+
+
 @pytest.mark.parametrize("loop", ["map", "summed"])
 def test_a_loop_over_the_examples_pipelines_exactly(loop):
     # lax.map of a per-example loss (its results are per example), or a
@@ -620,9 +648,10 @@ def test_an_integer_output_no_combination_gives_is_refused():
                                       lambda p, b, loss: {
                                           "top": jnp.argmax(_token_losses(p, b).sum(1))}),
                                 method=PIPE)
-    # (named by its place among the leaves: params emb, w1, w2, then loss, top)
-    with pytest.raises(meshplan.MeshplanError, match="output leaf 4 of the step .* int32 value, "
-                                                     "which cannot be averaged"):
+    # (named by its path: it was "output leaf 4", its place among the leaves)
+    with pytest.raises(meshplan.MeshplanError, match=r"the output \[1\]\['top'\] is a batch-"
+                                                     "dependent int32 value, which cannot be "
+                                                     "averaged"):
         step(_params(), BATCH)
 
 

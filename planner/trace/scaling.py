@@ -390,6 +390,14 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
             return [replace(ins[0], folded=False)]
         if name in _KEEP_VALUE and len(ins) == 1:
             return [ins[0] for _ in eqn.outvars]
+        unfolded = [replace(i, folded=False) for i in ins]
+        if name in ELEMENTWISE and all(i.folded for i in ins if i.kind != "N"):
+            # (each element as before: per chunk, with values of no example)
+            return [replace(_rule(name, eqn.params, unfolded, p), folded=True) for p in pe]
+        if name in _WHOLE and len(ins) == 1 and sorted(eqn.params["axes"]) == list(
+                range(len(_shape(eqn.invars[0].aval) or ()))):
+            # (over every chunk: over all the examples, however they are grouped)
+            return [_rule(name, eqn.params, unfolded, p) for p in pe]
         return [Info("X", why=_FOLDED) for _ in eqn.outvars]
     # (an operand that is X already keeps its first cause: _rule)
     batch_rows = any(i.kind == "P" for i in ins) and not any(i.kind == "X" for i in ins)
@@ -488,6 +496,9 @@ def _from_places(eqn: Any, eqn_full: Any) -> bool:
     return False
 
 
+# reductions whose value over every element does not depend on how the
+# examples are grouped into chunks
+_WHOLE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 _FOLDED = ("reshape along the batch axis (a dimension of fixed size holds the batch index's "
            "major part: two views of each example, chunks read other than by a lax.scan over "
            "them): each micro-batch pairs its own examples")
@@ -648,12 +659,16 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
             and all(i.kind == "P" and d for (_, _, i), d in zip(xs, lead) if i.kind != "N")
             and not any(i.kind in "PSMX" for i in ins[:nc + nk]))
     # (iterating over a folded dimension: each step reads a chunk of examples)
+    chunks = any(i.folded for i in ins[nc + nk:])
     ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in ins[nc + nk:])]
     settled = _settled(eqn.params["jaxpr"], eqn_full.params["jaxpr"], ins[:nc],
                        ins[nc:nc + nk], ins[nc + nk:], m, one or over)
     if settled is None:
         return [Info("X", why=_UNSETTLED) for _ in eqn.outvars]
     outs = settled[0]
+    if chunks:      # (what each chunk's step stacks is per chunk: of other rows per micro-batch)
+        outs = [*outs[:nk], *(o if o.kind in "NX" else replace(o, folded=True)
+                              for o in outs[nk:])]
     if not over:
         return outs
     body = eqn.params["jaxpr"]
