@@ -192,7 +192,10 @@ def _abstract(args: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _signature(args: Sequence[Any]) -> Any:
-    return signature(tuple(args))
+    # (weak types too: jax traces a weakly typed leaf to other equations, so a
+    # restored strong int32 beside a plan made for eval_shape's weak one
+    # needs its own plan, as jax.jit compiles it apart)
+    return signature(tuple(args), weak_types=True)
 
 
 class Parallelized:

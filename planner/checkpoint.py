@@ -89,8 +89,11 @@ def save_state(path: str | os.PathLike[str], state: Any, *, overwrite: bool = Fa
                                   "or choose another path")
     leaves = _leaf_table(state)
     # (orbax stores numeric arrays: a typed PRNG key is stored as its key
-    # data, and the marker records its implementation to wrap it again)
-    state = jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+    # data, and the marker records its implementation to wrap it again; the
+    # data is stored as the marker records it: a Python scalar as jax.jit takes it)
+    state = jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if _is_key(x)
+        else np.asarray(x, _dtype(x)) if _python_scalar(x) else x, state)
     if primary:
         # a save killed earlier leaves its partial directory behind: clear it
         shutil.rmtree(partial, ignore_errors=True)
@@ -334,7 +337,14 @@ def _dtype(x: Any) -> Any:
     d = getattr(x, "dtype", None)
     if _is_key(x):
         return d
-    return np.dtype(d) if d is not None else np.asarray(x).dtype
+    if d is not None:
+        return np.dtype(d)
+    # (a Python scalar: as jax.jit takes it, int32 or float32 unless x64 is on)
+    return jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
+
+
+def _python_scalar(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, complex)) and not hasattr(x, "dtype")
 
 
 def _leaf_table(tree: Any) -> list[dict[str, Any]]:

@@ -227,6 +227,40 @@ def test_typed_prng_keys_round_trip_with_their_implementation(tmp_path):
         meshplan.restore_state(tmp_path / "ck", like=other)
 
 
+def test_python_scalars_are_stored_as_jax_takes_them(tmp_path):
+    """A step counter and a learning rate held as Python numbers (a flax
+    TrainState saved before its first step) were stored as int64 and float64,
+    so a restore shaped by jax.eval_shape (int32, float32) was refused."""
+    init = lambda: {"w": np.ones((4, 4), np.float32), "step": 0, "lr": 0.1, "done": False}
+    meshplan.save_state(tmp_path / "ck", init())
+    for like in (jax.eval_shape(init), init()):
+        got = meshplan.restore_state(tmp_path / "ck", like=like)
+        assert {k: str(v.dtype) for k, v in got.items()} == {
+            "w": "float32", "step": "int32", "lr": "float32", "done": "bool"}
+        assert (int(got["step"]), float(got["lr"])) == (0, np.float32(0.1))
+
+
+def test_a_strong_leaf_where_the_plan_had_a_weak_one_is_planned_again(tmp_path):
+    """``plan_for(jax.eval_shape(init), ...)`` plans a Python 0 as a weakly
+    typed int32; the restored counter is a strong int32, which jax traces to
+    other equations.  The step reused the weak plan and failed with a stale
+    constraint on an internal tensor; it now plans the strong one apart."""
+    def step(s, x):
+        loss, g = jax.value_and_grad(lambda w: jax.numpy.mean((x @ w) ** 2))(s["w"])
+        return {"w": s["w"] - 0.1 * g, "step": s["step"] + 1}, loss
+    init = lambda: {"w": np.full((8, 8), 0.1, np.float32), "step": 0}
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    meshplan.save_state(tmp_path / "ck", jax.jit(step)(init(), x)[0])
+    par = meshplan.parallelize(step, method=meshplan.ShardParallel(), batch_argnums=(1,))
+    like = jax.eval_shape(init)
+    state = meshplan.restore_state(tmp_path / "ck", like=like, plan=par.plan_for(like, x))
+    assert not state["step"].weak_type
+    got, loss = par(state, x)
+    want, ref = jax.jit(step)(jax.jit(step)(init(), x)[0], x)
+    assert int(got["step"]) == 2 and np.allclose(loss, ref, rtol=1e-6)
+    assert np.allclose(got["w"], want["w"], rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # interrupted saves
 # ---------------------------------------------------------------------------
