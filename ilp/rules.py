@@ -113,8 +113,13 @@ def dot_general_rule(ins, outs, params) -> OpSpace:
 
 
 def conv_rule(ins, outs, params) -> OpSpace | None:
-    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
-        return None
+    """Batch, input and output features split as a matmul's (the input
+    features contracted).  A grouped convolution pairs each group of
+    features with its own filters: there the grouped dimensions stay whole,
+    and what remains splits: the batch of a depthwise convolution
+    (``feature_group_count``), the contracted examples of its weight
+    gradient (``batch_group_count``, whose lhs batch holds the groups)."""
+    fg, bg = params.get("feature_group_count", 1), params.get("batch_group_count", 1)
     dn = params["dimension_numbers"]
     if hasattr(dn, "lhs_spec"):
         lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
@@ -123,20 +128,22 @@ def conv_rule(ins, outs, params) -> OpSpace | None:
     lhs, rhs = ins
     out = outs[0]
     L = _Labels()
-    n = L.new(lhs[lhs_spec[0]])
-    cin = L.new(lhs[lhs_spec[1]])
-    cout = L.new(rhs[rhs_spec[0]])
+    n = L.new(lhs[lhs_spec[0]], bg != 1)
+    cin = L.new(lhs[lhs_spec[1]], fg != 1)
+    cout = L.new(rhs[rhs_spec[0]], fg != 1 or bg != 1)
     lhs_l = [0] * len(lhs)
     rhs_l = [0] * len(rhs)
     out_l = [0] * len(out)
     lhs_l[lhs_spec[0]], lhs_l[lhs_spec[1]] = n, cin
-    rhs_l[rhs_spec[0]], rhs_l[rhs_spec[1]] = cout, cin
-    out_l[out_spec[0]], out_l[out_spec[1]] = n, cout
+    rhs_l[rhs_spec[0]] = cout
+    rhs_l[rhs_spec[1]] = cin if fg == 1 else L.new(rhs[rhs_spec[1]], True)
+    out_l[out_spec[0]] = n if bg == 1 else L.new(out[out_spec[0]], True)
+    out_l[out_spec[1]] = cout
     for k in range(2, len(lhs_spec)):  # spatial dims: halos are not modelled, keep whole
         lhs_l[lhs_spec[k]] = L.new(lhs[lhs_spec[k]], True)
         rhs_l[rhs_spec[k]] = L.new(rhs[rhs_spec[k]], True)
         out_l[out_spec[k]] = L.new(out[out_spec[k]], True)
-    return L.space([tuple(lhs_l), tuple(rhs_l)], [tuple(out_l)], reduce=[cin],
+    return L.space([tuple(lhs_l), tuple(rhs_l)], [tuple(out_l)], reduce=[cin] if fg == 1 else [],
                    reduce_scatter=True)
 
 

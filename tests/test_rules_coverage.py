@@ -88,6 +88,41 @@ def test_window_topk_scan_and_sort_ops_are_split_along_the_batch(case):
     assert np.allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-4)
 
 
+def _depthwise_step(p, batch):
+    def loss(p):
+        h = jax.lax.conv_general_dilated(batch["x"], p["dw"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         feature_group_count=16)
+        return jnp.mean((jnp.tanh(h).mean((1, 2)) @ p["out"] - batch["y"]) ** 2)
+    loss, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+
+@pytest.mark.parametrize("method", [MESH8, meshplan.ShardParallel()])
+def test_a_depthwise_convolution_and_its_weight_gradient_split_along_the_batch(method):
+    """A grouped convolution had no rule (every device convolved the whole
+    batch); its weight gradient is a convolution with ``batch_group_count``."""
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"dw": jax.random.normal(k[0], (3, 3, 1, 16)) * 0.3,
+         "out": jax.random.normal(k[1], (16, 4)) * 0.3}
+    batch = {"x": jax.random.normal(k[2], (32, 8, 8, 16)), "y": jax.random.normal(k[3], (32, 4))}
+    graph = trace(_depthwise_step, p, batch, batch_argnums=(1,), warn=False)
+    convs = [n for n in graph.nodes if n.primitive == "conv_general_dilated"]
+    groups = {(dict(n.params)["feature_group_count"], dict(n.params)["batch_group_count"])
+              for n in convs}
+    assert {(16, 1), (1, 16)} <= groups
+    assert all(node_space(graph, n) is not None for n in convs)
+    assert replicated_work(graph) is None
+    par = meshplan.parallelize(_depthwise_step, method=method, batch_argnums=(1,))
+    got, ref = par(p, batch), jax.jit(_depthwise_step)(p, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    if method is MESH8:     # (the forward's result: each device its rows)
+        planned = dict(par.plan.stages[0].constraints)
+        fwd = next(n for n in convs if dict(n.params)["feature_group_count"] == 16)
+        assert planned[fwd.outputs[0]][0] == "data"
+
+
 # ---------------------------------------------------------------------------
 # cond: optax.MultiSteps
 # ---------------------------------------------------------------------------
