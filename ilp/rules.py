@@ -339,10 +339,13 @@ def cond_rule(ins, outs, params) -> OpSpace | None:
     branch reduces to a scalar (``reduced``) are named by
     ``reduce_each_step``: where one is split, the ILP builder charges its
     share of the one all-reduce XLA combines the cond's scalars into, and a
-    loop around the cond an all-reduce per step."""
+    loop around the cond an all-reduce per step.  Other branches are read as
+    a loop body run once (:func:`loop_rule`)."""
     comps = params.get("components")
     if comps is None or len(comps) != len(ins) - 1 + len(outs):
-        return None
+        # (branches that mix some dimensions, as a matmul does: split the
+        # others, as a loop of one step is split)
+        return loop_rule(ins, outs, params)
     L = _Labels()
     labels: dict[int, tuple[int, ...]] = {}
 

@@ -296,6 +296,54 @@ def test_a_cond_in_a_branch_follows_the_parameters_too():
     assert any(d is not None for v in state.values() for d in v)
 
 
+def _branchy_step(stacked: bool):
+    """Matmuls inside a cond: on the step counter, or (``stacked``) on the
+    layer index inside a scan over stacked layers, as Gemma alternates local
+    and global attention."""
+    def block(w, h, even):
+        return jax.lax.cond(even, lambda a: jnp.tanh(a @ w), lambda a: jax.nn.relu(a @ w) * 0.5, h)
+
+    def loss(w, s, x, y):
+        if stacked:
+            h = jax.lax.scan(lambda h, wi: (block(wi[0], h, wi[1] % 2 == 0), None), x,
+                             (w, jnp.arange(w.shape[0])))[0]
+        else:
+            h = block(w, x, s % 2 == 0)
+        return jnp.mean((h - y) ** 2)
+
+    def step(state, batch):
+        l, g = jax.value_and_grad(loss)(state["w"], state["step"], batch["x"], batch["y"])
+        return {"w": state["w"] - 0.1 * g, "step": state["step"] + 1}, l
+    return step
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["counter", "layer-index"])
+@pytest.mark.parametrize("method", [MESH8, meshplan.ShardParallel()], ids=["data", "shard"])
+def test_matmuls_in_a_conds_branches_split_along_the_batch(stacked, method):
+    """A cond whose branches are not element-wise (a matmul) had no rule:
+    every device ran it on the whole batch.  Its branches are now read as a
+    loop body run once: what no branch mixes (the batch) splits."""
+    step = _branchy_step(stacked)
+    k = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k[0], (3, 32, 32) if stacked else (32, 32)) * 0.3
+    state = {"w": w, "step": jnp.int32(0)}
+    batch = {"x": jax.random.normal(k[1], (64, 32)), "y": jax.random.normal(k[2], (64, 32))}
+    graph = trace(step, state, batch, batch_argnums=(1,), warn=False)
+    assert any(n.primitive == ("scan" if stacked else "cond") for n in graph.nodes)
+    assert replicated_work(graph) is None
+    par = meshplan.parallelize(step, method=method, batch_argnums=(1,))
+    got, ref = state, state
+    for _ in range(2):      # (both branches)
+        got, gl = par(got, batch)
+        ref, rl = jax.jit(step)(ref, batch)
+        assert float(gl) == pytest.approx(float(rl), rel=1e-5)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(ref["w"]), rtol=1e-5, atol=1e-6)
+    if method is MESH8:     # (the matmul in the branch runs on each device's rows)
+        hlo = par.lower(state, batch).compile().as_text()
+        dots = [l for l in hlo.splitlines() if " dot(" in l and "f32[64,32]" in l]
+        assert not dots, dots
+
+
 def test_apply_if_finite_runs_split_like_jit():
     # (a weight large enough that the plan splits it and its moments)
     p = {"w1": jnp.linspace(-1, 1, 16 * 2048).reshape(16, 2048) * 0.1,

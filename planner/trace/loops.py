@@ -1,4 +1,5 @@
-"""The body of a ``scan`` or ``while`` loop, written down for the ILP's loop rule.
+"""The body of a ``scan`` or ``while`` loop, or the branches of a ``cond``,
+written down for the ILP's loop rule.
 
 A loop over time steps (an RNN, an RG-LRU recurrence, a ``fori_loop``) may
 run split along any dimension its body does not mix: the batch of its carry,
@@ -72,8 +73,9 @@ class _Body:
 
 
 def loop_description(eqn: Any, params_of: Callable[[Any], tuple]) -> Description | None:
-    """The description of the ``scan`` or ``while`` equation ``eqn``; None for
-    any other equation."""
+    """The description of the ``scan``, ``while`` or ``cond`` equation
+    ``eqn`` (a cond: its branches, as one step of a loop); None for any
+    other equation."""
     name = eqn.primitive.name
     body = _Body(params_of)
     n_in = len(eqn.invars)
@@ -97,6 +99,13 @@ def loop_description(eqn: Any, params_of: Callable[[Any], tuple]) -> Description
         ties += [(cn + j, v, 0) for j, v in enumerate(b_ins)]
         for k, v in enumerate(b_outs):
             ties += [(cn + bn + k, v, 0), (n_in + k, v, 0)]
+    elif name == "cond":
+        # (a loop of one step through whichever branch runs: every branch is
+        # a body of the cond's operands, after the branch index, and results)
+        for branch in eqn.params["branches"]:
+            b_ins, b_outs = body.add(branch)
+            ties += [(1 + j, v, 0) for j, v in enumerate(b_ins)]
+            ties += [(n_in + k, v, 0) for k, v in enumerate(b_outs)]
     else:
         return None
     return tuple(body.shapes), tuple(body.eqns), tuple(ties), tuple(body.itemsizes)
