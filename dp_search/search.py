@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import replace
 from typing import Callable
 
 from ..cluster import ClusterSpec
-from ..errors import InfeasiblePlanError, MeshplanError, TraceError, batch_rows
+from ..errors import InfeasiblePlanError, MeshplanError, TraceError, batch_rows, warn
 from ..graph import (BATCH, PARAM, Graph, Node, batch_dims_between, batch_shaped_draws,
                      stacked_scan_inputs)
 from ..plan import Plan
@@ -73,16 +72,16 @@ def plan_pipeline(graph: Graph, cluster: ClusterSpec, method, *,
         raise MeshplanError(f"{method!r} is not a pipeline method")
     plan = search_pipeline(graph, cluster, opts, method_name=request.method, retrace=retrace,
                            session=session or Session.from_env())[0]
-    warn_of_scans(graph, plan, stacklevel=3)
+    warn_of_scans(graph, plan)
     return plan
 
 
-def warn_of_scans(graph: Graph, plan: Plan, stacklevel: int = 2) -> None:
+def warn_of_scans(graph: Graph, plan: Plan) -> None:
     """One warning for a plan of layers stacked in a scan that the search
-    could not cut (``stacklevel`` as :func:`warnings.warn`'s, from the caller)."""
+    could not cut."""
     warning = _scanned_layers(graph)
     if warning and warning in plan.notes:
-        warnings.warn(f"meshplan: {warning}", stacklevel=stacklevel + 1)
+        warn(f"meshplan: {warning}")
 
 
 def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *,

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InfeasiblePlanError, SolverError
+from ..errors import InfeasiblePlanError, SolverError, warn
 from ..units import human_bytes
 from .dp import min_sum_eliminate
 from .options import SolverOptions
@@ -263,7 +263,7 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
         try:
             import highspy  # noqa: F401
         except ImportError:
-            warnings.warn("meshplan: highspy is not available; falling back to CBC", stacklevel=3)
+            warn("meshplan: highspy is not available; falling back to CBC")
             backend = "cbc"
     mip = _formulate(q, scale, names=backend == "cbc" or options.names)
     # (HiGHS spends most of a capped layer's MIP at its root looking for
@@ -289,8 +289,8 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
     values = np.asarray(values, dtype=float)
     choice = pre.lift([0 if cols is None else int(np.argmax(values[cols])) for cols in mip.s])
     if status != "optimal":
-        warnings.warn(f"meshplan: ILP stopped at its {time_limit:.0f} s time limit; using the best "
-                      "plan found so far (raise time_limit for a better one)", stacklevel=3)
+        warn(f"meshplan: ILP stopped at its {time_limit:.0f} s time limit; using the best "
+                      "plan found so far (raise time_limit for a better one)")
         status = "time_limit"
     if not p.feasible(choice):
         raise _infeasible(p)

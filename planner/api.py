@@ -8,14 +8,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
 from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
-from .errors import MeshplanError, StalePlanError, TraceError, argument_leaf
+from .errors import MeshplanError, StalePlanError, TraceError, argument_leaf, warn
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .plan import Plan
@@ -453,10 +452,10 @@ def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[An
     # (XLA lays out the loop body itself: kept where it moves what the plan does)
     moved, planned = rolled.comm_bytes(abstract), p.predicted.comm_bytes_per_device
     if moved > ROLLED_COMM_SLACK * planned + 2 ** 16:
-        warnings.warn(f"meshplan: the lax.scan over stacked layers runs unrolled: rolled, the "
+        warn(f"meshplan: the lax.scan over stacked layers runs unrolled: rolled, the "
                       f"layouts XLA chose inside it move {human_bytes(moved)} a step per device "
                       f"against the plan's {human_bytes(planned)} (a jax.checkpoint inside it "
-                      "keeps less of its saving unrolled)", stacklevel=4)
+                      "keeps less of its saving unrolled)")
         return None
     return rolled
 

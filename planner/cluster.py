@@ -78,12 +78,11 @@ import difflib
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import tpu as _tpu
-from .errors import ClusterSpecError
+from .errors import ClusterSpecError, warn
 
 CLUSTER_FORMAT = "meshplan.cluster/1"
 
@@ -402,9 +401,8 @@ class ClusterSpec:
         known = datasheets.known_device(platform, kind)
         if known is None:
             known = datasheets.generic_device(platform)
-            warnings.warn(f"meshplan: no datasheet figures for device kind {kind!r} on "
-                          f"{platform}; using rough defaults (see ClusterSpec.describe())",
-                          stacklevel=2)
+            warn(f"meshplan: no datasheet figures for device kind {kind!r} on "
+                          f"{platform}; using rough defaults (see ClusterSpec.describe())")
         memory = datasheets.allocator_limit(jax.local_devices()[0])
         if memory is not None:
             notes.append("memory is the XLA allocator limit")

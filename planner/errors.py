@@ -6,6 +6,8 @@ to change, not where the code tripped.
 """
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 
@@ -127,3 +129,13 @@ def step_failure(e: BaseException) -> str | None:
         return None
     return (f"the step {step!r} raised {type(e).__name__} while meshplan traced it: "
             f"{' '.join(str(e).split())}")
+
+
+def warn(message: str) -> None:
+    """``warnings.warn`` at the user's line: the first frame outside meshplan
+    (how deep inside meshplan a warning is raised varies; the user's line is
+    what they can act on)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "meshplan":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level + 1)

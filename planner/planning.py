@@ -9,7 +9,6 @@ inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,7 @@ from .cost_model.pipeline import host_binds
 from .dp_search.stage_dp import IDLE_SHARE
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline, warn_of_scans)
-from .errors import InfeasiblePlanError, MeshplanError
+from .errors import InfeasiblePlanError, MeshplanError, warn
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import REPLICATED_NOTE, check_batch_divisible, plan_one_stage
@@ -152,10 +151,10 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
                             retrace=retrace, session=session)
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (once a plan, however many searches ran)
-    warn_of_scans(graph, planned.plan, stacklevel=3)
+    warn_of_scans(graph, planned.plan)
     idle = idle_stages(planned.plan) if request.pipeline and request.pipeline.num_stages else None
     if idle:
-        warnings.warn(f"meshplan: {idle}", stacklevel=3)
+        warn(f"meshplan: {idle}")
         planned = replace(planned, plan=replace(planned.plan, notes=planned.plan.notes + (idle,)))
     # (a fingerprint names the Graph's content: plans of one step ask once)
     why = session.replicated.get(graph.fingerprint)
@@ -165,7 +164,7 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
             session.replicated[graph.fingerprint] = why
     if not why:
         return planned
-    warnings.warn(f"meshplan: {why}", stacklevel=3)
+    warn(f"meshplan: {why}")
     p = planned.plan
     return replace(planned, plan=replace(p, notes=p.notes + (why,)))
 

@@ -91,12 +91,11 @@ predictions) are concatenated.
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
-from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError
+from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError, warn
 from meshplan.plan import Plan
 from meshplan.recompute import SELECTIVE, selective_nodes
 from meshplan.schedule import Block, schedule_order
@@ -332,13 +331,12 @@ class PipelineExecutable:
         differ = _output_groups(self.flat, split.inexact, outputs)
         subject = (f"outputs {', '.join(differ)} of this step differ" if differ else
                    "this step differs")
-        warnings.warn(
+        warn(
             f"meshplan: with {self.m} micro-batches, {subject} from the undecorated step's: "
             f"what they are computed from ({', '.join(listed[:4])}"
             f"{' ...' if len(listed) > 4 else ''}) cannot be combined exactly from the "
             f"micro-batches ({split.inexact[first]}), and the pipeline averages it over them.  "
-            "Plan with num_micro_batches=1 for the exact step",
-            stacklevel=4)
+            "Plan with num_micro_batches=1 for the exact step")
 
     # ---- running ----------------------------------------------------------
     def __call__(self, *args: Any) -> Any:

@@ -38,3 +38,29 @@ def test_each_warning_once_on_one_line_and_stdout_only_the_plan(tmp_path, monkey
         "element and planned replicated",
         "meshplan: warning: unknown primitive 'triangular_solve': costed as one FLOP per "
         "output element and planned replicated"]
+
+
+def test_a_warning_names_the_users_line_not_meshplans(monkeypatch):
+    """Warnings pointed at meshplan's own lines (planning.py, api.py), as deep
+    inside it as each was raised; they now name the caller's line."""
+    import inspect
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import meshplan
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+    def step(w, x):
+        a = w[:8, :8]
+        h = jnp.tanh(x @ w) + jnp.sum(jnp.linalg.cholesky(a @ a.T + jnp.eye(8)))
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w), jnp.mean(h)
+    par = meshplan.parallelize(step, method=meshplan.ShardParallel(), batch_argnums=(1,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        par(jnp.ones((16, 16)) * 0.1, jnp.ones((32, 16)))
+    ours = [w for w in caught if "cholesky" in str(w.message)]
+    assert ours and all((w.filename, w.lineno) == (__file__, line) for w in ours), \
+        [(w.filename, w.lineno) for w in ours]

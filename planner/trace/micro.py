@@ -57,13 +57,12 @@ runs what the other would refuse:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from ..errors import TraceError, mark_step_failure
+from ..errors import TraceError, mark_step_failure, warn
 from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr
@@ -186,16 +185,16 @@ def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
                                      for i in batch):
             # (jax traces a micro-batch of one otherwise, eliding broadcasts
             # over it: known, and averaged as before)
-            warnings.warn(f"meshplan: could not tell how this step's values scale with the "
+            warn(f"meshplan: could not tell how this step's values scale with the "
                           f"batch: jax traces other operations at a micro-batch than at the "
                           f"whole batch ({_first_difference(flat, full)}; an operation left out "
                           "at one size, as x[:8] of 8 rows); the pipeline averages every value "
-                          "over the micro-batches, which is exact only for means", stacklevel=2)
+                          "over the micro-batches, which is exact only for means")
         return found
     except Exception as e:      # (an operation the analysis did not foresee)
-        warnings.warn(f"meshplan: could not tell how this step's values scale with the batch "
+        warn(f"meshplan: could not tell how this step's values scale with the batch "
                       f"({type(e).__name__}: {e}); the pipeline averages every value over the "
-                      "micro-batches, which is exact only for means", stacklevel=2)
+                      "micro-batches, which is exact only for means")
         return None
 
 

@@ -14,7 +14,6 @@ import inspect
 import json
 import math
 import re
-import warnings as _warnings   # (``warnings`` names the trace's own set below)
 from typing import Any, Callable, Sequence
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 
 from .. import flops as flop_rules
 from ..collector import with_relaxed_gc
-from ..errors import MeshplanError, TraceError, batch_rows
+from ..errors import MeshplanError, TraceError, batch_rows, warn
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
                     Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
 from .cond import cond_params
@@ -239,7 +238,7 @@ def trace(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
 def issue_warnings(graph: Graph) -> None:
     """``graph.warnings`` as Python warnings, each once."""
     for w in graph.warnings:
-        _warnings.warn(f"meshplan: {w}", stacklevel=3)
+        warn(f"meshplan: {w}")
 
 
 def trace_both(fn: Callable, *args: Any, batch_argnums: Sequence[int] = (1,),
