@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from ..flops import BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, sorted_axis, window_free_dims
+from ..flops import (BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, fft_axes, sorted_axis,
+                     window_free_dims)
 from .loops import loop_classes
 
 Shape = tuple[int, ...]
@@ -191,6 +192,17 @@ def reduce_window_rule(ins, outs, params) -> OpSpace:
         return tuple(shared[d] if d in shared else L.new(shape[d], True) for d in range(rank))
     return L.space([labels(s) if len(s) == rank else None for s in ins],
                    [labels(o) for o in outs])
+
+
+def fft_rule(ins, outs, params) -> OpSpace:
+    """An fft over its trailing dimensions: those stay whole (a real
+    transform changes the last one's size), every other may be split."""
+    rank = len(ins[0])
+    axes = fft_axes(params, rank)
+    L = _Labels()
+    lab = L.fresh(ins[0], blocked_dims=axes)
+    out = tuple(lab[d] if d not in axes else L.new(outs[0][d], True) for d in range(rank))
+    return L.space([lab], [out])
 
 
 def top_k_rule(ins, outs, params) -> OpSpace:
@@ -524,6 +536,7 @@ def _rules() -> Mapping[str, Rule]:
         "cumlogsumexp": along_axis_rule("axis"),
         "sort": along_axis_rule("dimension"),
         "top_k": top_k_rule,
+        "fft": fft_rule,
         "approx_top_k": top_k_rule,
         **{p: reduce_window_rule for p in WINDOWED},
         "transpose": transpose_rule,

@@ -133,6 +133,21 @@ def sort_flops(ins, outs, params) -> float:
     return float(n * max(math.log2(max(k, 2)), 1.0))
 
 
+def fft_axes(params: Mapping[str, Any], rank: int) -> range:
+    """The trailing dimensions an ``fft`` transforms (one per fft length)."""
+    return range(rank - len(params["fft_lengths"]), rank)
+
+
+def fft_flops(ins, outs, params) -> float:
+    """5 n log2 n per complex transform of n points (Cooley-Tukey's count);
+    a real one (RFFT, IRFFT) half that."""
+    n = math.prod(params["fft_lengths"])
+    transforms = math.prod(ins[0][:len(ins[0]) - len(params["fft_lengths"])])
+    kind = params.get("fft_type", "")
+    real = "RFFT" in str(getattr(kind, "name", kind))
+    return float(5 * n * math.log2(max(n, 2)) * transforms * (0.5 if real else 1.0))
+
+
 # window ops: pooling and max pooling's transposes
 WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min",
                       "reduce_window", "select_and_scatter_add", "select_and_gather_add"})
@@ -164,6 +179,7 @@ FLOP_RULES: dict[str, FlopRule] = {
     "reduce_window": reduction_flops,
     "select_and_scatter_add": reduction_flops,
     "logsumexp": reduction_flops,
+    "fft": fft_flops,
     # a reinterpretation of bits (random draws become floats this way); it
     # may change the shape when the widths differ, so it is not ELEMENTWISE
     "bitcast_convert_type": no_flops,

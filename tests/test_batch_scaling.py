@@ -569,6 +569,24 @@ def test_a_steps_own_accumulation_over_chunks_of_its_batch_pipelines_exactly():
     assert not warned and gap < 1e-5
 
 
+def test_an_fft_over_each_examples_own_axes_pipelines_exactly():
+    # (an unknown primitive was warned of as one that may mix examples)
+    def loss(p, b):
+        h = p["emb"][b["tok"]]
+        h = h + jnp.real(jnp.fft.fft(jnp.tanh(h @ p["w1"]) @ p["w2"], axis=1)) / 8
+        return jnp.mean((h - 0.1) ** 2)
+    gap, warned = _run(_step(loss))
+    assert not warned and gap < 1e-5
+
+
+def test_an_fft_along_the_batch_is_warned_of():
+    def loss(p, b):
+        h = (p["emb"][b["tok"]] @ p["w1"]).mean((1, 2))
+        return jnp.mean(jnp.abs(jnp.fft.fft(h)) ** 2)
+    with pytest.warns(UserWarning, match="fft along the batch axis"):
+        meshplan.parallelize(_step(loss), method=PIPE)(_params(), BATCH)
+
+
 def _chunk_losses(p, b):
     """Each chunk's mean loss, stacked by the step's own lax.scan."""
     chunks = jax.tree.map(lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), b)

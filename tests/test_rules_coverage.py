@@ -47,6 +47,9 @@ CASES = {
                      _last(lambda h: (h * jax.lax.cumlogsumexp(_nograd(h), axis=1)).mean())),
     "sort": (("sort",), _last(lambda h: jnp.sort(h, axis=1)[:, :4].mean())),
     "argsort": (("sort",), _last(lambda h: (h * jnp.argsort(h, axis=1)).mean())),
+    # (over trailing dimensions; its gradient is an fft too)
+    "fft": (("fft",), lambda h: (jnp.real(jnp.fft.fft(h, axis=-2)) ** 2).mean()
+            + (jnp.abs(jnp.fft.rfft(h, axis=-1)) ** 2).mean()),
     # (jax 0.10 has stack and unstack primitives; each is the other's transpose)
     "stack": (("stack", "unstack"),
               _last(lambda h: (jnp.stack([h, h * 2.0], axis=1) ** 2).mean()

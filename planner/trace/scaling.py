@@ -55,7 +55,7 @@ import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jcore
 
-from ..flops import ELEMENTWISE, SORTS, is_known, sorted_axis
+from ..flops import ELEMENTWISE, SORTS, fft_axes, is_known, sorted_axis
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
 from .walk import INLINE_CALLS, _closed_parts, same_stream
@@ -108,7 +108,7 @@ _LINEAR = frozenset({
     "dynamic_slice", "gather", "pad", "concatenate", "add", "sub", "add_any", "dot_general",
     "mul", "div", "select_n", "dynamic_update_slice", "scatter-add", "scatter_add", "real",
     "imag", "conj", "complex", "conv_general_dilated", "reduce_window_sum", "split", "unstack",
-    "sharding_constraint",
+    "sharding_constraint", "fft",
 })
 # homogeneous in a per-example value's scale but not linear
 _HOMOGENEOUS = frozenset({
@@ -530,6 +530,8 @@ def _moves(eqn: Any, eqn_full: Any) -> bool:
         return (d if d is not None and d >= 0 else len(a) - 1) in axes
     if name == "rev":
         return bool(axes & set(p["dimensions"]))
+    if name == "fft":
+        return bool(axes & set(fft_axes(p, len(a))))
     if name == "tile":      # (repeats of the batch: each micro-batch repeats its own)
         return any(p["reps"][d] != 1 for d in axes)
     if name == "slice":     # (at either size: x[:8] keeps all of a micro-batch of 8)
