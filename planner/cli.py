@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -60,6 +61,20 @@ def load_target(args: argparse.Namespace) -> Target:
                   batch_argnums=tuple(m.batch_argnums), model_config=dict(m.config), init=m.init)
 
 
+def _import(name: str) -> Any:
+    """A module by its dotted name, or by the path of its file (``dir/mod.py``)."""
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    if not os.path.isfile(name):
+        raise ImportError(f"no file {name}")
+    spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+    module = importlib.util.module_from_spec(spec)
+    # (the file's directory first, as running the file would: its own imports)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load_fn(spec: str) -> Target:
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
@@ -67,7 +82,7 @@ def _load_fn(spec: str) -> Target:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as e:
         raise ModelConfigError(f"--fn {spec}: cannot import module {module_name!r}: {e}") from e
     except Exception as e:  # the user's module fails while importing

@@ -51,6 +51,26 @@ def test_inspect_fn(tmp_path, monkeypatch, capsys):
     assert "tanh" in capsys.readouterr().out
 
 
+def test_fn_takes_the_path_of_a_file(tmp_path, monkeypatch, capsys):
+    # (what users type first: `--fn step.py:make` named a module 'step.py')
+    sub = tmp_path / "models"
+    sub.mkdir()
+    (sub / "helper_mod_for_fn.py").write_text("import jax.numpy as jnp\nact = jnp.tanh\n")
+    (sub / "stepfile.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from helper_mod_for_fn import act\n"
+        "def make():\n"
+        "    def step(w, x):\n"
+        "        return act(x @ w).sum()\n"
+        "    return step, (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((2, 4), jnp.float32))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["inspect", "--fn", "models/stepfile.py:make"]) == 0
+    assert "tanh" in capsys.readouterr().out
+    assert main(["inspect", "--fn", "models/nofile.py:make"]) == 2
+    assert "no file models/nofile.py" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["inspect", "--model", "nosuchmodel"], "nosuchmodel"),
     (["inspect", "--model", "gpt", "--model-arg", "hidden"], "KEY=VALUE"),
