@@ -244,14 +244,16 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
                 gap=gap, seed=seed)
     # Rows bound a few positions only; where the chosen layouts peak at
-    # another one, bound it too and solve again (each round adds rows, and
-    # there are finitely many positions).
-    while extra := rows_over(graph, mm.shape, built, sol.choice):
+    # another one, bound it too and solve again (each round adds twice as
+    # many rows as the last at most, and there are finitely many positions).
+    k = 4
+    while extra := rows_over(graph, mm.shape, built, sol.choice, k):
         p = built.problem
         built = dataclasses.replace(built, problem=IlpProblem(p.names, p.costs, p.edges,
                                                               p.memory + extra))
         sol = solve(built.problem, backend=backend, time_limit=time_limit, options=options,
                     gap=gap, seed=sol.choice)
+        k *= 2
     return decode(graph, mm, built, sol)
 
 
