@@ -152,7 +152,8 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (once a plan, however many searches ran)
     warn_of_scans(graph, planned.plan)
-    idle = idle_stages(planned.plan) if request.pipeline and request.pipeline.num_stages else None
+    idle = (idle_stages(planned.plan, graph) if request.pipeline and request.pipeline.num_stages
+            else None)
     if idle:
         warn(f"meshplan: {idle}")
         planned = replace(planned, plan=replace(planned.plan, notes=planned.plan.notes + (idle,)))
@@ -172,24 +173,45 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
 REPLICATED_SHARE = 0.02     # replicated work worth a word: this share of FLOPs or bytes
 
 
-def idle_stages(plan: Plan) -> str | None:
-    """A word on the stages of a plan with a fixed number of them that
-    compute less than ``IDLE_SHARE`` of an even share (a small step cut
-    into more stages than it has work for), else None."""
-    if len(plan.stages) < 2 or plan.chunks > 1:
+def idle_stages(plan: Plan, graph: Graph) -> str | None:
+    """A word on the stages of a plan with a fixed number of them (virtual
+    stages of an interleaved schedule among them) that hold less than
+    ``IDLE_SHARE`` of an even share of the step's FLOPs (a small step cut
+    into more stages than it has work for), else None.  FLOPs, as the stage
+    search balances them: a predicted time counts each kernel's launch, so a
+    stage of a few tiny kernels would pass for a working one."""
+    if len(plan.stages) < 2:
         return None
-    t = [s.predicted.compute_s for s in plan.stages]
-    even = sum(t) / len(t)
-    idle = [k for k, x in enumerate(t) if x < IDLE_SHARE * even]
+    work = _stage_flops(plan, graph) or [s.predicted.compute_s for s in plan.stages]
+    even = sum(work) / len(work)
+    idle = [k for k, x in enumerate(work) if x < IDLE_SHARE * even]
     if not idle:
         return None
-    share = min(t[k] for k in idle) / even
-    which = (f"stage {idle[0]} computes {share:.0%} of an even share while its devices wait"
+    share = min(work[k] for k in idle) / even
+    what = "stage" if plan.chunks == 1 else "virtual stage"
+    asked = (f"{len(work)} stages" if plan.chunks == 1 else
+             f"{len(work) // plan.chunks} stages of {plan.chunks} chunks ({len(work)} virtual "
+             "stages)")
+    which = (f"{what} {idle[0]} computes {share:.0%} of an even share while its devices wait"
              if len(idle) == 1 else
-             f"stages {', '.join(str(k) for k in idle)} compute as little as {share:.0%} of an "
+             f"{what}s {', '.join(str(k) for k in idle)} compute as little as {share:.0%} of an "
              "even share while their devices wait")
-    return (f"{len(t)} stages were asked for, but the step's work does not cut into that many: "
-            f"{which}; fewer stages (or a searched count) would put those devices to use")
+    return (f"{asked} were asked for, but the step's work does not cut into that "
+            f"many: {which}; fewer stages (or a searched count) would put those devices to use")
+
+
+def _stage_flops(plan: Plan, graph: Graph) -> list[float] | None:
+    """Each stage's FLOPs, by the layer of every operation (None where the
+    plan does not say it for this graph's operations)."""
+    if len(plan.layer_of_node) != len(graph.nodes):
+        return None
+    stage_of = {layer: k for k, s in enumerate(plan.stages)
+                for layer in range(s.layers[0], s.layers[1] + 1)}
+    work = [0.0] * len(plan.stages)
+    for node, layer in zip(graph.nodes, plan.layer_of_node):
+        if layer in stage_of:
+            work[stage_of[layer]] += node.flops
+    return work if sum(work) else None
 
 
 def replicated_work(graph: Graph) -> str | None:

@@ -151,6 +151,31 @@ def test_a_fixed_stage_count_the_work_does_not_fill_is_noted_and_warned():
     assert any(note[0] in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_stages_of_a_few_tiny_kernels_are_idle_by_their_flops(schedule):
+    """One linear layer cut into 4 (virtual) stages: two hold only the
+    loss's subtract and mean.  Their predicted compute is mostly kernel
+    launches, a quarter of an even share or more, so no note came; and
+    interleaved plans were not checked at all."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(p, b):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), loss
+    p = {"w": jnp.ones((16, 8)) / 16, "b": jnp.zeros(8)}
+    method = (meshplan.PipeshardParallel(stages=2, num_micro_batches=4, schedule="interleaved")
+              if schedule == "interleaved" else
+              meshplan.PipeshardParallel(stages=4, num_micro_batches=4, schedule=schedule))
+    with pytest.warns(UserWarning, match="were asked for, but the step's work does not cut"):
+        plan = meshplan.plan(step, p, {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 8))},
+                             cluster=meshplan.Cluster.local(), method=method)
+    assert len(plan.stages) == 4
+    asked = "2 stages of 2 chunks (4 virtual stages)" if schedule == "interleaved" else "4 stages"
+    assert any(n.startswith(f"{asked} were asked for") for n in plan.notes), plan.notes
+
+
 def test_exact_stages_above_max_stages_is_refused():
     with pytest.raises(MeshplanError, match="max_stages"):
         meshplan.PipeshardParallel(stages=4, max_stages=2).request(8)
