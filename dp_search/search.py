@@ -29,13 +29,20 @@ from .stages import PipelineChoice, StageCosts, StageMemoryError, best_pipeline
 
 
 def micro_batch_candidates(batch: int, fixed: tuple[int, ...] | None) -> list[int]:
-    """The micro-batch counts a search of ``batch`` starts from: ``fixed``
-    (checked), else every divisor up to :data:`MAX_MICRO_BATCHES`."""
+    """The micro-batch counts a search of ``batch`` starts from: those of
+    ``fixed`` that divide it (refused where one count asked does not, or
+    none of several does), else every divisor up to :data:`MAX_MICRO_BATCHES`."""
     if fixed:
-        bad = [b for b in fixed if b < 1 or batch % b]
-        if bad:
-            raise MeshplanError(f"num_micro_batches={bad[0]} does not divide the batch size {batch}")
-        return list(fixed)
+        ok = [b for b in fixed if b >= 1 and batch % b == 0]
+        if len(fixed) == 1 and not ok:
+            raise MeshplanError(f"num_micro_batches={fixed[0]} does not divide the batch size "
+                                f"{batch}")
+        if not ok:
+            divisors = [b for b in range(1, min(batch, MAX_MICRO_BATCHES) + 1) if batch % b == 0]
+            raise MeshplanError(f"none of num_micro_batches={tuple(fixed)} divides the batch "
+                                f"size {batch}; search counts that do: "
+                                f"{', '.join(map(str, divisors[:8]))}")
+        return ok
     # Every divisor of the batch within 1.5x of a power of two up to 64, not
     # only the powers: a hand plan splits the batch so that its data-parallel
     # degree divides each micro-batch (Megatron-LM's 24 or 48 of 1536 for 32

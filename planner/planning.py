@@ -531,7 +531,7 @@ def hand_made_options(opts: PipelineOptions, cluster: ClusterSpec, batch: int, p
     out = []
     for tp in (t for t in range(1, n + 1) if n % t == 0):
         dp = n // tp
-        fits = tuple(b for b in counts if (batch // b) % dp == 0)
+        fits = tuple(b for b in counts if not batch % b and (batch // b) % dp == 0)
         if not fits or (tp > dph and (dp > 1 or opts.tp_within_host)):
             continue        # (rows dp does not split; tensor parallel across hosts)
         out.append(replace(opts, num_micro_batches=fits, num_stages=pp, fixed=(dp, tp, pp),

@@ -176,6 +176,28 @@ def test_stages_of_a_few_tiny_kernels_are_idle_by_their_flops(schedule):
     assert any(n.startswith(f"{asked} were asked for") for n in plan.notes), plan.notes
 
 
+def test_counts_to_search_that_do_not_divide_the_batch_are_skipped():
+    # (one count of several that did not divide the batch refused the search)
+    import jax
+    import jax.numpy as jnp
+
+    def step(p, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(b @ p["w0"]) @ p["w1"]))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), loss
+    p = {"w0": jnp.ones((16, 32)) / 16, "w1": jnp.ones((32, 4)) / 32}
+    batch = jnp.ones((10, 16))
+    plan = meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                         method=meshplan.PipeshardParallel(stages=2, num_micro_batches=(4, 5)))
+    assert plan.num_micro_batches == 5
+    with pytest.raises(MeshplanError, match=r"none of num_micro_batches=\(3, 4\) divides the "
+                                            r"batch size 10; search counts that do: 1, 2, 5, 10"):
+        meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2, num_micro_batches=(3, 4)))
+    with pytest.raises(MeshplanError, match="num_micro_batches=4 does not divide the batch size"):
+        meshplan.plan(step, p, batch, cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2, num_micro_batches=4))
+
+
 def test_exact_stages_above_max_stages_is_refused():
     with pytest.raises(MeshplanError, match="max_stages"):
         meshplan.PipeshardParallel(stages=4, max_stages=2).request(8)
