@@ -158,9 +158,9 @@ def test_a_split_step_runs_sharded_like_jit():
 
 
 def test_replicated_control_flow_is_named_once_per_plan():
-    # a lax.cond that normalises columns in a branch (a reduction keeping an
-    # axis) has no sharding rule: the plan says what runs replicated, and
-    # how much, once
+    # a lax.cond that orthogonalises the gradients in a branch (a QR, which
+    # has no sharding rule) runs replicated: the plan says what, and how
+    # much, once
     import warnings
     multi = optax.adam(1e-3)
 
@@ -168,7 +168,7 @@ def test_replicated_control_flow_is_named_once_per_plan():
         p, o = state
         loss, g = jax.value_and_grad(
             lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]) ** 2))(p)
-        g = jax.lax.cond(loss > 1.0, lambda g: jax.tree.map(lambda x: x / jnp.sum(x * x, 0), g),
+        g = jax.lax.cond(loss > 1.0, lambda g: jax.tree.map(lambda x: jnp.linalg.qr(x)[0], g),
                          lambda g: g, g)
         u, o = multi.update(g, o, p)
         return (optax.apply_updates(p, u), o), loss

@@ -229,7 +229,8 @@ def test_multisteps_plans_its_state_like_the_plain_adam_step(method):
 def test_a_cond_that_reduces_a_whole_array_in_a_branch_has_a_rule():
     # a branch that sums a component to a scalar (a global norm, an isfinite
     # check): laid out with its component, an all-reduce of the scalar
-    # charged where it is split; a sum that keeps an axis still has no rule
+    # charged where it is split; a sum that keeps an axis is split as a loop
+    # of one step (its sum all-reduced); an operator with no rule, none
     def whole(w, x):
         h = x @ w
         return jax.lax.cond(h.sum() > 0, lambda h: h / h.sum(), lambda h: h * 2.0, h)
@@ -243,6 +244,16 @@ def test_a_cond_that_reduces_a_whole_array_in_a_branch_has_a_rule():
     assert space is not None and space.reduce_each_step
     assert dict(cond.params)["reduced"] == (0,)
     graph = trace(rows, *args, warn=False)
+    (cond,) = [n for n in graph.nodes if n.primitive == "cond"]
+    space = node_space(graph, cond)
+    # (both dimensions split; the rows' class sums 8 floats of the column sums)
+    assert space is not None and not space.blocked
+    assert space.reduce_each_step == ((space.in_labels[1][0], 32.0),)
+
+    def qr(w, x):
+        h = x @ w
+        return jax.lax.cond(h.sum() > 0, lambda h: jnp.linalg.qr(h)[0], lambda h: h * 2.0, h)
+    graph = trace(qr, *args, warn=False)
     (cond,) = [n for n in graph.nodes if n.primitive == "cond"]
     assert node_space(graph, cond) is None
 
