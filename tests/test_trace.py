@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from meshplan.graph import BATCH, OPT_STATE, PARAM, STATE, Graph, topological
+from meshplan.graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes, topological
 from meshplan.trace import trace
 from meshplan.errors import TraceError
 
@@ -53,6 +53,39 @@ def test_roles_outputs_and_topology():
     assert g.num_params == 8 * 16 + 16 * 4
     # forward: 2 matmuls; backward: dW1, dW2 and dH (dX is not needed)
     assert g.matmul_flops == 2 * 32 * (8 * 16 + 16 * 4) * 2 + 2 * 32 * 16 * 4
+
+
+def _lr_step(p, b, lr):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(b["x"] @ p["w0"]) @ p["w1"]
+                                                     - b["y"]) ** 2))(p)
+    return jax.tree.map(lambda a, c: a - lr * c, p, g), loss
+
+
+def test_a_loss_is_no_new_value_of_a_scalar_argument():
+    # (the loss has a learning rate's shape and dtype: it was taken for the
+    # rate's new value, and the forward, which starts from the loss, was lost)
+    p = {"w0": jnp.ones((8, 16)) / 8, "w1": jnp.ones((16, 4)) / 16}
+    b = {"x": jnp.ones((16, 8)), "y": jnp.zeros((16, 4))}
+    g = trace(_lr_step, p, b, 0.1, batch_argnums=(1,), warn=False)
+    assert [o.updates is None for o in g.outputs] == [False, False, True]
+    assert any(forward_nodes(g))
+    import meshplan
+    par = meshplan.parallelize(_lr_step, batch_argnums=(1,),
+                               method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    got, want = par(p, b, 0.1), jax.jit(_lr_step)(p, b, 0.1)
+    assert len(par.plan.stages) == 2
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_a_float64_numpy_state_is_updated_as_jax_jit_takes_it():
+    # (x64 off: jax.jit takes the float64 arrays as float32, and so are the
+    # new values; the pairing compared float64 with float32 and found none)
+    p = {"w0": np.ones((8, 16)) / 8, "w1": np.ones((16, 4)) / 16}
+    b = {"x": np.ones((16, 8)), "y": np.zeros((16, 4))}
+    step = lambda p, b: _lr_step(p, b, 0.1)     # noqa: E731
+    g = trace(step, p, b, batch_argnums=(1,), warn=False)
+    assert [o.updates is None for o in g.outputs] == [False, False, True]
 
 
 def test_state_the_forward_does_not_read_is_optimizer_state_whatever_its_path():

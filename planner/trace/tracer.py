@@ -28,7 +28,7 @@ from .cond import cond_params
 from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, computed_from, flatten, sub_jaxprs
-from ..traced import TracedStep, signature
+from ..traced import TracedStep
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
 _STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)
@@ -362,7 +362,7 @@ def graph_from_jaxpr(closed: Any, args: Sequence[Any], out_shape: Any, *,
         role = infer_role(argnames[argnum], sub, tensors[t].dtype, argnum in batch_argnums)
         inputs.append(GraphInput(tensor=t, argnum=argnum, path=sub, role=role))
 
-    outputs = _link_outputs(out_shape, out_ids, args, inputs, batch_argnums)
+    outputs = _link_outputs(out_shape, out_ids, args, inputs, batch_argnums, nodes)
     tensor_tuple = tuple(tensors[i] for i in range(next_id))
     g = Graph(name=name, tensors=tensor_tuple, nodes=tuple(nodes), inputs=tuple(inputs),
               outputs=outputs, batch_argnums=batch_argnums, warnings=tuple(sorted(warnings)))
@@ -386,13 +386,16 @@ def _update_only_state(g: Graph) -> Graph:
 
 
 def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
-                  inputs: Sequence[GraphInput], batch_argnums: tuple[int, ...]
-                  ) -> tuple[GraphOutput, ...]:
+                  inputs: Sequence[GraphInput], batch_argnums: tuple[int, ...],
+                  nodes: Sequence[Node]) -> tuple[GraphOutput, ...]:
     """Pair each output leaf with the input it replaces.
 
     An element of a tuple output whose pytree structure, shapes and dtypes
-    equal those of a non-batch argument is that argument's new value (the
-    ``new_state`` of ``(new_state, metrics)``).
+    (as jax.jit takes them: a float64 NumPy array is a float32 one unless
+    x64 is on) equal those of a non-batch argument, and some leaf of which
+    is computed from that argument's, is that argument's new value (the
+    ``new_state`` of ``(new_state, metrics)``; not the loss beside a
+    learning rate passed as a scalar, which it is not computed from).
     """
     out_leaves = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in out_leaves]
@@ -400,20 +403,50 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
     parts = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
     offset = 0
     input_index = {(i.argnum, i.path): k for k, i in enumerate(inputs)}
+    producer = {t: k for k, n in enumerate(nodes) for t in n.outputs}
     used_args: set[int] = set()
     for part in parts:
         n = len(jax.tree_util.tree_leaves(part))
-        sig = signature(part)
+        sig = _jit_signature(part)
         for a, arg in enumerate(args):
-            if a in batch_argnums or a in used_args or signature(arg) != sig:
+            if a in batch_argnums or a in used_args or _jit_signature(arg) != sig:
+                continue
+            ids = [input_index[(a, jax.tree_util.keystr(p))]
+                   for p, _ in jax.tree_util.tree_flatten_with_path(part)[0]]
+            if n and not any(_made_from(nodes, producer, inputs[k].tensor, out_ids[offset + j])
+                             for j, k in enumerate(ids)):
                 continue
             used_args.add(a)
-            for j, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(part)[0]):
-                updates[offset + j] = input_index[(a, jax.tree_util.keystr(p))]
+            for j, k in enumerate(ids):
+                updates[offset + j] = k
             break
         offset += n
     return tuple(GraphOutput(tensor=t, path=p, updates=u)
                  for t, p, u in zip(out_ids, paths, updates))
+
+
+def _jit_signature(tree: Any) -> Any:
+    """Structure, shapes and dtypes as jax.jit takes the leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jax.dtypes.canonicalize_dtype(
+        getattr(x, "dtype", None) or np.asarray(x).dtype, allow_extended_dtype=True)))
+        for x in leaves)
+
+
+def _made_from(nodes: Sequence[Node], producer: dict[int, int], src: int, dst: int) -> bool:
+    """Whether tensor ``dst`` is tensor ``src`` or computed from it."""
+    seen, todo = set(), [dst]
+    while todo:
+        t = todo.pop()
+        if t == src:
+            return True
+        if t in seen:
+            continue
+        seen.add(t)
+        k = producer.get(t)
+        if k is not None:
+            todo.extend(x for x in nodes[k].inputs if isinstance(x, int))
+    return False
 
 
 def _with_fingerprint(g: Graph) -> Graph:
