@@ -121,10 +121,10 @@ def _no_explicit_context_mesh() -> None:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
         raise MeshplanError(
-            "this call is inside `with jax.set_mesh(...)` (or use_mesh) of a mesh with Explicit "
-            "axes, whose shardings the step's values would carry in their types, and meshplan "
-            "lays them out on its own mesh; call the parallelized step outside it, or give "
-            "that mesh axis_types=(AxisType.Auto, ...)")
+            "this call is inside `with jax.set_mesh(...)` of a mesh with Explicit axes, whose "
+            "shardings the step's values would carry in their types, and meshplan lays them out "
+            "on its own mesh; call the parallelized step outside it (a one-stage plan also runs "
+            "inside a mesh of axis_types=(AxisType.Auto, ...); a pipeline runs outside any)")
 
 
 def _one_device_effects(run: TracedStep) -> None:

@@ -110,7 +110,8 @@ from .pipeline_programs import (Program, RunningSums, StageLayouts, build_progra
 from .pipeline_lower import PipelineLowered, lower_pipeline
 from .pipeline_split import StepSplit, dispatch_order, split_step
 from .pipeline_transport import StageTransport, Transfers
-from .shard import FastPathMiss, _signature, build_mesh, stage_devices, user_meshes
+from .shard import (FastPathMiss, _signature, build_mesh, stage_devices, user_mesh_use,
+                    user_meshes)
 
 __all__ = ("PipelineExecutable", "StepSplit", "split_step", "dispatch_order", "schedule_order",
            "SCHEDULES",)
@@ -126,7 +127,7 @@ def _no_context_mesh() -> None:
     if not jax.sharding.get_abstract_mesh().empty:
         raise RuntimeStageError(
             "a pipeline plan runs each stage on a submesh of its own, and this call is inside "
-            "`with jax.set_mesh(...)` (or use_mesh); call the parallelized step outside it (a "
+            "`with jax.set_mesh(...)`; call the parallelized step outside it (a "
             "step that needs that mesh, as a with_sharding_constraint to a bare PartitionSpec "
             "does, runs as one stage only: drop the constraint, or plan one stage)")
 
@@ -137,9 +138,9 @@ def _no_user_mesh(flat: FlatJaxpr) -> None:
     program runs on its submesh, which jit refuses beside that mesh."""
     for sharding, mesh in user_meshes(flat):
         raise RuntimeStageError(
-            f"the step constrains a value to {sharding} (with_sharding_constraint), a mesh "
-            f"of {mesh.size} devices of its own, and a pipeline plan runs each stage on a "
-            "submesh; drop the constraint (the plan lays out every value) or plan one stage")
+            f"the step runs {user_mesh_use(sharding)} on a mesh of {mesh.size} devices of its "
+            "own, and a pipeline plan runs each stage on a submesh; drop it (the plan lays out "
+            "every value) or plan one stage")
 
 
 def _quick_key(leaf: Any) -> Any:

@@ -242,14 +242,38 @@ class _Compiled:
 
 def user_meshes(flat: FlatJaxpr) -> Iterable[tuple[Any, Mesh]]:
     """``(sharding, its mesh)`` of every value the step constrains to a mesh
-    of its own (``with_sharding_constraint(x, NamedSharding(mesh, ...))``)."""
+    of its own (``with_sharding_constraint(x, NamedSharding(mesh, ...))``),
+    and ``(the shard_map, its mesh)`` of every ``jax.shard_map`` on one."""
     for fe in flat.eqns:
-        if fe.eqn.primitive.name != "sharding_constraint":
+        name = fe.eqn.primitive.name
+        if name == "sharding_constraint":
+            sharding = fe.eqn.params.get("sharding")
+            mesh = getattr(sharding, "mesh", None)
+        elif name == "shard_map":
+            sharding, mesh = "a jax.shard_map", fe.eqn.params.get("mesh")
+        else:
             continue
-        sharding = fe.eqn.params.get("sharding")
-        mesh = getattr(sharding, "mesh", None)
         if isinstance(mesh, Mesh) and not mesh.empty:
             yield sharding, mesh
+
+
+def user_mesh_use(sharding: Any) -> str:
+    """What :func:`user_meshes` found, in words."""
+    return (sharding if isinstance(sharding, str) else
+            f"a constraint of a value to {sharding} (with_sharding_constraint)")
+
+
+def _in_users_order(devices: list[jax.Device], flat: FlatJaxpr) -> list[jax.Device]:
+    """``devices`` in the order of the step's own mesh over the same devices,
+    where it constrains values to one or runs a shard_map on one: jit runs a
+    program on one device order, and the plan's layouts hold in any."""
+    ours = {d.id for d in devices}
+    orders = {tuple(d.id for d in m.devices.flat) for _, m in user_meshes(flat)}
+    same = [o for o in orders if set(o) == ours]
+    if len(same) != 1:      # (none; or several orders, which jit refuses itself)
+        return devices
+    by_id = {d.id: d for d in devices}
+    return [by_id[i] for i in same[0]]
 
 
 def _check_user_meshes(flat: FlatJaxpr, mesh: Mesh) -> None:
@@ -260,10 +284,9 @@ def _check_user_meshes(flat: FlatJaxpr, mesh: Mesh) -> None:
     for sharding, theirs in user_meshes(flat):
         if {d.id for d in theirs.devices.flat} != ours:
             raise RuntimeStageError(
-                f"the step constrains a value to {sharding} (with_sharding_constraint), on "
-                f"{theirs.size} devices of a mesh of its own, and the plan runs on {len(ours)} "
-                "devices, not those; constrain on a mesh of the plan's devices, or drop the "
-                "constraint (the plan lays out every value)")
+                f"the step runs {user_mesh_use(sharding)} on {theirs.size} devices of a mesh of its own, and the "
+                f"plan runs on {len(ours)} devices, not those; use a mesh of the plan's devices, "
+                "or drop it (the plan lays out every value)")
 
 
 class ShardExecutable:
@@ -317,7 +340,8 @@ class ShardExecutable:
         if donate_argnums is None:
             donate_argnums = (0,) if args and 0 not in plan.batch_argnums else ()
         self.donate_argnums = tuple(int(a) for a in donate_argnums)
-        self.mesh = build_mesh(self.stage.logical_mesh, stage_devices(self.stage, devices))
+        self.mesh = build_mesh(self.stage.logical_mesh,
+                               _in_users_order(stage_devices(self.stage, devices), traced.flat))
         self.multiprocess = is_multiprocess()
         if self.multiprocess:
             check_mesh_spans_processes(self.mesh)

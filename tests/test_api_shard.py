@@ -281,6 +281,27 @@ def _residual_step(extra=lambda h: h):
     return step, p, jnp.ones((64, 64))
 
 
+@pytest.mark.parametrize("use", ["constraint", "shard_map"])
+def test_the_steps_own_mesh_over_the_same_devices_in_another_order_runs(use):
+    """jit runs a program on one device order: the plan's mesh (devices by
+    id) beside the step's own over the same devices reversed failed inside
+    the runtime with jax's "incompatible devices"; the plan's mesh now takes
+    the step's order."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))
+    if use == "constraint":
+        def inner(h):
+            return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None)))
+    else:
+        inner = jax.shard_map(lambda h: h * 2.0, mesh=mesh, in_specs=P("data"),
+                              out_specs=P("data"))
+    step, p, x = _residual_step(inner)
+    for method in (meshplan.ShardParallel(), meshplan.Manual(dp=4, tp=2)):
+        got, ref = meshplan.parallelize(step, method=method)(p, x), jax.jit(step)(p, x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 def test_steps_jax_runs_only_otherwise_are_refused_in_one_line():
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
     # inside set_mesh of a mesh with Explicit axes (jax.make_mesh's default)
