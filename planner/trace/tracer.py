@@ -138,8 +138,8 @@ def _eqn_cost(fe: Any, aval_of: Callable[[Any], Any], warnings: set[str],
         return f, b + nbytes
     if name == "shard_map":     # (the user's own parallel code: it runs as written)
         warnings.add("the step's jax.shard_map runs as written, on its own mesh and specs; "
-                     "meshplan plans the rest of the step around it, pricing it as one FLOP "
-                     "per output element")
+                     "a one-stage plan lays out the rest of the step around it, pricing it as "
+                     "one FLOP per output element (a pipeline cannot run it)")
     elif not flop_rules.is_known(name):
         warnings.add(f"unknown primitive '{name}': costed as one FLOP per output element "
                      "and planned replicated")
