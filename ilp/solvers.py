@@ -290,7 +290,7 @@ def _solve_mip(p: IlpProblem, pre: Presolved, *, backend: str, time_limit: float
     choice = pre.lift([0 if cols is None else int(np.argmax(values[cols])) for cols in mip.s])
     if status != "optimal":
         warn(f"meshplan: ILP stopped at its {time_limit:.0f} s time limit; using the best "
-                      "plan found so far (raise time_limit for a better one)")
+             "plan found so far (raise time_limit for a better one)")
         status = "time_limit"
     if not p.feasible(choice):
         raise _infeasible(p)

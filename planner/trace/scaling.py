@@ -393,7 +393,7 @@ def _eqn(eqn: Any, eqn_full: Any, ins: Sequence[Info], pe: Sequence[bool], m: in
         unfolded = [replace(i, folded=False) for i in ins]
         if name in ELEMENTWISE and all(i.folded for i in ins if i.kind != "N"):
             # (each element as before: per chunk, with values of no example)
-            return [replace(_rule(name, eqn.params, unfolded, p), folded=True) for p in pe]
+            return [_refolded(_rule(name, eqn.params, unfolded, p)) for p in pe]
         if name in _WHOLE and len(ins) == 1 and sorted(eqn.params["axes"]) == list(
                 range(len(_shape(eqn.invars[0].aval) or ()))):
             # (over every chunk: over all the examples, however they are grouped)
@@ -494,6 +494,12 @@ def _from_places(eqn: Any, eqn_full: Any) -> bool:
     if name in ("slice", "dynamic_slice", "gather") and eqn.invars:
         return _shape(eqn.invars[0].aval) == _shape(eqn_full.invars[0].aval)
     return False
+
+
+def _refolded(i: Info) -> Info:
+    """``i`` of a value per chunk of the batch (one of no example, or one no
+    combination gives anyway, stays as it is)."""
+    return i if i.kind in "NX" else replace(i, folded=True)
 
 
 # reductions whose value over every element does not depend on how the
@@ -669,8 +675,7 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
         return [Info("X", why=_UNSETTLED) for _ in eqn.outvars]
     outs = settled[0]
     if chunks:      # (what each chunk's step stacks is per chunk: of other rows per micro-batch)
-        outs = [*outs[:nk], *(o if o.kind in "NX" else replace(o, folded=True)
-                              for o in outs[nk:])]
+        outs = [*outs[:nk], *(_refolded(o) for o in outs[nk:])]
     if not over:
         return outs
     body = eqn.params["jaxpr"]
