@@ -453,9 +453,9 @@ def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[An
     moved, planned = rolled.comm_bytes(abstract), p.predicted.comm_bytes_per_device
     if moved > ROLLED_COMM_SLACK * planned + 2 ** 16:
         warn(f"meshplan: the lax.scan over stacked layers runs unrolled: rolled, the "
-                      f"layouts XLA chose inside it move {human_bytes(moved)} a step per device "
-                      f"against the plan's {human_bytes(planned)} (a jax.checkpoint inside it "
-                      "keeps less of its saving unrolled)")
+             f"layouts XLA chose inside it move {human_bytes(moved)} a step per device "
+             f"against the plan's {human_bytes(planned)} (a jax.checkpoint inside it "
+             "keeps less of its saving unrolled)")
         return None
     return rolled
 

@@ -402,7 +402,7 @@ class ClusterSpec:
         if known is None:
             known = datasheets.generic_device(platform)
             warn(f"meshplan: no datasheet figures for device kind {kind!r} on "
-                          f"{platform}; using rough defaults (see ClusterSpec.describe())")
+                 f"{platform}; using rough defaults (see ClusterSpec.describe())")
         memory = datasheets.allocator_limit(jax.local_devices()[0])
         if memory is not None:
             notes.append("memory is the XLA allocator limit")

@@ -186,15 +186,15 @@ def _scaling(flat: FlatJaxpr, full: FlatJaxpr, batch: set[int], m: int) -> Any:
             # (jax traces a micro-batch of one otherwise, eliding broadcasts
             # over it: known, and averaged as before)
             warn(f"meshplan: could not tell how this step's values scale with the "
-                          f"batch: jax traces other operations at a micro-batch than at the "
-                          f"whole batch ({_first_difference(flat, full)}; an operation left out "
-                          "at one size, as x[:8] of 8 rows); the pipeline averages every value "
-                          "over the micro-batches, which is exact only for means")
+                 f"batch: jax traces other operations at a micro-batch than at the "
+                 f"whole batch ({_first_difference(flat, full)}; an operation left out "
+                 "at one size, as x[:8] of 8 rows); the pipeline averages every value "
+                 "over the micro-batches, which is exact only for means")
         return found
     except Exception as e:      # (an operation the analysis did not foresee)
         warn(f"meshplan: could not tell how this step's values scale with the batch "
-                      f"({type(e).__name__}: {e}); the pipeline averages every value over the "
-                      "micro-batches, which is exact only for means")
+             f"({type(e).__name__}: {e}); the pipeline averages every value over the "
+             "micro-batches, which is exact only for means")
         return None
 
 
