@@ -237,10 +237,24 @@ def _check_leaves(where: str, saved: Sequence[Mapping[str, Any]],
                               + "; ".join(parts))
     for p, d in need.items():
         s = have[p]
-        if list(s["shape"]) != list(d["shape"]) or s["dtype"] != d["dtype"]:
+        if list(s["shape"]) != list(d["shape"]) or not _same_dtype(s, d):
             raise CheckpointError(
                 f"{where}: leaf {p or '<root>'} was saved as {s['dtype']}{list(s['shape'])}, but "
                 f"the state wants {d['dtype']}{list(d['shape'])}")
+
+
+def _same_dtype(saved: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    """Whether a leaf saved as ``saved`` restores as ``want``: the same dtype,
+    or a scalar saved in 64 bits where jax takes it in 32 (a Python number,
+    which earlier versions stored as NumPy gives it: int64, float64)."""
+    if saved["dtype"] == want["dtype"]:
+        return True
+    if list(saved["shape"]) or "impl" in saved:
+        return False
+    try:
+        return str(jax.dtypes.canonicalize_dtype(np.dtype(saved["dtype"]))) == want["dtype"]
+    except TypeError:
+        return False
 
 
 # ---------------------------------------------------------------------------

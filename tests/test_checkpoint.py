@@ -238,6 +238,12 @@ def test_python_scalars_are_stored_as_jax_takes_them(tmp_path):
         assert {k: str(v.dtype) for k, v in got.items()} == {
             "w": "float32", "step": "int32", "lr": "float32", "done": "bool"}
         assert (int(got["step"]), float(got["lr"])) == (0, np.float32(0.1))
+    # (as earlier versions stored them: 64-bit scalars, still restored)
+    meshplan.save_state(tmp_path / "old", {**init(), "step": np.int64(7), "lr": np.float64(0.5)})
+    got = meshplan.restore_state(tmp_path / "old", like=jax.eval_shape(init))
+    assert (str(got["step"].dtype), int(got["step"]), float(got["lr"])) == ("int32", 7, 0.5)
+    with pytest.raises(meshplan.CheckpointError, match=r"\['w'\] was saved as float32"):
+        meshplan.restore_state(tmp_path / "old", like={**init(), "w": np.ones((4, 4), np.int32)})
 
 
 def test_a_strong_leaf_where_the_plan_had_a_weak_one_is_planned_again(tmp_path):
