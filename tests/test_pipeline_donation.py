@@ -226,5 +226,5 @@ def test_a_constraint_to_the_users_own_mesh_is_refused_by_a_pipeline_with_the_re
             batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
         return _lr_step(state, batch)
     state, batch = _lr_state()
-    with pytest.raises(meshplan.MeshplanError, match="drop the constraint"):
+    with pytest.raises(meshplan.MeshplanError, match="runs each stage on a submesh; drop it"):
         meshplan.parallelize(step_fn, method=PIPE)(state, batch)
