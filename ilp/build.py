@@ -131,6 +131,7 @@ class Built:
     # more such rows can be added (rows_over)
     memory_base: dict[int, np.ndarray] | None = None
     held: frozenset[int] = frozenset()
+    live: Liveness | None = None        # (stored_liveness of the graph, computed once)
 
 
 def first_node(g: Group) -> int | None:
@@ -771,10 +772,9 @@ class _Builder:
         return resident
 
     def memory_rows(self, resident: dict[int, np.ndarray], budget: float,
-                    memory_points: int, held: frozenset[int] = frozenset()) -> list[MemoryRow]:
+                    memory_points: int, held: frozenset[int], live: Liveness) -> list[MemoryRow]:
         """Resident inputs plus live intermediates at the peaks of the liveness
-        profile (those of ``held`` are among the resident already)."""
-        live = stored_liveness(self.graph)
+        profile ``live`` (those of ``held`` are among the resident already)."""
         rows = [step_row(self.graph, self.mm.shape, self.groups, self.group_of_tensor, live,
                          step, resident, held, budget)
                 for step in peak_steps(live, memory_points)]
@@ -811,7 +811,7 @@ def rows_over(graph: Graph, shape: tuple[int, ...], built: Built, choice, k: int
         return []
     budget, bounded = rows[0].budget, {int(r.name[len("mem_node"):]) for r in rows}
     groups, gt = built.groups, built.group_of_tensor
-    live = stored_liveness(graph)
+    live = built.live or stored_liveness(graph)
 
     def local(t: int) -> float:
         if t not in gt or t in built.held:
@@ -921,7 +921,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     budget = mm.memory_budget if memory_budget is None else memory_budget
     on_device = {gid: v for gid, v in resident.items()
                  if groups[gid].input_index not in host_inputs}
-    rows = b.memory_rows(on_device, budget, memory_points, held)
+    live = stored_liveness(graph)
+    rows = b.memory_rows(on_device, budget, memory_points, held, live)
     if resident_budget is not None:
         rows.append(_cap_row(on_device, resident_budget))
     if host_inputs:
@@ -934,7 +935,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     return Built(problem, groups, b.group_of_tensor, edge_costs, resident,
                  accumulated if grad_accum > 1 else frozenset(), grad_accum, per_iteration,
                  grad_groups, update_groups, b.grad_nodes, b.grad_tensors, b.defer_axes,
-                 update_nodes=b.update_nodes, memory_base=on_device, held=held)
+                 update_nodes=b.update_nodes, memory_base=on_device, held=held, live=live)
 
 
 def _cap_row(on_device: dict[int, np.ndarray], cap: float) -> MemoryRow:

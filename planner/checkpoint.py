@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .errors import CheckpointError, StalePlanError
 from .plan import Plan, Spec, Stage, section_prefixes
+from .traced import jit_dtype
 
 __all__ = ["save_state", "restore_state", "checkpoint_info", "shardings_for",
            "CHECKPOINT_FORMAT", "MARKER"]
@@ -351,10 +352,8 @@ def _dtype(x: Any) -> Any:
     d = getattr(x, "dtype", None)
     if _is_key(x):
         return d
-    if d is not None:
-        return np.dtype(d)
     # (a Python scalar: as jax.jit takes it, int32 or float32 unless x64 is on)
-    return jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
+    return np.dtype(d) if d is not None else jit_dtype(x)
 
 
 def _python_scalar(x: Any) -> bool:

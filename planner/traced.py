@@ -25,7 +25,7 @@ import numpy as np
 from .graph import GRAD_BOUNDARY, IDENTITY_MARKERS, PIPELINE_BOUNDARY, Graph
 
 __all__ = ["Lit", "FlatEqn", "FlatJaxpr", "TracedStep", "GRAD_BOUNDARY", "PIPELINE_BOUNDARY",
-           "IDENTITY_MARKERS", "signature", "same_stream"]
+           "IDENTITY_MARKERS", "jit_dtype", "signature", "same_stream"]
 
 
 def signature(tree: Any, *, weak_types: bool = False) -> Any:
@@ -42,10 +42,14 @@ def signature(tree: Any, *, weak_types: bool = False) -> Any:
 def _jit_key(leaf: Any) -> tuple[Any, ...]:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
-    a = np.asarray(leaf)
-    # (a Python scalar's dtype as jax gives it: float32 for a float unless x64)
-    return (a.shape, str(jax.dtypes.canonicalize_dtype(a.dtype)),
-            isinstance(leaf, (bool, int, float, complex)))
+    return (np.shape(leaf), str(jit_dtype(leaf)), isinstance(leaf, (bool, int, float, complex)))
+
+
+def jit_dtype(leaf: Any) -> Any:
+    """The dtype ``jax.jit`` takes ``leaf`` in: a Python float or a float64
+    NumPy array is float32 unless x64 is on (a PRNG key's stays its own)."""
+    dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .cond import cond_params
 from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
 from .walk import COMPOSITES, FlatJaxpr, Lit, computed_from, flatten, sub_jaxprs
-from ..traced import TracedStep
+from ..traced import TracedStep, jit_dtype
 
 _OPT_WORDS = re.compile(r"((?<![a-z])opt|\bmu\b|\bnu\b|moment|(?<![a-z])adam)", re.I)
 _STATE_WORDS = re.compile(r"(batch_stats|(?<![a-z])stats|running_|(?<![a-z])rng|\bstep\b)", re.I)
@@ -428,9 +428,7 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
 def _jit_signature(tree: Any) -> Any:
     """Structure, shapes and dtypes as jax.jit takes the leaves."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(jax.dtypes.canonicalize_dtype(
-        getattr(x, "dtype", None) or np.asarray(x).dtype, allow_extended_dtype=True)))
-        for x in leaves)
+    return treedef, tuple((tuple(np.shape(x)), str(jit_dtype(x))) for x in leaves)
 
 
 def _made_from(nodes: Sequence[Node], producer: dict[int, int], src: int, dst: int) -> bool:
