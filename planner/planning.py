@@ -197,7 +197,26 @@ def idle_stages(plan: Plan, graph: Graph) -> str | None:
              f"{what}s {', '.join(str(k) for k in idle)} compute as little as {share:.0%} of an "
              "even share while their devices wait")
     return (f"{asked} were asked for, but the step's work does not cut into that "
-            f"many: {which}; fewer stages (or a searched count) would put those devices to use")
+            f"many: {which}; fewer stages (or a searched count) would put those devices to use"
+            + _in_loops(graph))
+
+
+LOOPS = ("scan", "while")
+
+
+def _in_loops(graph: Graph) -> str:
+    """Why the work did not cut, where most of it sits in loops: a loop runs
+    whole in one layer.  (A lax.scan over stacked layers' parameters has
+    been unrolled into layers before planning; the loops left index them,
+    or run over something else.)"""
+    total = graph.total_flops or 1.0
+    share = sum(n.flops for n in graph.nodes if n.primitive in LOOPS) / total
+    if share < 0.5:
+        return ""
+    return (f"; {share:.0%} of its FLOPs run inside lax loops, each of which runs whole in one "
+            "stage: a loop over stacked layers is cut into stages when written as "
+            "lax.scan(body, carry, stacked_params), not as a fori_loop or scan that indexes "
+            "them (params[i])")
 
 
 def _stage_flops(plan: Plan, graph: Graph) -> list[float] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import warnings
 
 import pytest
 
@@ -129,7 +130,6 @@ def test_manual_micro_batches_the_data_axis_cannot_split_are_refused(batch, dp, 
 
 def test_a_fixed_stage_count_the_work_does_not_fill_is_noted_and_warned():
     # one matmul and a head: four stages leave two with next to nothing
-    import warnings
 
     import jax
     import jax.numpy as jnp
@@ -174,6 +174,38 @@ def test_stages_of_a_few_tiny_kernels_are_idle_by_their_flops(schedule):
     assert len(plan.stages) == 4
     asked = "2 stages of 2 chunks (4 virtual stages)" if schedule == "interleaved" else "4 stages"
     assert any(n.startswith(f"{asked} were asked for") for n in plan.notes), plan.notes
+
+
+def test_an_idle_stage_of_a_loop_that_indexes_stacked_layers_says_to_scan_them():
+    """A fori_loop applying stacked layers by index runs whole in one layer;
+    the idle-stage word says how to write it so it cuts (a lax.scan over the
+    stack is unrolled into layers), where before it only said 'fewer stages'."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(p, b):
+        def loss(p):
+            h = jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ p["w"][i]), b["x"])
+            return jnp.mean((h @ p["out"] - b["y"]) ** 2)
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), l
+    p = {"w": jnp.ones((4, 16, 16)) / 16, "out": jnp.ones((16, 4)) / 16}
+    b = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 4))}
+    with pytest.warns(UserWarning, match=r"run inside lax loops.*lax\.scan\(body, carry, "):
+        meshplan.plan(step, p, b, cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+
+    def scanned(p, b):      # (the same layers as a scan over the stack: cut, no word)
+        def loss(p):
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["w"])
+            return jnp.mean((h @ p["out"] - b["y"]) ** 2)
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), l
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = meshplan.plan(scanned, p, b, cluster=meshplan.Cluster.local(),
+                             method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    assert not any("lax loops" in n for n in plan.notes)
 
 
 def test_counts_to_search_that_do_not_divide_the_batch_are_skipped():
