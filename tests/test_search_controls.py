@@ -130,7 +130,6 @@ def test_manual_micro_batches_the_data_axis_cannot_split_are_refused(batch, dp, 
 
 def test_a_fixed_stage_count_the_work_does_not_fill_is_noted_and_warned():
     # one matmul and a head: four stages leave two with next to nothing
-
     import jax
     import jax.numpy as jnp
 
