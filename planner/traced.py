@@ -42,7 +42,9 @@ def signature(tree: Any, *, weak_types: bool = False) -> Any:
 def _jit_key(leaf: Any) -> tuple[Any, ...]:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
-    return (np.shape(leaf), str(jit_dtype(leaf)), isinstance(leaf, (bool, int, float, complex)))
+    # (a Python bool is no weak type to jax.jit; its int, float and complex are)
+    weak = isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+    return (np.shape(leaf), str(jit_dtype(leaf)), weak)
 
 
 def jit_dtype(leaf: Any) -> Any:

@@ -212,14 +212,15 @@ def test_random_bits_are_split_only_when_a_split_draw_equals_the_whole():
     assert bits(g_off) and all(node_space(g_off, n) is None for n in bits(g_off))
 
 
-def _scaled_step(p, batch, scale, n):
-    # a learning-rate scale and a step number passed as Python scalars
+def _scaled_step(p, batch, scale, n, train=True):
+    # a learning-rate scale, a step number and a flag passed as Python scalars
     def loss(p):
         x = batch
         for w in p:
             x = jnp.tanh(x @ w)
         return jnp.mean(x.astype(jnp.float32) ** 2)
     l, g = jax.value_and_grad(loss)(p)
+    scale = scale * train       # (weak: the update stays bfloat16)
     return [w - scale * gw for w, gw in zip(p, g)], {"loss": l, "n": n + 1}
 
 
@@ -230,13 +231,15 @@ def test_python_scalar_arguments_stay_weakly_typed_as_under_jit(method):
     # jax.jit traces a Python scalar weakly typed: 0.5 * a bfloat16 gradient
     # stays bfloat16.  Planned as a float32 array, the plan's trace differed
     # from the one the runtime ran (a stale-plan error at the first call) and
-    # the pipeline found no gradients in its micro-batch trace
+    # the pipeline found no gradients in its micro-batch trace.  A Python
+    # bool is no weak type to jit: the pipeline took it for one and refused
+    # its first call as stale
     ks = jax.random.split(jax.random.key(0), 4)
     p = [jax.random.normal(k, (32, 32), jnp.bfloat16) * 0.3 for k in ks]
     x = jnp.ones((16, 32), jnp.bfloat16)
     step = meshplan.parallelize(_scaled_step, method=method)
-    out, ref = step(p, x, 0.5, 3), jax.jit(_scaled_step)(p, x, 0.5, 3)
-    out, ref = step(out[0], x, 0.25, 4), jax.jit(_scaled_step)(ref[0], x, 0.25, 4)
+    out, ref = step(p, x, 0.5, 3, True), jax.jit(_scaled_step)(p, x, 0.5, 3, True)
+    out, ref = step(out[0], x, 0.25, 4, True), jax.jit(_scaled_step)(ref[0], x, 0.25, 4, True)
     assert [w.dtype for w in out[0]] == [jnp.bfloat16] * 4
     for a, b in zip(out[0], ref[0]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
