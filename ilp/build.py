@@ -158,11 +158,24 @@ def follow_input(space, node, graph) -> int | None:
                  if graph.tensors[t].shape == out_shape
                  and graph.tensors[t].kind not in (LITERAL, CONST) and space.in_labels[k]]
         data = [k for k in cands if node.inputs[k] not in graph.constant_tensors]
-        return (data or cands or [None])[0]
+        # (nor one broadcast from a value of no example, a mask over
+        # positions meeting the batch: it follows that value, so it can split
+        # none of the rows, and the node would be held whole on them)
+        rows = [k for k in data if not _broadcast_over_rows(graph, node.inputs[k])]
+        return (rows or data or cands or [None])[0]
     laid_out = [k for k, labs in enumerate(space.in_labels)
                 if labs and graph.tensors[node.inputs[k]].kind not in (LITERAL, CONST)]
     others = [k for k, labs in enumerate(space.in_labels) if labs and k not in laid_out]
     return laid_out[0] if len(laid_out) == 1 and not others else None
+
+
+def _broadcast_over_rows(graph, t: int) -> bool:
+    """Whether tensor ``t`` is a broadcast of a smaller value made without
+    the batch (while the step has one)."""
+    k, batch = graph.producer.get(t), graph.batch_tensors
+    if k is None or not batch or t in batch or graph.nodes[k].primitive != "broadcast_in_dim":
+        return False
+    return graph.tensors[graph.nodes[k].inputs[0]].size < graph.tensors[t].size
 
 
 @dataclass(frozen=True)

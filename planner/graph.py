@@ -204,6 +204,16 @@ class Graph:
         return frozenset(nodes)
 
     @functools.cached_property
+    def batch_tensors(self) -> frozenset[int]:
+        """The values computed from the batch: its arguments' leaves (a layer
+        subgraph's boundary values that carry rows) and what is made from them."""
+        made = {i.tensor for i in self.inputs if i.role == BATCH or i.batch_dim is not None}
+        for n in self.nodes:
+            if any(t in made for t in n.inputs):
+                made.update(n.outputs)
+        return frozenset(made)
+
+    @functools.cached_property
     def rows_dim(self) -> dict[int, int] | None:
         """value -> its dimension holding the micro-batch's rows; None where
         not known (:attr:`batch_dims` empty)."""

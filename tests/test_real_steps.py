@@ -308,3 +308,26 @@ def test_a_pipeline_returns_constant_outputs_as_jit_does_and_anew_each_call():
         assert isinstance(b, jax.Array) and (b.dtype, b.weak_type) == (a.dtype, a.weak_type)
     assert_states_close(want, got)
     assert int(got["n"]) == 3 and not bool(got["first"])
+
+
+def _masked_by_position(x, w, pos):
+    # a KV cache's "positions up to pos are valid" mask, made from an argument
+    # that is no batch and broadcast over the batch's rows by jnp.where
+    valid = jnp.arange(16) <= pos
+    return jnp.where(valid[None, :], x @ w, -1e9) @ w.T
+
+
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(), meshplan.DataParallel()],
+                         ids=["shard", "data"])
+def test_a_mask_made_without_the_batch_does_not_hold_the_batch_whole(method):
+    # the select followed its broadcast mask, which can split no rows: the
+    # work ran replicated on every device (noted as 'no layout that splits
+    # them was predicted faster') or the rows were all-gathered
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+    step = meshplan.parallelize(_masked_by_position, method=method, batch_argnums=(0,))
+    np.testing.assert_allclose(step(x, w, jnp.int32(5)),
+                               jax.jit(_masked_by_position)(x, w, jnp.int32(5)), rtol=1e-5)
+    assert not any("replicated" in n for n in step.plan.notes), step.plan.notes
+    hlo = step.lower(x, w, jnp.int32(5)).compile().as_text()
+    assert "all-gather" not in hlo
