@@ -88,6 +88,53 @@ def test_a_float64_numpy_state_is_updated_as_jax_jit_takes_it():
     assert [o.updates is None for o in g.outputs] == [False, False, True]
 
 
+def _momentum_step(s, b):
+    # step(state, batch) -> (new_params, new_momentum, loss): the parts of
+    # one state argument returned apart; params and momentum alike in shape
+    def loss(p):
+        h = b["x"]
+        for w in p:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - b["y"]) ** 2)
+    value, g = jax.value_and_grad(loss)(s["params"])
+    m = [0.9 * a + c for a, c in zip(s["mom"], g)]
+    return [w - 0.1 * v for w, v in zip(s["params"], m)], m, value
+
+
+def test_parts_of_the_state_returned_apart_are_its_new_values():
+    # (only a whole argument was paired: none was, the pipeline refused the
+    # step as one that 'updates none of its arguments', and the one-stage
+    # plan counted the momentum as parameters)
+    ks = jax.random.split(jax.random.key(0), 6)
+    s = {"params": [jax.random.normal(ks[i], (16, 16)) * 0.3 for i in range(3)],
+         "mom": [jnp.zeros((16, 16))] * 3}
+    b = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
+    g = trace(_momentum_step, s, b, batch_argnums=(1,), warn=False)
+    pairs = {o.path: g.inputs[o.updates].path for o in g.outputs if o.updates is not None}
+    assert pairs == {**{f"[0][{i}]": f"['params'][{i}]" for i in range(3)},
+                     **{f"[1][{i}]": f"['mom'][{i}]" for i in range(3)}}
+    import meshplan
+    par = meshplan.parallelize(_momentum_step,
+                               method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    got, want = par(s, b), jax.jit(_momentum_step)(s, b)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_of_alike_arguments_a_new_value_is_paired_with_the_nearest():
+    # (new momentum returned first: both arguments are alike and each new
+    # value is computed from both; the first alike argument was taken)
+    def step(p, mom, b):
+        new_p, new_m, value = _momentum_step({"params": p, "mom": mom}, b)
+        return new_m, new_p, value
+    p = [jnp.ones((16, 16)) / 16] * 3
+    g = trace(step, p, [jnp.zeros((16, 16))] * 3, {"x": jnp.ones((16, 16)),
+                                                   "y": jnp.zeros((16, 16))},
+              batch_argnums=(2,), warn=False)
+    assert {o.path: g.inputs[o.updates].argnum for o in g.outputs if o.updates is not None} \
+        == {**{f"[0][{i}]": 1 for i in range(3)}, **{f"[1][{i}]": 0 for i in range(3)}}
+
+
 def test_state_the_forward_does_not_read_is_optimizer_state_whatever_its_path():
     # keras's stateless API: (trainable, non_trainable, optimizer variables)
     # as lists, so no path names a moment; an EMA of the weights, too

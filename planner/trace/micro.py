@@ -139,7 +139,8 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                     "micro-batches split the pass over the batch that a train step's new state "
                     "is computed from, and this step updates none of its arguments from the "
                     "batch (an evaluation step, or one returning its gradients); plan it with "
-                    "num_micro_batches=1")
+                    "num_micro_batches=1 (a new state is known as the argument it replaces by "
+                    "being returned in that argument's structure, or a part of it: not renamed)")
             raise TraceError(
                 "running more than one micro-batch needs to know where the gradients end, and "
                 "no reduction over the batch that the new state is computed from was found in "

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -395,40 +396,109 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
     x64 is on) equal those of a non-batch argument, and some leaf of which
     is computed from that argument's, is that argument's new value (the
     ``new_state`` of ``(new_state, metrics)``; not the loss beside a
-    learning rate passed as a scalar, which it is not computed from).
+    learning rate passed as a scalar, which it is not computed from).  An
+    element matching no whole argument may be the new value of a part of
+    one, by the same test on the leaves' paths below it (``new_params`` and
+    ``new_opt`` of ``(new_params, new_opt, loss)`` for a state
+    ``{"params": ..., "opt": ...}``); larger elements are paired first, and
+    a single scalar never so (a loss is no step count's new value).
     """
     out_leaves = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in out_leaves]
     updates: list[int | None] = [None] * len(out_leaves)
     parts = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
-    offset = 0
     input_index = {(i.argnum, i.path): k for k, i in enumerate(inputs)}
     producer = {t: k for k, n in enumerate(nodes) for t in n.outputs}
-    used_args: set[int] = set()
-    for part in parts:
-        n = len(jax.tree_util.tree_leaves(part))
-        sig = _jit_signature(part)
-        for a, arg in enumerate(args):
-            if a in batch_argnums or a in used_args or _jit_signature(arg) != sig:
-                continue
-            ids = [input_index[(a, jax.tree_util.keystr(p))]
-                   for p, _ in jax.tree_util.tree_flatten_with_path(part)[0]]
-            if n and not any(_made_from(nodes, producer, inputs[k].tensor, out_ids[offset + j])
-                             for j, k in enumerate(ids)):
-                continue
-            used_args.add(a)
-            for j, k in enumerate(ids):
-                updates[offset + j] = k
-            break
-        offset += n
+    starts = list(itertools.accumulate((len(jax.tree_util.tree_leaves(p)) for p in parts),
+                                       initial=0))
+    used: set[int] = set()          # input indices already paired
+
+    def pair(i: int, found: Iterable[tuple[int, list[str]]]) -> bool:
+        offset, n = starts[i], starts[i + 1] - starts[i]
+        fits = []
+        for a, leaf_paths in found:
+            ids = [input_index[(a, p)] for p in leaf_paths]
+            if not used.intersection(ids) and (not n or any(
+                    _made_from(nodes, producer, inputs[k].tensor, out_ids[offset + j])
+                    for j, k in enumerate(ids))):
+                fits.append(ids)
+        if not fits:
+            return False
+        # (of several alike, a new parameter is made from its momentum too:
+        # the nearest is the value it replaces, w - lr * m from w)
+        ids = min(fits, key=lambda ids: [
+            _distance(nodes, producer, inputs[k].tensor, out_ids[offset + j])
+            for j, k in enumerate(ids[:4])]) if len(fits) > 1 else fits[0]
+        used.update(ids)
+        updates[offset:offset + n] = ids
+        return True
+
+    whole = [i for i, part in enumerate(parts) if pair(i, _whole_args(part, args, batch_argnums))]
+    rest = sorted((i for i in range(len(parts)) if i not in whole
+                   and starts[i + 1] - starts[i] > 0
+                   and not (starts[i + 1] - starts[i] == 1 and not np.shape(
+                       jax.tree_util.tree_leaves(parts[i])[0]))),
+                  key=lambda i: starts[i] - starts[i + 1])
+    for i in rest:
+        pair(i, _arg_parts(parts[i], args, batch_argnums))
     return tuple(GraphOutput(tensor=t, path=p, updates=u)
                  for t, p, u in zip(out_ids, paths, updates))
+
+
+def _whole_args(part: Any, args: Sequence[Any], batch_argnums: tuple[int, ...]
+                ) -> Iterator[tuple[int, list[str]]]:
+    """The non-batch arguments of ``part``'s structure, shapes and dtypes:
+    (argnum, their leaves' paths)."""
+    sig = _jit_signature(part)
+    for a, arg in enumerate(args):
+        if a not in batch_argnums and _jit_signature(arg) == sig:
+            yield a, [jax.tree_util.keystr(p)
+                      for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
+
+
+def _arg_parts(part: Any, args: Sequence[Any], batch_argnums: tuple[int, ...]
+               ) -> Iterator[tuple[int, list[str]]]:
+    """The parts of non-batch arguments whose leaves lie at ``part``'s own
+    paths below them, of its shapes and dtypes: (argnum, their paths)."""
+    want = [(jax.tree_util.keystr(p), _leaf_signature(x))
+            for p, x in jax.tree_util.tree_flatten_with_path(part)[0]]
+    for a, arg in enumerate(args):
+        if a in batch_argnums:
+            continue
+        leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        prefixes = dict.fromkeys(p[:d] for p, _ in leaves for d in range(1, len(p) + 1))
+        for pre in prefixes:
+            below = [(p, x) for p, x in leaves if p[:len(pre)] == pre]
+            if [(jax.tree_util.keystr(p[len(pre):]), _leaf_signature(x))
+                    for p, x in below] == want:
+                yield a, [jax.tree_util.keystr(p) for p, _ in below]
+
+
+def _leaf_signature(x: Any) -> tuple[Any, ...]:
+    return tuple(np.shape(x)), str(jit_dtype(x))
 
 
 def _jit_signature(tree: Any) -> Any:
     """Structure, shapes and dtypes as jax.jit takes the leaves."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(jit_dtype(x))) for x in leaves)
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _distance(nodes: Sequence[Node], producer: dict[int, int], src: int, dst: int) -> float:
+    """The fewest operations from tensor ``src`` to tensor ``dst`` (inf if
+    ``dst`` is not computed from it)."""
+    seen, level, d = {dst}, [dst], 0
+    while level:
+        if src in level:
+            return d
+        nxt = []
+        for t in level:
+            k = producer.get(t)
+            if k is not None:
+                nxt.extend(x for x in nodes[k].inputs if isinstance(x, int) and x not in seen)
+                seen.update(nxt)
+        level, d = nxt, d + 1
+    return math.inf
 
 
 def _made_from(nodes: Sequence[Node], producer: dict[int, int], src: int, dst: int) -> bool:
