@@ -487,6 +487,31 @@ def test_a_step_returning_its_new_state_alone_pipelines():
 
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_an_update_that_reads_the_loss_pipelines(m):
+    # (a learning rate picked by the loss, as optax's reduce_on_plateau
+    # does: the loss's sum was taken for a gradient, the marker ended the
+    # forward at the head, and the step cut into one layer)
+    def step_fn(p, b):
+        def loss(p):
+            h = b["x"]
+            for w in p:
+                h = jnp.tanh(h @ w)
+            return jnp.mean((h - b["y"]) ** 2)
+        value, g = jax.value_and_grad(loss)(p)
+        lr = jnp.where(value > 0.5, 0.1, 0.01)
+        return [w - lr * gw for w, gw in zip(p, g)], value
+    ks = jax.random.split(jax.random.key(0), 6)
+    p = [jax.random.normal(ks[i], (16, 16)) * 0.3 for i in range(4)]
+    b = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                 num_micro_batches=m))
+    par, ref = step(p, b), jax.jit(step_fn)(p, b)
+    assert len(step.plan.stages) == 2
+    for a, c in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
+
+
 def test_the_new_state_returned_again_among_the_metrics_pipelines():
     # (a metrics dict that holds the new state: it is no metric computed
     # after the update, and the gradients are still found)

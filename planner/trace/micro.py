@@ -324,6 +324,10 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
                 and jax.numpy.issubdtype(getattr(aval, "dtype", np.int32), jax.numpy.inexact))
     grads = [o for fe in eqns if any(isinstance(x, int) and x in per_example for x in fe.invars)
              for o in fe.outvars if gradient(o)]
+    # (nor a scalar of the forward: the loss, where the update reads it too,
+    # a learning rate scaled by it or optax's reduce_on_plateau)
+    made_by = {o: k for k, fe in enumerate(eqns) for o in fe.outvars}
+    grads = [o for o in grads if flat.avals[o].shape != () or not forward[made_by[o]]]
     grads = _not_feeding(eqns, grads)
     try:
         _check_outputs(flat, grads, per_example, forward, bdep, metrics)
