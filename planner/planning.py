@@ -201,22 +201,37 @@ def idle_stages(plan: Plan, graph: Graph) -> str | None:
             + _in_loops(graph))
 
 
-LOOPS = ("scan", "while")
-
-
 def _in_loops(graph: Graph) -> str:
-    """Why the work did not cut, where most of it sits in loops: a loop runs
-    whole in one layer.  (A lax.scan over stacked layers' parameters has
-    been unrolled into layers before planning; the loops left index them,
-    or run over something else.)"""
+    """Why the work did not cut, where most of it sits in loops that index
+    stacked layers' parameters (a fori_loop over ``params[i]``): a loop
+    runs whole in one layer, where a lax.scan over the stack is unrolled
+    into layers before planning."""
     total = graph.total_flops or 1.0
-    share = sum(n.flops for n in graph.nodes if n.primitive in LOOPS) / total
-    if share < 0.5:
+    share = sum(n.flops for n in graph.nodes if n.primitive in ("scan", "while")) / total
+    # (the backward's loop reads the forward's residuals, not the stack)
+    if share < 0.5 or not any(_indexes_stacked(graph, n) for n in graph.nodes):
         return ""
-    return (f"; {share:.0%} of its FLOPs run inside lax loops, each of which runs whole in one "
-            "stage: a loop over stacked layers is cut into stages when written as "
+    return (f"; {share:.0%} of its FLOPs run inside lax loops over stacked layers, each of which "
+            "runs whole in one stage: such a loop is cut into stages when written as "
             "lax.scan(body, carry, stacked_params), not as a fori_loop or scan that indexes "
             "them (params[i])")
+
+
+def _indexes_stacked(graph: Graph, node) -> bool:
+    """Whether loop ``node`` reads an argument leaf (no batch) as stacked
+    along its trip count."""
+    if node.primitive not in ("scan", "while") or node.repeat <= 1:
+        return False
+    stacked = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums
+               and graph.tensors[i.tensor].shape[:1] == (node.repeat,)}
+    producer = graph.producer
+    for t in node.inputs:
+        while t not in stacked and t in producer and graph.nodes[producer[t]].primitive in (
+                "convert_element_type", "copy"):
+            t = graph.nodes[producer[t]].inputs[0]
+        if t in stacked:
+            return True
+    return False
 
 
 def _stage_flops(plan: Plan, graph: Graph) -> list[float] | None:

@@ -206,6 +206,18 @@ def test_an_idle_stage_of_a_loop_that_indexes_stacked_layers_says_to_scan_them()
                              method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
     assert not any("lax loops" in n for n in plan.notes)
 
+    def recurrent(p, b):    # (a loop over steps of one weight: no stacked layers to name)
+        def loss(p):
+            h = jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ p["w"][0]), b["x"])
+            return jnp.mean((h @ p["out"] - b["y"]) ** 2)
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), l
+    one = {"w": p["w"][:1], "out": p["out"]}
+    with pytest.warns(UserWarning, match="were asked for") as seen:
+        meshplan.plan(recurrent, one, b, cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    assert not any("lax loops" in str(w.message) for w in seen)
+
 
 def test_counts_to_search_that_do_not_divide_the_batch_are_skipped():
     # (one count of several that did not divide the batch refused the search)
