@@ -82,9 +82,9 @@ def batch_rows(leaves: "list[tuple[int, str]]") -> int | None:
     if other is not None:
         raise MeshplanError(
             f"the batch arguments' leaves disagree on the batch size, which is their dimension "
-            f"0: {first[1]} has {first[0]} rows, {other[1]} has {other[0]}; put the batch "
-            "first in every leaf of batch_argnums' arguments (or pass a leaf that is no batch "
-            "as another argument)")
+            f"0: {first[1]} has {first[0]} rows, {other[1]} has {other[0]}; name the arguments "
+            "that hold the batch in batch_argnums (it is (1,) unless given), put the batch "
+            "first in each of their leaves, and pass a leaf that is no batch as another argument")
     return first[0]
 
 

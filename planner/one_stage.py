@@ -119,14 +119,15 @@ def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 
     asks for it): with ``micro_batches``, each of them ``n`` ways (one that
     does not divide the batch is the search's to refuse).  Where leaves
     disagree on the batch size, that is what is refused (a key among the
-    rows), not the size."""
+    rows, or batch_argnums naming the parameters), not the size: splitting
+    the rows is what was asked for."""
+    batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+                for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
     for inp in graph.inputs:
         if inp.role == BATCH:
             shape = graph.tensors[inp.tensor].shape
             if not shape or shape[0] % micro_batches or not (shape[0] // micro_batches) % n:
                 continue
-            batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
-                        for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
             of = f"argument {inp.argnum}{inp.path}"
             if micro_batches == 1:
                 raise InfeasiblePlanError(

@@ -190,6 +190,13 @@ def test_data_parallel_refuses_indivisible_batch():
     with pytest.raises(meshplan.MeshplanError, match=r"argument 1\['rng'\] has 2 rows"):
         meshplan.plan(lambda p, b: step(p, b["x"]), p, {"x": x, "rng": jax.random.PRNGKey(0)},
                       cluster=local(), method=meshplan.DataParallel())
+    # (the parameters named as the batch by the default batch_argnums, every
+    # leaf's dimension 0 divisible by 8: their rows were split as a batch's)
+    params = {"w": jnp.ones((16, 32)), "b": jnp.zeros(32)}
+    with pytest.raises(meshplan.MeshplanError, match=r"has 32 rows.*name the arguments that "
+                       r"hold the batch in batch_argnums"):
+        meshplan.plan(lambda x, p: jnp.tanh(x @ p["w"] + p["b"]), jnp.ones((64, 16)), params,
+                      cluster=local(), method=meshplan.DataParallel())
 
 
 @pytest.mark.extended
