@@ -245,9 +245,13 @@ class PipelineExecutable:
         self.record_timeline = timeline
         self.donate_argnums = tuple(int(a) for a in donate_argnums)
         self.arg_path = dict(zip(traced.flat.invars, traced.arg_paths))
-        self.donated = frozenset(i for (a, _), i, b in zip(traced.arg_paths, traced.flat.invars,
-                                                             traced.batch_leaves)
-                                 if a in self.donate_argnums and not b)
+        # the leaves of donated arguments the caller gives up; those of no
+        # batch may lend their buffers to the update (a batch leaf is cut
+        # into micro-batches, read by many programs)
+        self.released = frozenset(i for (a, _), i in zip(traced.arg_paths, traced.flat.invars)
+                                  if a in self.donate_argnums)
+        self.donated = frozenset(i for i, b in zip(traced.flat.invars, traced.batch_leaves)
+                                 if i in self.released and not b)
         self.groups = _device_groups(plan)
         self.meshes = [build_mesh(s.logical_mesh, stage_devices(s, devices)) for s in plan.stages]
         # [multi-host] every process runs this driver; each dispatches the
@@ -290,7 +294,7 @@ class PipelineExecutable:
         self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated
         if xp is not None:
-            self.donated = frozenset()
+            self.donated = self.released = frozenset()
         self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
         # data-parallel gradients reduced once per step (see pipeline_partial;
         # it rewrites whole backwards, not zb-h1's W programs, and replays

@@ -197,8 +197,8 @@ class StepRun:
         for x, v in self.given.items():
             if isinstance(v, jax.Array) and v.is_deleted():
                 raise deleted_argument(self._where(x))
-        if self.ex.donated:
-            check_donated_aliases(self.given.items(), self.ex.donated, self._where)
+        if self.ex.released:
+            check_donated_aliases(self.given.items(), self.ex.released, self._where)
 
     def _where(self, x: int) -> str:
         a, path = self.ex.arg_path[x]
@@ -209,7 +209,7 @@ class StepRun:
         does (those the step returns unchanged excepted): deleted once every
         program reading them is dispatched (the runtime keeps them alive
         until those programs are done)."""
-        for x in self.ex.donated - self.ex.returned:
+        for x in self.ex.released - self.ex.returned:
             v = self.given[x]
             if isinstance(v, jax.Array) and not v.is_deleted():
                 v.delete()
