@@ -196,6 +196,20 @@ def host_binds(iteration_s: float, host_s: float) -> bool:
     return host_s > 0 and iteration_s <= host_s * (1 + 1e-9)
 
 
+def least_host_s(num_micro_batches: int, per_program_s: float, num_stages: int = 1,
+                 hosts: int = 1) -> float:
+    """A floor under the predicted step of every plan of ``num_micro_batches``
+    and at least ``num_stages`` stages that the hosts hand over program by
+    program: the busiest of ``hosts`` runs the forwards, backwards and
+    update of at least its share of the stages (:func:`host_bound_s`; the
+    buffers' time is on top).  0 for one stage of one micro-batch, a single
+    program jit dispatches whole."""
+    if num_micro_batches <= 1 and num_stages <= 1:
+        return 0.0
+    return host_bound_s(stage_programs(-(-num_stages // hosts), num_micro_batches, 2),
+                        per_program_s)
+
+
 def host_bound_s(programs: int, per_program_s: float) -> float:
     """The least time of a step whose ``programs`` stage programs one host
     thread dispatches, each costing the host ``per_program_s`` (the

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..cluster import ClusterSpec
+from ..cost_model.pipeline import least_host_s
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError, batch_rows, warn
 from ..graph import (BATCH, PARAM, Graph, Node, batch_dims_between, batch_shaped_draws,
                      stacked_scan_inputs)
@@ -95,7 +96,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                     method_name: str, session: Session,
                     retrace: Callable[[int], Graph] | None = None,
                     by_stage_count: bool = False,
-                    layered_memo: dict | None = None) -> tuple[Plan, SearchStats]:
+                    layered_memo: dict | None = None,
+                    floor_s: float = math.inf) -> tuple[Plan, SearchStats]:
     """The fastest pipeline plan (possibly one stage) for ``graph``, and the
     search's figures.  ``retrace(B)`` returns the step traced with the batch
     split into ``B`` micro-batches; without it only ``B = 1`` is considered.
@@ -105,7 +107,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     ``layered_memo``: a dict shared by searches of one ``graph``, ``retrace``
     and ``cluster`` that differ only in ``opts.input_filter`` or
     ``opts.num_micro_batches`` (which the layers do not depend on): each
-    micro-batch count is traced and cut into layers once for all of them."""
+    micro-batch count is traced and cut into layers once for all of them.
+    ``floor_s``: the predicted step of a plan already in hand (the one
+    program the whole-graph ILP lays out); a count whose every plan the
+    host's dispatch alone keeps from beating it is passed over unsearched
+    (:func:`~meshplan.cost_model.pipeline.least_host_s`)."""
     batch = batch_size(graph)
     mbs = micro_batch_candidates(batch, opts.num_micro_batches)
     if retrace is None:
@@ -130,11 +136,20 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # per-stage-count table reads them all)
     bounding = opts.prune_micro_batches and counts is None and len(mbs) > 1
     bounded: list[int] = []
+    floored: list[int] = []         # counts the host's dispatch keeps above floor_s
     relaxed_fit: list[int] = []     # counts whose relaxed plan fits: not searched again
     # (a meshplan.trace.rescale.Rescaling logs which counts it rewrote)
     rescaling = getattr(retrace, "__wrapped__", retrace)
     logged = len(getattr(rescaling, "log", ()))
     regraphed = [0]
+
+    # the fewest stages a plan may have, and the host's floor under a count's
+    # plans of so many (cost_model.pipeline.least_host_s)
+    least = opts.fixed[2] if opts.fixed else opts.num_stages or 1
+
+    def floor(B: int, stages: int) -> float:
+        return least_host_s(B, cluster.device.achieved.pipeline_program_s, stages,
+                            cluster.num_hosts)
 
     memo = {} if layered_memo is None else layered_memo
     # (the layers depend on neither the input filter nor the counts asked)
@@ -167,6 +182,9 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         while todo:
             B = todo.pop(0)
             searched.append(B)
+            if counts is None and floor(B, least) >= floor_s:
+                floored.append(B)
+                continue
             bound = math.inf
             try:
                 with session.progress.step(f"pipeline search with {B} micro-batch(es) "
@@ -174,6 +192,8 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
                     lay = ahead.pop(B) if B in ahead else layered(B)
                     if isinstance(lay, TraceError):
                         raise lay
+                    if counts is None and least == 1 and floor(B, 2) >= floor_s:
+                        lay = _one_stage(lay, cluster)   # (more lose to the floor)
                     pending = search.submit(lay.requests())
                     if pending is not None and todo and todo[0] not in ahead:
                         # trace the next count while the workers solve this one's ILPs
@@ -252,6 +272,10 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     if bounded:
         note += (f"; {len(bounded)} count(s) passed over, as even with memory to spare they "
                  f"plan no faster ({', '.join(map(str, sorted(bounded)))})")
+    if floored:
+        note += (f"; {len(floored)} count(s) passed over, as the host's dispatch of their "
+                 f"programs alone takes longer than one program's step "
+                 f"({', '.join(map(str, sorted(floored)))})")
     if relaxed_fit:
         note += (f"; {len(relaxed_fit)} count(s) planned by the relaxed search alone, its plan "
                  f"fitting as it was ({', '.join(map(str, sorted(relaxed_fit)))})")
@@ -261,11 +285,19 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     rewritten, _, rewrite_s = (rescaling.counts(logged) if hasattr(rescaling, "counts")
                                else (0, 0, 0.0))
     stats = replace(stats, rewritten=rewritten, retraced=regraphed[0] - rewritten,
-                    rewrite_s=rewrite_s, bounded=len(bounded), relaxed_fit=len(relaxed_fit),
+                    rewrite_s=rewrite_s, bounded=len(bounded) + len(floored),
+                    relaxed_fit=len(relaxed_fit),
                     squeezed=tuple(sorted(b for b, t in squeezed.items() if t < best[0])))
     if counts is not None:
         stats = replace(stats, stage_counts=counts.bests())
     return replace(plan, notes=plan.notes + (note,)), stats
+
+
+def _one_stage(lay: LayerProblems, cluster: ClusterSpec) -> LayerProblems:
+    """``lay`` searched for plans of one stage, on every device, alone."""
+    whole = [m for m, s in enumerate(lay.submeshes) if s.size == cluster.num_devices]
+    return replace(lay, submeshes=[lay.submeshes[m] for m in whole],
+                   meshes_of=[lay.meshes_of[m] for m in whole], max_stages=1, many_stages=())
 
 
 class _StageCounts:

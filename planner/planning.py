@@ -9,6 +9,7 @@ inter-operator search.  Both take a :class:`~meshplan.dp_search.Session`
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -312,9 +313,23 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
             p = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
             return Planned(replace(p, notes=p.notes + (
                 f"{NO_BATCH_NOTE} ({' '.join(str(e).split())})",)))
+    # Where a host hands a pipeline's programs over one by one (CPU devices,
+    # a calibrated cluster), the one program's plan comes first: its step is
+    # a floor that the host's dispatch alone keeps most counts above, and
+    # those are not searched (a tiny step planned in seconds, not a minute)
+    whole: Plan | None = None
+    floor = math.inf
+    if request.one_stage_by_whole_graph and cluster.device.achieved.pipeline_program_s > 0:
+        try:
+            whole = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
+            floor = whole.predicted.iteration_s
+        except InfeasiblePlanError:
+            pass
     try:
-        p, stats = _searched(graph, cluster, request, retrace, session, explain)
+        p, stats = _searched(graph, cluster, request, retrace, session, explain, floor)
     except InfeasiblePlanError as e:
+        if whole is not None:       # (it fits: the counts the floor left fit nothing)
+            return Planned(replace(whole, notes=whole.notes + (ONE_STAGE_NOTE,)))
         # no plan fits: one stage with the optimizer state in host memory may
         if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
             raise
@@ -339,7 +354,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
         # one program meets it here through the one-program hand plans
         # that _searched prices: tests/test_auto_contains_manual.py)
         try:
-            s = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
+            s = whole or plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
         except InfeasiblePlanError:
             return Planned(p, stats)
         if s.predicted.iteration_s <= p.predicted.iteration_s:
@@ -374,7 +389,7 @@ SEQUENCE_NOTE = (
 
 def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
               retrace: Callable[[int], Graph] | None, session: Session,
-              explain: bool) -> tuple[Plan, SearchStats]:
+              explain: bool, floor_s: float = math.inf) -> tuple[Plan, SearchStats]:
     """The inter-operator search.  For a searched method where memory binds
     (no plan fits, a stage recomputes, or a count that fits nothing would
     plan faster with memory to spare), the search again with every
@@ -382,13 +397,14 @@ def _searched(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     and where it still binds, so and with the activations between layers
     split along the sequence (:class:`meshplan.ilp.SequenceSplit`): the fastest
     plan (the earlier pass's on a tie).  A hand-made method's layouts stay
-    as they are."""
+    as they are.  ``floor_s``: the step of a plan in hand (search_pipeline)."""
     opts = request.pipeline
     layered: dict = {}      # (the passes cut each micro-batch count into the same layers)
 
     def run(o) -> tuple[Plan, SearchStats]:
         return search_pipeline(graph, cluster, o, method_name=request.method, retrace=retrace,
-                               session=session, by_stage_count=explain, layered_memo=layered)
+                               session=session, by_stage_count=explain, layered_memo=layered,
+                               floor_s=floor_s)
 
     if opts.input_filter is not None or opts.fixed is not None:
         return run(opts)

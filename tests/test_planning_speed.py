@@ -5,6 +5,7 @@ count into layers once, and plans of one step in one session trace it and
 cut each count once; a stage's mixed recomputation splits are joins of
 running sums."""
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -184,3 +185,28 @@ def test_a_session_keeps_its_most_recent_steps():
     assert list(w) == ["bb", "ccc"]
     w["dddddd"] = "dddddd"      # (over the budget alone: kept, the newest)
     assert list(w) == ["dddddd"]
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("mlp", {}), pytest.param("gpt", {"layers": 2, "hidden": 32}, marks=pytest.mark.extended)])
+def test_counts_the_hosts_dispatch_keeps_above_one_program_are_not_searched(
+        name, overrides, monkeypatch):
+    # Auto on CPU devices plans the one program first; a count (or a stage
+    # count) whose every plan the host's dispatch keeps slower is passed
+    # over.  The plan is the one the whole search finds.
+    m = build_model(name, overrides)
+    cluster = meshplan.Cluster.local()
+
+    def auto():
+        return meshplan.plan(m.train_step, *m.abstract_args, cluster=cluster,
+                             method=meshplan.Auto())
+
+    def ilps(p):
+        return int(next(re.search(r"needed (\d+) layer ILPs", n)[1] for n in p.notes
+                        if n.startswith("chosen among")))
+    fast = auto()
+    from meshplan.dp_search import search
+    monkeypatch.setattr(search, "least_host_s", lambda *a, **k: 0.0)
+    whole = auto()
+    assert dataclasses.replace(fast, notes=()) == dataclasses.replace(whole, notes=())
+    assert ilps(fast) < ilps(whole) / 2
