@@ -508,6 +508,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                for t in crossing)
     steps = list(r.grad_steps)
     fwd_nodes = forward_of(sub, frozenset(saved) | crossing)
+    if len(fwd_nodes) == len(sub.nodes):
+        grads = 0.0     # (no backward: an evaluation step's layer makes no gradients)
     if steps:   # the forward runs before the backward: it hides no reduction
         forward, _ = r.seconds_of(fwd_nodes)
         steps[0] = (max(steps[0][0] - forward, 0.0), steps[0][1])

@@ -122,6 +122,25 @@ def test_pipeline_breakdown_adds_up_to_each_stage_memory():
     assert Plan.from_json(plan.to_json()).stages == plan.stages
 
 
+def test_an_evaluation_steps_pipeline_holds_no_gradients():
+    # (every stage was charged its parameters' bytes again as gradients,
+    # where the one-stage plan of the same step holds none)
+    import jax.numpy as jnp
+
+    def eval_step(p, batch):
+        x = batch["x"]
+        for w in p:
+            x = jnp.tanh(x @ w)
+        return {"loss": jnp.mean((x - batch["y"]) ** 2)}
+    p = [jnp.ones((64, 64)) * 0.01 for _ in range(4)]
+    batch = {"x": jnp.ones((16, 64)), "y": jnp.zeros((16, 64))}
+    plan = meshplan.plan(eval_step, p, batch, cluster=meshplan.Cluster.local(),
+                         method=meshplan.PipeshardParallel(stages=2))
+    assert len(plan.stages) == 2
+    for s in plan.stages:
+        assert s.predicted.memory.grads == 0 and s.predicted.memory.params > 0
+
+
 def test_a_small_plan_prints_no_zero_figures():
     text = str(_plan(meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)))
     assert "0.00" not in text and "0.000" not in text, text
