@@ -283,8 +283,10 @@ class Parallelized:
             if p.graph_fingerprint != graph.fingerprint:
                 raise StalePlanError(
                     f"the saved plan was made for another function or other argument shapes "
-                    f"(a saved plan holds for the shapes it was made for: a batch of another "
-                    f"size, as an epoch's last, needs a plan of its own; plan fingerprint "
+                    f"or dtypes (a saved plan holds for the shapes it was made for: a batch of "
+                    f"another size, as an epoch's last, needs a plan of its own; a Python "
+                    f"scalar is weakly typed where a jnp.int32 or jnp.float32 is not, as jax.jit "
+                    f"tells them apart; plan fingerprint "
                     f"{p.graph_fingerprint[:12]}, this call "
                     f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
                     f"`meshplan plan ... --json FILE` with the same model options")
