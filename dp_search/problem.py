@@ -15,7 +15,8 @@ from ..cost_model.mesh import is_cpu
 from ..cost_model.pipeline import layer_buffers
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, arithmetic_flops
+from ..graph import (OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, arithmetic_flops,
+                     forward_nodes)
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
 from ..recompute import recomputed_tensors, replay_reads, selective_nodes
@@ -177,6 +178,13 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
             analyses[key] = a
     layering = a.layering
     L = layering.num_layers
+    if L < need and not any(forward_nodes(g)):
+        raise MeshplanError(
+            f"{need} pipeline stages cut the step's forward pass, and every output of this step "
+            "updates an argument, so nothing marks where its forward ends (the loss, or a "
+            "metric of the batch, returned on its own); return one (an evaluation step's "
+            "running sum: return the batch's value and add it up outside the step), or plan "
+            "one stage")
     if L < need:
         # (no cut of the step makes that many layers: few operations)
         chunks = f" of {CHUNKS} chunks each" if opts.schedules == ("interleaved",) else ""

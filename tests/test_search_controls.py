@@ -326,3 +326,21 @@ def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     solver = LayerSolver(meshplan.Cluster.local(), None, Session(workers=64))
     assert solver.workers == 2
+
+
+def test_stages_of_a_step_whose_every_output_updates_an_argument_say_why_not():
+    # (an evaluation step's running sum: its forward is no ancestor of an
+    # output of its own, and the refusal read "cuts into at most 1 layer")
+    import jax.numpy as jnp
+
+    def eval_acc(p, acc, b):
+        h = b["x"]
+        for w in p:
+            h = jnp.tanh(h @ w)
+        return acc + jnp.mean((h - b["y"]) ** 2)
+    p = [jnp.ones((16, 16)) / 16] * 4
+    b = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 16))}
+    with pytest.raises(MeshplanError, match="nothing marks where its forward ends"):
+        meshplan.plan(eval_acc, p, jnp.float32(0), b, batch_argnums=(2,),
+                      cluster=meshplan.Cluster.local(),
+                      method=meshplan.PipeshardParallel(stages=2))
