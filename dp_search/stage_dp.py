@@ -116,10 +116,14 @@ def _stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     # only stages some assignment has: ``s - 1`` later stages need a layer
     # each, and the first stage starts a plan of min..max stages (the DP
     # reaches no other, and one group per stage then costs L, not L^3, stages)
+    # (nor a submesh the other stages cannot complete to every device: the
+    # whole model on half of them, all of them for a stage after the first)
+    def fits(i: int, m: int, s: int) -> bool:
+        return _reachable(i, s, min_stages, max_stages) \
+            and _devices_reachable(i, s, sizes[m], sizes, total_devices, min_stages, max_stages)
     latencies = sorted({v for i in range(L) for j in range(i, L) for m in range(len(sizes))
                         for s in range(1, min(max_stages, L - j) + 1)
-                        if _reachable(i, s, min_stages, max_stages)
-                        and (v := c(i, j, m, s)) is not None})
+                        if fits(i, m, s) and (v := c(i, j, m, s)) is not None})
     if not latencies:
         return None
     best: DPResult | None = None
@@ -127,7 +131,8 @@ def _stage_dp(num_layers: int, submeshes: Sequence[Submesh], total_devices: int,
     for t_max in (latencies if B > 1 else latencies[-1:]):
         if best is not None and (B - 1) * t_max >= best.total_s:
             break
-        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages, balance, rows)
+        res = _dp_for(t_max, L, sizes, total_devices, max_stages, c, min_stages, balance, rows,
+                      fits)
         if res is None:
             continue
         total, stages = res
@@ -146,9 +151,22 @@ def _reachable(first: int, s: int, min_stages: int, max_stages: int) -> bool:
     return max(1, min_stages - s) <= min(first, max_stages - s)
 
 
+def _devices_reachable(first: int, s: int, size: int, sizes: Sequence[int], D: int,
+                       min_stages: int, max_stages: int) -> bool:
+    """Can a stage of ``size`` devices starting at layer ``first``, with
+    ``s`` stages from it to the last, be part of a plan on all ``D`` devices?
+    (The stages before it, none for the first layer, and the ``s - 1``
+    after it take one submesh of ``sizes`` each.)"""
+    lo, hi = min(sizes), max(sizes)
+    before = (0, 0) if first == 0 else (max(1, min_stages - s), min(first, max_stages - s))
+    rest = D - size
+    return (before[0] + s - 1) * lo <= rest <= (before[1] + s - 1) * hi
+
+
 def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
             c: Callable, min_stages: int = 1, balance: Sequence[float] | None = None,
-            rows: dict | None = None) -> tuple[float, tuple[StageChoice, ...]] | None:
+            rows: dict | None = None, fits: Callable[[int, int, int], bool] | None = None
+            ) -> tuple[float, tuple[StageChoice, ...]] | None:
     INF = math.inf
     min_size = min(sizes)
     rows = {} if rows is None else rows
@@ -160,7 +178,8 @@ def _dp_for(t_max: float, L: int, sizes: list[int], D: int, max_stages: int,
         r = rows.get((k, s))
         if r is None:
             r = rows[k, s] = [(j, m, size, t) for j in range(k, L - s + 1)
-                              for m, size in enumerate(sizes) if (t := c(k, j, m, s)) is not None]
+                              for m, size in enumerate(sizes)
+                              if (fits is None or fits(k, m, s)) and (t := c(k, j, m, s)) is not None]
         return r
     if balance is None:
         def better(a: tuple, b: tuple) -> bool:

@@ -40,8 +40,18 @@ def _random_stage_problem(rng, min_layers: int):
 @pytest.mark.parametrize("seed", range(30))
 def test_stage_dp_equals_brute_force(seed):
     L, subs, hosts, dph, B, cost = _random_stage_problem(np.random.default_rng(seed), 1)
-    r = stage_dp(L, subs, hosts * dph, B, cost)
-    bf = brute_force(L, subs, hosts * dph, B, cost)
+    asked = set()
+
+    def ask(*key):
+        asked.add(key)
+        return cost(*key)
+    D = hosts * dph
+    r = stage_dp(L, subs, D, B, ask)
+    bf = brute_force(L, subs, D, B, cost)
+    # (each cost asked is layer ILPs: none for a stage no plan on every
+    # device has, the whole model on fewer devices or a later stage on all)
+    assert not any(i == 0 and s == 1 and subs[m].size < D for i, _, m, s in asked)
+    assert not any(i > 0 and subs[m].size == D for i, _, m, s in asked)
     if bf is None:
         assert r is None
     else:
