@@ -96,6 +96,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from meshplan.errors import MeshplanError, RuntimeStageError, StalePlanError, warn
+from meshplan.graph import BATCH, Graph
 from meshplan.plan import Plan
 from meshplan.recompute import SELECTIVE, selective_nodes
 from meshplan.schedule import Block, schedule_order
@@ -341,7 +342,7 @@ class PipelineExecutable:
             f"what they are computed from ({', '.join(listed[:4])}"
             f"{' ...' if len(listed) > 4 else ''}) cannot be combined exactly from the "
             f"micro-batches ({split.inexact[first]}), and the pipeline averages it over them.  "
-            "Plan with num_micro_batches=1 for the exact step")
+            f"Plan with num_micro_batches=1 for the exact step{_tables(self.traced.graph)}")
 
     # ---- running ----------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -432,6 +433,22 @@ class PipelineExecutable:
         name = getattr(self.fn, "__name__", "fn")
         return (f"PipelineExecutable({name}, {self.p} stages, {self.m} micro-batches, "
                 f"{self.schedule}, {len(self.programs)} programs)")
+
+
+def _tables(graph: Graph) -> str:
+    """A word on batch leaves the step indexes by values of the batch (a
+    table of classes among the batch's leaves, as long as the batch: each
+    micro-batch would hold part of it), else ''."""
+    batch = {i.tensor: i for i in graph.inputs if i.role == BATCH}
+    named = sorted({f"argument {batch[n.inputs[0]].argnum}{batch[n.inputs[0]].path}"
+                    for n in graph.nodes if n.primitive in ("gather", "dynamic_slice")
+                    and n.inputs and n.inputs[0] in batch
+                    and any(t in graph.batch_tensors for t in n.inputs[1:])})
+    if not named:
+        return ""
+    return (f" ({', '.join(named)} {'is' if len(named) == 1 else 'are'} indexed by values of "
+            "the batch: a table that is no batch, as long as the batch by chance, goes in "
+            "another argument than batch_argnums')")
 
 
 def _output_groups(flat: FlatJaxpr, sources: Any, outputs: Sequence[tuple[int, str]]) -> list[str]:

@@ -650,3 +650,24 @@ def test_a_callback_on_a_value_only_it_reads_runs_with_the_forward():
     _compare(step_fn, _state(), meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2), steps=1)
     assert len(seen) == 3       # (jit's one, and one per micro-batch)
     assert (seen[1] + seen[2]) / 2 == pytest.approx(seen[0], rel=1e-5)
+
+
+def test_a_table_among_the_batch_leaves_as_long_as_the_batch_is_named():
+    # per-class weights in the batch dict, 16 classes for 16 examples: cut
+    # into micro-batches like the rows, and indexed by the labels.  The
+    # warning named only a combination of values scaling differently
+    def step_fn(p, b):
+        def loss(p):
+            logits = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1)[:, 0]
+            return jnp.mean(nll * b["cw"][b["y"]])
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), value
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"w1": jax.random.normal(k1, (8, 16)) * 0.3, "w2": jax.random.normal(k2, (16, 16)) * 0.3}
+    b = {"x": jax.random.normal(k1, (16, 8)), "y": jnp.arange(16) % 16,
+         "cw": jnp.linspace(0.2, 2.0, 16)}
+    step = meshplan.parallelize(step_fn, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                                 num_micro_batches=2))
+    with pytest.warns(UserWarning, match=r"argument 1\['cw'\] is indexed by values of the batch"):
+        step(p, b)
