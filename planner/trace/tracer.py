@@ -415,6 +415,9 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
 
     def pair(i: int, found: Iterable[tuple[int, list[str]]]) -> bool:
         offset, n = starts[i], starts[i + 1] - starts[i]
+        found = list(itertools.islice(found, MAX_ALIKE + 1))
+        if len(found) > MAX_ALIKE:
+            return False    # (a part of many alike: none told apart, and each is a search)
         fits = []
         for a, leaf_paths in found:
             ids = [input_index[(a, p)] for p in leaf_paths]
@@ -434,15 +437,18 @@ def _link_outputs(out_shape: Any, out_ids: Sequence[int], args: Sequence[Any],
         return True
 
     whole = [i for i, part in enumerate(parts) if pair(i, _whole_args(part, args, batch_argnums))]
-    rest = sorted((i for i in range(len(parts)) if i not in whole
-                   and starts[i + 1] - starts[i] > 0
-                   and not (starts[i + 1] - starts[i] == 1 and not np.shape(
-                       jax.tree_util.tree_leaves(parts[i])[0]))),
-                  key=lambda i: starts[i] - starts[i + 1])
-    for i in rest:
+
+    def size(i: int) -> int:    # (one scalar counts as none)
+        leaves = jax.tree_util.tree_leaves(parts[i])
+        return 0 if len(leaves) == 1 and not np.shape(leaves[0]) else len(leaves)
+    for i in sorted((i for i in range(len(parts)) if i not in whole and size(i)), key=size,
+                    reverse=True):
         pair(i, _arg_parts(parts[i], args, batch_argnums))
     return tuple(GraphOutput(tensor=t, path=p, updates=u)
                  for t, p, u in zip(out_ids, paths, updates))
+
+
+MAX_ALIKE = 16      # arguments, or parts of them, an output may be told among
 
 
 def _whole_args(part: Any, args: Sequence[Any], batch_argnums: tuple[int, ...]
@@ -465,13 +471,15 @@ def _arg_parts(part: Any, args: Sequence[Any], batch_argnums: tuple[int, ...]
     for a, arg in enumerate(args):
         if a in batch_argnums:
             continue
-        leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-        prefixes = dict.fromkeys(p[:d] for p, _ in leaves for d in range(1, len(p) + 1))
-        for pre in prefixes:
-            below = [(p, x) for p, x in leaves if p[:len(pre)] == pre]
-            if [(jax.tree_util.keystr(p[len(pre):]), _leaf_signature(x))
-                    for p, x in below] == want:
-                yield a, [jax.tree_util.keystr(p) for p, _ in below]
+        below: dict[tuple, list] = {}       # prefix -> the leaves under it, in order
+        for p, x in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            for d in range(1, len(p) + 1):
+                below.setdefault(p[:d], []).append((p, x))
+        for pre, leaves in below.items():
+            if len(leaves) == len(want) and [
+                    (jax.tree_util.keystr(p[len(pre):]), _leaf_signature(x))
+                    for p, x in leaves] == want:
+                yield a, [jax.tree_util.keystr(p) for p, _ in leaves]
 
 
 def _leaf_signature(x: Any) -> tuple[Any, ...]:
