@@ -17,7 +17,7 @@ import jax
 
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
-from .cost_model.pipeline import host_binds
+from .cost_model.pipeline import host_binds, least_host_s
 from .dp_search.stage_dp import IDLE_SHARE
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline, warn_of_scans)
@@ -319,7 +319,7 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
     # those are not searched (a tiny step planned in seconds, not a minute)
     whole: Plan | None = None
     floor = math.inf
-    if request.one_stage_by_whole_graph and cluster.device.achieved.pipeline_program_s > 0:
+    if request.one_stage_by_whole_graph and _host_may_bind(graph, cluster):
         try:
             whole = plan_one_stage(graph, cluster, replace(request, pipeline=None), session)
             floor = whole.predicted.iteration_s
@@ -366,6 +366,20 @@ def _plan_request(graph: Graph, cluster: ClusterSpec, request: PlanRequest,
                                    ilp_time_limit_hit=s.ilp_time_limit_hit
                                    or p.ilp_time_limit_hit), stats)
     return Planned(p, stats)
+
+
+def _host_may_bind(graph: Graph, cluster: ClusterSpec) -> bool:
+    """Whether the host's dispatch could keep a pipeline of the most
+    micro-batches (one example each) above the step at peak speed on every
+    device, a floor under any plan: else no count is passed over by it, and
+    the one program (a long whole-graph ILP for a large step) is not planned
+    ahead for nothing."""
+    per_program = cluster.device.achieved.pipeline_program_s
+    if per_program <= 0:
+        return False
+    peak = max(dict(cluster.device.peak_flops).values(), default=0.0)
+    ideal = graph.total_flops / (cluster.num_devices * peak) if peak > 0 else 0.0
+    return ideal < least_host_s(batch_size(graph), per_program)
 
 
 NO_BATCH_NOTE = ("planned as one program, without pipeline stages or micro-batches: the "
