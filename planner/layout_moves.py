@@ -93,6 +93,26 @@ def gathers_whole(mesh_shape: tuple[int, ...], src: ISpec, dst: ISpec) -> bool:
     return AxisMoves.of(src, dst).gathers_whole()
 
 
+def through_whole(mesh_shape: tuple[int, ...], src: ISpec, dst: ISpec) -> bool:
+    """Whether the cost model's steps from ``src`` to ``dst`` hold the tensor
+    whole on every device in between: XLA's fallback
+    (:func:`gathers_whole`), or every axis of ``src`` dropped before new ones
+    are sliced in on other dimensions (channels over x, then the batch over
+    y: gathered over x, then sliced).  The runtime constrains the replicated layout
+    between them, or XLA reaches it by its fallback and warns."""
+    if gathers_whole(mesh_shape, src, dst):
+        return True
+    if src == dst or not any(dst):
+        return False
+    every = tuple(sorted({a for d in src for a in d} | {a for d in dst for a in d}))
+    if contained(mesh_shape, src, dst, every) is not None:
+        return False
+    mv = AxisMoves.of(src, dst)
+    held = set(mv.src_dim.values())
+    return bool(mv.new) and not mv.moved and set(mv.src_dim) <= mv.dropped \
+        and all(mv.dst_dim[a] not in held for a in mv.new)
+
+
 def spec_from_names(spec, axis_names: Sequence[str]) -> ISpec:
     """A plan's named spec (None, a name, or a tuple of names per dimension)
     as mesh-axis indices."""

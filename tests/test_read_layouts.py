@@ -48,6 +48,37 @@ def test_an_axis_dropped_before_another_is_sliced_in_is_replicated_first():
     assert read_layouts(stage, flat) == {2: [(0, (None, None, None)), (0, ("y", None, None))]}
 
 
+def _specs(rank, axes):
+    """Every layout of a rank-``rank`` tensor over mesh ``axes`` (each axis
+    on at most one dimension, in either order)."""
+    import itertools
+    out = set()
+    for where in itertools.product(range(rank + 1), repeat=len(axes)):
+        for order in itertools.permutations(axes):
+            dims = [[] for _ in range(rank)]
+            for a in order:
+                if where[a] < rank:
+                    dims[where[a]].append(a)
+            out.add(tuple(tuple(d) for d in dims))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 2, 2)])
+def test_the_runtime_goes_through_the_whole_tensor_where_the_cost_model_does(shape):
+    # (the runtime cannot import the cost model: layout_moves decides it for
+    # both; here checked against the cost model's own steps)
+    from meshplan.cost_model.sharding import reshard_moves
+    from meshplan.layout_moves import through_whole
+    for rank in (2, 3):
+        specs = _specs(rank, range(len(shape)))
+        for src in specs:
+            for dst in specs:
+                moves, _ = reshard_moves(shape, src, dst)
+                whole = any(dst) and any(kind == "all-gather" and not any(after)
+                                         for kind, _, _, after in moves)
+                assert through_whole(shape, src, dst) == whole, (src, dst, moves)
+
+
 WRESNET = """
 import jax, meshplan
 from meshplan.models import build_model
