@@ -394,6 +394,17 @@ def ancestor_nodes(graph: Graph, values: Iterable[int],
     return out
 
 
+def cast_origin(graph: Graph, t: int) -> int:
+    """The value ``t`` is, before element-wise casts and copies."""
+    producer = graph.producer
+    while t in producer:
+        n = graph.nodes[producer[t]]
+        if n.primitive not in ("convert_element_type", "copy") or len(n.inputs) != 1:
+            break
+        t = n.inputs[0]
+    return t
+
+
 def stacked_scan_inputs(graph: Graph, node: Node) -> list[int]:
     """The step's non-batch inputs that the scan ``node`` iterates over (its
     ``xs``, directly or through an elementwise cast) and whose leading
@@ -405,19 +416,9 @@ def stacked_scan_inputs(graph: Graph, node: Node) -> list[int]:
     p = dict(node.params)
     if "num_consts" not in p:
         return []
-    producer = graph.producer
     inputs = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums}
-
-    def origin(t: int) -> int:
-        while t in producer:
-            n = graph.nodes[producer[t]]
-            if n.primitive not in ("convert_element_type", "copy") or len(n.inputs) != 1:
-                break
-            t = n.inputs[0]
-        return t
-
     out = []
-    for t in map(origin, node.inputs[p["num_consts"] + p["num_carry"]:]):
+    for t in (cast_origin(graph, t) for t in node.inputs[p["num_consts"] + p["num_carry"]:]):
         shape = graph.tensors[t].shape
         if t in inputs and shape and shape[0] == node.repeat:
             out.append(t)

@@ -25,7 +25,7 @@ from .errors import InfeasiblePlanError, MeshplanError, warn
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import REPLICATED_NOTE, check_batch_divisible, plan_one_stage
-from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph
+from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph, cast_origin
 from .methods import Manual, Method
 from .plan import Plan
 from .ilp import EachMicroBatch, SequenceSplit
@@ -225,14 +225,7 @@ def _indexes_stacked(graph: Graph, node) -> bool:
         return False
     stacked = {i.tensor for i in graph.inputs if i.argnum not in graph.batch_argnums
                and graph.tensors[i.tensor].shape[:1] == (node.repeat,)}
-    producer = graph.producer
-    for t in node.inputs:
-        while t not in stacked and t in producer and graph.nodes[producer[t]].primitive in (
-                "convert_element_type", "copy"):
-            t = graph.nodes[producer[t]].inputs[0]
-        if t in stacked:
-            return True
-    return False
+    return any(cast_origin(graph, t) in stacked for t in node.inputs)
 
 
 def _stage_flops(plan: Plan, graph: Graph) -> list[float] | None:

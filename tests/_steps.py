@@ -48,3 +48,12 @@ def run_plan(fn: Callable, plan: Any, state: Any, batch: Any, steps: int
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return step, jax.device_get(state), losses
+
+
+def tanh_mlp_loss(ws: Any, batch: Any) -> Any:
+    """The mean squared error of the tanh layers ``ws`` (a list of weights)
+    on ``batch["x"]`` against ``batch["y"]``."""
+    h = batch["x"]
+    for w in ws:
+        h = jax.numpy.tanh(h @ w)
+    return jax.numpy.mean((h - batch["y"]) ** 2)

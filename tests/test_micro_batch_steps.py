@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import meshplan
+from _steps import tanh_mlp_loss
 from meshplan.graph import GRAD_BOUNDARY
 from meshplan.models import build_model
 
@@ -493,12 +494,7 @@ def test_an_update_that_reads_the_loss_pipelines(m):
     # does: the loss's sum was taken for a gradient, the marker ended the
     # forward at the head, and the step cut into one layer)
     def step_fn(p, b):
-        def loss(p):
-            h = b["x"]
-            for w in p:
-                h = jnp.tanh(h @ w)
-            return jnp.mean((h - b["y"]) ** 2)
-        value, g = jax.value_and_grad(loss)(p)
+        value, g = jax.value_and_grad(tanh_mlp_loss)(p, b)
         lr = jnp.where(value > 0.5, 0.1, 0.01)
         return [w - lr * gw for w, gw in zip(p, g)], value
     ks = jax.random.split(jax.random.key(0), 6)

@@ -13,6 +13,7 @@ import pytest
 from meshplan.graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes, topological
 from meshplan.trace import trace
 from meshplan.errors import TraceError
+from _steps import tanh_mlp_loss
 
 
 def _mlp_step():
@@ -91,12 +92,7 @@ def test_a_float64_numpy_state_is_updated_as_jax_jit_takes_it():
 def _momentum_step(s, b):
     # step(state, batch) -> (new_params, new_momentum, loss): the parts of
     # one state argument returned apart; params and momentum alike in shape
-    def loss(p):
-        h = b["x"]
-        for w in p:
-            h = jnp.tanh(h @ w)
-        return jnp.mean((h - b["y"]) ** 2)
-    value, g = jax.value_and_grad(loss)(s["params"])
+    value, g = jax.value_and_grad(tanh_mlp_loss)(s["params"], b)
     m = [0.9 * a + c for a, c in zip(s["mom"], g)]
     return [w - 0.1 * v for w, v in zip(s["params"], m)], m, value
 
