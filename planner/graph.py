@@ -394,6 +394,16 @@ def ancestor_nodes(graph: Graph, values: Iterable[int],
     return out
 
 
+def descendant_tensors(graph: Graph, nodes: Iterable[int]) -> set[int]:
+    """The values computed from the outputs of ``nodes`` (theirs included)."""
+    start = set(nodes)
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.id in start or not out.isdisjoint(n.inputs):
+            out.update(n.outputs)
+    return out
+
+
 def cast_origin(graph: Graph, t: int) -> int:
     """The value ``t`` is, before element-wise casts and copies."""
     producer = graph.producer
@@ -429,8 +439,12 @@ def forward_nodes(graph: Graph) -> list[bool]:
     """Per node: is it in the forward pass?  The ancestors of the outputs that
     update no input (loss, metrics), not looking through the end-of-backward
     marker (:func:`meshplan.value_and_grad`), so the backward is excluded."""
-    targets = {o.tensor for o in graph.outputs if o.updates is None}
     markers = {n.id for n in graph.nodes if n.primitive == GRAD_MARKER}
+    # a metric computed from a gradient (a gradient norm, a norm or average
+    # of the new parameters) is update work: taken as forward it would pull
+    # the update arithmetic of every layer it reads into the forward
+    after = descendant_tensors(graph, markers)
+    targets = {o.tensor for o in graph.outputs if o.updates is None and o.tensor not in after}
     if not targets and markers:
         # a step returning its new state alone: the loss it computed and
         # dropped (read by nothing) ends the forward, as a returned one does
