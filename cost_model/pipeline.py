@@ -111,14 +111,16 @@ def zb_h1_iteration_s(forward: Sequence[float], backward: Sequence[float],
 def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int],
                                num_micro_batches: int, total_devices: int,
                                dispatch_s: Sequence[float],
-                               collectives_s: Sequence[float] | None = None) -> float:
+                               collectives_s: Sequence[float] | None = None,
+                               passes: int = 2) -> float:
     """Iteration time when the devices share one host's compute (XLA's fake
     CPU devices): a stage idle in the bubble lends its share to the busy
     ones, so the host works through every stage's micro-batches with all of
     its compute, ``sum_k B t_k d_k / D``.  ``latencies`` are per micro-batch
     at one device's share of the host with every device busy.  Dispatching
-    a stage's programs (``dispatch_s`` each, two per stage and micro-batch)
-    is serial on the host thread and adds up.
+    a stage's programs (``dispatch_s`` each, ``passes`` per stage and
+    micro-batch: :data:`TRAIN_PROGRAMS`) is serial on the host thread and
+    adds up.
 
     ``collectives_s`` (per stage and micro-batch, among its latency) are not
     shared out: a stage's compute runs faster while other stages idle and
@@ -133,21 +135,30 @@ def shared_compute_iteration_s(latencies: Sequence[float], devices: Sequence[int
     With one stage on every device both readings agree."""
     coll = list(collectives_s) if collectives_s is not None else [0.0] * len(latencies)
     work = sum((t - c) * d for t, c, d in zip(latencies, coll, devices)) / total_devices
-    return num_micro_batches * (work + sum(coll) + 2 * sum(dispatch_s))
+    return num_micro_batches * (work + sum(coll) + passes * sum(dispatch_s))
 
 
-def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int = 2) -> int:
+# the programs a stage of a train step runs: a forward and a backward per
+# micro-batch, its update once a step.  A step whose every pass over the
+# batch is forward work (an evaluation step) runs (1, 0), or (1, 1) where it
+# changes state (graph.stage_program_counts)
+TRAIN_PROGRAMS = (2, 1)
+
+
+def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int = 2,
+                   per_step: int = 1) -> int:
     """The stage programs a pipelined step runs: per stage (an interleaved
     plan's virtual stage) and micro-batch a forward and a backward
-    (``per_micro_batch`` 3 where ZB-H1 splits out the weight gradient), and
-    each stage's update once.  (The zero running sums and their means, one
+    (``per_micro_batch`` 3 where ZB-H1 splits out the weight gradient, 1 for
+    a forward alone), and each stage's update once (``per_step``).  (The zero running sums and their means, one
     program each per stage, are not counted: a per-program figure measured
     on a real pipeline, ``Achieved.pipeline_program_s``, carries them.)"""
-    return num_stages * (num_micro_batches * per_micro_batch + 1)
+    return num_stages * (num_micro_batches * per_micro_batch + per_step)
 
 
 def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
-                    per_program_s: float, per_buffer_s: float = 0.0, buffers: int = 0) -> float:
+                    per_program_s: float, per_buffer_s: float = 0.0, buffers: int = 0,
+                    programs: tuple[int, int] = TRAIN_PROGRAMS) -> float:
     """:func:`host_bound_s` of the programs of ``num_stages`` stages (an
     interleaved plan's virtual stages) over ``num_micro_batches`` under
     ``schedule`` that one process hands over, plus ``per_buffer_s`` for each
@@ -155,14 +166,19 @@ def pipeline_host_s(num_stages: int, num_micro_batches: int, schedule: str,
     host's process drives the stages on its devices
     (``dp_search.stages._host_s``).  (A plan of one stage and one
     micro-batch is a single program that jit dispatches whole: its callers
-    do not ask.)"""
-    return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule),
+    do not ask.)  ``programs``: a stage's per micro-batch and per step
+    (:data:`TRAIN_PROGRAMS`)."""
+    return host_bound_s(schedule_programs(num_stages, num_micro_batches, schedule, programs),
                         per_program_s) + buffers * per_buffer_s
 
 
-def schedule_programs(num_stages: int, num_micro_batches: int, schedule: str) -> int:
-    """:func:`stage_programs` under ``schedule`` (ZB-H1: a W program too)."""
-    return stage_programs(num_stages, num_micro_batches, 3 if schedule == "zb-h1" else 2)
+def schedule_programs(num_stages: int, num_micro_batches: int, schedule: str,
+                      programs: tuple[int, int] = TRAIN_PROGRAMS) -> int:
+    """:func:`stage_programs` under ``schedule`` (ZB-H1: a W program too,
+    where there is a backward to split)."""
+    per_mb, per_step = programs
+    return stage_programs(num_stages, num_micro_batches,
+                          per_mb + (schedule == "zb-h1" and per_mb > 1), per_step)
 
 
 def layer_buffers(params: int, state: int, kept: int, sent: int, received: int,
@@ -197,16 +213,16 @@ def host_binds(iteration_s: float, host_s: float) -> bool:
 
 
 def least_host_s(num_micro_batches: int, per_program_s: float, num_stages: int = 1,
-                 hosts: int = 1) -> float:
+                 hosts: int = 1, programs: tuple[int, int] = TRAIN_PROGRAMS) -> float:
     """A floor under the predicted step of every plan of ``num_micro_batches``
     and at least ``num_stages`` stages that the hosts hand over program by
     program: the busiest of ``hosts`` runs the forwards, backwards and
     update of at least its share of the stages (:func:`host_bound_s`; the
     buffers' time is on top).  0 for one stage of one micro-batch, a single
-    program jit dispatches whole."""
+    program jit dispatches whole.  ``programs``: as :func:`pipeline_host_s`'s."""
     if num_micro_batches <= 1 and num_stages <= 1:
         return 0.0
-    return host_bound_s(stage_programs(-(-num_stages // hosts), num_micro_batches, 2),
+    return host_bound_s(stage_programs(-(-num_stages // hosts), num_micro_batches, *programs),
                         per_program_s)
 
 

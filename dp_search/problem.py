@@ -12,11 +12,11 @@ from ..contributions import graph_ops, once_a_step
 from ..cost_model import default_axis_names
 from ..cost_model.fusion import kept_after_fusion
 from ..cost_model.mesh import is_cpu
-from ..cost_model.pipeline import layer_buffers
+from ..cost_model.pipeline import TRAIN_PROGRAMS, layer_buffers
 from ..cost_model.torus import torus_orders
 from ..errors import MeshplanError
 from ..graph import (OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, arithmetic_flops,
-                     forward_nodes)
+                     forward_nodes, stage_program_counts)
 from ..ilp import candidate_meshes, within_host
 from ..plan import LogicalMesh
 from ..recompute import recomputed_tensors, replay_reads, selective_nodes
@@ -63,6 +63,8 @@ class LayerProblems:
     # before any ILP is solved
     state_bytes: list[float]
     optimizer_bytes: list[float]      # the optimizer-state part of state_bytes
+    # the programs a stage runs: per micro-batch, per step (graph.stage_program_counts)
+    programs: tuple[int, int] = TRAIN_PROGRAMS
     # the user fixed the number of stages (stages=N, Manual's pp): near ties of
     # the stage DP go to the more balanced stages (stage_dp's balance)
     exact_stages: bool = False
@@ -249,6 +251,7 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
                    * cluster.device.achieved.memory_efficiency),
         accumulate_passes=3 if is_cpu(cluster.device) else 1,
         state_bytes=list(a.state_bytes), optimizer_bytes=list(a.optimizer_bytes),
+        programs=stage_program_counts(g),
         exact_stages=opts.num_stages is not None or opts.fixed is not None,
         many_stages=many)
 

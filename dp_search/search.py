@@ -18,7 +18,7 @@ from ..cluster import ClusterSpec
 from ..cost_model.pipeline import least_host_s
 from ..errors import InfeasiblePlanError, MeshplanError, TraceError, batch_rows, warn
 from ..graph import (BATCH, PARAM, Graph, Node, batch_dims_between, batch_shaped_draws,
-                     stacked_scan_inputs)
+                     stacked_scan_inputs, stage_program_counts)
 from ..plan import Plan
 from ..units import human_bytes
 from .assemble import pipeline_plan
@@ -146,10 +146,11 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
     # the fewest stages a plan may have, and the host's floor under a count's
     # plans of so many (cost_model.pipeline.least_host_s)
     least = opts.fixed[2] if opts.fixed else opts.num_stages or 1
+    programs = stage_program_counts(graph)
 
     def floor(B: int, stages: int) -> float:
         return least_host_s(B, cluster.device.achieved.pipeline_program_s, stages,
-                            cluster.num_hosts)
+                            cluster.num_hosts, programs)
 
     memo = {} if layered_memo is None else layered_memo
     # (the layers depend on neither the input filter nor the counts asked)

@@ -653,7 +653,7 @@ class StageCosts:
         joint_s = self.joint(i, j, m, k, tighten)[0]
         # a stage launches a forward and a backward program per micro-batch
         fixed = send + joint_s + self.undeferred(i, j, m, k, tighten)[0] + \
-            2 * lay.dispatch(m) + accumulation_s(
+            lay.programs[0] * lay.dispatch(m) + accumulation_s(
             c.grad_bytes, lay.B, lay.memory_bw, lay.accumulate_passes)
         # each micro-batch in flight keeps what its backward reads; the one
         # being processed also needs its layer's temporaries.  With remat
@@ -934,12 +934,12 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         busy = [cluster.device.achieved.busy_s(lay.submeshes[st.submesh].size) if n_st > 1
                 else 0.0 for st in res.stages]
         total = shared_compute_iteration_s(
-            [st.latency - 2 * lay.dispatch(st.submesh) for st in res.stages],
+            [st.latency - lay.programs[0] * lay.dispatch(st.submesh) for st in res.stages],
             [lay.submeshes[st.submesh].size for st in res.stages], lay.B,
             cluster.num_devices,
             [lay.dispatch(st.submesh) + b for st, b in zip(res.stages, busy)],
             [chosen[st.first, st.last, st.submesh, n_st - k].collectives_s
-             for k, st in enumerate(res.stages)])
+             for k, st in enumerate(res.stages)], lay.programs[0])
         if schedule == ZB_H1:
             # a W program's launch is serial on the host too (.zero_bubble
             # put it in the stage's latency, which the formula shares out)
@@ -953,7 +953,7 @@ def _pipeline_for(schedule: str, lay: LayerProblems, cluster: ClusterSpec,
         total -= lay.dispatch(res.stages[0].submesh)
     else:
         # and each stage's update program, once per iteration
-        total += sum(lay.dispatch(st.submesh) for st in res.stages)
+        total += lay.programs[1] * sum(lay.dispatch(st.submesh) for st in res.stages)
         # the driver hands every stage program over from one host thread
         # (an interleaved plan's stages here are its virtual stages).  The DP
         # does not see it: where it binds, best_pipeline runs the DP again
@@ -1003,7 +1003,7 @@ def _host_s(lay: LayerProblems, res: DPResult, schedule: str, chunks: int,
         for h, local in Counter(d // cluster.devices_per_host for d in placed[k % p]).items():
             stages.setdefault(h, []).append((local, mb, step))
     return max(pipeline_host_s(len(on), lay.B, schedule, a.pipeline_program_s,
-                               a.pipeline_buffer_s, step_buffers(on, lay.B))
+                               a.pipeline_buffer_s, step_buffers(on, lay.B), lay.programs)
                for on in stages.values())
 
 

@@ -119,7 +119,8 @@ def zero_bubble(res: DPResult, lay: LayerProblems, costs: Any
                                      "every stage")
             return None
         fwd, inp, rest = sum(f_l[i:j + 1]), sum(b_l[i:j + 1]), sum(w_l[i:j + 1])
-        whole = k == 0 or o.remat       # (the runtime keeps these backwards one program)
+        # (the runtime keeps these backwards one program; a forward alone has none)
+        whole = k == 0 or o.remat or lay.programs[0] == 1
         if whole:
             inp, rest = inp + rest, 0.0
         lat = o.latency_s + (0.0 if whole else lay.dispatch(st.submesh))

@@ -455,6 +455,21 @@ def forward_nodes(graph: Graph) -> list[bool]:
     return [n.id in fwd for n in graph.nodes]
 
 
+def stage_program_counts(graph: Graph) -> tuple[int, int]:
+    """The programs each pipeline stage of ``graph`` runs: (per micro-batch,
+    per step).  A train step's forward and backward, then its update
+    (``cost_model.pipeline.TRAIN_PROGRAMS``); a step whose every pass over
+    the batch is forward work (an evaluation step) runs its forward alone,
+    and an update program only where it changes state
+    (``runtime/pipeline_split``'s phases)."""
+    fwd = forward_nodes(graph)
+    rest = [n for n in graph.nodes if not fwd[n.id]]
+    batch = graph.batch_tensors
+    if any(not batch.isdisjoint(n.outputs) for n in rest):
+        return 2, 1
+    return 1, int(bool(rest))
+
+
 def per_micro_batch_nodes(graph: Graph, grads: frozenset[int], varying: Iterable[int]
                           ) -> set[int]:
     """The nodes a pipeline runs once per micro-batch, as the runtime splits a

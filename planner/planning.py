@@ -25,7 +25,7 @@ from .errors import InfeasiblePlanError, MeshplanError, warn
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .one_stage import REPLICATED_NOTE, check_batch_divisible, plan_one_stage
-from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph, cast_origin
+from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph, cast_origin, stage_program_counts
 from .methods import Manual, Method
 from .plan import Plan
 from .ilp import EachMicroBatch, SequenceSplit
@@ -372,7 +372,8 @@ def _host_may_bind(graph: Graph, cluster: ClusterSpec) -> bool:
         return False
     peak = max(dict(cluster.device.peak_flops).values(), default=0.0)
     ideal = graph.total_flops / (cluster.num_devices * peak) if peak > 0 else 0.0
-    return ideal < least_host_s(batch_size(graph), per_program)
+    return ideal < least_host_s(batch_size(graph), per_program,
+                                programs=stage_program_counts(graph))
 
 
 NO_BATCH_NOTE = ("planned as one program, without pipeline stages or micro-batches: the "

@@ -192,10 +192,18 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     micro-batches combine (:func:`_combination`); None: averaged.
     ``output_paths``: each output leaf's path, to name it in a refusal."""
     eqn_stage = _eqn_stages(len(flat.eqns), layer_of_node, stage_layers)
-    flow = _flow(flat, frozenset(batch_ids), num_micro_batches,
+    flow = _flow(flat, frozenset(batch_ids),
                  {o for k, _, _ in draws for o in flat.eqns[k].outvars},
                  scaling.statistics if scaling is not None and num_micro_batches > 1
                  else frozenset())
+    if not flow.markers and num_micro_batches > 1 and any(
+            not forward[k] and not flow.is_const[k] and not flow.bdep.isdisjoint(fe.outvars)
+            for k, fe in enumerate(flat.eqns)):
+        # (an evaluation step needs none: its work on the batch is all forward)
+        raise MeshplanError(
+            "running more than one micro-batch needs to know where the gradients end: compute "
+            "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
+            "num_micro_batches=1)")
     # a gradient summed from several layers' contributions: summed once a step
     once, _ = once_a_step([(fe.eqn.primitive.name, [x for x in fe.invars if isinstance(x, int)],
                             fe.outvars) for fe in flat.eqns], layer_of_node, GRAD_BOUNDARY)
@@ -347,7 +355,7 @@ class _Flow:
     batch_ids: frozenset[int]
 
 
-def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int,
+def _flow(flat: FlatJaxpr, batch_ids: frozenset[int],
           drawn: set[int] = frozenset(), statistics: frozenset[int] = frozenset()) -> _Flow:
     """What every value depends on; ``drawn``: the draws over the batch,
     which differ per micro-batch like the batch (each reads its rows).
@@ -391,11 +399,6 @@ def _flow(flat: FlatJaxpr, batch_ids: frozenset[int], num_micro_batches: int,
             bdep.update(fe.outvars)
         if any(x in after for x in ins):
             after.update(fe.outvars)
-    if not markers and num_micro_batches > 1:
-        raise MeshplanError(
-            "running more than one micro-batch needs to know where the gradients end: compute "
-            "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
-            "num_micro_batches=1)")
     return _Flow(producer_eqn, const_ids, is_const, bdep, after, markers, alias, batch_ids)
 
 

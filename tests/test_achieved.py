@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import jax.numpy as jnp
 import pytest
 
 import meshplan
@@ -314,9 +315,9 @@ def test_a_shared_host_pipeline_adds_its_tensor_parallel_collectives_in_full(mon
     from meshplan.dp_search import stages
     seen = []
 
-    def record(latencies, devices, B, D, dispatch, collectives=None):
+    def record(latencies, devices, B, D, dispatch, collectives=None, passes=2):
         seen.append((list(latencies), list(collectives)))
-        return shared_compute_iteration_s(latencies, devices, B, D, dispatch, collectives)
+        return shared_compute_iteration_s(latencies, devices, B, D, dispatch, collectives, passes)
     monkeypatch.setattr(stages, "shared_compute_iteration_s", record)
     m, cluster = _gpt(), ClusterSpec.local()
     summed = {}
@@ -552,6 +553,41 @@ def test_buffer_counts_by_hand():
     # two stages on 2 and 4 devices, 3 micro-batches
     assert step_buffers([(2, 10, 7), (4, 1, 1)], 3) == 2 * 37 + 4 * 4
     assert pipeline_host_s(2, 3, "1f1b", 1e-3, 1e-6, 90) == pytest.approx(14e-3 + 90e-6)
+
+
+def _eval_step(ws, batch):
+    h = batch["x"]
+    for w in ws:
+        h = jnp.tanh(h @ w)
+    return {"loss": jnp.mean((h - batch["y"]) ** 2)}
+
+
+def _counting_eval_step(state, batch):
+    return {**state, "seen": state["seen"] + 1}, _eval_step(state["ws"], batch)
+
+
+def test_an_evaluation_pipeline_runs_a_forward_program_per_micro_batch_and_no_update():
+    from meshplan.cost_model.pipeline import schedule_programs
+    from meshplan.graph import stage_program_counts
+    assert schedule_programs(2, 3, "1f1b") == 2 * (3 * 2 + 1)
+    assert schedule_programs(2, 3, "zb-h1") == 2 * (3 * 3 + 1)
+    assert schedule_programs(2, 3, "zb-h1", (1, 0)) == schedule_programs(2, 3, "1f1b", (1, 0)) \
+        == 2 * 3
+    ws = [jnp.ones((16, 16)) * 0.1 for _ in range(4)]
+    batch = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 16))}
+    counts = {fn: stage_program_counts(trace(fn, state, batch, batch_argnums=(1,), warn=False))
+              for fn, state in ((_eval_step, ws), (_counting_eval_step, {"ws": ws, "seen": 0}))}
+    assert counts == {_eval_step: (1, 0), _counting_eval_step: (1, 1)}
+    m = _gpt()
+    assert stage_program_counts(trace(m.train_step, *m.abstract_args,
+                                      batch_argnums=m.batch_argnums)) == (2, 1)
+    # the host hands over 4 stages x 4 micro-batches forward programs (the
+    # planner charged a backward and an update each too: 36)
+    cluster = meshplan.Cluster.local()
+    per = cluster.device.achieved.pipeline_program_s
+    plan = meshplan.plan(_eval_step, ws, batch, cluster=cluster,
+                         method=meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=4))
+    assert 16 * per <= plan.predicted.host_s < 17 * per
 
 
 def test_the_host_time_counts_the_buffers_the_programs_take_and_make():

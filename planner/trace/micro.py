@@ -134,18 +134,15 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                     f"pass over the batch, and the output {after} runs the batch through the "
                     "new state (a loss after the update, an EMA model's loss); compute it before "
                     "the update, or plan with num_micro_batches=1")
-            if not _state_reads_batch(flat, graph, batch):
+            if _state_reads_batch(flat, graph, batch):
                 raise TraceError(
-                    "micro-batches split the pass over the batch that a train step's new state "
-                    "is computed from, and this step updates none of its arguments from the "
-                    "batch (an evaluation step, or one returning its gradients); plan it with "
-                    "num_micro_batches=1 (a new state is known as the argument it replaces by "
-                    "being returned in that argument's structure, or a part of it: not renamed)")
-            raise TraceError(
-                "running more than one micro-batch needs to know where the gradients end, and "
-                "no reduction over the batch that the new state is computed from was found in "
-                "this step; compute the gradients with meshplan.value_and_grad / meshplan.grad "
-                "(or plan with num_micro_batches=1)")
+                    "running more than one micro-batch needs to know where the gradients end, "
+                    "and no reduction over the batch that the new state is computed from was "
+                    "found in this step; compute the gradients with meshplan.value_and_grad / "
+                    "meshplan.grad (or plan with num_micro_batches=1)")
+            # an evaluation step (or one returning its gradients): its every
+            # pass over the batch is forward work, run per micro-batch, and
+            # its outputs are the micro-batches' combined
         graph = build_graph(closed, micro_args, out_shape, flat)
     draws = _draws(flat, per_example, full, batch)
     return (closed, out_shape, flat, graph, (draws, draw_equations(flat, draws, per_example, full)),
