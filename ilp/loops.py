@@ -86,8 +86,9 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_o
                     c.block(("l", e, lab))
         out_bytes = sum(math.prod(shapes[o]) * itemsizes[o] for o in e_outs)
         sums += [(("l", e, lab), float(out_bytes)) for lab in space.reduce]
-        if prim == "cond":      # (a branch's sum to a scalar: all-reduced each step)
-            sums += [(("l", e, lab), b) for lab, b in space.reduce_each_step]
+        # a nested cond's sums to a scalar, a nested loop's partial sums of
+        # all its steps: all-reduced again in each step of this loop
+        sums += [(("l", e, lab), b) for lab, b in space.reduce_each_step]
     slots = list(ins) + list(outs)
     for slot, v, offset in ties:
         for d in range(offset):

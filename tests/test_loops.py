@@ -116,6 +116,26 @@ def test_rnn_sums_its_weight_gradient_over_the_split_batch_in_every_step():
     assert dict(space.reduce_each_step)[lab] == 2 * H * H * 4 * T
 
 
+def test_a_loop_around_the_rnn_sums_its_weight_gradient_in_every_inner_step():
+    # two epochs of the RNN's SGD steps in an outer scan: the inner backward
+    # scan's all-reduces run in each outer step too (they were dropped: a
+    # tensor-parallel plan of such a loop predicted 4 KiB, and the program
+    # all-reduced 8 KiB more inside the inner loop)
+    B, T, H = 16, 4, 8
+    p, x = _args(B, T, H)
+
+    def epochs(p, x):
+        p, vs = jax.lax.scan(lambda p, _: _step(_rnn)(p, x), p, None, length=2)
+        return p, vs[-1]
+    graph = trace(epochs, p, x, warn=False)
+    (outer,) = [n for n in _loop_nodes(graph) if n.params and dict(n.params).get("length") == 2]
+    space = node_space(graph, outer)
+    batch = space.in_labels[[graph.tensors[t].shape for t in outer.inputs].index((B, T, H))][0]
+    assert batch not in space.blocked
+    # (at least dW and dU in each of the T inner steps of each of the 2)
+    assert dict(space.reduce_each_step)[batch] >= 2 * (2 * H * H * 4 * T)
+
+
 def test_a_loop_that_mixes_everything_has_no_rule():
     def step(w, x):
         # (a reversal keeps both dimensions of the carry whole)
