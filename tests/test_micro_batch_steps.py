@@ -216,15 +216,36 @@ def test_a_metric_computed_from_the_gradients_keeps_them_gradients():
     assert float(step(_state(), BATCH)[1]["norm"]) == pytest.approx(ref, rel=1e-5)
 
 
-def test_a_step_without_gradients_is_never_planned_with_micro_batches():
-    # nothing to accumulate: refused by the planner, as the runtime would
-    def step_fn(state, batch):
-        return state, {"loss": jnp.mean((batch["x"] @ state["w"] - batch["y"]) ** 2)}
-    # (an evaluation step: the advice is one micro-batch, not gradient marks)
-    with pytest.raises(meshplan.InfeasiblePlanError,
-                       match="updates none of its arguments from the batch.*num_micro_batches=1"):
-        meshplan.plan(step_fn, {"w": jnp.ones((16, 4))}, BATCH, cluster=meshplan.Cluster.local(),
-                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+def _eval_step(p, batch):
+    h = batch["x"]
+    for w in p:
+        h = jnp.tanh(h @ w)
+    return {"loss": jnp.mean((h - batch["y"]) ** 2), "pred": h,
+            "hits": jnp.sum(jnp.argmax(h, -1) == jnp.argmax(batch["y"], -1)),
+            "worst": jnp.max(jnp.abs(h - batch["y"]))}
+
+
+def _grads_step(p, batch):
+    loss, g = jax.value_and_grad(tanh_mlp_loss)(p, batch)
+    return {"loss": loss, "grads": g}
+
+
+@pytest.mark.parametrize("fn", [_eval_step, _grads_step], ids=["evaluation", "gradients"])
+def test_a_step_that_updates_nothing_runs_its_micro_batches_through_the_pipeline(fn):
+    # (refused before: 'updates none of its arguments from the batch', plan
+    # one micro-batch, which leaves a pipeline's stages idle in turn)
+    p = [jax.random.normal(jax.random.key(i), (16, 16)) * 0.4 for i in range(4)]
+    batch = {"x": jax.random.normal(jax.random.key(7), (16, 16)),
+             "y": jax.random.normal(jax.random.key(8), (16, 16))}
+    step = meshplan.parallelize(fn, method=meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=4),
+                                donate_argnums=())
+    got, want = step(p, batch), jax.jit(fn)(p, batch)
+    assert step.plan.num_micro_batches == 4 and len(step.plan.stages) == 4
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    if fn is _eval_step:
+        # a forward program per stage and micro-batch, and nothing else
+        assert sorted(b.kind for b in step.last_timeline) == ["F"] * 16
 
 
 def test_a_metric_run_on_the_batch_after_the_update_is_refused_with_the_reason():
@@ -667,3 +688,33 @@ def test_a_table_among_the_batch_leaves_as_long_as_the_batch_is_named():
                                                                  num_micro_batches=2))
     with pytest.warns(UserWarning, match=r"argument 1\['cw'\] is indexed by values of the batch"):
         step(p, b)
+
+
+def _sparse_sgd(state, batch):
+    # the rows a batch reads, updated in place by their mean-loss gradient
+    rows = state["emb"][batch["ids"]]
+
+    def loss(rows, w):
+        return jnp.mean((jnp.tanh(rows) @ w - batch["y"]) ** 2)
+    value, (g_rows, g_w) = jax.value_and_grad(loss, argnums=(0, 1))(rows, state["w"])
+    return ({"emb": state["emb"].at[batch["ids"]].add(-0.5 * g_rows),
+             "w": state["w"] - 0.5 * g_w}, {"loss": value})
+
+
+@pytest.mark.parametrize("method", [meshplan.Manual(dp=8, num_micro_batches=2),
+                                    meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)],
+                         ids=["dp8", "pp2"])
+def test_rows_of_a_table_updated_by_a_scatter_add_combine_without_a_warning(method):
+    # the table plus its rows' gradient summed over the examples: warned as
+    # 'scatter-add of values that scale differently', though it was exact
+    k = jax.random.key(0)
+    state = {"emb": jax.random.normal(k, (64, 8)) * 0.1, "w": jax.random.normal(k, (8, 1))}
+    batch = {"ids": jax.random.randint(jax.random.fold_in(k, 1), (16,), 0, 8),
+             "y": jax.random.normal(jax.random.fold_in(k, 2), (16, 1))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = meshplan.parallelize(_sparse_sgd, method=method)(state, batch)
+    assert not [w for w in caught if "meshplan" in str(w.message)], caught[0].message
+    want = jax.jit(_sparse_sgd)(state, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

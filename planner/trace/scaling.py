@@ -857,6 +857,14 @@ def _rule(name: str, params: Mapping[str, Any], ins: Sequence[Info], per_example
                                  "gradient)")
         return Info("P", degree)
     if any(i.kind == "P" for i in ins):      # a reduction over the batch
+        if name in ("scatter-add", "scatter_add") and ins[2].kind == "P" and ins[0].kind != "P":
+            # the operand plus the examples' rows summed: a sum of one more
+            # degree than the rows, where the operand scales as that sum (a
+            # table's own rows, degree 0, plus the rows of a mean's gradient)
+            d = ins[2].degree
+            if d is None or not (ins[0].zero or ins[0].degree == d + 1):
+                return Info("X", why=f"{name} of values that scale differently with the batch")
+            return Info("S", d + 1)
         if name in _EXTREMA and not sums and degree == 0:
             return Info("M", degree, extremum=_EXTREMA[name])
         if name not in _SUMS or sums:
