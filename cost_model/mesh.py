@@ -2,8 +2,8 @@
 
 Devices of a submesh of ``hosts x devices_per_host`` are numbered host-major;
 a logical mesh lays them out row-major.  Axis ``i`` (stride = product of the
-later axis sizes) stays inside a host when ``stride * size <= devices_per_host``
-and then uses the host's links.  Otherwise its collectives cross hosts; they
+later axis sizes) stays inside a host when each of its groups does (``stride
+* size`` divides ``devices_per_host``) and then uses the host's links.  Otherwise its collectives cross hosts; they
 run hierarchically, as NCCL runs them (:mod:`.collectives`): inside each host
 over the host's links, across hosts over the network, where every device of
 the host that sends at once gets its share of the host's network cards.
@@ -114,9 +114,8 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
              cluster.inter_host.latency_s)
     links = []
     for i, size in enumerate(mesh.shape):
-        stride = math.prod(mesh.shape[i + 1:])
-        if hosts > 1 and stride * size > dph:
-            local = max(1, min(size, dph // stride)) if stride < dph else 1
+        local = axis_local(mesh.shape, i, dph) if hosts > 1 else size
+        if local < size:
             links.append(AxisLink(inter[0], inter[1], True, local))
         else:
             links.append(AxisLink(*intra, False, size))
@@ -124,6 +123,36 @@ def mesh_model(cluster: ClusterSpec, mesh: LogicalMesh, *,
     return MeshModel(mesh, tuple(links), cluster.device, budget,
                      native_reduce_scatter=not is_cpu(cluster.device),
                      intra=intra, inter=inter if hosts > 1 else intra)
+
+
+def axis_local(shape: tuple[int, ...], i: int, dph: int) -> int:
+    """How many devices of one group of axis ``i`` of a mesh of ``shape``
+    (laid row-major over hosts of ``dph`` devices) share a host: the size
+    of the axis where every group stays inside a host.  Where the groups
+    tile the hosts unevenly (12 devices of hosts of 8: 8 on one host and 4
+    on the next; pairs of hosts of 3 devices, one pair split between two
+    hosts), the slowest group sets the collective's time: the fewest of its
+    devices on one host, each of which carries the most bytes across the
+    network (priced as ``size // local`` hosts of ``local``: at least the
+    hosts it spans)."""
+    size, stride = shape[i], math.prod(shape[i + 1:])
+    span = stride * size
+    if span <= dph and dph % span == 0:
+        return size
+    if span > dph and (stride % dph == 0 if stride >= dph else
+                       dph % stride == 0 and size % (dph // stride) == 0):
+        return max(1, min(size, dph // stride))
+    # (a mesh that does not tile the hosts evenly: look at every group)
+    others = [k for k in range(math.prod(shape)) if (k // stride) % size == 0]
+    local = size
+    for base in others:
+        on = {}
+        for k in range(size):
+            host = (base + k * stride) // dph
+            on[host] = on.get(host, 0) + 1
+        if len(on) > 1:
+            local = min(local, *on.values())
+    return local
 
 
 def _torus_model(cluster: ClusterSpec, mesh: LogicalMesh, submesh: tuple[int, int],

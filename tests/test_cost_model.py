@@ -101,3 +101,37 @@ def test_cpu_reduce_scatter_is_an_all_reduce():
     assert reduce_scatter_kind(cpu) == "all-reduce" and reduce_scatter_kind(gpu) == "reduce-scatter"
     assert reduce_scatter(cpu, (0,), 4096) == all_reduce(cpu, (0,), 4096)
     assert reduce_scatter(gpu, (0,), 4096)[1] == 512
+
+
+def _hosts(num_hosts, per_host):
+    import json
+    d = json.loads(open("examples/clusters/aws-p3.16xlarge-x4.json").read())
+    d.update(name=f"{num_hosts}x{per_host}", num_hosts=num_hosts, devices_per_host=per_host,
+             num_devices=num_hosts * per_host)
+    return meshplan.ClusterSpec.from_dict(d)
+
+
+def test_an_axis_whose_groups_straddle_hosts_pays_the_network():
+    # 12 devices of hosts of 8 (8 + 4) were priced as one host (12 // 8 = 1
+    # host), 100x cheaper than the 24 devices of three hosts; a pair of
+    # devices split between hosts of 3 as inside a host
+    three = _hosts(3, 8)
+    S = 256 * 2**20
+    straddle = mesh_model(three, LogicalMesh(("x", "y"), (2, 12)), submesh=(3, 8))
+    whole = mesh_model(three, LogicalMesh(("x", "y"), (1, 24)), submesh=(3, 8))
+    inside = mesh_model(three, LogicalMesh(("x", "y"), (3, 8)), submesh=(3, 8))
+    assert straddle.links[1].crosses_hosts and not inside.links[1].crosses_hosts
+    assert all_reduce(straddle, (1,), S)[0] >= all_reduce(whole, (1,), S)[0] \
+        > 10 * all_reduce(inside, (1,), S)[0]
+    pairs = mesh_model(_hosts(2, 3), LogicalMesh(("x", "y"), (3, 2)), submesh=(2, 3))
+    assert pairs.links[1].crosses_hosts and pairs.links[1].local == 1
+    # hosts the axes tile evenly are priced as before
+    for shape in ((2, 8), (4, 4), (8, 2), (16, 1), (2, 2, 4), (4, 2, 2), (2, 4, 2)):
+        mm = mesh_model(_hosts(2, 8), LogicalMesh(("x", "y", "z")[:len(shape)], shape),
+                        submesh=(2, 8))
+        for i, size in enumerate(shape):
+            stride = int(np.prod(shape[i + 1:]))
+            crosses = stride * size > 8
+            assert mm.links[i].crosses_hosts == crosses
+            assert mm.links[i].local == (max(1, min(size, 8 // stride)) if stride < 8 else 1) \
+                if crosses else mm.links[i].local == size
