@@ -4,6 +4,8 @@ backward keeps and what it sends on, and the submeshes and logical meshes a
 stage may take."""
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, replace
 from typing import Mapping, MutableMapping
 
@@ -225,6 +227,9 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
             many = tuple((S, sub, tuple(stage_meshes(cluster, sub, None, opts.data_parallel_stages,
                                                      opts.tp_within_host)))
                          for S, sub in _many_stages(cluster, L, n_groups, max_stages))
+    if opts.num_stages and opts.fixed is None:
+        _check_coverable(opts.num_stages, [s.size for s in submeshes],
+                         {S for S, _, _ in many}, cluster)
     return LayerProblems(
         B=B, g=g, layering=layering, groups=group_layers(layering.flops, n_groups),
         subs=list(a.subs), replay_flops=list(a.replay_flops), grads=a.grads, saved=list(a.saved),
@@ -334,12 +339,43 @@ def default_layers(g: Graph, cluster: ClusterSpec) -> int:
     return max(2, min(16, cluster.num_devices, len(g.nodes) // 50 or 2))
 
 
+def _check_coverable(stages: int, sizes: list[int], equal: set[int], cluster: ClusterSpec
+                     ) -> None:
+    """Refuse a number of ``stages`` that no stages of these ``sizes`` (or
+    the ``equal`` stage counts of equal submeshes) cover the devices with."""
+    sizes = sorted(set(sizes))
+    counts = _covering_counts(sizes, cluster.num_devices, 2 * stages + 2) | equal
+    if stages not in counts:
+        near = sorted(counts, key=lambda c: (abs(c - stages), c))[:2]
+        raise MeshplanError(
+            f"no {stages} pipeline stages cover the {cluster.num_devices} devices: a stage is "
+            f"{', '.join(map(str, sizes))} devices (a divisor of a host's "
+            f"{cluster.devices_per_host}, or whole hosts); ask for "
+            f"{' or '.join(map(str, sorted(near)))} stages")
+
+
+def _covering_counts(sizes: list[int], total: int, most: int) -> set[int]:
+    """The numbers of stages, up to ``most``, of these ``sizes`` (each any
+    number of times) whose devices add up to ``total``."""
+    counts, reach = set(), 1            # (bit d: d devices covered by c stages)
+    for c in range(1, most + 1):
+        reach = functools.reduce(operator.or_, (reach << s for s in sizes), 0) \
+            & ((1 << (total + 1)) - 1)
+        if reach >> total & 1:
+            counts.add(c)
+    return counts
+
+
 def fixed_submesh(cluster: ClusterSpec, n: int) -> Submesh:
     dph = cluster.devices_per_host
-    if n <= dph:
+    if n <= dph and dph % n == 0:
         return Submesh(1, n)
     if n % dph:
-        raise MeshplanError(f"a stage of {n} devices is not whole hosts of {dph}")
+        # (stages of the same size fill the hosts one after another: one of
+        # them would straddle two hosts)
+        raise MeshplanError(f"a stage of {n} devices neither divides a host of {dph} devices "
+                            f"nor is whole hosts: give stages (dp x tp) of a divisor or a "
+                            f"multiple of {dph} devices")
     return Submesh(n // dph, dph)
 
 

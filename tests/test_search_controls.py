@@ -344,3 +344,29 @@ def test_stages_of_a_step_whose_every_output_updates_an_argument_say_why_not():
         meshplan.plan(eval_acc, p, jnp.float32(0), b, batch_argnums=(2,),
                       cluster=meshplan.Cluster.local(),
                       method=meshplan.PipeshardParallel(stages=2))
+
+
+def _two_hosts_of_three():
+    import dataclasses
+    return dataclasses.replace(TWO_HOSTS, name="2x3", num_hosts=2, devices_per_host=3)
+
+
+@pytest.mark.parametrize("method, needle", [
+    # (a bare StopIteration: the third stage of 2 devices found no host room)
+    (meshplan.Manual(tp=2, pp=3, num_micro_batches=2),
+     "a stage of 2 devices neither divides a host of 3 devices nor is whole hosts"),
+    # (refused as not fitting 72 GiB a device, for a 100 KB model)
+    (meshplan.PipeshardParallel(stages=3, num_micro_batches=2),
+     "no 3 pipeline stages cover the 6 devices: a stage is 1, 3, 6 devices .* ask for 2 or "
+     "4 stages"),
+])
+def test_stages_that_cannot_tile_the_hosts_are_refused_saying_so(method, needle):
+    import jax.numpy as jnp
+    from _steps import tanh_mlp_loss
+
+    def step(ws, batch):
+        return tanh_mlp_loss(ws, batch)
+    ws = [jnp.ones((64, 64)) * 0.01 for _ in range(6)]
+    batch = {"x": jnp.ones((12, 64)), "y": jnp.ones((12, 64))}
+    with pytest.raises(MeshplanError, match=needle):
+        meshplan.plan(step, ws, batch, cluster=_two_hosts_of_three(), method=method)
