@@ -718,3 +718,20 @@ def test_rows_of_a_table_updated_by_a_scatter_add_combine_without_a_warning(meth
     want = jax.jit(_sparse_sgd)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_of_one_example_are_refused_naming_the_size():
+    # (the refusal said the traces differ and to mark the gradients or use one
+    # micro-batch, not that two examples a micro-batch would do)
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) - b["y"]) ** 2)
+
+    def step_fn(p, b):
+        value, g = jax.value_and_grad(loss)(p, b)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": value}
+    p = {"w1": jnp.ones((16, 16)) * 0.1, "b1": jnp.zeros(16)}
+    b = {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 16))}
+    with pytest.raises(meshplan.InfeasiblePlanError,
+                       match="micro-batches of one example .* two or more examples"):
+        meshplan.plan(step_fn, p, b, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=8))

@@ -121,7 +121,12 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     if marked and not same_stream(flat, full):
         # (a micro-batch of one example: JAX elides broadcasts over it)
         return closed, out_shape, flat, graph, _draws_in_order(flat, full, batch), scaled
-    per_example = _per_example(flat, full)
+    try:
+        per_example = _per_example(flat, full)
+    except TraceError:
+        if _one_example(graph):
+            raise TraceError(ONE_EXAMPLE) from None
+        raise
     if not marked:
         metrics = _metrics(graph)
         flat = infer_gradients(flat, per_example, forward_nodes(graph), batch, metrics)
@@ -236,6 +241,19 @@ OTHER_STREAM = ("the step traces to other operations at micro-batch size than at
                 "size, so meshplan cannot tell its gradients or its random draws over the batch "
                 "apart; mark the gradients with meshplan.value_and_grad and keep random draws "
                 "out of the batch, or use one micro-batch")
+
+
+ONE_EXAMPLE = ("micro-batches of one example trace to other operations than the whole batch "
+               "(JAX leaves out broadcasts over a dimension of one), so meshplan cannot tell "
+               "the step's gradients apart; use micro-batches of two or more examples, or mark "
+               "the gradients with meshplan.value_and_grad")
+
+
+def _one_example(graph: Graph) -> bool:
+    """Whether the micro-batch holds one example (its batch leaves' rows)."""
+    rows = {graph.tensors[i.tensor].shape[i.batch_dim or 0] for i in graph.inputs
+            if i.role == "batch" and graph.tensors[i.tensor].shape}
+    return rows == {1}
 
 
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
