@@ -2,11 +2,12 @@
 
 Devices of a submesh of ``hosts x devices_per_host`` are numbered host-major;
 a logical mesh lays them out row-major.  Axis ``i`` (stride = product of the
-later axis sizes) stays inside a host when each of its groups does (``stride
-* size`` divides ``devices_per_host``) and then uses the host's links.  Otherwise its collectives cross hosts; they
-run hierarchically, as NCCL runs them (:mod:`.collectives`): inside each host
-over the host's links, across hosts over the network, where every device of
-the host that sends at once gets its share of the host's network cards.
+later axis sizes) stays inside a host when each of its groups does (``stride *
+size`` divides ``devices_per_host``) and then uses the host's links.
+Otherwise its collectives cross hosts; they run hierarchically, as NCCL runs
+them (:mod:`.collectives`): inside each host over the host's links, across
+hosts over the network, where every device of the host that sends at once
+gets its share of the host's network cards.
 Bandwidths are what the links achieve (``LinkSpec.efficiency``), not peak.
 A TPU cluster's axes are laid over the slices' ICI tori instead
 (:mod:`.torus`): each axis carries the ring phases of the dimensions it spans.

@@ -150,9 +150,10 @@ def stage_programs(num_stages: int, num_micro_batches: int, per_micro_batch: int
     """The stage programs a pipelined step runs: per stage (an interleaved
     plan's virtual stage) and micro-batch a forward and a backward
     (``per_micro_batch`` 3 where ZB-H1 splits out the weight gradient, 1 for
-    a forward alone), and each stage's update once (``per_step``).  (The zero running sums and their means, one
-    program each per stage, are not counted: a per-program figure measured
-    on a real pipeline, ``Achieved.pipeline_program_s``, carries them.)"""
+    a forward alone), and each stage's update once (``per_step``).  (The
+    zero running sums and their means, one program each per stage, are not
+    counted: a per-program figure measured on a real pipeline,
+    ``Achieved.pipeline_program_s``, carries them.)"""
     return num_stages * (num_micro_batches * per_micro_batch + per_step)
 
 

@@ -443,7 +443,7 @@ def forward_nodes(graph: Graph) -> list[bool]:
     # a metric computed from a gradient (a gradient norm, a norm or average
     # of the new parameters) is update work: taken as forward it would pull
     # the update arithmetic of every layer it reads into the forward
-    after = descendant_tensors(graph, markers)
+    after = descendant_tensors(graph, markers) if markers else set()
     targets = {o.tensor for o in graph.outputs if o.updates is None and o.tensor not in after}
     if not targets and markers:
         # a step returning its new state alone: the loss it computed and
