@@ -17,7 +17,7 @@ from ..cost_model.mesh import mesh_model
 from ..cost_model.overlap import Backward
 from ..layout_moves import num_shards, spec_from_names
 from ..errors import InfeasiblePlanError
-from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes
+from ..graph import OPT_STATE, PARAM, STATE, Graph, ancestor_nodes, descendant_tensors
 from ..ilp import (Built, IlpCaches, InputLayouts, IntraOpResult, Pins, build_intra_op,
                    solve_intra_op)
 from ..ilp.accumulation import held_copies, update_nodes
@@ -238,7 +238,7 @@ class LayerSolver:
                 self.cluster.device.memory_bytes * o.memory_fraction, used, grad_accum, filt,
                 self.session.solver,
                 self.cluster.device.memory_bytes * o.memory_fraction / tighten
-                if tighten > 1 else None, base, forward_of(sub, forward_values), pins, seed)
+                if tighten > 1 else None, base, forward_of(sub, forward_values, used), pins, seed)
 
     def _looser_unfit(self, sub: Graph, mesh: LogicalMesh, submesh: tuple[int, int],
                       grad_accum: int, tighten: float, pins: Pins | None = None) -> bool:
@@ -443,12 +443,17 @@ class LayerSolver:
                            ilp_work_s=self.ilp_work_s, dp_s=self.dp_s, workers=self.workers)
 
 
-def forward_of(sub: Graph, forward_values: frozenset[int]) -> frozenset[int]:
+def forward_of(sub: Graph, forward_values: frozenset[int],
+               grads: frozenset[int] = frozenset()) -> frozenset[int]:
     """The forward nodes of a layer's graph: those ``forward_values`` (what
     its backward or other layers read of its forward) and its loss-like
-    outputs (the step's outputs updating no input) depend on."""
+    outputs (the step's outputs updating no input) depend on, but for those
+    computed from the gradients ``grads`` (a norm of the new weights:
+    update work, as :func:`meshplan.graph.forward_nodes` has it)."""
+    late = descendant_tensors(sub, (n.id for n in sub.nodes if not grads.isdisjoint(n.inputs)))
     return frozenset(ancestor_nodes(sub, set(forward_values) | {
-        o.tensor for o in sub.outputs if o.updates is None and o.path != f"t{o.tensor}"}))
+        o.tensor for o in sub.outputs
+        if o.updates is None and o.path != f"t{o.tensor}" and o.tensor not in late}))
 
 
 def _accumulating(job: tuple) -> tuple[frozenset[int], int]:
@@ -507,8 +512,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     held = sum(mesh.size * (local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)
                for t in crossing)
     steps = list(r.grad_steps)
-    fwd_nodes = forward_of(sub, frozenset(saved) | crossing)
-    if len(fwd_nodes) == len(sub.nodes):
+    fwd_nodes = forward_of(sub, frozenset(saved) | crossing, accumulate)
+    if ancestor_nodes(sub, [o.tensor for o in sub.outputs]) <= fwd_nodes:
         grads = 0.0     # (no backward: an evaluation step's layer makes no gradients)
     if steps:   # the forward runs before the backward: it hides no reduction
         forward, _ = r.seconds_of(fwd_nodes)

@@ -444,13 +444,24 @@ def forward_nodes(graph: Graph) -> list[bool]:
     # of the new parameters) is update work: taken as forward it would pull
     # the update arithmetic of every layer it reads into the forward
     after = descendant_tensors(graph, markers) if markers else set()
-    targets = {o.tensor for o in graph.outputs if o.updates is None and o.tensor not in after}
+    metrics = {o.tensor for o in graph.outputs if o.updates is None}
+    targets = metrics - after
+    late = metrics & after
+    if late:
+        # ... whose forward part (the loss in loss * |new weights|) is forward:
+        # the values of the batch made before the gradients that it reads
+        batch = graph.batch_tensors
+        targets |= {t for nid in ancestor_nodes(graph, late, markers)
+                    for t in graph.nodes[nid].inputs if t in batch and t not in after}
     if not targets and markers:
         # a step returning its new state alone: the loss it computed and
-        # dropped (read by nothing) ends the forward, as a returned one does
+        # dropped (read by nothing, or only after the gradients: a running
+        # mean of the loss in the state) ends the forward, as a returned one does
         first = min(markers)
-        targets = {t for n in graph.nodes[:first] for t in n.outputs
-                   if not graph.consumers.get(t)}
+        early = {t for n in graph.nodes[:first] for t in n.inputs}
+        made = [t for n in graph.nodes[:first] for t in n.outputs]
+        targets = {t for t in made if not graph.consumers.get(t)} or \
+            {t for t in made if t not in early and t in graph.batch_tensors}
     fwd = ancestor_nodes(graph, targets, markers)
     return [n.id in fwd for n in graph.nodes]
 
@@ -463,7 +474,10 @@ def stage_program_counts(graph: Graph) -> tuple[int, int]:
     and an update program only where it changes state
     (``runtime/pipeline_split``'s phases)."""
     fwd = forward_nodes(graph)
-    rest = [n for n in graph.nodes if not fwd[n.id]]
+    # (not a scalar made and left unread, which the tracer keeps for a
+    # dropped loss)
+    live = ancestor_nodes(graph, [o.tensor for o in graph.outputs])
+    rest = [n for n in graph.nodes if not fwd[n.id] and n.id in live]
     batch = graph.batch_tensors
     if any(not batch.isdisjoint(n.outputs) for n in rest):
         return 2, 1

@@ -196,10 +196,13 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                  {o for k, _, _ in draws for o in flat.eqns[k].outvars},
                  scaling.statistics if scaling is not None and num_micro_batches > 1
                  else frozenset())
-    if not flow.markers and num_micro_batches > 1 and any(
+    if not flow.markers and not any(
             not forward[k] and not flow.is_const[k] and not flow.bdep.isdisjoint(fe.outvars)
-            for k, fe in enumerate(flat.eqns)):
-        # (an evaluation step needs none: its work on the batch is all forward)
+            for k, fe in _feeding_outputs(flat)):
+        # an evaluation step: its work on the batch is all forward (a scalar
+        # it makes and leaves unread too)
+        forward = [True] * len(flat.eqns)
+    elif not flow.markers and num_micro_batches > 1:
         raise MeshplanError(
             "running more than one micro-batch needs to know where the gradients end: compute "
             "them with meshplan.value_and_grad / meshplan.grad instead of jax's (or plan with "
@@ -353,6 +356,19 @@ class _Flow:
     markers: list[int]               # the gradient-marker equations
     alias: dict[int, int]            # gradient-marker output id -> its input id
     batch_ids: frozenset[int]
+
+
+def _feeding_outputs(flat: FlatJaxpr) -> list[tuple[int, FlatEqn]]:
+    """The equations (index, equation) some output of the step is computed
+    from: not a scalar made and left unread."""
+    need = {x for x in flat.outvars if isinstance(x, int)}
+    out = []
+    for k in range(len(flat.eqns) - 1, -1, -1):
+        fe = flat.eqns[k]
+        if not need.isdisjoint(fe.outvars):
+            need.update(x for x in fe.invars if isinstance(x, int))
+            out.append((k, fe))
+    return out[::-1]
 
 
 def _flow(flat: FlatJaxpr, batch_ids: frozenset[int],

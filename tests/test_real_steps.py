@@ -366,3 +366,29 @@ def test_a_metric_of_the_new_weights_leaves_each_stage_its_own_update():
         mem = s.predicted.memory
         # Adam's two moments of the stage's own weights, as their sharding holds them
         assert mem.params > 0 and 1.5 * mem.params <= mem.optimizer <= 2.5 * mem.params, str(mem)
+        # (a layer whose only step output is such a metric was taken for an
+        # evaluation step's and charged no gradients)
+        assert mem.grads == pytest.approx(mem.params, rel=0.01), str(mem)
+
+
+def _sgd_with_late_metrics(state, batch):
+    value, g = jax.value_and_grad(tanh_mlp_loss)(state["ws"], batch)
+    ws = [w - 0.1 * d for w, d in zip(state["ws"], g)]
+    return ({"ws": ws, "loss_ema": 0.9 * state["loss_ema"] + 0.1 * value},
+            {"combo": value * optax.tree.norm(ws), "gnorm": optax.tree.norm(g)})
+
+
+def test_a_step_whose_every_metric_comes_after_the_gradients_pipelines():
+    # (refused: 'every output of this step updates an argument, so nothing
+    # marks where its forward ends', once such metrics stopped being forward)
+    state = {"ws": [jax.random.normal(jax.random.key(i), (32, 32)) * 0.2 for i in range(4)],
+             "loss_ema": jnp.float32(1.0)}
+    batch = {"x": jax.random.normal(jax.random.key(7), (16, 32)),
+             "y": jax.random.normal(jax.random.key(8), (16, 32))}
+    step = meshplan.parallelize(_sgd_with_late_metrics,
+                                method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    got, want = step(state, batch), jax.jit(_sgd_with_late_metrics)(state, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # the loss is the forward's end: both stages hold forward work
+    assert all(s.predicted.memory.activations > 0 for s in step.plan.stages[:-1])
