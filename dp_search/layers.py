@@ -436,6 +436,10 @@ def gradient_parameters(graph: Graph, marker) -> list[int | None]:
     step.  The one run of parameters whose shapes and dtypes match the
     gradients leaf by leaf names them; no run, or several, names none."""
     by_flow = _parameters_by_flow(graph, marker)
+    if by_flow is None:
+        # (a global norm, clipping's, makes every update read every
+        # gradient, through a scalar: follow the tensors alone)
+        by_flow = _parameters_by_flow(graph, marker, through_scalars=False)
     if by_flow is not None:
         return by_flow
     params = [i for i in graph.inputs if i.role == "param"]
@@ -452,11 +456,14 @@ def gradient_parameters(graph: Graph, marker) -> list[int | None]:
 _SEVERAL = -1     # (a value several parameters' updates read)
 
 
-def _parameters_by_flow(graph: Graph, marker) -> list[int] | None:
+def _parameters_by_flow(graph: Graph, marker, through_scalars: bool = True
+                        ) -> list[int] | None:
     """The parameter whose update reads each marked gradient (see
     :func:`gradient_parameters`), or None when that does not name one
     distinct parameter of the gradient's shape and dtype for every one (a
-    global gradient norm makes every update read every gradient)."""
+    global gradient norm makes every update read every gradient, unless
+    not ``through_scalars``: what only a scalar is computed from is read by
+    no update)."""
     updated: dict[int, int] = {}
     for o in graph.outputs:
         if o.updates is not None and graph.inputs[o.updates].role == "param":
@@ -466,7 +473,8 @@ def _parameters_by_flow(graph: Graph, marker) -> list[int] | None:
     reaches: dict[int, int] = dict(updated)
     for n in reversed(graph.nodes):
         got = {reaches[t] for t in n.outputs if t in reaches}
-        if not got:
+        if not got or not through_scalars and all(
+                math.prod(graph.tensors[t].shape) <= 1 for t in n.outputs):
             continue
         p = got.pop() if len(got) == 1 else _SEVERAL
         for t in n.inputs:

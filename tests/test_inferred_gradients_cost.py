@@ -103,3 +103,32 @@ def test_gradient_overlap_is_credited_to_a_plain_step():
     assert len(m.inputs) == 2 * len(SHAPES)
     assert {graph.tensors[t].shape for t in m.inputs} == (
         {s for s in SHAPES} | {(s[1],) for s in SHAPES})
+
+
+def test_gradients_clipped_by_their_global_norm_go_to_their_own_parameters():
+    # the global norm makes every update read every gradient; equal shapes
+    # then matched them by position, and the found marker lists them in the
+    # backward's order: layer 0's gradient was layer 3's (its Adam moments
+    # were read on the last stage)
+    clipped = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+
+    def step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(lambda p: _loss(p, batch["x"], batch["y"]))(p)
+        u, o = clipped.update(g, o, p)
+        return (optax.apply_updates(p, u), o), {"loss": loss}
+    p = [(jax.ShapeDtypeStruct((32, 32), jnp.float32), jax.ShapeDtypeStruct((32,), jnp.float32))
+         for _ in range(4)]
+    b = {"x": jax.ShapeDtypeStruct((16, 32), jnp.float32),
+         "y": jax.ShapeDtypeStruct((16, 32), jnp.float32)}
+    g = trace_micro(step, ((p, jax.eval_shape(clipped.init, p)), b), 2, (1,))
+    m = _marker(g)
+    pairs = {}
+    for t, q in zip(m.inputs, gradient_parameters(g, m)):
+        # each gradient is computed from its own parameter's layer: the
+        # gradient of layer k's weight reads the activations of layer k
+        pairs[g.input_of_tensor[q].path] = t
+    assert len(pairs) == 8
+    order = [pairs[f"[0][{k}][0]"] for k in range(4)]
+    # (the backward makes layer 3's first: the later the layer, the earlier its gradient)
+    assert order == sorted(order, reverse=True)
