@@ -228,7 +228,7 @@ def _eval_step(p, batch):
 def _eval_with_an_unread_scalar(p, batch):
     # (jax.nn.logsumexp over the batch leaves such a scalar in its jaxpr)
     out = _eval_step(p, batch)
-    unused = jnp.mean(jnp.abs(out["pred"]) < 0.1)       # noqa: F841
+    _ = jnp.mean(jnp.abs(out["pred"]) < 0.1)
     return {"loss": out["loss"]}
 
 
@@ -744,3 +744,15 @@ def test_micro_batches_of_one_example_are_refused_naming_the_size():
                        match="micro-batches of one example .* two or more examples"):
         meshplan.plan(step_fn, p, b, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=1, tp=4, pp=2, num_micro_batches=8))
+
+
+def test_an_evaluation_step_adding_its_metric_into_its_state_is_told_what_to_do():
+    # (it was told to compute its gradients with meshplan.value_and_grad: it has none)
+    def step_fn(s, b):
+        value = _eval_step(s["ws"], b)["loss"]
+        return {**s, "loss_sum": s["loss_sum"] + value}, {"loss": value}
+    s = {"ws": [jnp.ones((16, 16)) * 0.1] * 2, "loss_sum": jnp.float32(0)}
+    b = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 16))}
+    with pytest.raises(meshplan.InfeasiblePlanError, match="running sum.*outside the step"):
+        meshplan.plan(step_fn, s, b, cluster=meshplan.Cluster.local(),
+                      method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))

@@ -144,7 +144,9 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
                     "running more than one micro-batch needs to know where the gradients end, "
                     "and no reduction over the batch that the new state is computed from was "
                     "found in this step; compute the gradients with meshplan.value_and_grad / "
-                    "meshplan.grad (or plan with num_micro_batches=1)")
+                    "meshplan.grad, or, for a metric added into the state (an evaluation "
+                    "step's running sum), return it and add it up outside the step (or plan "
+                    "with num_micro_batches=1)")
             # an evaluation step (or one returning its gradients): its every
             # pass over the batch is forward work, run per micro-batch, and
             # its outputs are the micro-batches' combined
