@@ -478,7 +478,9 @@ def stage_program_counts(graph: Graph) -> tuple[int, int]:
     # dropped loss)
     live = ancestor_nodes(graph, [o.tensor for o in graph.outputs])
     rest = [n for n in graph.nodes if not fwd[n.id] and n.id in live]
-    batch = graph.batch_tensors
+    # work on the batch after the forward and before the gradients' marks
+    after = descendant_tensors(graph, (n.id for n in graph.nodes if n.primitive == GRAD_MARKER))
+    batch = graph.batch_tensors - after
     if any(not batch.isdisjoint(n.outputs) for n in rest):
         return 2, 1
     return 1, int(bool(rest))

@@ -328,9 +328,11 @@ def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
     assert solver.workers == 2
 
 
-def test_stages_of_a_step_whose_every_output_updates_an_argument_say_why_not():
-    # (an evaluation step's running sum: its forward is no ancestor of an
-    # output of its own, and the refusal read "cuts into at most 1 layer")
+def test_an_evaluation_running_sum_pipelines_with_micro_batches():
+    # (every output updates an argument: refused first as cutting "into at
+    # most 1 layer", then as "nothing marks where its forward ends"; the
+    # batch's loss, read only by the sum, now ends the forward)
+    import jax
     import jax.numpy as jnp
 
     def eval_acc(p, acc, b):
@@ -339,11 +341,14 @@ def test_stages_of_a_step_whose_every_output_updates_an_argument_say_why_not():
             h = jnp.tanh(h @ w)
         return acc + jnp.mean((h - b["y"]) ** 2)
     p = [jnp.ones((16, 16)) / 16] * 4
-    b = {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 16))}
-    with pytest.raises(MeshplanError, match="nothing marks where its forward ends"):
-        meshplan.plan(eval_acc, p, jnp.float32(0), b, batch_argnums=(2,),
-                      cluster=meshplan.Cluster.local(),
-                      method=meshplan.PipeshardParallel(stages=2))
+    b = {"x": jnp.linspace(-1, 1, 256).reshape(16, 16), "y": jnp.zeros((16, 16))}
+    step = meshplan.parallelize(eval_acc, batch_argnums=(2,), donate_argnums=(),
+                                method=meshplan.PipeshardParallel(stages=2, num_micro_batches=2))
+    got = step(p, jnp.float32(1), b)
+    assert float(got) == pytest.approx(float(jax.jit(eval_acc)(p, jnp.float32(1), b)), rel=1e-6)
+    assert len(step.plan.stages) == 2
+    # each stage's forward per micro-batch, and the sum once
+    assert sorted(x.kind for x in step.last_timeline) == ["A"] + ["F"] * 4
 
 
 def _two_hosts_of_three():
