@@ -711,3 +711,15 @@ def test_an_inexact_step_is_the_average_of_its_micro_batches_under_data_parallel
     assert abs(float(par[1]["loss"]) - float(rm["loss"])) > 1e-4
     for x, y in zip(jax.tree.leaves(par), jax.tree.leaves(average)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_an_output_with_the_batch_on_another_axis_is_named_by_its_path():
+    # (it was "output leaf 1", with no remedy)
+    def step_fn(p, b):
+        value, g = meshplan.value_and_grad(lambda p: jnp.mean(_token_losses(p, b)))(p)
+        losses = _token_losses(p, b).sum(1)
+        return (jax.tree.map(lambda a, c: a - 0.1 * c, p, g),
+                {"loss": value, "spread": jnp.stack([losses, -losses])})
+    with pytest.raises(meshplan.MeshplanError,
+                       match=r"output \[1\]\['spread'\] has shape .* with the batch first"):
+        meshplan.parallelize(step_fn, method=PIPE)(_params(), BATCH)

@@ -682,9 +682,11 @@ def _concat_outputs(micro_out: Any, step_out: Any, flat: FlatJaxpr, m: int,
         if tuple(a.shape) != tuple(b.shape):
             if not (a.shape and b.shape and a.shape[0] * m == b.shape[0]
                     and a.shape[1:] == b.shape[1:]):
-                raise MeshplanError(f"output leaf {k} has shape {tuple(b.shape)} for the batch "
-                                    f"but {tuple(a.shape)} for a micro-batch; only outputs whose "
-                                    "dimension 0 is the batch can be split into micro-batches")
+                raise MeshplanError(f"output {paths[k] or k} has shape {tuple(b.shape)} for the "
+                                    f"batch but {tuple(a.shape)} for a micro-batch; only outputs "
+                                    "whose dimension 0 is the batch can be put together from "
+                                    "micro-batches: return it with the batch first (or plan "
+                                    "with num_micro_batches=1)")
             if not isinstance(x, int) or x not in bdep:
                 # (its micro-batch pieces would not make it up: an arange over
                 # the batch is not two aranges over half of it)
