@@ -61,9 +61,13 @@ class _Labels:
 
     def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False,
               independent=False, reduce_each_step=()) -> OpSpace:
-        return OpSpace(tuple(ins), tuple(outs), dict(self.sizes), frozenset(self.blocked),
-                       frozenset(reduce), elementwise, reduce_scatter, independent,
-                       tuple(reduce_each_step))
+        # only labels some operand or result carries: a split of any other
+        # would divide the work without changing a layout
+        used = {l for ls in tuple(ins) + tuple(outs) if ls is not None for l in ls}
+        return OpSpace(tuple(ins), tuple(outs),
+                       {l: n for l, n in self.sizes.items() if l in used},
+                       frozenset(self.blocked & used), frozenset(reduce), elementwise,
+                       reduce_scatter, independent, tuple(reduce_each_step))
 
 
 Rule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], OpSpace | None]
@@ -395,8 +399,10 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     def labels(cls: tuple[int, ...] | None, shape: Shape) -> tuple[int, ...] | None:
         if cls is None:
             return None
-        return tuple(L.new(n, True) if k < 0 else label.setdefault(k, L.new(n))
-                     for k, n in zip(cls, shape))
+        for k, n in zip(cls, shape):
+            if k >= 0 and k not in label:
+                label[k] = L.new(n)
+        return tuple(L.new(n, True) if k < 0 else label[k] for k, n in zip(cls, shape))
     in_l = [labels(k, s) for k, s in zip(classes, ins)]
     out_l = [labels(k, o) or () for k, o in zip(classes[len(ins):], outs)]
     if all(l in L.blocked for l in L.sizes):

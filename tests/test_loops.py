@@ -263,3 +263,56 @@ def test_a_while_loop_whose_trip_count_depends_on_data_is_costed_once_and_said_s
     (loop,) = _loop_nodes(graph)
     assert loop.repeat == 1
     assert any("trip count unknown" in w for w in graph.warnings)
+
+
+def _accumulating_step(p, batch):
+    """The README's gradient accumulation written in the step: a scan over
+    2 chunks of the batch, x.reshape(2, B // 2, ...)."""
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+    x, y = batch
+    xs, ys = x.reshape(2, x.shape[0] // 2, x.shape[1]), y.reshape(2, y.shape[0] // 2, 1)
+
+    def body(g, c):
+        return jax.tree.map(jnp.add, g, jax.grad(loss)(p, *c)), None
+    g, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (xs, ys))
+    return jax.tree.map(lambda a, b: a - 0.1 * b / 2, p, g), loss(p, x, y)
+
+
+def _accumulation_args(B=1024, D=32):
+    p = {"w1": jnp.linspace(-0.2, 0.2, D * 64).reshape(D, 64),
+         "w2": jnp.linspace(0.2, -0.2, 64).reshape(64, 1)}
+    return p, (jnp.linspace(-1, 1, B * D).reshape(B, D), jnp.linspace(1, -1, B).reshape(B, 1))
+
+
+def test_a_loop_is_charged_its_whole_work_unless_it_splits():
+    # every label of a loop's space is some operand's or result's dimension:
+    # a label carried by none (the rule made one per use of a class) let a
+    # split of it divide the work with no layout changed, so the replicated
+    # loop was priced at 1/8 of its work and DataParallel ran the README's
+    # accumulation scan on every device
+    from meshplan.cost_model.mesh import mesh_model
+    from meshplan.ilp.strategies import all_strategies
+    from meshplan.plan import LogicalMesh
+    graph = trace(_accumulating_step, *_accumulation_args(), warn=False)
+    (scan,) = [n for n in _loop_nodes(graph) if n.primitive == "scan"]
+    space = node_space(graph, scan)
+    carried = {l for ls in space.in_labels + space.out_labels if ls for l in ls}
+    assert set(space.sizes) == carried
+    mm = mesh_model(meshplan.Cluster.local(), LogicalMesh(("data",), (8,)))
+    by_name = {s.name: s for s in all_strategies(graph, scan, mm)}
+    split = [s for s in by_name.values() if s.name != "R"]
+    assert split and all(s.compute_s < by_name["R"].compute_s / 4 for s in split)
+
+
+def test_data_parallel_splits_the_accumulation_scan_and_equals_jit():
+    p, batch = _accumulation_args()
+    step = meshplan.parallelize(_accumulating_step, method=meshplan.DataParallel(),
+                                batch_argnums=(1,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # (exact: no micro-batch warning)
+        got = step(p, batch)
+    want = jax.jit(_accumulating_step)(p, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not any("replicated work" in n for n in step.plan.notes), step.plan.notes
