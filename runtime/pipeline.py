@@ -54,7 +54,8 @@ program of the one stage that reads it, where an output of its shape can
 reuse its buffer (:func:`~meshplan.runtime.pipeline_programs.donations`;
 fixed per program, so the bookkeeping is static).  The caller's arrays of
 donated arguments are deleted once the step is dispatched, except those
-the step returns as they are; a deleted array passed in is refused before
+the step returns as they are and those no output of their shape and dtype
+could reuse (kept and warned about, as jax.jit does); a deleted array passed in is refused before
 anything runs (jax 0.10.2 crashes on a call with an already-donated array).
 Across processes only the running sums are donated.
 
@@ -161,6 +162,35 @@ def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
     return selective_nodes(traced.graph, traced.forward)
 
 
+def _usable_donations(traced: TracedStep, donate_argnums: tuple[int, ...]) -> frozenset[int]:
+    """The leaves of donated arguments the call gives up: as under jax.jit,
+    each takes the first output of its shape and dtype no earlier leaf took
+    (its buffer can hold that output); the others stay alive, with jax.jit's
+    warning, naming them."""
+    free: dict[tuple, int] = {}
+    for shape, dtype in traced.step_out_avals:
+        key = (tuple(shape), str(dtype))
+        free[key] = free.get(key, 0) + 1
+    usable, unused = [], []
+    for (a, path), i, batch in zip(traced.arg_paths, traced.flat.invars, traced.batch_leaves):
+        if a not in donate_argnums:
+            continue
+        aval = traced.flat.avals[i]
+        shape = tuple(getattr(aval, "shape", ()))
+        if batch and traced.micro_batches:     # (traced at the micro-batch's rows)
+            shape = (shape[0] * traced.micro_batches,) + shape[1:]
+        key = (shape, str(aval.dtype))
+        if free.get(key):
+            free[key] -= 1
+            usable.append(i)
+        else:
+            unused.append(f"argument {a}{path} ({aval.dtype}{list(shape)})")
+    if unused:
+        warn(f"donated {', '.join(unused)} not used: no output of the step has its shape "
+             "and dtype; kept alive, as jax.jit keeps it")
+    return frozenset(usable)
+
+
 def _device_groups(plan: Plan) -> tuple[int, ...]:
     """Every stage's device group, checked: stages share devices only as an
     interleaved plan's virtual stages do (stage k on group k mod p, the
@@ -249,8 +279,7 @@ class PipelineExecutable:
         # the leaves of donated arguments the caller gives up; those of no
         # batch may lend their buffers to the update (a batch leaf is cut
         # into micro-batches, read by many programs)
-        self.released = frozenset(i for (a, _), i in zip(traced.arg_paths, traced.flat.invars)
-                                  if a in self.donate_argnums)
+        self.released = _usable_donations(traced, self.donate_argnums)
         self.donated = frozenset(i for i, b in zip(traced.flat.invars, traced.batch_leaves)
                                  if i in self.released and not b)
         self.groups = _device_groups(plan)

@@ -255,3 +255,28 @@ def test_a_constraint_to_the_users_own_mesh_is_refused_by_a_pipeline_with_the_re
     state, batch = _lr_state()
     with pytest.raises(meshplan.MeshplanError, match="runs each stage on a submesh; drop it"):
         meshplan.parallelize(step_fn, method=PIPE)(state, batch)
+
+
+def _evaluate(ws, batch):
+    h = batch
+    for w in ws:
+        h = jax.numpy.tanh(h @ w)
+    return {"loss": jax.numpy.mean(h ** 2)}
+
+
+@pytest.mark.parametrize("method", [meshplan.Manual(dp=8, num_micro_batches=2),
+                                    meshplan.Manual(dp=4, pp=2, num_micro_batches=2)],
+                         ids=["micro-batches", "pipeline"])
+def test_a_donated_argument_no_output_can_reuse_stays_alive_as_under_jit(method):
+    # jax.jit aliases a donated buffer to an output of its shape and dtype and
+    # keeps (and warns about) the others; an evaluation step's parameters
+    # were deleted here, and the next call was refused
+    ws = [jax.numpy.full((16, 16), 0.1) for _ in range(4)]
+    batch = jax.numpy.linspace(-1, 1, 16 * 16).reshape(16, 16)
+    step = meshplan.parallelize(_evaluate, method=method, donate_argnums=(0,))
+    with pytest.warns(UserWarning, match=r"donated argument 0\[0\] \(float32\[16, 16\]\), .*"
+                                         r"not used: no output .* as jax.jit keeps it"):
+        step(ws, batch)
+    assert not any(w.is_deleted() for w in ws)
+    np.testing.assert_allclose(float(step(ws, batch)["loss"]),
+                               float(jax.jit(_evaluate)(ws, batch)["loss"]), rtol=1e-6)
