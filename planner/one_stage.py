@@ -15,6 +15,7 @@ from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
                   within_host)
 from .ilp.accumulation import name_axes
+from .ilp.strategies import node_space
 from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
                       with_offload)
 from .plan import LogicalMesh, Plan
@@ -97,21 +98,36 @@ def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
     they would split), else None.
     FLOPs of the operators that choose layouts (matmuls among them); an
     element-wise follower splits as its operand does."""
-    flops = {n.id: n.flops for n in graph.nodes}
-    chosen = [(flops.get(i, 0.0), {axis for axis, _ in name_axes(name)})
-              for i, name in r.strategies]
-    total = sum(f for f, _ in chosen)
+    nodes = {n.id: n for n in graph.nodes}
+    chosen = [(nodes[i], {axis for axis, _ in name_axes(name)})
+              for i, name in r.strategies if i in nodes]
+    total = sum(n.flops for n, _ in chosen)
     if not total:
         return None
-    same = [(axis, size, sum(f for f, used in chosen if axis not in used) / total)
-            for axis, size in zip(r.mesh.axes, r.mesh.shape) if size > 1]
-    same = [x for x in same if x[2] >= REPLICATED_AXIS_SHARE]
-    if not same:
-        return None
-    where = "; ".join(f"{share:.0%} of the operators' FLOPs run identically on each of the "
-                      f"{size} devices of mesh axis {axis}" for axis, size, share in same)
-    return (f"{REPLICATED_NOTE}{where} (no layout that splits them was predicted faster); "
-            "a larger batch, or fewer devices, would put them to use")
+    parts = []
+    for axis, size in zip(r.mesh.axes, r.mesh.shape):
+        same = [n for n, used in chosen if size > 1 and axis not in used]
+        share = sum(n.flops for n in same) / total
+        if share < REPLICATED_AXIS_SHARE:
+            continue
+        # (of those, the FLOPs that some layout could have split this many ways)
+        could = sum(n.flops for n in same if _splits(graph, n, size))
+        if could >= REPLICATED_AXIS_SHARE * share * total:
+            why = ("no layout that splits them was predicted faster; a larger batch, or fewer "
+                   "devices, would put them to use")
+        else:
+            why = (f"none of their dimensions divides by {size}; sizes that do, or a mesh axis "
+                   "whose size divides them, would put them to use")
+        parts.append(f"{share:.0%} of the operators' FLOPs run identically on each of the "
+                     f"{size} devices of mesh axis {axis} ({why})")
+    return REPLICATED_NOTE + "; ".join(parts) if parts else None
+
+
+def _splits(graph: Graph, node, ways: int) -> bool:
+    """Whether ``node``'s rule lets some dimension split ``ways`` ways."""
+    space = node_space(graph, node)
+    return space is not None and any(n % ways == 0 and l not in space.blocked
+                                     for l, n in space.sizes.items())
 
 
 def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 1) -> None:
