@@ -231,8 +231,11 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     # (integer values combined exactly: sums over the batch, maxima)
     sums = {x for x, i in scaling.info.items() if (i.kind == "S" and i.degree == 1)
             or i.kind == "M"} if scaling is not None else set()
-    # (what is computed from the statistics alone is every micro-batch's same value)
-    whole = {x for x, i in scaling.info.items() if i.kind == "N"} if stats else set()
+    # (what depends on no example is every micro-batch's same value: what is
+    # computed from the statistics alone, a loop's counter beside the
+    # batch's values in its carry)
+    whole = {x for x, i in scaling.info.items() if i.kind == "N"} if scaling is not None \
+        else set()
     crossing = _crossings(flat, tasks, producer, flow, set(concat_outputs), num_micro_batches,
                           sums, whole, output_paths)
     prefix = [frozenset(k for k, l in enumerate(layer_of_node) if l < lo + n) if n else None

@@ -756,3 +756,28 @@ def test_an_evaluation_step_adding_its_metric_into_its_state_is_told_what_to_do(
     with pytest.raises(meshplan.InfeasiblePlanError, match="running sum.*outside the step"):
         meshplan.plan(step_fn, s, b, cluster=meshplan.Cluster.local(),
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+
+
+def test_a_counter_beside_the_batch_in_a_loop_carry_is_the_same_in_every_micro_batch():
+    # PPO-style: Adam updates inside a scan over chunks of the batch.  The
+    # optimizer's step count shares the carry with values of the batch, but
+    # depends on no example: it was refused as a batch-dependent int32 value
+    # (the updates themselves differ with micro-batches, and are warned about)
+    tx = optax.adam(0.1)
+
+    def step(state, x):
+        def body(c, xc):
+            p, o = c
+            loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(xc @ p) ** 2))(p)
+            u, o = tx.update(g, o, p)
+            return (optax.apply_updates(p, u), o), loss
+        (p, o), losses = jax.lax.scan(body, (state["p"], state["o"]),
+                                      x.reshape(4, -1, x.shape[-1]))
+        return {"p": p, "o": o}, jnp.mean(losses)
+    p = jnp.linspace(-1, 1, 64).reshape(8, 8)
+    state, x = {"p": p, "o": tx.init(p)}, jnp.linspace(-2, 2, 128).reshape(16, 8)
+    f = meshplan.parallelize(step, method=meshplan.Manual(dp=4, pp=2, num_micro_batches=2),
+                             batch_argnums=(1,))
+    with pytest.warns(UserWarning, match=r"\['p'\].* differ from the undecorated step's"):
+        got = f(state, x)[0]
+    assert int(got["o"][0].count) == int(jax.jit(step)(state, x)[0]["o"][0].count) == 4
