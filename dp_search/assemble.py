@@ -12,6 +12,7 @@ from ..layout_moves import spec_from_names
 from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..graph import BATCH, OPT_STATE, PARAM, STATE, Graph, forward_nodes
 from ..ilp import peak_parts
+from ..ilp.replicated import Unsplit, replicated_note
 from ..plan import MemoryBreakdown, Plan, PlanPredicted, Predicted, Stage, section_prefixes
 from ..recompute import SELECTIVE
 from .interleave import group_memory
@@ -97,6 +98,7 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     placements = place_stages(submeshes, res.stages[:p], cluster)
     placements = [placements[k % p] for k in range(n_stages)]
     stages, batch_specs = [], {}
+    unsplit: list[Unsplit] = []     # per stage (ilp.replicated)
     recomputed = 0.0     # FLOPs run again by recomputing stages
     peak_mem = 0
     comm_bytes = 0.0
@@ -115,9 +117,11 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         constraints: dict[int, tuple] = {}
         reads: dict[tuple[int, int], tuple] = {}
         compute = comm = cbytes = 0.0
+        unsplit.append(Unsplit())
         for l in range(st.first, st.last + 1):
             lc = costs.member(l, st.last, st.submesh, mesh_k, opt.tighten)
             compute += lc.compute_s
+            unsplit[-1] += lc.unsplit
             if not opt.keep_casts:      # (GroupCost.casting_each)
                 again = not opt.recompute_layers or l < st.first + opt.recompute_layers
                 compute += (1 + again) * lc.cast_s - lc.cast_s / B
@@ -184,7 +188,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 function=full.name, batch_argnums=full.batch_argnums,
                 arg_prefixes=tuple(sorted(pre.items())),
                 notes=(f"{layering.num_layers} layers "
-                       f"({'user marks' if layering.marked else 'clustered'})",),
+                       f"({'user marks' if layering.marked else 'clustered'})",)
+                + tuple(n for n in (replicated_note(unsplit),) if n),
                 layer_of_node=layering.layer_of_node if n_stages > 1 or B > 1 else ())
 
 

@@ -22,6 +22,7 @@ from ..ilp import (Built, IlpCaches, InputLayouts, IntraOpResult, Pins, build_in
                    solve_intra_op)
 from ..ilp.accumulation import held_copies, update_nodes
 from ..ilp.build import stored_liveness, with_resident_cap
+from ..ilp.replicated import Unsplit, unsplit_flops
 from ..ilp.strategies import node_dtype
 from ..plan import LogicalMesh
 from .layers import BOUNDARY, canonical_tensors
@@ -76,6 +77,8 @@ class LayerCost:
     # the largest arena of intermediates of its forward, backward and update
     # programs (cost_model.memory.program_temp_bytes); None: not known
     program_temp: float | None = None
+    # the FLOPs it runs unsplit over each mesh axis (ilp.replicated)
+    unsplit: Unsplit = Unsplit()
 
     @property
     def transient_bytes(self) -> float:
@@ -541,7 +544,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      sel_kept if again else None, cast_s, copies, replay[1],
                      sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
                      rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else (),
-                     temps)
+                     temps, unsplit_flops(sub, mesh, r.strategies))
 
 
 def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],

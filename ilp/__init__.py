@@ -16,7 +16,8 @@ Modules, in the order data flows through them:
   with the MIP back ends, run as :class:`SolverOptions` say;
 * :mod:`.decode`: a solution -> :class:`IntraOpResult`, with the
   collectives and reshardings the choice implies;
-* :mod:`.intra_op`: the entry points.
+* :mod:`.intra_op`: the entry points;
+* :mod:`.replicated`: the work a plan leaves unsplit over a mesh axis (its note).
 """
 from __future__ import annotations
 

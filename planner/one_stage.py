@@ -14,8 +14,7 @@ from .errors import InfeasiblePlanError, batch_rows
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
                   within_host)
-from .ilp.accumulation import name_axes
-from .ilp.strategies import node_space
+from .ilp.replicated import replicated_note, unsplit_flops
 from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
                       with_offload)
 from .plan import LogicalMesh, Plan
@@ -86,48 +85,10 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
     return plan
 
 
-# a mesh axis worth a note: this share of the operators' FLOPs runs unsplit over it
-REPLICATED_AXIS_SHARE = 0.5
-REPLICATED_NOTE = "replicated work: "
-
-
 def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:
     """A note where the plan runs most of the step's FLOPs identically on
-    every device of a mesh axis (the ILP, within the method's layouts, found
-    no faster split: for a tiny step the collectives cost more than the work
-    they would split), else None.
-    FLOPs of the operators that choose layouts (matmuls among them); an
-    element-wise follower splits as its operand does."""
-    nodes = {n.id: n for n in graph.nodes}
-    chosen = [(nodes[i], {axis for axis, _ in name_axes(name)})
-              for i, name in r.strategies if i in nodes]
-    total = sum(n.flops for n, _ in chosen)
-    if not total:
-        return None
-    parts = []
-    for axis, size in zip(r.mesh.axes, r.mesh.shape):
-        same = [n for n, used in chosen if size > 1 and axis not in used]
-        share = sum(n.flops for n in same) / total
-        if share < REPLICATED_AXIS_SHARE:
-            continue
-        # (of those, the FLOPs that some layout could have split this many ways)
-        could = sum(n.flops for n in same if _splits(graph, n, size))
-        if could >= REPLICATED_AXIS_SHARE * share * total:
-            why = ("no layout that splits them was predicted faster; a larger batch, or fewer "
-                   "devices, would put them to use")
-        else:
-            why = (f"none of their dimensions divides by {size}; sizes that do, or a mesh axis "
-                   "whose size divides them, would put them to use")
-        parts.append(f"{share:.0%} of the operators' FLOPs run identically on each of the "
-                     f"{size} devices of mesh axis {axis} ({why})")
-    return REPLICATED_NOTE + "; ".join(parts) if parts else None
-
-
-def _splits(graph: Graph, node, ways: int) -> bool:
-    """Whether ``node``'s rule lets some dimension split ``ways`` ways."""
-    space = node_space(graph, node)
-    return space is not None and any(n % ways == 0 and l not in space.blocked
-                                     for l, n in space.sizes.items())
+    every device of a mesh axis (:mod:`meshplan.ilp.replicated`), else None."""
+    return replicated_note([unsplit_flops(graph, r.mesh, r.strategies)])
 
 
 def check_batch_divisible(graph: Graph, n: int, what: str, micro_batches: int = 1) -> None:

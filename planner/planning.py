@@ -24,7 +24,8 @@ from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
 from .errors import InfeasiblePlanError, MeshplanError, warn
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
-from .one_stage import REPLICATED_NOTE, check_batch_divisible, plan_one_stage
+from .ilp.replicated import REPLICATED_NOTE
+from .one_stage import check_batch_divisible, plan_one_stage
 from .graph import IDENTITY_MARKERS, OPT_STATE, PARAM, Graph, cast_origin, stage_program_counts
 from .methods import Manual, Method
 from .plan import Plan

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import meshplan
-from meshplan.one_stage import REPLICATED_AXIS_SHARE
+from meshplan.ilp.replicated import REPLICATED_AXIS_SHARE
 
 
 def _step(rows: int):
@@ -87,3 +87,43 @@ def test_a_mesh_axis_that_divides_no_dimension_is_named_as_the_cause():
                              cluster=meshplan.Cluster.local().with_devices(1, 3))
         (note,) = [n for n in plan.notes if n.startswith("replicated work")]
         assert "3 devices" in note and cause in note, note
+
+
+def _mlp_step():
+    import optax
+    tx = optax.adam(1e-2)
+    p = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+         "w2": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+         "w3": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+
+    def loss(p, b):
+        h = jnp.tanh(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"])
+        return jnp.mean((h @ p["w3"] - b["y"]) ** 2)
+
+    def step(s, b):
+        value, g = jax.value_and_grad(loss)(s["params"], b)
+        u, o = tx.update(g, s["opt"], s["params"])
+        return {"params": optax.apply_updates(s["params"], u), "opt": o}, {"loss": value}
+    return step, {"params": p, "opt": jax.eval_shape(tx.init, p)}
+
+
+def test_plans_of_the_stage_search_say_so_too():
+    # Auto's one-stage plan from the stage search (batch 12 on 8 devices: all
+    # replicated) carried no note, nor did a pipeline's stages
+    step, state = _mlp_step()
+    batch = {"x": jax.ShapeDtypeStruct((12, 32), jnp.float32),
+             "y": jax.ShapeDtypeStruct((12, 8), jnp.float32)}
+    plan = meshplan.plan(step, state, batch, method=meshplan.Auto(), batch_argnums=(1,),
+                         cluster=meshplan.Cluster.local())
+    (note,) = [n for n in plan.notes if n.startswith("replicated work")]
+    mesh = plan.stages[0].logical_mesh
+    said = re.findall(r"(\d+) devices of mesh axis (\w+)", note)
+    assert said and all(dict(zip(mesh.axes, mesh.shape))[a] == int(n) for n, a in said), note
+    # a pipeline of two stages on 3 devices each: nothing divides by 3
+    batch = {"x": jax.ShapeDtypeStruct((8, 32), jnp.float32),
+             "y": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    plan = meshplan.plan(step, state, batch, method=meshplan.Manual(tp=3, pp=2),
+                         batch_argnums=(1,), cluster=meshplan.Cluster.local().with_devices(1, 6))
+    (note,) = [n for n in plan.notes if n.startswith("replicated work")]
+    assert "stage 0: " in note and "stage 1: " in note, note
+    assert "none of their dimensions divides by 3" in note, note

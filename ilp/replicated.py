@@ -1,0 +1,87 @@
+"""Work a plan runs identically on every device of a mesh axis.
+
+The ILP may find that splitting a tiny step costs more in collectives than
+it saves, or no operator may have a dimension the axis divides; either
+way the user should hear that the devices along that axis repeat each
+other's work (no silent replication).  One-stage plans and the stage
+search's plans say so in the same words: :func:`unsplit_flops` of each
+solved graph (a whole step, or a layer), summed per stage, then
+:func:`replicated_note`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..graph import Graph
+from .accumulation import name_axes
+from .strategies import node_space
+
+__all__ = ("REPLICATED_AXIS_SHARE", "REPLICATED_NOTE", "Unsplit", "unsplit_flops",
+           "replicated_note")
+
+# a mesh axis worth a note: this share of the operators' FLOPs runs unsplit over it
+REPLICATED_AXIS_SHARE = 0.5
+REPLICATED_NOTE = "replicated work: "
+
+
+@dataclass(frozen=True)
+class Unsplit:
+    """FLOPs of the operators that choose layouts (an element-wise follower
+    splits as its operand does) and, per mesh axis of several devices,
+    ``(axis, size, FLOPs run unsplit over it, of those the FLOPs some
+    layout could have split that many ways)``."""
+    total: float = 0.0
+    axes: tuple[tuple[str, int, float, float], ...] = ()
+
+    def __add__(self, other: "Unsplit") -> "Unsplit":
+        """Two graphs' figures on one mesh (the layers of a stage)."""
+        if not self.axes:
+            return Unsplit(self.total + other.total, other.axes)
+        if not other.axes:
+            return Unsplit(self.total + other.total, self.axes)
+        return Unsplit(self.total + other.total,
+                       tuple((a, n, f + g, c + d) for (a, n, f, c), (_, _, g, d)
+                             in zip(self.axes, other.axes)))
+
+
+def unsplit_flops(graph: Graph, mesh, strategies) -> Unsplit:
+    """:class:`Unsplit` of ``graph`` solved on ``mesh`` with ``strategies``
+    ((node id, strategy name) pairs, an IntraOpResult's)."""
+    nodes = {n.id: n for n in graph.nodes}
+    chosen = [(nodes[i], {axis for axis, _ in name_axes(name)})
+              for i, name in strategies if i in nodes]
+    axes = []
+    for axis, size in zip(mesh.axes, mesh.shape):
+        if size > 1:
+            same = [n for n, used in chosen if axis not in used]
+            axes.append((axis, size, sum(n.flops for n in same),
+                         sum(n.flops for n in same if _splits(graph, n, size))))
+    return Unsplit(sum(n.flops for n, _ in chosen), tuple(axes))
+
+
+def _splits(graph: Graph, node, ways: int) -> bool:
+    """Whether ``node``'s rule lets some dimension split ``ways`` ways."""
+    space = node_space(graph, node)
+    return space is not None and any(n % ways == 0 and l not in space.blocked
+                                     for l, n in space.sizes.items())
+
+
+def replicated_note(per_stage: list[Unsplit]) -> str | None:
+    """The note for a plan whose stages have these figures, or None where no
+    stage runs ``REPLICATED_AXIS_SHARE`` of its FLOPs unsplit over an axis."""
+    parts = []
+    for k, u in enumerate(per_stage):
+        for axis, size, same, could in u.axes:
+            share = same / u.total if u.total else 0.0
+            if share < REPLICATED_AXIS_SHARE:
+                continue
+            if could >= REPLICATED_AXIS_SHARE * same:
+                why = ("no layout that splits them was predicted faster; a larger batch, or "
+                       "fewer devices, would put them to use")
+            else:
+                why = (f"none of their dimensions divides by {size}; sizes that do, or a mesh "
+                       "axis whose size divides them, would put them to use")
+            where = f"stage {k}: " if len(per_stage) > 1 else ""
+            parts.append(f"{where}{share:.0%} of the operators' FLOPs run identically on each "
+                         f"of the {size} devices of mesh axis {axis} ({why})")
+    return REPLICATED_NOTE + "; ".join(parts) if parts else None
