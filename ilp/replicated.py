@@ -49,21 +49,26 @@ def unsplit_flops(graph: Graph, mesh, strategies) -> Unsplit:
     ((node id, strategy name) pairs, an IntraOpResult's)."""
     nodes = {n.id: n for n in graph.nodes}
     chosen = [(nodes[i], {axis for axis, _ in name_axes(name)})
-              for i, name in strategies if i in nodes]
+              for i, name in strategies if i in nodes and nodes[i].flops]
+    # (the sizes a node's rule may split, asked once per kind of operator:
+    # a layer repeats a few kinds many times)
+    free: dict[tuple, tuple[int, ...]] = {}
+
+    def splittable(n) -> tuple[int, ...]:
+        key = (n.primitive, tuple(graph.tensors[t].shape for t in n.inputs + n.outputs),
+               n.params)
+        if key not in free:
+            space = node_space(graph, n)
+            free[key] = () if space is None else tuple(
+                size for l, size in space.sizes.items() if l not in space.blocked)
+        return free[key]
     axes = []
     for axis, size in zip(mesh.axes, mesh.shape):
         if size > 1:
             same = [n for n, used in chosen if axis not in used]
             axes.append((axis, size, sum(n.flops for n in same),
-                         sum(n.flops for n in same if _splits(graph, n, size))))
+                         sum(n.flops for n in same if any(d % size == 0 for d in splittable(n)))))
     return Unsplit(sum(n.flops for n, _ in chosen), tuple(axes))
-
-
-def _splits(graph: Graph, node, ways: int) -> bool:
-    """Whether ``node``'s rule lets some dimension split ``ways`` ways."""
-    space = node_space(graph, node)
-    return space is not None and any(n % ways == 0 and l not in space.blocked
-                                     for l, n in space.sizes.items())
 
 
 def replicated_note(per_stage: list[Unsplit]) -> str | None:
