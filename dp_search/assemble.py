@@ -190,7 +190,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 notes=(f"{layering.num_layers} layers "
                        f"({'user marks' if layering.marked else 'clustered'})",)
                 + tuple(n for n in (replicated_note(unsplit),) if n),
-                layer_of_node=layering.layer_of_node if n_stages > 1 or B > 1 else ())
+                layer_of_node=layering.layer_of_node if n_stages > 1 or B > 1 else (),
+                programs=lay.programs)
 
 
 def _read_as(layer: Graph, tensor: int, spec: tuple, reads: dict[tuple[int, int], tuple]) -> None:

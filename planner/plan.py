@@ -383,6 +383,11 @@ class Plan:
     # the data-parallel gradient sums are reduced every micro-batch (ZeRO-2's
     # way: less memory) rather than once a step; in the JSON only when true
     reduce_grads_each_micro_batch: bool = False
+    # the programs each stage runs per micro-batch and per step: a train
+    # step's forward and backward, then its update (2, 1); an evaluation
+    # step's forward alone (1, 0) (graph.stage_program_counts); in the JSON
+    # only where not (2, 1)
+    programs: tuple[int, int] = (2, 1)
 
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
@@ -459,6 +464,7 @@ class Plan:
             **({"ilp_time_limit_hit": True} if self.ilp_time_limit_hit else {}),
             **({"reduce_grads_each_micro_batch": True} if self.reduce_grads_each_micro_batch
                else {}),
+            **({"programs": list(self.programs)} if self.programs != (2, 1) else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -491,6 +497,7 @@ class Plan:
                 alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
                 ilp_time_limit_hit=bool(d.get("ilp_time_limit_hit", False)),
                 reduce_grads_each_micro_batch=bool(d.get("reduce_grads_each_micro_batch", False)),
+                programs=_programs(d.get("programs", (2, 1))),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):
@@ -561,6 +568,14 @@ def _rle(values: Sequence[int]) -> list[list[int]]:
         else:
             out.append([int(v), 1])
     return out
+
+
+def _programs(v: Any) -> tuple[int, int]:
+    per_mb, per_step = (int(x) for x in v)
+    if per_mb < 1 or per_step < 0:
+        raise ValueError(f"programs {list(v)}: a stage runs at least one program per "
+                         "micro-batch and none or more per step")
+    return per_mb, per_step
 
 
 def _unrle(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:

@@ -588,6 +588,14 @@ def test_an_evaluation_pipeline_runs_a_forward_program_per_micro_batch_and_no_up
     plan = meshplan.plan(_eval_step, ws, batch, cluster=cluster,
                          method=meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=4))
     assert 16 * per <= plan.predicted.host_s < 17 * per
+    # the plan records them, and its timeline draws forwards alone (it drew a
+    # backward per micro-batch and stage, and counted an update program)
+    from meshplan.tools.timeline import breakdown, simulate
+    assert plan.programs == (1, 0) == meshplan.Plan.from_json(plan.to_json()).programs
+    blocks = simulate(plan)
+    assert {b.kind for b in blocks} == {"F"} and len(blocks) == 16
+    assert "update" not in breakdown(plan, blocks)
+    assert plan.to_dict()["programs"] == [1, 0]
 
 
 def test_the_host_time_counts_the_buffers_the_programs_take_and_make():

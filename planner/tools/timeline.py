@@ -36,7 +36,10 @@ def simulate(plan: Plan) -> list[Block]:
     n, m = len(plan.stages), plan.num_micro_batches
     groups = plan.device_groups
     p = len(set(groups))
-    t_f = [stage_latency(s) * FORWARD_SHARE for s in plan.stages]
+    # (an evaluation step's stages run their forward alone)
+    forward_only = plan.programs[0] == 1
+    share = 1.0 if forward_only else FORWARD_SHARE
+    t_f = [stage_latency(s) * share for s in plan.stages]
     t_b = [stage_latency(s) * (1 - FORWARD_SHARE) for s in plan.stages]
     t_w = [0.0] * n
     if plan.schedule == "zb-h1":
@@ -44,7 +47,8 @@ def simulate(plan: Plan) -> list[Block]:
         # each); the first stage's backward stays one program (no W)
         t_w = [0.0] + [t / 2 for t in t_b[1:]]
         t_b = t_b[:1] + [t / 2 for t in t_b[1:]]
-    orders = [group_order(plan.schedule, g, p, m, plan.chunks) for g in range(p)]
+    orders = [[o for o in group_order(plan.schedule, g, p, m, plan.chunks)
+               if o[0] == "F" or not forward_only] for g in range(p)]
     pos = [0] * p
     free = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
@@ -82,14 +86,18 @@ def breakdown(plan: Plan, blocks: list[Block]) -> str:
     the terms not drawn, in one line."""
     drawn = max((b.end for b in blocks), default=0.0)
     a = plan.cluster.device.achieved
-    # (each stage's update program, unless the whole step is one program)
+    # (each stage's programs once a step -- a train step's update -- unless
+    # the whole step is one program)
     one_program = len(plan.stages) == 1 and plan.num_micro_batches == 1
-    update = 0.0 if one_program else sum(a.dispatch_s(len(st.devices)) for st in plan.stages)
+    update = 0.0 if one_program else plan.programs[1] * sum(
+        a.dispatch_s(len(st.devices)) for st in plan.stages)
     rest = plan.predicted.iteration_s - drawn - update
     text = (f"predicted {human_time(plan.predicted.iteration_s)} = blocks drawn "
-            f"{human_time(drawn)} + update programs {human_time(update)}")
+            f"{human_time(drawn)}" + (f" + update programs {human_time(update)}"
+                                      if plan.programs[1] else ""))
     if host_binds(plan.predicted.iteration_s, plan.predicted.host_s):
-        programs = schedule_programs(len(plan.stages), plan.num_micro_batches, plan.schedule)
+        programs = schedule_programs(len(plan.stages), plan.num_micro_batches, plan.schedule,
+                                     plan.programs)
         buffers = (f" and their array buffers at {human_time(a.pipeline_buffer_s)} each"
                    if a.pipeline_buffer_s else "")
         text += (f" + {human_time(rest)}: the host hands over the step's {programs} stage "
