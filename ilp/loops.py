@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+from ..flops import flops_of
+
 Shape = tuple[int, ...]
 SpaceOf = Callable[[str, Sequence[Shape], Sequence[Shape], dict], Any]
 
@@ -57,18 +59,26 @@ class _Classes:
 
 
 def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_of: SpaceOf
-                 ) -> tuple[list[tuple[int, ...] | None], dict[int, float]]:
+                 ) -> tuple[list[tuple[int, ...] | None], dict[int, float],
+                            dict[frozenset[int], float]]:
     """Per operand and result of the loop (results after operands), a class
     id per dimension, -1 where the dimension may not be split, None for a
-    scalar; and per partial class, the bytes one step all-reduces when it is
-    split.  ``space_of`` is :func:`meshplan.ilp.rules.op_space`."""
+    scalar; per partial class, the bytes one step all-reduces when it is
+    split; and the body's FLOPs by the classes their operators' dimensions
+    fall in (a split divides an operator's work only where it cuts one of
+    them: the rest runs whole on every device, as the square matmul of a
+    Newton-Schulz iteration on an all-reduced value does).
+    ``space_of`` is :func:`meshplan.ilp.rules.op_space`."""
     shapes, eqns, ties, itemsizes = desc
     c = _Classes()
     sums: list[tuple[Any, float]] = []      # (a dimension summed over, bytes of the sum)
+    work: list[tuple[float, list[Any]]] = []   # (an operator's FLOPs, its dimensions' keys)
     for e, (prim, e_ins, e_outs, params) in enumerate(eqns):
         in_shapes = [shapes[i] for i in e_ins]
         out_shapes = [shapes[o] for o in e_outs]
         space = space_of(prim, in_shapes, out_shapes, dict(params))
+        work.append((flops_of(prim, in_shapes, out_shapes, dict(params)),
+                     [] if space is None else [("l", e, lab) for lab in space.sizes]))
         if space is None:
             for v in e_ins + e_outs:
                 for d in range(len(shapes[v])):
@@ -121,4 +131,9 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_o
         out.append(tuple(-1 if c.is_blocked(("s", s, d))
                          else ids.setdefault(c.find(("s", s, d)), len(ids))
                          for d in range(len(shape))))
-    return out, {ids[r]: b for r, b in partial.items() if r in ids and r not in c.blocked}
+    by_classes: dict[frozenset[int], float] = {}
+    for flops, keys in work:
+        cut = frozenset(ids[r] for r in map(c.find, keys) if r in ids and r not in c.blocked)
+        by_classes[cut] = by_classes.get(cut, 0.0) + flops
+    return (out, {ids[r]: b for r, b in partial.items() if r in ids and r not in c.blocked},
+            by_classes)

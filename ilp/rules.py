@@ -42,6 +42,10 @@ class OpSpace:
     # (label, bytes): splitting the label leaves partial sums inside a loop's
     # body, which an all-reduce of that many bytes (all steps) combines
     reduce_each_step: tuple[tuple[int, float], ...] = ()
+    # a loop's body: (labels, share of its FLOPs) per set of labels its
+    # operators' dimensions carry; a split divides each share by its cut of
+    # those labels alone (empty: the whole work divides by every split)
+    work: tuple[tuple[frozenset[int], float], ...] = ()
 
 
 class _Labels:
@@ -60,14 +64,14 @@ class _Labels:
         return tuple(self.new(s, d in blocked_dims) for d, s in enumerate(shape))
 
     def space(self, ins, outs, *, reduce=(), elementwise=False, reduce_scatter=False,
-              independent=False, reduce_each_step=()) -> OpSpace:
+              independent=False, reduce_each_step=(), work=()) -> OpSpace:
         # only labels some operand or result carries: a split of any other
         # would divide the work without changing a layout
         used = {l for ls in tuple(ins) + tuple(outs) if ls is not None for l in ls}
         return OpSpace(tuple(ins), tuple(outs),
                        {l: n for l, n in self.sizes.items() if l in used},
                        frozenset(self.blocked & used), frozenset(reduce), elementwise,
-                       reduce_scatter, independent, tuple(reduce_each_step))
+                       reduce_scatter, independent, tuple(reduce_each_step), tuple(work))
 
 
 Rule = Callable[[Sequence[Shape], Sequence[Shape], dict[str, Any]], OpSpace | None]
@@ -391,7 +395,7 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     desc = params.get("loop")
     if desc is None:
         return None
-    classes, partial = loop_classes(desc, ins, outs, op_space)
+    classes, partial, by_classes = loop_classes(desc, ins, outs, op_space)
     steps = int(params.get("length", params.get("trip_count", 1)))
     L = _Labels()
     label: dict[int, int] = {}
@@ -408,7 +412,10 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     if all(l in L.blocked for l in L.sizes):
         return None
     each = [(label[k], b * steps) for k, b in sorted(partial.items()) if k in label]
-    return L.space(in_l, out_l, reduce_each_step=each)
+    total = sum(by_classes.values())
+    work = sorted((frozenset(label[k] for k in ks if k in label), f / total)
+                  for ks, f in by_classes.items() if f) if total else ()
+    return L.space(in_l, out_l, reduce_each_step=each, work=work)
 
 
 def iota_rule(ins, outs, params) -> OpSpace:

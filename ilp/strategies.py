@@ -180,7 +180,10 @@ def enumerate_strategies(graph: Graph, node: Node, space: OpSpace, mm: MeshModel
         groups = [ax for l, ax in sorted(per_label.items()) if l in space.reduce]
         red_axes = tuple(sorted(a for ax in groups for a in ax))
         local_out = [b / num_shards(s, shape) for b, s in zip(out_bytes, out_specs)]
-        t_comp = compute_time(mm.device, node.flops / shards, moved / shards, dtype,
+        # (a loop's body divides each operator's work by its own cut)
+        work = sum(share / math.prod(shape[a] for l in labs for a in per_label.get(l, ()))
+                   for labs, share in space.work) if space.work else 1 / shards
+        t_comp = compute_time(mm.device, node.flops * work, moved * work, dtype,
                               _out_elements(graph, node, num_shards(out_specs[0], shape))
                               if out_specs else 0.0, _out_side(graph, node))
         assign = list(zip(axes, choice))

@@ -316,3 +316,29 @@ def test_data_parallel_splits_the_accumulation_scan_and_equals_jit():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not any("replicated work" in n for n in step.plan.notes), step.plan.notes
+
+
+def test_a_split_loop_divides_only_the_work_its_split_cuts():
+    # a Newton-Schulz iteration (muon's): x @ x.T sums over the split
+    # dimension and b @ x keeps it, but a @ a multiplies an all-reduced square
+    # matrix by itself and runs whole on every device.  The split loop was
+    # priced at 1/8 of its work; its matmuls are a third each: 1/12 + 1/3
+    from meshplan.cost_model.mesh import mesh_model
+    from meshplan.ilp.strategies import all_strategies
+    from meshplan.plan import LogicalMesh
+    n = 256
+
+    def step(w):
+        def body(x, _):
+            a = x @ x.T
+            return 3.0 * x - (a + a @ a) @ x, None
+        x, _ = jax.lax.scan(body, w, None, length=5)
+        return x
+    graph = trace(step, jax.ShapeDtypeStruct((n, n), jnp.float32), warn=False,
+                  batch_argnums=())
+    (scan,) = _loop_nodes(graph)
+    mm = mesh_model(meshplan.Cluster.local(), LogicalMesh(("x",), (8,)))
+    by_name = {s.name: s for s in all_strategies(graph, scan, mm)}
+    (split,) = [s for s in by_name.values() if s.name != "R"]
+    ratio = split.compute_s / by_name["R"].compute_s
+    assert abs(ratio - (2 / 3 / 8 + 1 / 3)) < 0.01, ratio
