@@ -223,15 +223,16 @@ class Parallelized:
         the first call (:meth:`plan_for` plans without running)."""
         return self._last
 
-    def plan_for(self, *args: Any) -> Plan:
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for ``args`` (arrays or ShapeDtypeStructs), made (with
         its executable) as a call would make it, without running the step."""
-        return self._entry(args)[0]
+        return self._entry(self._positional(args, kwargs))[0]
 
-    def shardings(self, *args: Any) -> Any:
+    def shardings(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`meshplan.Plan.shardings` of the plan for ``args`` (planned
         on first use), with the output shardings of this step:
         ``mesh, in_s, out_s = step.shardings(state, batch)``."""
+        args = self._positional(args, kwargs)
         p, executable = self._entry(args)
         rolled = getattr(executable, "stacked_shardings", None)
         if rolled is not None:      # (the scan runs rolled: the plan's layouts stacked)
@@ -243,12 +244,13 @@ class Parallelized:
                 "meshplan.parallelize, or write the step without the scan for a plain jax.jit")
         return p.shardings(*args, step=getattr(executable, "fn", self.fn))
 
-    def split_layers(self, *args: Any) -> tuple[Any, ...]:
+    def split_layers(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """[lax.scan over stacked layers] ``args`` in the per-layer form the
         step runs on (see :mod:`meshplan.trace.unstack`); the step called with them
         returns its results in that form, with no split or stack per call:
         ``state, metrics = step(*step.split_layers(state, batch))`` ... then
         ``step.stack_layers(state)``.  Other steps get ``args`` back."""
+        args = self._positional(args, kwargs)
         _, executable = self._entry(args)
         if isinstance(executable, _Unstacking):
             return executable.unstacked.split(args)
@@ -361,8 +363,7 @@ class Parallelized:
         return donated
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            args = self._positional(args, kwargs)
+        args = self._positional(args, kwargs)
         try:
             return self._call(args)
         except _TRACED_ERRORS:
@@ -377,6 +378,8 @@ class Parallelized:
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Keyword arguments bound to the step's positions (as jax.jit
         accepts them); a keyword-only argument has no position to plan."""
+        if not kwargs:
+            return tuple(args)
         try:
             bound = inspect.signature(self.fn).bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
@@ -414,10 +417,11 @@ class Parallelized:
         ex = self._fast[1] if self._fast is not None else None
         return list(getattr(ex, "last_timeline", None) or [])
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The ``jax.stages.Lowered`` of the step exactly as it runs; for a
         pipeline plan a ``meshplan.runtime.pipeline_lower.PipelineLowered``
         holding every stage program's (``.compile()``: their ``Compiled``)."""
+        args = self._positional(args, kwargs)
         _, executable = self._entry(args)
         return executable.lower(*args)
 

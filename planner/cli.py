@@ -106,9 +106,8 @@ def _load_fn(spec: str) -> Target:
                                f"{_describe(result)}")
     try:
         batch_argnums = normalize_argnums(result[2] if len(result) == 3 else (1,))
-    except (TypeError, ValueError):
-        raise ModelConfigError(f"--fn {spec}: batch_argnums must be an int or a tuple of ints; "
-                               f"got {result[2]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelConfigError(f"--fn {spec}: {e}") from None
     return Target(name=func_name, train_step=result[0], args=tuple(result[1]),
                   batch_argnums=batch_argnums, model_config=None)
 

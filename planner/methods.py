@@ -16,11 +16,12 @@ def normalize_argnums(argnums: Any) -> tuple[int, ...]:
     """``batch_argnums`` as jax takes argnums: an int or a sequence of ints."""
     if isinstance(argnums, bool):
         raise TypeError("batch_argnums must be an int or a sequence of ints, not a bool")
-    if isinstance(argnums, int):
-        return (argnums,)
-    out = tuple(argnums)
+    out = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not all(isinstance(a, int) and not isinstance(a, bool) for a in out):
         raise TypeError(f"batch_argnums must be an int or a sequence of ints, got {argnums!r}")
+    if any(a < 0 for a in out):
+        raise TypeError(f"batch_argnums={argnums!r}: give the batch arguments' positions counted "
+                        "from 0 (negative positions are not taken)")
     return out
 
 
@@ -95,7 +96,9 @@ class ShardParallel:
             shape = tuple(int(s) for s in self.mesh_shape)
             if math.prod(shape) != num_devices:
                 raise MeshplanError(f"ShardParallel(mesh_shape={shape}) has {math.prod(shape)} "
-                                    f"devices but the cluster has {num_devices}")
+                                    f"devices but the cluster has {num_devices}: give a mesh shape "
+                                    f"(CLI --mesh) whose product is {num_devices}, or none to "
+                                    "search every shape")
             meshes = shape
         if self.remat is not False:
             return PlanRequest("shard", pipeline=PipelineOptions(

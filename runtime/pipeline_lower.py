@@ -68,6 +68,12 @@ class PipelineCompiled:
     def as_text(self) -> str:
         return "\n\n".join(f"// {_name(k)}\n{c.as_text()}" for k, c in self.compiled.items())
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise MeshplanError(
+            "a pipeline's compiled programs run one per stage and micro-batch, driven by the "
+            "parallelized step: call the step itself; compiled[key], .stage(s) and .items() "
+            "give each program's jax.stages.Compiled (memory_analysis(), cost_analysis())")
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineLowered:

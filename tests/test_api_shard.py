@@ -225,6 +225,12 @@ def test_the_step_takes_keyword_arguments_as_jax_jit_does():
     by_name = step(SMALL[0], batch=SMALL[1], scale=0.5)
     by_place = step(*SMALL, 0.5)
     assert float(by_name[1]["loss"]) == float(by_place[1]["loss"])
+    # and so do its other entry points (they took positions only)
+    assert step.plan_for(SMALL[0], batch=SMALL[1], scale=0.5) is step.plan
+    lowered = step.lower(SMALL[0], batch=SMALL[1], scale=0.5)
+    assert lowered.as_text() == step.lower(*SMALL, 0.5).as_text()
+    mesh, in_s, _ = step.shardings(SMALL[0], batch=SMALL[1], scale=0.5)
+    assert len(in_s) == 3
 
 
 def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
@@ -240,6 +246,8 @@ def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
     (dict(cluster=8), "cluster= takes"),
     (dict(donate_argnums=(5,)), r"donate_argnums=\(5,\) names an argument"),
     (dict(donate_argnums="state"), "give an int, a sequence of ints"),
+    (dict(batch_argnums=-1), r"batch_argnums=-1: give the batch arguments' positions counted "
+                             r"from 0"),
 ])
 def test_bad_arguments_are_one_clear_error(kwargs, match):
     with pytest.raises(meshplan.MeshplanError, match=match):
@@ -253,6 +261,7 @@ def test_bad_arguments_are_one_clear_error(kwargs, match):
     (lambda: meshplan.PipeshardParallel(stages="three"), "use 'auto'"),
     (lambda: meshplan.ShardParallel(backend="gurobi"), "use 'highs' or 'cbc'"),
     (lambda: meshplan.Auto(time_limit=0), "more than 0"),
+    (lambda: meshplan.ShardParallel(mesh_shape=(3, 2)).request(8), r"whose product is 8"),
 ])
 def test_bad_method_values_are_refused_where_they_are_written(make, match):
     # (a repeated axis name was planned, then crashed XLA's partitioner)

@@ -117,6 +117,9 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
         backward = {c.kind for c in parse_collectives(compiled[("B", s)])}
         assert "all-reduce" not in backward, s
         assert "all-reduce" in {c.kind for c in parse_collectives(compiled[("M", s)])}
+    # the programs run driven by the step; calling them as one says so
+    with pytest.raises(meshplan.MeshplanError, match=r"call the step itself; compiled\[key\]"):
+        compiled(state0, batch)
 
 
 
