@@ -226,6 +226,46 @@ def test_multisteps_plans_its_state_like_the_plain_adam_step(method):
         assert got[f"[1].acc_grads['{name}']"] == want[f"[0]['{name}']"]
 
 
+@pytest.mark.parametrize("tx", [MULTI, optax.apply_if_finite(optax.adam(1e-2), 3)],
+                         ids=["multisteps", "apply_if_finite"])
+def test_an_update_in_a_cond_is_one_cond_per_parameter_and_each_stage_runs_its_own(tx):
+    # the cond over every leaf was one operation: a pipeline put the whole
+    # optimizer state, and a copy of the other stage's parameters, on one
+    # stage.  Split per component, each stage holds its own layers' state
+    n = 4
+    p = {f"w{i}": jnp.linspace(-1, 1, 32 * 32).reshape(32, 32) * (0.1 + 0.01 * i)
+         for i in range(n)}
+
+    def step(state, batch):
+        p, o = state
+
+        def loss(p):
+            h = batch["x"]
+            for i in range(n):
+                h = jnp.tanh(h @ p[f"w{i}"])
+            return jnp.mean((h - batch["y"]) ** 2)
+        value, g = jax.value_and_grad(loss)(p)
+        u, o = tx.update(g, o, p)
+        return (optax.apply_updates(p, u), o), value
+    state = (p, tx.init(p))
+    batch = {"x": jnp.linspace(-1, 1, 16 * 32).reshape(16, 32), "y": jnp.ones((16, 32))}
+    graph = trace(step, state, batch, warn=False)
+    assert len([nd for nd in graph.nodes if nd.primitive == "cond"]) >= n
+    f = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    ref, par = state, state
+    for _ in range(3):
+        ref, rl = jax.jit(step)(ref, batch)
+        par, pl = f(par, batch)
+        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # each stage holds the state of the parameters it holds, and no other's
+    for s in f.plan.stages:
+        names = {k.split("['")[-1].rstrip("']") for k, _ in s.params if "['w" in k}
+        mine = {k.split("['")[-1].rstrip("']") for k, _ in s.params if k.startswith("[0]['")}
+        assert len(mine) == n // 2 and names == mine, (names, mine)
+
+
 def test_a_cond_that_reduces_a_whole_array_in_a_branch_has_a_rule():
     # a branch that sums a component to a scalar (a global norm, an isfinite
     # check): laid out with its component, an all-reduce of the scalar

@@ -149,3 +149,45 @@ def cond_components(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     comps = tuple(ins) + tuple(c if c in has_in else -1 for c in outs)
     return comps, tuple(sorted({roots[u.find(k)] for k in reduced
                                 if roots.get(u.find(k), -1) in has_in}))
+
+
+def split_cond(eqn: Any) -> list[Any]:
+    """A cond whose branches work element by element, as one cond per
+    component (each reading the branch index, the scalars and its own
+    operands; the first also makes the scalar results), so that each
+    parameter's update is its own operation: a pipeline stage runs the
+    update of its own parameters (optax.MultiSteps' cond over every leaf
+    put the whole optimizer state on one stage).  ``[eqn]`` where it does not
+    split: not element-wise, a component reduced to a scalar (it gates the
+    others: apply_if_finite's check inside a branch), effects, or branch
+    constants."""
+    found = cond_components(eqn)
+    if found is None or found[1] or eqn.effects:
+        return [eqn]
+    branches = [_closed_parts(b) for b in eqn.params["branches"]]
+    if any(consts for _, consts in branches):
+        return [eqn]
+    comps, n_in = found[0], len(eqn.invars) - 1
+    outs = comps[n_in:]
+    parts = sorted({c for c in comps if c >= 0})
+    if len(parts) < 2:
+        return [eqn]
+    # (jax's dead-code elimination of the branches: not in jax.extend)
+    from jax._src.interpreters import partial_eval as pe
+    from jax import lax
+    split = []
+    for k, c in enumerate(parts):
+        used = [o == c or (o < 0 and k == 0) for o in outs]
+        if not any(used):
+            continue
+        needed = [False] * n_in
+        for jaxpr, _ in branches:
+            _, ins = pe.dce_jaxpr(jaxpr, used)
+            needed = [a or b for a, b in zip(needed, ins)]
+        new = [jcore.ClosedJaxpr(pe.dce_jaxpr(jaxpr, used, needed)[0], ())
+               for jaxpr, _ in branches]
+        split.append(jcore.new_jaxpr_eqn(
+            [eqn.invars[0]] + [v for v, keep in zip(eqn.invars[1:], needed) if keep],
+            [v for v, keep in zip(eqn.outvars, used) if keep], lax.cond_p,
+            {**eqn.params, "branches": tuple(new)}, eqn.effects, eqn.source_info))
+    return split

@@ -89,11 +89,22 @@ class _Flattener:
             if _positional(eqn):
                 self.reduce(eqn, ins, env, remat, fence)
                 continue
-            outs = tuple(self.fresh(v.aval) for v in eqn.outvars)
-            for ov, i in zip(eqn.outvars, outs):
-                env[ov] = i
-            self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack),
-                                     fence))
+            if name == "cond":
+                # (one cond per independent component: .cond.split_cond;
+                # imported here, as .cond reads this module's tables)
+                from .cond import split_cond
+                for part in split_cond(eqn):
+                    self.add(part, tuple(self.read(env, v) for v in part.invars), env, remat,
+                             fence)
+                continue
+            self.add(eqn, ins, env, remat, fence)
+
+    def add(self, eqn: Any, ins: tuple[int | Lit, ...], env: dict[Any, int], remat: bool,
+            fence: int) -> None:
+        outs = tuple(self.fresh(v.aval) for v in eqn.outvars)
+        for ov, i in zip(eqn.outvars, outs):
+            env[ov] = i
+        self.eqns.append(FlatEqn(eqn, ins, outs, remat, str(eqn.source_info.name_stack), fence))
 
     def reduce(self, eqn: Any, ins: tuple[int | Lit, ...], env: dict[Any, int], remat: bool,
                fence: int) -> None:
