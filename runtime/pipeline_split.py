@@ -701,8 +701,10 @@ def _crossings(flat: FlatJaxpr, tasks: dict[tuple, Task], producer: dict[int, tu
         for x in t.inputs:
             if x in flow.batch_ids and num_micro_batches > 1:
                 raise MeshplanError(
-                    f"the update ({t.name()}) reads the batch itself; with micro-batches the "
-                    "update may only read gradients, state and batch means")
+                    f"the update ({t.name()}) reads the batch itself (as an optimizer that "
+                    "evaluates the loss again, a line search, does); with micro-batches the "
+                    "update may only read gradients, state and batch means: plan with "
+                    "num_micro_batches=1")
             cross(flow.alias.get(x, x), f"a value the update ({t.name()}) reads")
     for k, x in enumerate(flat.outvars):
         if isinstance(x, int):

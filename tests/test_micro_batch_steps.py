@@ -781,3 +781,28 @@ def test_a_counter_beside_the_batch_in_a_loop_carry_is_the_same_in_every_micro_b
     with pytest.warns(UserWarning, match=r"\['p'\].* differ from the undecorated step's"):
         got = f(state, x)[0]
     assert int(got["o"][0].count) == int(jax.jit(step)(state, x)[0]["o"][0].count) == 4
+
+
+@pytest.mark.parametrize("vg", [jax.value_and_grad, meshplan.value_and_grad],
+                         ids=["jax", "meshplan"])
+def test_an_update_that_runs_the_loss_again_says_to_plan_one_micro_batch(vg):
+    # optax.lbfgs's line search evaluates the loss on the batch inside the
+    # update: each refusal names that cause and the fix (the first said to use
+    # meshplan.value_and_grad, which only led to the second)
+    tx = optax.lbfgs()
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    def step(state, b):
+        value, g = vg(lambda p: loss(p, b))(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"], value=value, grad=g,
+                           value_fn=lambda p: loss(p, b))
+        return {"params": optax.apply_updates(state["params"], u), "opt": opt}, value
+    p = {"w1": jnp.linspace(-1, 1, 32 * 64).reshape(32, 64) / 6,
+         "w2": jnp.linspace(1, -1, 64 * 16).reshape(64, 16) / 8}
+    state = jax.tree.map(jnp.copy, {"params": p, "opt": tx.init(p)})
+    batch = {"x": jnp.linspace(-1, 1, 16 * 32).reshape(16, 32), "y": jnp.ones((16, 16))}
+    f = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    with pytest.raises(meshplan.MeshplanError, match=r"line search.*num_micro_batches=1"):
+        f(state, batch)

@@ -450,8 +450,9 @@ def _check_outputs(flat: FlatJaxpr, grads: list[int], per_example: set[int],
         if isinstance(x, int) and x not in metrics and x in backward and x not in after:
             raise TraceError(
                 "meshplan cannot find where this step's gradients end (a state output is computed "
-                "from the backward pass but not from a reduction over the batch); compute the "
-                "gradients with meshplan.value_and_grad / meshplan.grad, or use one micro-batch")
+                "from the backward pass, or from the batch again inside the update as a line "
+                "search does, but not from a reduction over the batch); compute the gradients "
+                "with meshplan.value_and_grad / meshplan.grad, or plan with num_micro_batches=1")
 
 
 def _insert_marker(flat: FlatJaxpr, grads: list[int]) -> FlatJaxpr:
