@@ -158,9 +158,8 @@ def split_cond(eqn: Any) -> list[Any]:
     parameter's update is its own operation: a pipeline stage runs the
     update of its own parameters (optax.MultiSteps' cond over every leaf
     put the whole optimizer state on one stage).  ``[eqn]`` where it does not
-    split: not element-wise, a component reduced to a scalar (it gates the
-    others: apply_if_finite's check inside a branch), effects, or branch
-    constants."""
+    split: not element-wise, a component some branch reduces to a scalar (a
+    norm that may scale the others), effects, or branch constants."""
     found = cond_components(eqn)
     if found is None or found[1] or eqn.effects:
         return [eqn]
