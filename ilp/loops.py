@@ -77,8 +77,12 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_o
         in_shapes = [shapes[i] for i in e_ins]
         out_shapes = [shapes[o] for o in e_outs]
         space = space_of(prim, in_shapes, out_shapes, dict(params))
-        work.append((flops_of(prim, in_shapes, out_shapes, dict(params)),
-                     [] if space is None else [("l", e, lab) for lab in space.sizes]))
+        flops = _flops(prim, in_shapes, out_shapes, dict(params))
+        if space is not None and space.work:    # (a nested loop: its own operators' cuts)
+            work += [(flops * share, [("l", e, lab) for lab in labs])
+                     for labs, share in space.work]
+        else:
+            work.append((flops, [] if space is None else [("l", e, lab) for lab in space.sizes]))
         if space is None:
             for v in e_ins + e_outs:
                 for d in range(len(shapes[v])):
@@ -137,3 +141,15 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_o
         by_classes[cut] = by_classes.get(cut, 0.0) + flops
     return (out, {ids[r]: b for r, b in partial.items() if r in ids and r not in c.blocked},
             by_classes)
+
+
+def _flops(prim: str, ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> float:
+    """FLOPs of one body operator; a nested loop's (or cond's) its own
+    body's, per step times its steps."""
+    inner = params.get("loop")
+    if inner is None:
+        return flops_of(prim, ins, outs, params)
+    shapes, eqns, _, _ = inner
+    steps = int(params.get("length", params.get("trip_count", 1)) or 1)
+    return steps * sum(_flops(p, [shapes[i] for i in e_ins], [shapes[o] for o in e_outs],
+                              dict(q)) for p, e_ins, e_outs, q in eqns)

@@ -328,17 +328,21 @@ def test_a_split_loop_divides_only_the_work_its_split_cuts():
     from meshplan.plan import LogicalMesh
     n = 256
 
+    def body(x, _):
+        a = x @ x.T
+        return 3.0 * x - (a + a @ a) @ x, None
+
     def step(w):
-        def body(x, _):
-            a = x @ x.T
-            return 3.0 * x - (a + a @ a) @ x, None
-        x, _ = jax.lax.scan(body, w, None, length=5)
-        return x
-    graph = trace(step, jax.ShapeDtypeStruct((n, n), jnp.float32), warn=False,
-                  batch_argnums=())
-    (scan,) = _loop_nodes(graph)
+        return jax.lax.scan(body, w, None, length=5)[0]
+
+    def nested(w):      # (the same in an outer loop: its body's cuts are the inner's)
+        return jax.lax.scan(lambda x, _: (step(x), None), w, None, length=2)[0]
     mm = mesh_model(meshplan.Cluster.local(), LogicalMesh(("x",), (8,)))
-    by_name = {s.name: s for s in all_strategies(graph, scan, mm)}
-    (split,) = [s for s in by_name.values() if s.name != "R"]
-    ratio = split.compute_s / by_name["R"].compute_s
-    assert abs(ratio - (2 / 3 / 8 + 1 / 3)) < 0.01, ratio
+    for fn in (step, nested):
+        graph = trace(fn, jax.ShapeDtypeStruct((n, n), jnp.float32), warn=False,
+                      batch_argnums=())
+        (scan,) = _loop_nodes(graph)
+        by_name = {s.name: s for s in all_strategies(graph, scan, mm)}
+        (split,) = [s for s in by_name.values() if s.name != "R"]
+        ratio = split.compute_s / by_name["R"].compute_s
+        assert abs(ratio - (2 / 3 / 8 + 1 / 3)) < 0.01, (fn.__name__, ratio)
