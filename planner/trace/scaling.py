@@ -311,6 +311,11 @@ def _shape(aval: Any) -> Any:
     return getattr(aval, "shape", None)
 
 
+def _scalar(a: np.ndarray) -> float | complex:
+    v = a.item()
+    return v if isinstance(v, complex) else float(v)
+
+
 def _literal(v: Any, v_full: Any, m: int) -> Info:
     """A literal or captured constant, of value ``v`` at the micro-batch and
     ``v_full`` at the whole batch."""
@@ -322,8 +327,8 @@ def _literal(v: Any, v_full: Any, m: int) -> Info:
         a, b = np.asarray(v), np.asarray(v_full)
     except TypeError:       # (typed PRNG keys)
         return Info("N")
-    try:        # (bfloat16 and float8 scalars too)
-        x, y = (float(a.item()), float(b.item())) if a.size == 1 == b.size else (None, None)
+    try:        # (bfloat16 and float8 scalars too; a complex one as it is: an FFT's 0j)
+        x, y = (_scalar(a), _scalar(b)) if a.size == 1 == b.size else (None, None)
         zero = 0 < a.size < 4096 and not np.any(a != 0)
     except (TypeError, ValueError):
         return Info("N")
