@@ -488,12 +488,16 @@ class RunningSums:
                    float(m * (ps.size if r else 1)) ** (1 - self.split.degree.get(x, 0))
                    for x, r in zip(ids, rows)]
 
-            def total(x: Any, r: bool, d: float) -> Any:
+            # (a weakly typed value stays so: a parameter made by jnp.asarray(1.0)
+            # whose update runs per micro-batch, its mean the step's output)
+            avals = [self.flat.avals.get(x) for x in ids]
+
+            def total(x: Any, r: bool, d: float, aval: Any) -> Any:
                 x = x.sum(0) if r else x
-                return x if d == 1 else (x / d).astype(x.dtype)
+                return _weak_as_traced(x if d == 1 else (x / d).astype(x.dtype), aval)
             if not any(rows):
                 def mean(*xs: Any) -> list[Any]:
-                    return [total(x, False, d) for x, d in zip(xs, div)]
+                    return [total(x, False, d, a) for x, d, a in zip(xs, div, avals)]
                 # (the sums are ours and read by nothing after: taken over)
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean, donate_argnums=tuple(range(n)))
@@ -501,8 +505,8 @@ class RunningSums:
                 shardings = [self.layouts.acc(x, s) for x in ids]
 
                 def mean(*xs: Any) -> list[Any]:
-                    return [jax.lax.with_sharding_constraint(total(x, r, d), sh)
-                            for x, r, d, sh in zip(xs, rows, div, shardings)]
+                    return [jax.lax.with_sharding_constraint(total(x, r, d, a), sh)
+                            for x, r, d, sh, a in zip(xs, rows, div, shardings, avals)]
                 mean.__name__ = mean.__qualname__ = f"stage{s}_mean"
                 f = jax.jit(mean)
             self._means[(s, n)] = f

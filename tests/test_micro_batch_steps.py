@@ -806,3 +806,23 @@ def test_an_update_that_runs_the_loss_again_says_to_plan_one_micro_batch(vg):
     f = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
     with pytest.raises(meshplan.MeshplanError, match=r"line search.*num_micro_batches=1"):
         f(state, batch)
+
+
+def test_a_weakly_typed_parameter_updated_per_micro_batch_stays_weak():
+    # a scalar temperature made by jnp.asarray(1.0) scaling a bfloat16 loss:
+    # its update runs per micro-batch and the step returns the mean, which
+    # came back strongly typed (the next call re-planned, its loss float32)
+    def step(p, b):
+        def loss(p):
+            out = jnp.tanh(b["x"].astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16))
+            return jnp.mean((out - b["y"].astype(jnp.bfloat16)) ** 2) * p["temp"]
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), value
+    p = {"w": jnp.linspace(-1, 1, 32 * 32).reshape(32, 32) / 6, "temp": jnp.asarray(1.0)}
+    batch = {"x": jnp.linspace(-1, 1, 16 * 32).reshape(16, 32), "y": jnp.ones((16, 32))}
+    f = meshplan.parallelize(step, method=meshplan.Manual(dp=4, tp=2, num_micro_batches=2))
+    want = jax.jit(step)(p, batch)
+    for _ in range(2):
+        p, value = f(p, batch)
+        assert p["temp"].weak_type and value.dtype == want[1].dtype == jnp.bfloat16
+    assert len(f._cache) == 1       # (planned once)
