@@ -32,18 +32,27 @@ CONST = "const"
 
 
 @functools.lru_cache(maxsize=None)
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name ("float32", "bfloat16", "bool", ...)."""
+def dtype_bits(dtype: str) -> int:
+    """Bits per element of a dtype name ("float32", "bfloat16", "int4", ...)."""
     if dtype in ("bfloat16",):
-        return 2
-    if dtype.startswith("float8") or dtype in ("int4", "uint4"):
-        return 1
-    if dtype == "key<fry>" or dtype.startswith("key"):
+        return 16
+    if dtype.startswith("float8"):
         return 8
+    if dtype.startswith("float4") or dtype in ("int4", "uint4"):
+        return 4        # (XLA packs two to a byte)
+    if dtype in ("int2", "uint2"):
+        return 2
+    if dtype == "key<fry>" or dtype.startswith("key"):
+        return 64
     try:
-        return int(np.dtype(dtype).itemsize)
+        return 8 * int(np.dtype(dtype).itemsize)
     except TypeError:
-        return 4
+        return 32
+
+
+def packed_bytes(elements: int, dtype: str) -> int:
+    """Bytes of ``elements`` values of ``dtype`` as XLA stores them."""
+    return (elements * dtype_bits(dtype) + 7) // 8
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.size * dtype_bytes(self.dtype)
+        return packed_bytes(self.size, self.dtype)
 
     def __str__(self) -> str:
         return f"t{self.id}:{self.dtype}[{','.join(map(str, self.shape))}]"
@@ -519,7 +528,7 @@ def _narrowing_float_cast(graph: Graph, n: "Node") -> bool:
     if n.primitive != "convert_element_type" or len(n.inputs) != 1 or len(n.outputs) != 1:
         return False
     src, dst = graph.tensors[n.inputs[0]].dtype, graph.tensors[n.outputs[0]].dtype
-    return ("float" in src and "float" in dst) and dtype_bytes(dst) < dtype_bytes(src)
+    return ("float" in src and "float" in dst) and dtype_bits(dst) < dtype_bits(src)
 
 
 def hoisted_casts(graph: Graph, each: set[int], varying: set[int]) -> frozenset[int]:

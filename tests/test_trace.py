@@ -323,3 +323,17 @@ def test_random_bits_cost_their_generator_integer_work():
     a100 = load_cluster(root / "examples/clusters/dgx-a100-x1.json").device
     assert a100.flops_for(jnp.uint32) == a100.flops_for("int32") == 9.7e12
     assert a100.flops_for("int8") == 624e12
+
+
+def test_four_bit_values_take_half_a_byte_as_xla_stores_them():
+    # (a frozen int4 weight was priced at a byte an element: twice what jax.jit
+    # takes for its argument)
+    def step(q, s, x):
+        return jnp.mean(x @ (q.astype(jnp.float32) * s))
+    q = jax.ShapeDtypeStruct((256, 256), jnp.int4)
+    s = jax.ShapeDtypeStruct((256,), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    graph = trace(step, q, s, x, batch_argnums=(2,), warn=False)
+    sizes = [graph.tensors[i.tensor].nbytes for i in graph.inputs]
+    args = jax.jit(step).lower(q, s, x).compile().memory_analysis().argument_size_in_bytes
+    assert sizes[0] == 256 * 256 // 2 and sum(sizes) == args

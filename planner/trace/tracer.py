@@ -24,7 +24,7 @@ from .. import flops as flop_rules
 from ..collector import with_relaxed_gc
 from ..errors import MeshplanError, TraceError, batch_rows, warn
 from ..graph import (BATCH, CONST, INPUT, INTERMEDIATE, LITERAL, OPT_STATE, PARAM, STATE,
-                    Graph, GraphInput, GraphOutput, Node, Tensor, dtype_bytes, forward_nodes)
+                    Graph, GraphInput, GraphOutput, Node, Tensor, packed_bytes, forward_nodes)
 from .cond import cond_params
 from .loops import loop_description, while_trip_count
 from .micro import jaxpr_of, mark_full_batch, micro_step
@@ -64,7 +64,7 @@ def _dtype_name(aval: Any) -> str:
     name = _DTYPE_NAMES.get(dt)
     if name is None:
         if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-            name = str(dt)            # "key<fry>": a typed PRNG key (graph.dtype_bytes sizes it)
+            name = str(dt)            # "key<fry>": a typed PRNG key (graph.dtype_bits sizes it)
         else:
             name = str(np.dtype(dt)) if dt != "bfloat16" else "bfloat16"
         _DTYPE_NAMES[dt] = name
@@ -196,8 +196,8 @@ def _cond_fused_bytes(fe: Any, params: dict[str, Any], aval_of: Callable[[Any], 
 
 def _nbytes(aval: Any, shape: tuple[int, ...] | None = None) -> int:
     try:
-        return math.prod(_shape(aval) if shape is None else shape) * \
-            dtype_bytes(_dtype_name(aval))
+        return packed_bytes(math.prod(_shape(aval) if shape is None else shape),
+                            _dtype_name(aval))
     except Exception:
         return 0
 
