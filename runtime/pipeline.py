@@ -320,6 +320,13 @@ class PipelineExecutable:
                                         output_paths=[o.path for o in traced.graph.outputs])
         if split.inexact:
             self._warn_inexact(split)
+        if m > 1 and any(split.eqn_phase[k] == "B" and any(
+                str(getattr(flat.avals.get(o), "dtype", "")) == "float16" for o in fe.outvars)
+                for k, fe in enumerate(flat.eqns)):
+            warn(f"the backward runs in float16 with {m} micro-batches: each one's cotangents "
+                 f"are those of its own mean loss, {m} times the whole batch's, so a loss scale "
+                 f"that fits the whole batch may overflow here where it does not under jax.jit; "
+                 f"leave {m}x room in the loss scale, or plan with num_micro_batches=1")
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
         self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated

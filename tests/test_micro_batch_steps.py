@@ -826,3 +826,24 @@ def test_a_weakly_typed_parameter_updated_per_micro_batch_stays_weak():
         p, value = f(p, batch)
         assert p["temp"].weak_type and value.dtype == want[1].dtype == jnp.bfloat16
     assert len(f._cache) == 1       # (planned once)
+
+
+@pytest.mark.parametrize("dtype,warned", [(jnp.float16, True), (jnp.bfloat16, False)])
+def test_a_float16_backward_under_micro_batches_is_warned_of(dtype, warned):
+    # each micro-batch's cotangents are its own mean loss's, num_micro_batches
+    # times the whole batch's: a loss scale that fits jax.jit's step overflowed
+    # silently (float32 and bfloat16 have the range)
+    def step(p, b):
+        def loss(p):
+            h = jnp.tanh(b["x"].astype(dtype) @ p["w"].astype(dtype))
+            return jnp.mean((h - b["y"].astype(dtype)) ** 2).astype(jnp.float32) * 1024.0
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, d: a - 1e-4 * d, p, g), value
+    p = {"w": jnp.linspace(-1, 1, 32 * 32).reshape(32, 32) / 6}
+    batch = {"x": jnp.linspace(-1, 1, 16 * 32).reshape(16, 32), "y": jnp.ones((16, 32))}
+    f = meshplan.parallelize(step, method=meshplan.Manual(dp=4, tp=2, num_micro_batches=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(p, batch)
+    said = [str(c.message) for c in caught if "float16 with 2 micro-batches" in str(c.message)]
+    assert bool(said) == warned and (not said or "2x room" in said[0]), said
