@@ -673,7 +673,8 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
             and not any(i.kind in "PSMX" for i in ins[:nc + nk]))
     # (iterating over a folded dimension: each step reads a chunk of examples)
     chunks = any(i.folded for i in ins[nc + nk:])
-    ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in ins[nc + nk:])]
+    xs_in = list(ins[nc + nk:])
+    ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in xs_in)]
     settled = _settled(eqn.params["jaxpr"], eqn_full.params["jaxpr"], ins[:nc],
                        ins[nc:nc + nk], ins[nc + nk:], m, one or over)
     if settled is None:
@@ -681,6 +682,9 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
     outs = settled[0]
     if chunks:      # (what each chunk's step stacks is per chunk: of other rows per micro-batch)
         outs = [*outs[:nk], *(_refolded(o) for o in outs[nk:])]
+        weighed = _weighs_chunks(eqn.params["jaxpr"], nc, nk, xs_in, settled[1])
+        outs = [Info("X", why=_CHUNK_PLACES) if k in weighed and i.kind not in "NX" else i
+                for k, i in enumerate(outs)]
     if not over:
         return outs
     body = eqn.params["jaxpr"]
@@ -692,6 +696,33 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
 
 
 _UNSETTLED = "a loop carry that does not settle"
+_CHUNK_PLACES = ("a lax.scan over the step's own chunks of the batch that treats them by their "
+                 "places (a counter or per-chunk values met with the chunk's rows): each "
+                 "micro-batch cuts its own rows into those chunks")
+
+
+def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Sequence[Info]
+                   ) -> set[int]:
+    """The results of a scan over chunks of the batch (carries, then what it
+    stacks) computed from a chunk's rows and from what tells the steps apart
+    other than their rows (a counter in the carry, a per-step input of no
+    example): chunk k holds other rows in each micro-batch than in the whole
+    batch, so weighing it by k weighs other examples."""
+    jaxpr, _ = _closed_parts(closed)
+    same = _passed_on(closed, nc, nk)
+    steps = {nc + c for c in range(nk) if carry[c].kind == "N" and not same[c]}
+    steps |= {nc + nk + j for j, i in enumerate(xs) if i.kind == "N"}
+    rows = {nc + nk + j for j, i in enumerate(xs) if i.folded}
+    if not steps or not rows:
+        return set()
+    deps: dict[Any, frozenset[int]] = {v: frozenset((k,)) for k, v in enumerate(jaxpr.invars)}
+    for e in jaxpr.eqns:
+        got = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars
+                                  if not isinstance(v, jcore.Literal)))
+        for v in e.outvars:
+            deps[v] = got
+    return {k for k, v in enumerate(jaxpr.outvars) if not isinstance(v, jcore.Literal)
+            and deps.get(v, frozenset()) & steps and deps.get(v, frozenset()) & rows}
 
 
 def _settled(body: Any, body_full: Any, consts: Sequence[Info], carry: Sequence[Info],
