@@ -164,16 +164,20 @@ def _selective(traced: TracedStep, plan: Plan) -> frozenset[int]:
 
 def _usable_donations(traced: TracedStep, donate_argnums: tuple[int, ...]) -> frozenset[int]:
     """The leaves of donated arguments the call gives up: as under jax.jit,
-    each takes the first output of its shape and dtype no earlier leaf took
-    (its buffer can hold that output); the others stay alive, with jax.jit's
-    warning, naming them."""
+    each leaf the step reads takes the first output of its shape and dtype
+    no earlier leaf took (its buffer can hold that output); the others stay
+    alive, with jax.jit's warning, naming them.  A leaf the step never reads
+    stays alive without a word (jax.jit prunes it before donating)."""
+    flat = traced.flat
+    read = {x for fe in flat.eqns for x in fe.invars if isinstance(x, int)}
+    read |= {x for x in flat.outvars if isinstance(x, int)}
     free: dict[tuple, int] = {}
     for shape, dtype in traced.step_out_avals:
         key = (tuple(shape), str(dtype))
         free[key] = free.get(key, 0) + 1
     usable, unused = [], []
     for (a, path), i, batch in zip(traced.arg_paths, traced.flat.invars, traced.batch_leaves):
-        if a not in donate_argnums:
+        if a not in donate_argnums or i not in read:
             continue
         aval = traced.flat.avals[i]
         shape = tuple(getattr(aval, "shape", ()))

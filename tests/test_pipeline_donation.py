@@ -280,3 +280,21 @@ def test_a_donated_argument_no_output_can_reuse_stays_alive_as_under_jit(method)
     assert not any(w.is_deleted() for w in ws)
     np.testing.assert_allclose(float(step(ws, batch)["loss"]),
                                float(jax.jit(_evaluate)(ws, batch)["loss"]), rtol=1e-6)
+
+
+def test_a_donated_leaf_the_step_never_reads_stays_alive_as_under_jit():
+    # jax.jit prunes an unused argument before donating: the read parameters
+    # give their buffers to the new ones, and the unused leaf of their shape
+    # lives on (here it was deleted instead, and the parameters kept)
+    def sgd(state, batch):
+        value, g = jax.value_and_grad(lambda p: jax.numpy.mean(
+            (jax.numpy.tanh(batch @ p["w1"]) @ p["w2"]) ** 2))(state["params"])
+        return jax.tree.map(lambda a, b: a - 0.1 * b, state["params"], g), value
+    batch = jax.numpy.linspace(-1, 1, 16 * 8).reshape(16, 8)
+    for f in (jax.jit(sgd, donate_argnums=0),
+              meshplan.parallelize(sgd, method=meshplan.Manual(dp=4, tp=2, num_micro_batches=2),
+                                   donate_argnums=(0,))):
+        p = {"w1": jax.numpy.full((8, 16), 0.1), "w2": jax.numpy.full((16, 1), 0.1)}
+        state = {"opt": jax.tree.map(jax.numpy.zeros_like, p), "params": p}
+        f(state, batch)
+        assert [x.is_deleted() for x in jax.tree.leaves(state)] == [False, False, True, True], f
