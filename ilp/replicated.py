@@ -22,6 +22,8 @@ __all__ = ("REPLICATED_AXIS_SHARE", "REPLICATED_NOTE", "Unsplit", "unsplit_flops
 # a mesh axis worth a note: this share of the operators' FLOPs runs unsplit over it
 REPLICATED_AXIS_SHARE = 0.5
 REPLICATED_NOTE = "replicated work: "
+# a stage with less than this share of the plan's FLOPs is not noted
+LEAST_STAGE_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,10 @@ def unsplit_flops(graph: Graph, mesh, strategies) -> Unsplit:
     """:class:`Unsplit` of ``graph`` solved on ``mesh`` with ``strategies``
     ((node id, strategy name) pairs, an IntraOpResult's)."""
     nodes = {n.id: n for n in graph.nodes}
+    # (work on scalars has no layout to split: a step's bookkeeping)
     chosen = [(nodes[i], {axis for axis, _ in name_axes(name)})
-              for i, name in strategies if i in nodes and nodes[i].flops]
+              for i, name in strategies if i in nodes and nodes[i].flops
+              and any(graph.tensors[t].shape for t in nodes[i].outputs)]
     # (the sizes a node's rule may split, asked once per kind of operator:
     # a layer repeats a few kinds many times)
     free: dict[tuple, tuple[int, ...]] = {}
@@ -75,7 +79,11 @@ def replicated_note(per_stage: list[Unsplit]) -> str | None:
     """The note for a plan whose stages have these figures, or None where no
     stage runs ``REPLICATED_AXIS_SHARE`` of its FLOPs unsplit over an axis."""
     parts = []
+    whole = sum(u.total for u in per_stage)
     for k, u in enumerate(per_stage):
+        if u.total < LEAST_STAGE_SHARE * whole:
+            continue        # (a stage of next to no work: its own note, if any, is idleness)
+        said = []
         for axis, size, same, could in u.axes:
             share = same / u.total if u.total else 0.0
             if share < REPLICATED_AXIS_SHARE:
@@ -86,7 +94,8 @@ def replicated_note(per_stage: list[Unsplit]) -> str | None:
             else:
                 why = (f"none of their dimensions divides by {size}; sizes that do, or a mesh "
                        "axis whose size divides them, would put them to use")
-            where = f"stage {k}: " if len(per_stage) > 1 else ""
-            parts.append(f"{where}{share:.0%} of the operators' FLOPs run identically on each "
-                         f"of the {size} devices of mesh axis {axis} ({why})")
+            said.append(f"{share:.0%} of the operators' FLOPs run identically on each "
+                        f"of the {size} devices of mesh axis {axis} ({why})")
+        if said:
+            parts.append((f"stage {k}: " if len(per_stage) > 1 else "") + ", and ".join(said))
     return REPLICATED_NOTE + "; ".join(parts) if parts else None
