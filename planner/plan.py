@@ -571,11 +571,12 @@ def _rle(values: Sequence[int]) -> list[list[int]]:
 
 
 def _programs(v: Any) -> tuple[int, int]:
-    per_mb, per_step = (int(x) for x in v)
-    if per_mb < 1 or per_step < 0:
-        raise ValueError(f"programs {list(v)}: a stage runs at least one program per "
-                         "micro-batch and none or more per step")
-    return per_mb, per_step
+    ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in v)
+    if not ok or v[0] < 1 or v[1] < 0:
+        raise ValueError(f"programs {v!r}: give [per micro-batch, per step], ints, at least one "
+                         "program per micro-batch and none or more per step")
+    return int(v[0]), int(v[1])
 
 
 def _unrle(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:

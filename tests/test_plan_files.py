@@ -51,6 +51,16 @@ def test_plan_of_another_format_version_is_refused_naming_it(plan_json, version)
     assert meshplan.Plan.from_json(plan_json).to_json() == plan_json
 
 
+@pytest.mark.parametrize("programs", ["x", [1], [0, 0], [True, 0], [1, -1]])
+def test_hand_edited_program_counts_are_refused_naming_the_field(plan_json, programs):
+    d = json.loads(plan_json)
+    d["programs"] = programs
+    with pytest.raises(meshplan.PlanFormatError, match=r"programs .*give \[per micro-batch, per step\]"):
+        meshplan.Plan.from_json(json.dumps(d))
+    d["programs"] = [1, 0]
+    assert meshplan.Plan.from_json(json.dumps(d)).programs == (1, 0)
+
+
 def test_cli_run_refuses_a_newer_plan_file(plan_json, tmp_path, capsys):
     d = json.loads(plan_json)
     d["format"] = "meshplan.plan/7"
