@@ -607,15 +607,18 @@ def test_an_fft_along_the_features_is_exact_with_micro_batches():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("weigh,exact", [
-    (lambda g, i, w: g, True),
-    (lambda g, i, w: g * (i + 1).astype(g.dtype), False),     # by a counter in the carry
-    (lambda g, i, w: g * w, False),                           # by per-chunk values scanned
-])
-def test_chunks_of_the_step_weighed_by_their_places_are_warned_of(weigh, exact):
+@pytest.mark.parametrize("combine,exact,checkpointed", [
+    (lambda acc, g, i, w: acc + g, True, False),
+    (lambda acc, g, i, w: acc + g, True, True),     # (the counter meets the rows in one call)
+    (lambda acc, g, i, w: acc + g * (i + 1).astype(g.dtype), False, False),   # by a counter
+    (lambda acc, g, i, w: acc + g * w, False, False),                 # by per-chunk values
+    (lambda acc, g, i, w: 0.5 * acc + g, False, False),               # a decaying average
+    (lambda acc, g, i, w: g, False, False),                           # the last chunk's
+], ids=["sum", "sum-checkpointed", "counter", "scanned", "decay", "last"])
+def test_chunks_of_the_step_weighed_by_their_places_are_warned_of(combine, exact, checkpointed):
     # (each micro-batch cuts its own rows into the chunks: chunk k holds other
-    # examples than the whole batch's chunk k; this ran 2.4 to 8.2 off jax.jit
-    # without a word)
+    # examples than the whole batch's chunk k; these ran 2.4 to 8.2 off
+    # jax.jit without a word)
     def loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
@@ -626,7 +629,8 @@ def test_chunks_of_the_step_weighed_by_their_places_are_warned_of(weigh, exact):
         def body(c, chunk):
             g, i = c
             gi = jax.grad(loss)(p, *chunk[:2])
-            return (jax.tree.map(lambda a, b: a + weigh(b, i, chunk[2]), g, gi), i + 1), None
+            return (jax.tree.map(lambda a, b: combine(a, b, i, chunk[2]), g, gi), i + 1), None
+        body = jax.checkpoint(body) if checkpointed else body
         (g, _), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, p), 0), chunks)
         return jax.tree.map(lambda a, b: a - 0.5 * b, p, g), loss(p, x, y)
     p = {"w1": jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), "w2": jnp.linspace(1, -1, 16).reshape(16, 1)}
@@ -634,9 +638,12 @@ def test_chunks_of_the_step_weighed_by_their_places_are_warned_of(weigh, exact):
     f = meshplan.parallelize(step, method=meshplan.Manual(dp=4, tp=2, num_micro_batches=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        f(p, batch)
+        got = f(p, batch)
     said = [str(c.message) for c in caught if "differ from the undecorated" in str(c.message)]
     assert bool(said) != exact and (exact or "by their places" in said[0]), said
+    if exact:
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(p, batch))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _chunk_losses(p, b):

@@ -683,6 +683,7 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
     if chunks:      # (what each chunk's step stacks is per chunk: of other rows per micro-batch)
         outs = [*outs[:nk], *(_refolded(o) for o in outs[nk:])]
         weighed = _weighs_chunks(eqn.params["jaxpr"], nc, nk, xs_in, settled[1])
+        weighed |= _chunks_not_summed(eqn.params["jaxpr"], nc, nk, outs[:nk])
         outs = [Info("X", why=_CHUNK_PLACES) if k in weighed and i.kind not in "NX" else i
                 for k, i in enumerate(outs)]
     if not over:
@@ -697,8 +698,9 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
 
 _UNSETTLED = "a loop carry that does not settle"
 _CHUNK_PLACES = ("a lax.scan over the step's own chunks of the batch that treats them by their "
-                 "places (a counter or per-chunk values met with the chunk's rows): each "
-                 "micro-batch cuts its own rows into those chunks")
+                 "places (a counter or per-chunk values met with the chunk's rows, or a carry "
+                 "other than a running sum of the chunks'): each micro-batch cuts its own rows "
+                 "into those chunks")
 
 
 def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Sequence[Info]
@@ -715,14 +717,43 @@ def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Seq
     rows = {nc + nk + j for j, i in enumerate(xs) if i.folded}
     if not steps or not rows:
         return set()
-    deps: dict[Any, frozenset[int]] = {v: frozenset((k,)) for k, v in enumerate(jaxpr.invars)}
+    got = _depends(jaxpr, [frozenset((k,)) for k in range(len(jaxpr.invars))])
+    return {k for k, d in enumerate(got) if d & steps and d & rows}
+
+
+def _chunks_not_summed(closed: Any, nc: int, nk: int, carry: Sequence[Info]) -> set[int]:
+    """The carries of a scan over chunks of the batch that hold a value of the
+    batch other than a running sum of the chunks' (the last chunk's, a decaying
+    average): of other rows in each micro-batch.  Not where a call (a
+    jax.checkpoint around the body) reads the carry: the sum is not seen
+    there."""
+    jaxpr, _ = _closed_parts(closed)
+    adds, same = _accumulates(closed, nc, nk), _passed_on(closed, nc, nk)
+    called = {v for e in jaxpr.eqns if e.primitive.name in INLINE_CALLS for v in e.invars
+              if not isinstance(v, jcore.Literal)}
+    return {c for c in range(nk) if carry[c].kind in "PSM" and not same[c] and not adds[c]
+            and jaxpr.invars[nc + c] not in called}
+
+
+def _depends(jaxpr: Any, ins: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """Per output of ``jaxpr``, the union of ``ins`` it is computed from;
+    through the calls that only group equations (a jax.checkpoint, a nested
+    jit), operand by operand, and any other equation's results from all its
+    operands."""
+    env: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, ins))
+
+    def of(v: Any) -> frozenset[int]:
+        return frozenset() if isinstance(v, jcore.Literal) else env.get(v, frozenset())
     for e in jaxpr.eqns:
-        got = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars
-                                  if not isinstance(v, jcore.Literal)))
-        for v in e.outvars:
-            deps[v] = got
-    return {k for k, v in enumerate(jaxpr.outvars) if not isinstance(v, jcore.Literal)
-            and deps.get(v, frozenset()) & steps and deps.get(v, frozenset()) & rows}
+        name = e.primitive.name
+        inner = e.params.get(INLINE_CALLS[name]) if name in INLINE_CALLS else None
+        body = _closed_parts(inner)[0] if inner is not None else None
+        if body is not None and len(body.invars) == len(e.invars):
+            outs = _depends(body, [of(v) for v in e.invars])
+        else:
+            outs = [frozenset().union(*map(of, e.invars))] * len(e.outvars)
+        env.update(zip(e.outvars, outs))
+    return [of(v) for v in jaxpr.outvars]
 
 
 def _settled(body: Any, body_full: Any, consts: Sequence[Info], carry: Sequence[Info],
