@@ -190,8 +190,8 @@ def _usable_donations(traced: TracedStep, donate_argnums: tuple[int, ...]) -> fr
         else:
             unused.append(f"argument {a}{path} ({aval.dtype}{list(shape)})")
     if unused:
-        warn(f"donated {', '.join(unused)} not used: no output of the step has its shape "
-             "and dtype; kept alive, as jax.jit keeps it")
+        warn(f"donated {', '.join(unused)} not used: no output of its shape and dtype is left "
+             "for it; kept alive, as jax.jit keeps it")
     return frozenset(usable)
 
 
@@ -324,8 +324,10 @@ class PipelineExecutable:
                                         output_paths=[o.path for o in traced.graph.outputs])
         if split.inexact:
             self._warn_inexact(split)
+        # (a per-example cotangent of degree -1 is a mean loss's: 1 / rows)
         if m > 1 and any(split.eqn_phase[k] == "B" and any(
-                str(getattr(flat.avals.get(o), "dtype", "")) == "float16" for o in fe.outvars)
+                str(getattr(flat.avals.get(o), "dtype", "")) == "float16"
+                and (split.value_degree.get(o) or 0) < 0 for o in fe.outvars)
                 for k, fe in enumerate(flat.eqns)):
             warn(f"the backward runs in float16 with {m} micro-batches: each one's cotangents "
                  f"are those of its own mean loss, {m} times the whole batch's, so a loss scale "
