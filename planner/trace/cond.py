@@ -24,7 +24,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from ..flops import ELEMENTWISE
-from .walk import INLINE_CALLS, _closed_parts
+from .calls import INLINE_CALLS, _closed_parts
 
 
 class _Union:

@@ -58,7 +58,8 @@ from jax.extend import core as jcore
 from ..flops import ELEMENTWISE, SORTS, fft_axes, is_known, sorted_axis
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
-from .walk import INLINE_CALLS, _closed_parts, same_stream
+from .calls import INLINE_CALLS, _closed_parts
+from .walk import same_stream
 
 __all__ = ["Info", "Scaling", "batch_scaling"]
 

@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from ..errors import MeshplanError, deleted_argument
 from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
 from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph, stacked_scan_inputs
-from .walk import INLINE_CALLS, REMAT_CALLS, _closed_parts
+from .calls import INLINE_CALLS, REMAT_CALLS, _closed_parts
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
 

@@ -14,23 +14,9 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ..traced import IDENTITY_MARKERS, FlatEqn, FlatJaxpr, Lit, same_stream  # noqa: F401  (the stream's data types)
+from .calls import INLINE_CALLS, REMAT_CALLS, _closed_parts
+from .cond import split_cond
 
-# primitive name -> name of the param holding the inlined (Closed)Jaxpr
-INLINE_CALLS: dict[str, str] = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "remat": "jaxpr",
-    "custom_lin": None,  # type: ignore[dict-item]  # never inlined; listed for clarity
-}
-INLINE_CALLS = {k: v for k, v in INLINE_CALLS.items() if v is not None}
-REMAT_CALLS = frozenset({"remat2", "checkpoint", "remat"})
 COMPOSITES = frozenset({"scan", "while", "cond"})
 # a collective over positional axes (what ``vmap(..., axis_name=...)`` leaves
 # of ``lax.psum``/``pmean``/``pmax``/``pmin`` over the mapped axis, as in
@@ -38,13 +24,6 @@ COMPOSITES = frozenset({"scan", "while", "cond"})
 # reduction, which every pass has rules for and the runtime binds as such
 _POSITIONAL_COLLECTIVES = {"psum": (lax.reduce_sum_p, {"out_sharding": None}),
                            "pmax": (lax.reduce_max_p, {}), "pmin": (lax.reduce_min_p, {})}
-
-
-def _closed_parts(j: Any) -> tuple[Any, tuple[Any, ...]]:
-    """(open jaxpr, consts) of a Jaxpr or ClosedJaxpr."""
-    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
-        return j.jaxpr, tuple(j.consts)
-    return j, ()
 
 
 class _Flattener:
@@ -89,10 +68,7 @@ class _Flattener:
             if _positional(eqn):
                 self.reduce(eqn, ins, env, remat, fence)
                 continue
-            if name == "cond":
-                # (one cond per independent component: .cond.split_cond;
-                # imported here, as .cond reads this module's tables)
-                from .cond import split_cond
+            if name == "cond":      # (one cond per independent component)
                 for part in split_cond(eqn):
                     self.add(part, tuple(self.read(env, v) for v in part.invars), env, remat,
                              fence)
