@@ -619,7 +619,8 @@ class StageCosts:
                 left = lay.budget - min(held, grads_floor) - n_kept * w.kept - w.working
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
-                if (mem <= lay.budget or self.relaxed) and (best is None or _faster(w, mem, best)):
+                if (mem <= lay.budget or self.relaxed) \
+                        and (best is None or w.latency_s < best.latency_s):
                     best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
                                        w.cost.memory(n_kept, w.as_way, whole), w.recompute,
                                        tighten, w.layers, w.keep_casts,
@@ -1052,15 +1053,3 @@ def unfit_text(u: UnfitStage, budget: float, opts: PipelineOptions, device_bytes
             f"{human_bytes(m.temporaries)}) against a budget of {human_bytes(budget)} "
             f"({opts.memory_fraction:g} x {human_bytes(device_bytes)}): "
             f"{human_bytes(m.total - budget)} over")
-
-
-# latencies this close are one (the sums of a stage's rows in another order)
-SAME_LATENCY = 1e-9
-
-
-def _faster(w: "Way", mem: float, best: StageOption) -> bool:
-    """Whether way ``w`` (``mem`` bytes) beats ``best``: faster, or as fast
-    and smaller (recomputing a layer that saves nothing only costs memory)."""
-    if w.latency_s < best.latency_s * (1 - SAME_LATENCY):
-        return True
-    return w.latency_s <= best.latency_s * (1 + SAME_LATENCY) and mem < best.memory_bytes

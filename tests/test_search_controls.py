@@ -309,36 +309,6 @@ def test_shard_remat_auto_is_no_slower_than_recomputing_nothing():
     assert got["auto"].predicted.iteration_s <= got["none"].predicted.iteration_s
 
 
-def test_a_stage_recomputes_nothing_where_that_saves_no_time():
-    # (optax.adafactor on a tiny MLP: stage 1 recomputed its first layer,
-    # as fast to the last bits of a sum in another order and 3 KiB larger)
-    import jax
-    import jax.numpy as jnp
-    import optax
-    tx = optax.adafactor(1e-2, min_dim_size_to_factor=32)
-    dims = [32, 64, 64, 64, 16]
-    p = {f"l{i}": {"w": jax.ShapeDtypeStruct((dims[i], dims[i + 1]), jnp.float32),
-                   "b": jax.ShapeDtypeStruct((dims[i + 1],), jnp.float32)} for i in range(4)}
-
-    def step(state, batch):
-        def loss(p):
-            h = batch["x"]
-            for i in range(4):
-                h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-                h = jnp.tanh(h) if i < 3 else h
-            return jnp.mean((h - batch["y"]) ** 2)
-        value, g = jax.value_and_grad(loss)(state["params"])
-        u, opt = tx.update(g, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], u), "opt": opt}, value
-    state = {"params": p, "opt": jax.eval_shape(tx.init, p)}
-    batch = {"x": jax.ShapeDtypeStruct((16, 32), jnp.float32),
-             "y": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
-    auto, none = (meshplan.plan(step, state, batch, method=meshplan.Manual(
-        dp=2, tp=2, pp=2, num_micro_batches=2, remat=r)) for r in (None, "none"))
-    assert not any(s.remat for s in auto.stages), [s.recompute_layers for s in auto.stages]
-    assert auto.predicted.peak_memory_bytes <= none.predicted.peak_memory_bytes
-
-
 def test_ilp_workers_use_every_core_and_never_more(monkeypatch):
     from meshplan.dp_search.session import Session, usable_cpus
     from meshplan.dp_search.solver import LayerSolver
