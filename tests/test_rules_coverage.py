@@ -172,15 +172,7 @@ def test_multisteps_state_follows_the_parameters_and_runs_like_jit():
                 assert spec == want, (path, spec, want)
         split += any(d is not None for d in want)
     assert split, specs          # (and the parameters are split at all)
-    ref, par = state, state
-    jitted = jax.jit(_multi_step)
-    for _ in range(3):
-        ref, rl = jitted(ref, batch)
-        par, pl = step(par, batch)
-        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+    _runs_like_jit(_multi_step, step, state, batch)
 
 
 ADAM = optax.adam(1e-2)
@@ -226,6 +218,18 @@ def test_multisteps_plans_its_state_like_the_plain_adam_step(method):
         assert got[f"[1].acc_grads['{name}']"] == want[f"[0]['{name}']"]
 
 
+def _runs_like_jit(fn, step, state, batch, steps: int = 3) -> None:
+    """``steps`` calls of ``step`` (fn parallelized) against jax.jit's."""
+    ref, par = state, state
+    for _ in range(steps):
+        ref, rl = jax.jit(fn)(ref, batch)
+        par, pl = step(par, batch)
+        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+
+
 @pytest.mark.parametrize("tx", [MULTI, optax.apply_if_finite(optax.adam(1e-2), 3)],
                          ids=["multisteps", "apply_if_finite"])
 def test_an_update_in_a_cond_is_one_cond_per_parameter_and_each_stage_runs_its_own(tx):
@@ -252,13 +256,7 @@ def test_an_update_in_a_cond_is_one_cond_per_parameter_and_each_stage_runs_its_o
     graph = trace(step, state, batch, warn=False)
     assert len([nd for nd in graph.nodes if nd.primitive == "cond"]) >= n
     f = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
-    ref, par = state, state
-    for _ in range(3):
-        ref, rl = jax.jit(step)(ref, batch)
-        par, pl = f(par, batch)
-        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    _runs_like_jit(step, f, state, batch)
     # each stage holds the state of the parameters it holds, and no other's
     for s in f.plan.stages:
         names = {k.split("['")[-1].rstrip("']") for k, _ in s.params if "['w" in k}
@@ -411,14 +409,7 @@ def test_apply_if_finite_runs_split_like_jit():
                                     donate_argnums=())
         step(state, batch)
     assert not [c for c in caught if "run replicated" in str(c.message)]
-    ref, par = state, state
-    for _ in range(3):
-        ref, rl = jax.jit(fn)(ref, batch)
-        par, pl = step(par, batch)
-        assert float(pl) == pytest.approx(float(rl), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(par), jax.tree.leaves(ref)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6)
+    _runs_like_jit(fn, step, state, batch)
     # the moments split like their parameters; the branch's norm is a sum of
     # the devices' parts, all-reduced as one scalar
     specs = dict(step.plan.stages[0].params)
