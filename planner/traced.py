@@ -17,7 +17,7 @@ primitives (:data:`GRAD_BOUNDARY`, :data:`PIPELINE_BOUNDARY`, defined once in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -83,6 +83,15 @@ class FlatJaxpr:
     eqns: tuple[FlatEqn, ...]
     outvars: tuple[int | Lit, ...]
     avals: dict[int, Any]           # global id -> abstract value
+
+
+def computed_into(eqns: Sequence[FlatEqn], ids: Iterable[int]) -> set[int]:
+    """``ids`` and every value of ``eqns`` they are computed from."""
+    out = set(ids)
+    for fe in reversed(eqns):
+        if any(o in out for o in fe.outvars):
+            out.update(x for x in fe.invars if isinstance(x, int))
+    return out
 
 
 def same_stream(a: FlatJaxpr, b: FlatJaxpr) -> bool:

@@ -55,9 +55,9 @@ reuse its buffer (:func:`~meshplan.runtime.pipeline_programs.donations`;
 fixed per program, so the bookkeeping is static).  The caller's arrays of
 donated arguments are deleted once the step is dispatched, except those
 the step returns as they are and those no output of their shape and dtype
-could reuse (kept and warned about, as jax.jit does); a deleted array passed in is refused before
-anything runs (jax 0.10.2 crashes on a call with an already-donated array).
-Across processes only the running sums are donated.
+could reuse (kept and warned about, as jax.jit does); a deleted array passed
+in is refused before anything runs (jax 0.10.2 crashes on a call with an
+already-donated array).  Across processes only the running sums are donated.
 
 Across processes (``jax.distributed``; see
 :mod:`meshplan.runtime.pipeline_transport`): every process runs this driver

@@ -87,7 +87,7 @@ from meshplan.contributions import once_a_step
 from meshplan.errors import MeshplanError, StalePlanError
 from meshplan.recompute import FULL, NONE, recompute_name
 from meshplan.schedule import group_order
-from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit
+from meshplan.traced import GRAD_BOUNDARY, FlatEqn, FlatJaxpr, Lit, computed_into
 
 __all__ = ("Task", "StepSplit", "split_step", "dispatch_order", "MEAN", "LAST", "CONCAT",)
 
@@ -196,9 +196,11 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
                  {o for k, _, _ in draws for o in flat.eqns[k].outvars},
                  scaling.statistics if scaling is not None and num_micro_batches > 1
                  else frozenset())
+    # (what some output is computed from: not a scalar made and left unread)
+    feeding = computed_into(flat.eqns, (x for x in flat.outvars if isinstance(x, int)))
     if not flow.markers and not any(
             not forward[k] and not flow.is_const[k] and not flow.bdep.isdisjoint(fe.outvars)
-            for k, fe in _feeding_outputs(flat)):
+            and not feeding.isdisjoint(fe.outvars) for k, fe in enumerate(flat.eqns)):
         # an evaluation step: its work on the batch is all forward (a scalar
         # it makes and leaves unread too)
         forward = [True] * len(flat.eqns)
@@ -359,19 +361,6 @@ class _Flow:
     markers: list[int]               # the gradient-marker equations
     alias: dict[int, int]            # gradient-marker output id -> its input id
     batch_ids: frozenset[int]
-
-
-def _feeding_outputs(flat: FlatJaxpr) -> list[tuple[int, FlatEqn]]:
-    """The equations (index, equation) some output of the step is computed
-    from: not a scalar made and left unread."""
-    need = {x for x in flat.outvars if isinstance(x, int)}
-    out = []
-    for k in range(len(flat.eqns) - 1, -1, -1):
-        fe = flat.eqns[k]
-        if not need.isdisjoint(fe.outvars):
-            need.update(x for x in fe.invars if isinstance(x, int))
-            out.append((k, fe))
-    return out[::-1]
 
 
 def _flow(flat: FlatJaxpr, batch_ids: frozenset[int],

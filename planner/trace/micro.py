@@ -65,7 +65,7 @@ import numpy as np
 from ..errors import TraceError, mark_step_failure, warn
 from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
-from ..traced import FlatEqn, FlatJaxpr
+from ..traced import FlatEqn, FlatJaxpr, computed_into
 from .scaling import batch_scaling
 from .walk import computed_from, flatten, same_stream
 
@@ -175,7 +175,7 @@ def _metric_after_update(flat: FlatJaxpr, graph: Graph, batch: set[int]) -> str 
     state = {o.tensor for o in graph.outputs if o.updates is not None} - set(flat.invars)
     for o in graph.outputs:
         if o.updates is None and isinstance(o.tensor, int):
-            up = _ancestors(flat.eqns, {o.tensor})
+            up = computed_into(flat.eqns, {o.tensor})
             if up & batch and (up - {o.tensor}) & state:
                 return o.path or "a metric"
     return None
@@ -333,8 +333,9 @@ def infer_gradients(flat: FlatJaxpr, per_example: set[int], forward: Sequence[bo
     eqns = flat.eqns
     bdep = computed_from(flat, batch)
     # values some per-example value is computed from, and those the state is
-    feeds = _ancestors(eqns, per_example)
-    state = _ancestors(eqns, {x for x in flat.outvars if isinstance(x, int) and x not in metrics})
+    feeds = computed_into(eqns, per_example)
+    state = computed_into(eqns, {x for x in flat.outvars
+                                 if isinstance(x, int) and x not in metrics})
     def gradient(o: int) -> bool:
         aval = flat.avals[o]
         return (o in bdep and o in state and o not in per_example and o not in feeds
@@ -368,7 +369,7 @@ def _not_feeding(eqns: Sequence[FlatEqn], grads: list[int]) -> list[int]:
     lax.cond's forward hands its backward is no gradient: the marker would
     have to come both before and after the backward cond)."""
     made = set(grads)
-    up = _ancestors(eqns, {x for fe in eqns if not made.isdisjoint(fe.outvars)
+    up = computed_into(eqns, {x for fe in eqns if not made.isdisjoint(fe.outvars)
                            for x in fe.invars if isinstance(x, int)})
     return [g for g in grads if g not in up]
 
@@ -378,7 +379,7 @@ def _gradients_of_sums(eqns: Sequence[FlatEqn], grads: list[int], sums: set[int]
     """The first values (``gradient`` ones) computed from the sums over the
     batch in ``sums`` that are neither computed from ``grads`` nor read to
     compute them, nor from each other."""
-    up = _ancestors(eqns, set(grads))
+    up = computed_into(eqns, set(grads))
     down = set(grads)
     more: list[int] = []
     for fe in eqns:
@@ -423,15 +424,6 @@ def _through_glue(flat: FlatJaxpr, grads: list[int]) -> list[int]:
             g = fe.outvars[0]
         moved.append(g)
     return moved
-
-
-def _ancestors(eqns: Sequence[FlatEqn], ids: set[int]) -> set[int]:
-    """``ids`` and every value they are computed from."""
-    out = set(ids)
-    for fe in reversed(eqns):
-        if any(o in out for o in fe.outvars):
-            out.update(x for x in fe.invars if isinstance(x, int))
-    return out
 
 
 def _check_outputs(flat: FlatJaxpr, grads: list[int], per_example: set[int],
