@@ -31,8 +31,9 @@ class Progress:
         self.stream = stream
         self._active: list[str] = []     # the steps now running, outermost first
         # Set by :meth:`interruptible`'s SIGINT handler.  A KeyboardInterrupt
-        # raised while a garbage-collection callback runs (JAX registers one)
-        # is lost, with an "Exception ignored" traceback; there the handler
+        # raised while a garbage-collection callback (JAX registers one), a
+        # weakref finalizer or a __del__ runs is lost, with an "Exception
+        # ignored" traceback; there the handler
         # only sets this flag and :meth:`check` raises at the next checkpoint.
         self._interrupted = False
 
@@ -50,13 +51,17 @@ class Progress:
         loops (which call :meth:`check`) stop even if the first raise was lost."""
         import gc
         import signal
+        import weakref
 
         def on_sigint(signum, frame):
             self._interrupted = True
-            in_gc = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+            # (a gc callback, a weakref finalizer or a __del__ that the
+            # collector runs: raised there it would be lost, and printed)
+            lost = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+            lost.add(weakref.finalize.__call__.__code__)
             while frame is not None:
-                if frame.f_code in in_gc:
-                    return      # raised there it would be lost (and printed): check() raises it
+                if frame.f_code in lost or frame.f_code.co_name == "__del__":
+                    return      # check() raises it at the next checkpoint
                 frame = frame.f_back
             raise KeyboardInterrupt
 

@@ -282,3 +282,35 @@ def test_api_misuse_of_files_is_one_clear_error(plan_json, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(meshplan.CheckpointError, match="cannot create the checkpoint directory"):
         meshplan.save_state(tmp_path / "file" / "ckpt", {"w": np.ones(3)})
+
+
+@pytest.mark.parametrize("where", ["finalizer", "__del__", "plain"])
+def test_ctrl_c_inside_a_finalizer_is_kept_for_the_next_checkpoint(where):
+    # (CI, 2026-12-07: a SIGINT landed in a weakref finalizer the collector
+    # ran; the KeyboardInterrupt raised there was printed as "Exception
+    # ignored" and lost)
+    import weakref
+    from meshplan.progress import Progress
+    progress, raised = Progress(), []
+
+    def press() -> None:
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, sys._getframe())
+        except KeyboardInterrupt:
+            raised.append(True)
+
+    class Held:
+        def __del__(self):
+            press()
+    with progress.interruptible():
+        if where == "finalizer":
+            obj = type("Plain", (), {})()
+            weakref.finalize(obj, press)
+            del obj
+        elif where == "__del__":
+            Held()
+        else:
+            press()
+        assert raised == ([True] if where == "plain" else [])
+        with pytest.raises(KeyboardInterrupt):
+            progress.check()
