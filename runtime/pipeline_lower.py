@@ -28,6 +28,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshplan.errors import MeshplanError
+from meshplan.graph import packed_bytes
 
 from .pipeline_split import CONCAT
 
@@ -213,7 +214,7 @@ def program_memory(compiled: Any) -> dict[str, int]:
 
 def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
-    return math.prod(shard) * jax.numpy.dtype(dtype).itemsize
+    return packed_bytes(math.prod(shard), str(jax.numpy.dtype(dtype)))
 
 
 def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,

@@ -337,3 +337,23 @@ def test_four_bit_values_take_half_a_byte_as_xla_stores_them():
     sizes = [graph.tensors[i.tensor].nbytes for i in graph.inputs]
     args = jax.jit(step).lower(q, s, x).compile().memory_analysis().argument_size_in_bytes
     assert sizes[0] == 256 * 256 // 2 and sum(sizes) == args
+
+
+def test_four_bit_values_take_half_a_byte_in_loop_bodies_and_stage_memory():
+    # (a loop body's values and a stage's arrays were sized at int4's one-byte
+    # itemsize)
+    from meshplan.runtime.pipeline_lower import _device_bytes
+
+    def step(q, x):
+        def body(c, _):
+            return c + 1, None
+        q2, _ = jax.lax.scan(body, q, None, length=3)
+        return jnp.mean(x @ q2.astype(jnp.float32))
+    q = jax.ShapeDtypeStruct((64, 64), jnp.int4)
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    graph = trace(step, q, x, batch_argnums=(1,), warn=False)
+    scan = next(n for n in graph.nodes if n.primitive == "scan")
+    shapes, _, _, itemsizes = dict(scan.params)["loop"]
+    assert {itemsizes[i] for i, s in enumerate(shapes) if s == (64, 64)} == {0.5}
+    assert _device_bytes((64, 64), jnp.int4, None) == 64 * 64 // 2
+    assert _device_bytes((64, 64), jnp.bfloat16, None) == 64 * 64 * 2

@@ -12,7 +12,8 @@ A description is ``(shapes, eqns, ties, itemsizes)``:
 
 * ``shapes``: the shape of every body value, by id (the loop body and, for a
   ``while``, its predicate, with nested calls inlined; literals get ids too),
-  and ``itemsizes`` the bytes of one of its elements;
+  and ``itemsizes`` the bytes of one of its elements (half a byte for the
+  4-bit types XLA packs two to a byte);
 * ``eqns``: ``(primitive, operand ids, result ids, params)`` per body equation,
   params as the Graph keeps them (a nested cond or loop with its own
   ``components`` or ``loop``);
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..graph import dtype_bits
 from .cond import cond_params
 from .walk import flatten
 
 Description = tuple[tuple[tuple[int, ...], ...], tuple[Any, ...], tuple[tuple[int, int, int], ...],
-                    tuple[int, ...]]
+                    tuple[float, ...]]
 
 
 class _Body:
@@ -45,7 +47,9 @@ class _Body:
 
     def _new(self, aval: Any) -> int:
         self.shapes.append(tuple(int(d) for d in getattr(aval, "shape", ())))
-        self.itemsizes.append(int(getattr(getattr(aval, "dtype", None), "itemsize", 4) or 4))
+        dtype = getattr(aval, "dtype", None)
+        bits = dtype_bits(str(dtype)) if dtype is not None else 32
+        self.itemsizes.append(bits // 8 if bits % 8 == 0 else bits / 8)
         return len(self.shapes) - 1
 
     def _params(self, eqn: Any) -> tuple:
