@@ -24,6 +24,10 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line and exit 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.endswith(": expected one argument"):
+            # (argparse reads a value such as -1,2 as an option: say how to pass it)
+            flag = message.split(":")[0].removeprefix("argument ").split("/")[-1]
+            message += f" (a value that starts with '-' goes after '=': {flag}=VALUE)"
         self.exit(2, f"meshplan: error: {message} (see '{self.prog} --help')\n")
 
 
