@@ -1,7 +1,7 @@
-"""Sharding rules for pooling, top_k, scans along an axis, sorts and
+"""Sharding rules for pooling, approx_max_k, scans along an axis, sorts and
 per-element conds (issue 17, items 3 and 4), and the primitive-coverage
 check: every primitive of the built-in models and of small flax, nnx and
-equinox steps has a rule."""
+equinox steps has a rule (but fft and top_k, which XLA runs gathered)."""
 import warnings
 
 import jax
@@ -37,7 +37,6 @@ def _last(f):
 # primitive(s) -> loss of the (batch, ...) activations; the batch splits them
 CASES = {
     "pool": (("reduce_window_max", "reduce_window_sum", "select_and_scatter_add"), _pool),
-    "top_k": (("top_k",), _last(lambda h: jax.lax.top_k(h, 3)[0].mean())),
     "approx_max_k": (("approx_top_k",), _last(lambda h: jax.lax.approx_max_k(h, 3)[0].mean())),
     "cumsum": (("cumsum",), _last(lambda h: (jnp.cumsum(h, axis=1) ** 2).mean())),
     # (under grad these two become an associative scan; on values without a
@@ -47,9 +46,6 @@ CASES = {
                      _last(lambda h: (h * jax.lax.cumlogsumexp(_nograd(h), axis=1)).mean())),
     "sort": (("sort",), _last(lambda h: jnp.sort(h, axis=1)[:, :4].mean())),
     "argsort": (("sort",), _last(lambda h: (h * jnp.argsort(h, axis=1)).mean())),
-    # (over trailing dimensions; its gradient is an fft too)
-    "fft": (("fft",), lambda h: (jnp.real(jnp.fft.fft(h, axis=-2)) ** 2).mean()
-            + (jnp.abs(jnp.fft.rfft(h, axis=-1)) ** 2).mean()),
     # (jax 0.10 has stack and unstack primitives; each is the other's transpose)
     "stack": (("stack", "unstack"),
               _last(lambda h: (jnp.stack([h, h * 2.0], axis=1) ** 2).mean()
@@ -89,6 +85,43 @@ def test_window_topk_scan_and_sort_ops_are_split_along_the_batch(case):
     # (means over a million elements, summed per device first)
     assert float(got[1]) == pytest.approx(float(ref[1]), rel=1e-4)
     assert np.allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-4)
+
+
+# (XLA's SPMD partitioner runs these on their operand gathered whole, however
+# it is laid out: jax 0.10.2's compiled programs all-gather it)
+GATHERED = {
+    "top_k": _last(lambda h: jax.lax.top_k(h, 3)[0].mean()),
+    # (over trailing dimensions; its gradient is an fft too)
+    "fft": lambda h: (jnp.real(jnp.fft.fft(h, axis=-2)) ** 2).mean()
+    + (jnp.abs(jnp.fft.rfft(h, axis=-1)) ** 2).mean(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATHERED))
+def test_fft_and_top_k_run_gathered_as_xla_runs_them_and_are_priced_so(case):
+    # (their rules let the batch split them: the plan predicted no collective
+    # for them while XLA gathered their operands, and an fft split over two
+    # axes crashed XLA CPU's fft thunk)
+    from meshplan.runtime import hlo
+    step = _step(GATHERED[case])
+    x = X[:64]
+    graph = trace(step, W, x, batch_argnums=(1,), warn=False)
+    nodes = [n for n in graph.nodes if n.primitive == case]
+    assert nodes and all(node_space(graph, n) is None for n in nodes)
+    par = meshplan.parallelize(step, method=MESH8, batch_argnums=(1,), donate_argnums=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # (the fft's share of the work is warned of)
+        got = par(W, x)
+    compiled = hlo.collective_bytes_per_call(par.lower(W, x).compile().as_text())
+    assert compiled > 0 and par.plan.predicted.comm_bytes_per_device == compiled
+    ref = jax.jit(step)(W, x)
+    assert float(got[1]) == pytest.approx(float(ref[1]), rel=1e-4)
+    assert np.allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-4)
+
+
+def test_a_split_fft_is_warned_of_as_replicated_work():
+    graph = trace(_step(GATHERED["fft"]), W, X[:64], batch_argnums=(1,), warn=False)
+    assert "no sharding rule: fft" in (replicated_work(graph) or "")
 
 
 def _depthwise_step(p, batch):
