@@ -215,7 +215,9 @@ class Parallelized:
         self._cache: dict[Any, tuple[Plan, Any]] = {}
         self._last: Plan | None = plan
         self._fast: tuple[Plan, Any] | None = None   # [fast path] (plan, executable) of the last call
-        functools.update_wrapper(self, fn)
+        # (a name and a doc, as jax.jit gives; not the callable's own attributes,
+        # which would overwrite these: an eqx.filter_jit keeps its own `fn`)
+        functools.update_wrapper(self, fn, updated=())
 
     @property
     def plan(self) -> Plan | None:

@@ -98,3 +98,24 @@ def test_equinox():
         return {"params": eqx.apply_updates(state["params"], updates), "opt": opt}, loss
 
     compare(train_step, {"params": params, "opt": tx.init(params)}, data(2))
+
+
+def test_a_step_under_eqx_filter_jit_or_a_callable_with_attributes_of_its_own():
+    # (the wrapper copied the callable's __dict__ over its own: equinox's
+    # filter_jit keeps the function's name in `fn`, which replaced the step,
+    # and an object's `method` replaced the method given)
+    eqx = pytest.importorskip("equinox")
+
+    def plain(s, b):
+        g = jax.grad(lambda w: jnp.mean((b["x"] @ w - b["y"]) ** 2))(s["w"])
+        return {"w": s["w"] - 0.1 * g}, jnp.mean(b["y"])
+
+    class Step:
+        method = "sgd"      # (an attribute of the user's own)
+
+        def __call__(self, s, b):
+            return plain(s, b)
+    state = {"w": jnp.linspace(-1, 1, IN * OUT).reshape(IN, OUT)}
+    for fn in (eqx.filter_jit(plain), Step()):
+        step = compare(fn, state, data(3))
+        assert step.method == meshplan.ShardParallel(mesh_shape=(2, 4)) and step.fn is fn
