@@ -75,6 +75,9 @@ class PipelineCompiled:
             "parallelized step: call the step itself; compiled[key], .stage(s) and .items() "
             "give each program's jax.stages.Compiled (memory_analysis(), cost_analysis())")
 
+    def __getattr__(self, name: str) -> Any:
+        raise _per_program(self, name, jax.stages.Compiled)
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineLowered:
@@ -100,6 +103,21 @@ class PipelineLowered:
 
     def as_text(self) -> str:
         return "\n\n".join(f"// {_name(k)}\n{v.as_text()}" for k, v in self.lowered.items())
+
+    def __getattr__(self, name: str) -> Any:
+        raise _per_program(self, name, jax.stages.Lowered)
+
+
+def _per_program(obj: Any, name: str, single: type) -> AttributeError:
+    """The error for an attribute of one jax program asked of a pipeline's
+    set of them (``memory_analysis`` of the whole): it says where each is."""
+    what = type(obj).__name__
+    if name.startswith("_") or not hasattr(single, name):
+        return AttributeError(f"'{what}' object has no attribute '{name}'")
+    return AttributeError(
+        f"'{what}' holds one jax.stages.{single.__name__} per stage program, not one for the "
+        f"whole step: ask each program, as [key].{name} for every key of .items() (or of "
+        ".stage(s), one stage's)")
 
 
 def _name(key: tuple) -> str:

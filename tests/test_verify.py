@@ -52,6 +52,13 @@ def test_pipeline_lowers_to_one_program_per_stage_and_phase():
     assert compiled.runs(("F", 0)) == 2 and compiled.runs(("A", 0, 0)) == 1
     assert compiled.runs(("M", 0)) == 1
     assert "stage 1 B" in lowered.as_text()
+    # (jax.jit's idiom asks the set for one program's figures: it says where they are)
+    for whole, name in ((compiled, "memory_analysis"), (lowered, "compiler_ir")):
+        with pytest.raises(AttributeError, match=rf"one jax.stages.\w+ per stage program.*"
+                                                 rf"\[key\].{name}"):
+            getattr(whole, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such'"):
+        compiled.no_such
 
 
 def test_pipeline_rows_compare_each_stage():
