@@ -706,9 +706,10 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
 
 _UNSETTLED = "a loop carry that does not settle"
 _CHUNK_PLACES = ("a loop over the step's own chunks of the batch (a lax.scan over them, or a "
-                 "fori_loop that slices chunk i at step i) that treats them by their places (a counter or per-chunk values met with the chunk's rows, or a carry "
-                 "other than a running sum of the chunks'): each micro-batch cuts its own rows "
-                 "into those chunks")
+                 "fori_loop that slices chunk i at step i) that treats them by their places (a "
+                 "counter or per-chunk values met with the chunk's rows, or a carry other than a "
+                 "running sum of the chunks'): each micro-batch cuts its own rows into those "
+                 "chunks")
 
 
 def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Sequence[Info],
@@ -761,8 +762,8 @@ def _depends(jaxpr: Any, ins: Sequence[frozenset[int]], reads: set[Any] = frozen
             outs = _depends(body, [of(v) for v in e.invars])
         else:
             outs = [frozenset().union(*map(of, e.invars))] * len(e.outvars)
-        if reads and e.outvars and e.outvars[0] in reads:   # (a chunk's rows, whatever counter picked them: -1)
-            outs = [frozenset((-1,))]
+        if reads and e.outvars and e.outvars[0] in reads:
+            outs = [frozenset((-1,))]   # (a chunk's rows, whichever step's counter cut them)
         env.update(zip(e.outvars, outs))
     return [of(v) for v in jaxpr.outvars]
 
