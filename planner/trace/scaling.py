@@ -59,7 +59,6 @@ from ..flops import ELEMENTWISE, SORTS, fft_axes, is_known, sorted_axis
 from ..traced import IDENTITY_MARKERS, FlatJaxpr, Lit
 
 from .calls import INLINE_CALLS, _closed_parts
-from .chunk_reads import chunk_reads
 from .walk import same_stream
 
 __all__ = ["Info", "Scaling", "batch_scaling"]
@@ -623,10 +622,8 @@ def _across(eqn: Any, eqn_full: Any) -> bool:
     return free(0, (*lc, *lb)) and free(1, (*rc, *rb))
 
 
-def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int, one: bool = False,
-           given: Mapping[Any, Info] | None = None) -> list[Info]:
-    """The outputs of a nested jaxpr (paired with its whole-batch twin);
-    ``given``: the infos of some of its equations' results, as they are."""
+def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int, one: bool = False) -> list[Info]:
+    """The outputs of a nested jaxpr (paired with its whole-batch twin)."""
     jaxpr, consts = _closed_parts(j)
     jaxpr_full, consts_full = _closed_parts(j_full)
     env: dict[Any, Info] = {}
@@ -653,8 +650,7 @@ def _jaxpr(j: Any, j_full: Any, ins: Sequence[Info], m: int, one: bool = False,
             # would draw its own)
             env.update((v, Info("X", why=_NESTED_DRAW)) for v in e.outvars)
             continue
-        outs = _eqn(e, e_full, infos, pe, m, one)
-        env.update((v, given.get(v, o) if given else o) for v, o in zip(e.outvars, outs))
+        env.update(zip(e.outvars, _eqn(e, e_full, infos, pe, m, one)))
     return [read(v, w) for v, w in zip(jaxpr.outvars, jaxpr_full.outvars)]
 
 
@@ -676,21 +672,18 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
     over = (eqn.params["length"] != eqn_full.params["length"] and not one
             and all(i.kind == "P" and d for (_, _, i), d in zip(xs, lead) if i.kind != "N")
             and not any(i.kind in "PSMX" for i in ins[:nc + nk]))
-    # (iterating over a folded dimension, or cutting chunk k out of the
-    # batch at step k: each step reads a chunk of examples)
-    reads = {v: replace(ins[k], folded=False) for v, k in chunk_reads(eqn, eqn_full).items()
-             if ins[k].kind == "P" and not ins[k].folded and not over}
-    chunks = any(i.folded for i in ins[nc + nk:]) or bool(reads)
+    # (iterating over a folded dimension: each step reads a chunk of examples)
+    chunks = any(i.folded for i in ins[nc + nk:])
     xs_in = list(ins[nc + nk:])
     ins = [*ins[:nc + nk], *(replace(i, folded=False) for i in xs_in)]
     settled = _settled(eqn.params["jaxpr"], eqn_full.params["jaxpr"], ins[:nc],
-                       ins[nc:nc + nk], ins[nc + nk:], m, one or over, reads)
+                       ins[nc:nc + nk], ins[nc + nk:], m, one or over)
     if settled is None:
         return [Info("X", why=_UNSETTLED) for _ in eqn.outvars]
     outs = settled[0]
     if chunks:      # (what each chunk's step stacks is per chunk: of other rows per micro-batch)
         outs = [*outs[:nk], *(_refolded(o) for o in outs[nk:])]
-        weighed = _weighs_chunks(eqn.params["jaxpr"], nc, nk, xs_in, settled[1], set(reads))
+        weighed = _weighs_chunks(eqn.params["jaxpr"], nc, nk, xs_in, settled[1])
         weighed |= _chunks_not_summed(eqn.params["jaxpr"], nc, nk, outs[:nk])
         outs = [Info("X", why=_CHUNK_PLACES) if k in weighed and i.kind not in "NX" else i
                 for k, i in enumerate(outs)]
@@ -705,15 +698,14 @@ def _scan(eqn: Any, eqn_full: Any, ins: Sequence[Info], m: int, one: bool = Fals
 
 
 _UNSETTLED = "a loop carry that does not settle"
-_CHUNK_PLACES = ("a loop over the step's own chunks of the batch (a lax.scan over them, or a "
-                 "fori_loop that slices chunk i at step i) that treats them by their places (a "
-                 "counter or per-chunk values met with the chunk's rows, or a carry other than a "
-                 "running sum of the chunks'): each micro-batch cuts its own rows into those "
-                 "chunks")
+_CHUNK_PLACES = ("a lax.scan over the step's own chunks of the batch that treats them by their "
+                 "places (a counter or per-chunk values met with the chunk's rows, or a carry "
+                 "other than a running sum of the chunks'): each micro-batch cuts its own rows "
+                 "into those chunks")
 
 
-def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Sequence[Info],
-                   reads: set[Any] = frozenset()) -> set[int]:
+def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Sequence[Info]
+                   ) -> set[int]:
     """The results of a scan over chunks of the batch (carries, then what it
     stacks) computed from a chunk's rows and from what tells the steps apart
     other than their rows (a counter in the carry, a per-step input of no
@@ -723,10 +715,10 @@ def _weighs_chunks(closed: Any, nc: int, nk: int, xs: Sequence[Info], carry: Seq
     same = _passed_on(closed, nc, nk)
     steps = {nc + c for c in range(nk) if carry[c].kind == "N" and not same[c]}
     steps |= {nc + nk + j for j, i in enumerate(xs) if i.kind == "N"}
-    rows = {nc + nk + j for j, i in enumerate(xs) if i.folded} | ({-1} if reads else set())
+    rows = {nc + nk + j for j, i in enumerate(xs) if i.folded}
     if not steps or not rows:
         return set()
-    got = _depends(jaxpr, [frozenset((k,)) for k in range(len(jaxpr.invars))], reads)
+    got = _depends(jaxpr, [frozenset((k,)) for k in range(len(jaxpr.invars))])
     return {k for k, d in enumerate(got) if d & steps and d & rows}
 
 
@@ -744,8 +736,7 @@ def _chunks_not_summed(closed: Any, nc: int, nk: int, carry: Sequence[Info]) -> 
             and jaxpr.invars[nc + c] not in called}
 
 
-def _depends(jaxpr: Any, ins: Sequence[frozenset[int]], reads: set[Any] = frozenset()
-             ) -> list[frozenset[int]]:
+def _depends(jaxpr: Any, ins: Sequence[frozenset[int]]) -> list[frozenset[int]]:
     """Per output of ``jaxpr``, the union of ``ins`` it is computed from;
     through the calls that only group equations (a jax.checkpoint, a nested
     jit), operand by operand, and any other equation's results from all its
@@ -762,20 +753,18 @@ def _depends(jaxpr: Any, ins: Sequence[frozenset[int]], reads: set[Any] = frozen
             outs = _depends(body, [of(v) for v in e.invars])
         else:
             outs = [frozenset().union(*map(of, e.invars))] * len(e.outvars)
-        if reads and e.outvars and e.outvars[0] in reads:
-            outs = [frozenset((-1,))]   # (a chunk's rows, whichever step's counter cut them)
         env.update(zip(e.outvars, outs))
     return [of(v) for v in jaxpr.outvars]
 
 
 def _settled(body: Any, body_full: Any, consts: Sequence[Info], carry: Sequence[Info],
-             xs: Sequence[Info], m: int, one: bool, given: Mapping[Any, Info] | None = None
+             xs: Sequence[Info], m: int, one: bool
              ) -> tuple[list[Info], list[Info]] | None:
     """(a loop body's outputs, its carries' infos) at a fixed point of the
     carries (the body's first outputs), or None where they do not settle."""
     carry = list(carry)
     for _ in range(4):
-        outs = _jaxpr(body, body_full, [*consts, *carry, *xs], m, one, given)
+        outs = _jaxpr(body, body_full, [*consts, *carry, *xs], m, one)
         joined = [_join(a, b) for a, b in zip(carry, outs[:len(carry)])]
         if joined == carry:
             return outs, carry
