@@ -108,11 +108,19 @@ class PipelineLowered:
         raise _per_program(self, name, jax.stages.Lowered)
 
 
+# what jax.stages tells of one program: each stage program has its own
+_PER_PROGRAM = frozenset({"memory_analysis", "cost_analysis", "compiler_ir", "input_shardings",
+                          "output_shardings", "input_formats", "output_formats",
+                          "runtime_executable"})
+
+
 def _per_program(obj: Any, name: str, single: type) -> AttributeError:
     """The error for an attribute of one jax program asked of a pipeline's
     set of them (``memory_analysis`` of the whole): it says where each is."""
     what = type(obj).__name__
-    if name.startswith("_") or not hasattr(single, name):
+    if name not in _PER_PROGRAM or not hasattr(single, name):
+        # (in_tree, args_info...: the whole step's arguments, which no one
+        # program takes)
         return AttributeError(f"'{what}' object has no attribute '{name}'")
     return AttributeError(
         f"'{what}' holds one jax.stages.{single.__name__} per stage program, not one for the "

@@ -57,8 +57,9 @@ def test_pipeline_lowers_to_one_program_per_stage_and_phase():
         with pytest.raises(AttributeError, match=rf"one jax.stages.\w+ per stage program.*"
                                                  rf"\[key\].{name}"):
             getattr(whole, name)
-    with pytest.raises(AttributeError, match="no attribute 'no_such'"):
-        compiled.no_such
+    for name in ("no_such", "in_tree"):      # (in_tree: the step's, which no program takes)
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(compiled, name)
 
 
 def test_pipeline_rows_compare_each_stage():
