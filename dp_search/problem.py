@@ -282,9 +282,11 @@ def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
     layering = assign_layers(g, num_layers, default_layers=wanted)
     finer = num_layers is None and too_coarse(layering, need)
     if finer:
-        # fewer repeated blocks than the stages asked for, or as many with one
-        # of next to no work: finer layers, clustered by their FLOPs
-        layering = assign_layers(g, need if layering.num_layers < need else 2 * need)
+        # fewer repeated blocks than the stages asked for: finer layers; or as
+        # many with one of next to no work: layers clustered by their FLOPs,
+        # cut at the blocks' bounds too (the stage DP may still take those)
+        layering = (assign_layers(g, need) if layering.num_layers < need else
+                    assign_layers(g, 2 * need, keep_blocks=True))
     L = layering.num_layers
     view = unmarked_view(g, layering)
     subs = [layer_subgraph(g, layering, l, l, view, batch_dim) for l in range(L)]
