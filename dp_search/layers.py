@@ -251,13 +251,10 @@ def group_layers(flops: Sequence[float], num_groups: int) -> list[tuple[int, int
 
 
 def assign_layers(graph: Graph, num_layers: int | None = None, *,
-                  max_candidates: int = 12, default_layers: int = 1,
-                  keep_blocks: bool = False) -> Layering:
+                  max_candidates: int = 12, default_layers: int = 1) -> Layering:
     """Layers for every node of ``graph`` (see the module doc).  Without
     ``num_layers`` the layers are the user's marks, else the repeated blocks,
-    else ``default_layers`` clustered ones.  ``keep_blocks``: clustered
-    layers are cut at the repeated blocks' bounds too (more layers than
-    asked), so that groups of them can still be the blocks."""
+    else ``default_layers`` clustered ones."""
     fwd = forward_nodes(graph)
     fwd_ids = [n.id for n in graph.nodes if fwd[n.id]]
     marks = [k for k, nid in enumerate(fwd_ids) if graph.nodes[nid].primitive == PIPELINE_BOUNDARY]
@@ -284,8 +281,6 @@ def assign_layers(graph: Graph, num_layers: int | None = None, *,
             step = max(1, len(fwd_ids) // (4 * L))
             cands += list(range(step - 1, len(fwd_ids) - 1, step))
         cuts, marked = cluster_forward(flops, cut, L, cands), bool(marks)
-        if keep_blocks and blocks is not None and not marks:
-            cuts = sorted(set(cuts) | set(blocks))
     L = len(cuts) + 1
     layer = [-1] * len(graph.nodes)
     # sums of several uses' contributions to a gradient (meshplan.contributions)

@@ -25,7 +25,7 @@ from ..recompute import recomputed_tensors, replay_reads, selective_nodes
 from .layers import (GRAD_BOUNDARY, Layering, assign_layers, crossing_values, entering_values,
                      group_layers, layer_subgraph, saved_for_backward, unmarked_view)
 from .options import CHUNKS, PipelineOptions
-from .stage_dp import IDLE_SHARE, Submesh, submesh_shapes
+from .stage_dp import Submesh, submesh_shapes
 
 
 @dataclass
@@ -155,21 +155,7 @@ class LayerAnalysis:
         if (wanted, need) == (self.wanted, self.need):
             return True
         return (self.layering.fixed_cuts and not self.finer
-                and not too_coarse(self.layering, need))
-
-
-def too_coarse(layering: Layering, need: int) -> bool:
-    """Whether ``layering`` has too few layers for ``need`` stages, or just
-    as many with one of less than ``IDLE_SHARE`` of an even share of the
-    FLOPs (a small model's embedding, cut off at its repeated blocks): each
-    stage would be one layer, and that one would wait.  (The user's own
-    marks are kept however their layers weigh.)"""
-    L = layering.num_layers
-    if L < need:
-        return True
-    if layering.marked or need < 2 or L > need:
-        return False
-    return min(layering.flops) < IDLE_SHARE * sum(layering.flops) / need
+                and self.layering.num_layers >= need)
 
 
 def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions,
@@ -280,13 +266,10 @@ def analyse_layers(g: Graph, wanted: int, need: int, num_layers: int | None,
     """``g`` cut into layers (``wanted`` by default, at least ``need``, or
     the ``num_layers`` asked for) and what each layer's problem reads."""
     layering = assign_layers(g, num_layers, default_layers=wanted)
-    finer = num_layers is None and too_coarse(layering, need)
+    finer = layering.num_layers < need and num_layers is None
     if finer:
-        # fewer repeated blocks than the stages asked for: finer layers; or as
-        # many with one of next to no work: layers clustered by their FLOPs,
-        # cut at the blocks' bounds too (the stage DP may still take those)
-        layering = (assign_layers(g, need) if layering.num_layers < need else
-                    assign_layers(g, 2 * need, keep_blocks=True))
+        # fewer repeated blocks than the stages asked for: finer layers
+        layering = assign_layers(g, need)
     L = layering.num_layers
     view = unmarked_view(g, layering)
     subs = [layer_subgraph(g, layering, l, l, view, batch_dim) for l in range(L)]

@@ -5,7 +5,6 @@ so the last stage is not overcharged (issue 16, item 5) -- and the pipeline
 still computes the plain step."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -65,22 +64,13 @@ def _shared_mask_step(blocks: int):
     return step, {"params": p, "opt_state": opt.init(p)}, x
 
 
-@dataclasses.dataclass(frozen=True)
-class _LayerAStage(meshplan.Manual):
-    """Manual(pp=L) on the step's own L layers, one a stage, however little
-    work a layer has (Manual cuts such a step finer)."""
-
-    def request(self, num_devices):
-        r = super().request(num_devices)
-        return dataclasses.replace(r, pipeline=dataclasses.replace(r.pipeline, num_layers=self.pp))
-
-
 def _per_layer_costs(fn, *args, layers: int) -> list[float]:
     """Each layer's predicted time, as a pipeline of one layer per stage on
     one device per stage gives it."""
     cluster = meshplan.load_cluster(CLUSTER).with_devices(1, layers)
     p = meshplan.plan(fn, *args, cluster=cluster,
-                      method=_LayerAStage(dp=1, tp=1, pp=layers, num_micro_batches=2, remat=False))
+                      method=meshplan.Manual(dp=1, tp=1, pp=layers, num_micro_batches=2,
+                                             remat=False))
     assert [s.layers for s in p.stages] == [(l, l) for l in range(layers)]
     return [s.predicted.compute_s + s.predicted.comm_s for s in p.stages]
 
@@ -169,11 +159,8 @@ def test_each_stage_costs_the_sum_of_its_own_layers(stages):
 @pytest.mark.extended
 def test_a_pipeline_of_one_layer_per_stage_equals_the_plain_step():
     # the gpt of the pipeline runtime tests: embedding, two blocks, head
-    from test_pipeline_runtime import _model
-    m, state, batch = _model("gpt")
-    plan = meshplan.plan(m.train_step, state, batch,
-                         method=_LayerAStage(dp=1, tp=2, pp=4, num_micro_batches=2,
-                                             schedule="1f1b"))
+    from test_pipeline_runtime import _plan
+    plan = _plan("gpt", 1, 2, 4, 2, "1f1b")
     assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     _, state, losses = _run("gpt", plan)
     _assert_close(state, losses, "gpt")

@@ -80,21 +80,6 @@ def test_manual_pipeline_of_a_small_mlp_leaves_no_stage_idle():
     assert len(flops) == 2 and min(flops) >= 0.4 * max(flops), flops
 
 
-def test_as_many_stages_as_blocks_and_ends_cut_finer_than_the_blocks():
-    # (two blocks, an embedding and a head are four layers: Manual(pp=4) took
-    # them one a stage, the embedding's stage computing next to nothing, and
-    # warned that the step's work does not cut into four)
-    import warnings
-    m = build_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 8, "batch": 16,
-                            "vocab": 64})
-    method = meshplan.Manual(dp=1, tp=2, pp=4, num_micro_batches=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        p = meshplan.plan(m.train_step, *m.abstract_args, method=method)
-    flops = _stage_flops(p, m.train_step, m.abstract_args)
-    assert len(flops) == 4 and min(flops) >= IDLE_SHARE * sum(flops) / 4, flops
-
-
 def _blocks_on_twelve_devices():
     """A gpt of 46 blocks (48 layers with its embedding and head) and two
     hosts of 6 devices."""
