@@ -218,6 +218,8 @@ class Parallelized:
         # (a name and a doc, as jax.jit gives; not the callable's own attributes,
         # which would overwrite these: an eqx.filter_jit keeps its own `fn`)
         functools.update_wrapper(self, fn, updated=())
+        if not hasattr(self, "__name__"):   # (a partial, a callable object: named as jax.jit does)
+            self.__name__ = getattr(getattr(fn, "func", None), "__name__", "<unnamed function>")
 
     @property
     def plan(self) -> Plan | None:

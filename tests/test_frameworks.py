@@ -1,5 +1,7 @@
 """Train steps written with flax (linen and nnx) and equinox, with optax, run
 through meshplan.parallelize and give the plain step's numbers."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,6 @@ def test_a_step_under_eqx_filter_jit_or_a_callable_with_attributes_of_its_own():
     for fn in (eqx.filter_jit(plain), Step()):
         step = compare(fn, state, data(3))
         assert step.method == meshplan.ShardParallel(mesh_shape=(2, 4)) and step.fn is fn
+    # (named as jax.jit names them)
+    for fn in (functools.partial(plain), Step(), plain):
+        assert meshplan.parallelize(fn).__name__ == jax.jit(fn).__name__
