@@ -143,6 +143,11 @@ def loop_classes(desc: Any, ins: Sequence[Shape], outs: Sequence[Shape], space_o
             by_classes)
 
 
+def loop_steps(params: dict) -> int:
+    """The steps a scan (``length``) or a while loop (``trip_count``) runs."""
+    return int(params.get("length", params.get("trip_count", 1)))
+
+
 def _flops(prim: str, ins: Sequence[Shape], outs: Sequence[Shape], params: dict) -> float:
     """FLOPs of one body operator; a nested loop's (or cond's) its own
     body's, per step times its steps."""
@@ -150,6 +155,6 @@ def _flops(prim: str, ins: Sequence[Shape], outs: Sequence[Shape], params: dict)
     if inner is None:
         return flops_of(prim, ins, outs, params)
     shapes, eqns, _, _ = inner
-    steps = int(params.get("length", params.get("trip_count", 1)) or 1)
+    steps = loop_steps(params) or 1
     return steps * sum(_flops(p, [shapes[i] for i in e_ins], [shapes[o] for o in e_outs],
                               dict(q)) for p, e_ins, e_outs, q in eqns)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..flops import (BARRIERS, ELEMENTWISE, RANDOM, WINDOWED, sorted_axis,
                      window_free_dims)
-from .loops import loop_classes
+from .loops import loop_classes, loop_steps
 
 Shape = tuple[int, ...]
 
@@ -385,7 +385,7 @@ def loop_rule(ins, outs, params) -> OpSpace | None:
     if desc is None:
         return None
     classes, partial, by_classes = loop_classes(desc, ins, outs, op_space)
-    steps = int(params.get("length", params.get("trip_count", 1)))
+    steps = loop_steps(params)
     L = _Labels()
     label: dict[int, int] = {}
 

@@ -33,8 +33,8 @@ class Progress:
         # Set by :meth:`interruptible`'s SIGINT handler.  A KeyboardInterrupt
         # raised while a garbage-collection callback (JAX registers one), a
         # weakref finalizer or a __del__ runs is lost, with an "Exception
-        # ignored" traceback; there the handler
-        # only sets this flag and :meth:`check` raises at the next checkpoint.
+        # ignored" traceback; there the handler only sets this flag and
+        # :meth:`check` raises at the next checkpoint.
         self._interrupted = False
 
     def __repr__(self) -> str:
