@@ -335,12 +335,15 @@ def collective_bytes_per_call(hlo: Any) -> int:
     return sum(c.result_bytes * c.runs for c in parse_collectives(hlo))
 
 
-def summary(hlo: Any) -> dict[str, tuple[int, int]]:
-    """kind -> (number of collectives, their result bytes), kinds present only."""
+def summary(hlo: Any, per_call: bool = False) -> dict[str, tuple[int, int]]:
+    """kind -> (number of collectives, their result bytes), kinds present only;
+    ``per_call``: each counted as many times as one call runs it
+    (:func:`collective_bytes_per_call`)."""
     acc: dict[str, tuple[int, int]] = {}
     for c in parse_collectives(hlo):
         n, b = acc.get(c.kind, (0, 0))
-        acc[c.kind] = (n + 1, b + c.result_bytes)
+        runs = c.runs if per_call else 1
+        acc[c.kind] = (n + runs, b + runs * c.result_bytes)
     return acc
 
 

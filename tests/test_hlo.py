@@ -211,7 +211,7 @@ def test_a_collective_in_a_loop_body_runs_once_per_trip(mesh):
     # a lax.scan of 5 steps, each summing over the mesh: one all-reduce in
     # the while body, counted once by collective_bytes (DESIGN.md) and 5
     # times a call by collective_bytes_per_call; nested loops multiply
-    from meshplan.runtime.hlo import collective_bytes_per_call
+    from meshplan.runtime.hlo import collective_bytes_per_call, summary
 
     def body(c, _):
         return c + jax.lax.psum(c, "x") * 0.5, None
@@ -228,6 +228,9 @@ def test_a_collective_in_a_loop_body_runs_once_per_trip(mesh):
         assert c.kind == "all-reduce" and c.runs == trips
         assert collective_bytes(text) == 16 * 4
         assert collective_bytes_per_call(text) == trips * 16 * 4
+        # (tools/verify's per-kind breakdown counts as collective_bytes_per_call)
+        assert summary(text) == {"all-reduce": (1, 16 * 4)}
+        assert summary(text, per_call=True) == {"all-reduce": (trips, trips * 16 * 4)}
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ step exactly as the runtime runs it, and compares
 * communication: the plan's ``comm_bytes_per_device`` against the sum of the
   collectives' result bytes in the compiled per-device HLO (the convention of
   DESIGN.md, counted by :func:`meshplan.runtime.hlo.collective_bytes`), with a
-  per-kind breakdown on both sides;
+  per-kind breakdown on both sides (a collective in a rolled loop's body
+  counted once per trip: ``collective_bytes_per_call``);
 * memory: the plan's peak bytes per device against
   ``compiled.memory_analysis()``, read as
 
@@ -153,8 +154,9 @@ def verify(model_name: str, mesh_shape: Sequence[int], *,
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
-    actual = hlo.collective_bytes(text)
-    by_kind = hlo.summary(text)
+    # (a collective in a rolled loop's body once per trip, as the plan counts it)
+    actual = hlo.collective_bytes_per_call(text)
+    by_kind = hlo.summary(text, per_call=True)
     mem, parts = compiled_memory(compiled)
     return VerifyRow(
         model=model_name, mesh_shape=mesh_shape,
@@ -266,8 +268,8 @@ def verify_pipeline(model_name: str, dp: int, tp: int, pp: int, micro_batches: i
         for key, co in compiled.stage(mem.stage).items():
             runs = compiled.runs(key)
             text = co.as_text()
-            actual += runs * hlo.collective_bytes(text)
-            for k, (c, b) in hlo.summary(text).items():
+            actual += runs * hlo.collective_bytes_per_call(text)
+            for k, (c, b) in hlo.summary(text, per_call=True).items():
                 got = kinds.setdefault(k, [0, 0])
                 got[0] += runs * c
                 got[1] += runs * b
