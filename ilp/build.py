@@ -344,6 +344,9 @@ class _Builder:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
+    # the share of a merged gradient reduction's fixed cost each gradient's
+    # reduction is charged (build_problem's ``whole_step``)
+    grad_share: float = 0.0
     # an operator's signature (what its OpSpace depends on) -> the OpSpace
     _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
     # (signature, followed operand, its layout) -> map_through(...) on this mesh
@@ -523,7 +526,7 @@ class _Builder:
             for kind, sec, b, ax in sum_all_reduces(mm, mp.reduce_groups,
                                                     out_bytes / num_shards(mp.out, shape)):
                 if node.id in self.grad_nodes:      # (merged with the others)
-                    sec = unmerged_s(mm, kind, sec, ax)
+                    sec = unmerged_s(mm, kind, sec, ax, self.grad_share)
                 steps = steps + ((kind, sec, b),)
             reads = [(node.inputs[p], req) for p, req in mp.reads
                      if graph.tensors[node.inputs[p]].shape]
@@ -581,7 +584,8 @@ class _Builder:
         for s in strategies:
             fixed = self._fixed(node, s.compute_s)
             # (a gradient's reduction is merged with the others)
-            comm = merged_comm_s(self.mm, s) if node.id in self.grad_nodes else s.comm_s
+            comm = (merged_comm_s(self.mm, s, self.grad_share) if node.id in self.grad_nodes
+                    else s.comm_s)
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
             g.steady_reads.append(self._steady(node, g.reads[-1]) if steady else set())
@@ -891,7 +895,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   caches: IlpCaches | None = None,
                   resident_budget: float | None = None,
                   host_inputs: frozenset[int] = frozenset(),
-                  pins: Pins | None = None) -> Built:
+                  pins: Pins | None = None, whole_step: bool = False) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec, tensor)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel);
     ``pins`` fixes boundary layouts to those of neighbouring layers.
@@ -902,13 +906,20 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     also bounds the inputs' bytes per device alone (parameters and optimizer
     state: a layer that must share a stage's memory with many others).
     ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
-    memory between steps (meshplan.offload), left out of the memory rows."""
+    memory between steps (meshplan.offload), left out of the memory rows.
+    ``whole_step``: ``graph`` is the whole step, so its gradient reductions
+    merge among themselves alone (:func:`meshplan.ilp.decode.merge_gradients`),
+    and each is charged its share of the merged collective's fixed cost,
+    which a plan of a latency-bound step would otherwise get for free (a
+    layer's are merged with its stage's other layers', which it cannot see)."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
                                                 caches.moves(mm.shape)))
     split = step_split(graph, accumulate) if accumulate else None
     b.update_nodes, b.update_values = update_nodes(graph, accumulate, split)
     b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate, b.update_nodes)
+    if whole_step and accumulate:
+        b.grad_share = 1.0 / len(accumulate)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
     # partial gradient sums cover that axis, not the tensor-parallel ones)
     batch_axes = getattr(input_filter, "batch_axes", None)

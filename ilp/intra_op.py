@@ -140,8 +140,12 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
     Every ordered factorisation into at most ``max_rank`` axes (default: 2 below
     16 devices, 3 from 16 on); on a TPU cluster, each laid over the torus
     dimensions in every order worth trying (``LogicalMesh.torus``).  Given
-    the cluster, a permutation of a shape whose axes have identical link
-    figures is dropped: it plans the same.
+    the cluster, a mesh whose axes have the sizes and link figures of one
+    already offered, in the same order, is dropped: it plans the same.  A
+    permutation (4x2 of 2x4) is kept even where all links are alike: a
+    dimension split over several axes is split major axis first, so the
+    two reach different layouts (on 2x4 a 4-way split cannot be refined to
+    8 ways in place; on 4x2 it can).
     """
     if max_rank is None:
         max_rank = 2 if num_devices < 16 else 3
@@ -152,8 +156,8 @@ def candidate_meshes(num_devices: int, max_rank: int | None = None, *,
             mesh = LogicalMesh(default_axis_names(len(shape)), shape, order)
             if cluster is not None:
                 links = mesh_model(cluster, mesh, submesh=submesh).links
-                key = tuple(sorted(zip(shape, [(l.bandwidth, l.latency, l.local, l.phases)
-                                               for l in links])))
+                key = tuple(zip(shape, [(l.bandwidth, l.latency, l.local, l.phases)
+                                        for l in links]))
                 if key in seen:
                     continue
                 seen.add(key)
@@ -213,7 +217,8 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    resident_budget: float | None = None,
                    host_inputs: frozenset[int] = frozenset(),
                    built: Built | None = None, pins: Pins | None = None,
-                   seed: Sequence[int] | None = None) -> IntraOpResult:
+                   seed: Sequence[int] | None = None, whole_step: bool = False
+                   ) -> IntraOpResult:
     """The best plan of ``graph`` on ``mesh``.  ``options`` says how the
     solvers run (parse it once: :meth:`SolverOptions.from_env`); ``caches``
     may be shared by many calls (None: a fresh one for this call);
@@ -226,14 +231,15 @@ def solve_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     ``resident_budget`` added.  ``pins``: boundary layouts fixed by
     neighbouring layers (:class:`meshplan.ilp.build.Pins`).  ``seed``: a
     plan of the problem without ``resident_budget`` (the MIP starts from it,
-    :func:`meshplan.ilp.solvers.solve`)."""
+    :func:`meshplan.ilp.solvers.solve`).  ``whole_step``: ``graph`` is the
+    whole step (:func:`meshplan.ilp.build.build_problem`)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
     if built is None:
         built = build_intra_op(graph, cluster, mesh, submesh=submesh,
                                memory_budget=memory_budget, input_filter=input_filter,
                                accumulate=accumulate, grad_accum=grad_accum, caches=caches,
                                resident_budget=resident_budget, host_inputs=host_inputs,
-                               pins=pins)
+                               pins=pins, whole_step=whole_step)
     elif host_inputs:
         raise ValueError("solve_intra_op: a prebuilt problem has no host inputs")
     elif resident_budget is not None:
@@ -262,7 +268,8 @@ def build_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
                    input_filter: InputFilter | None = None,
                    accumulate: frozenset[int] = frozenset(), grad_accum: int = 1,
                    caches: IlpCaches | None = None, resident_budget: float | None = None,
-                   host_inputs: frozenset[int] = frozenset(), pins: Pins | None = None) -> Built:
+                   host_inputs: frozenset[int] = frozenset(), pins: Pins | None = None,
+                   whole_step: bool = False) -> Built:
     """The ILP :func:`solve_intra_op` solves with these arguments
     (InfeasiblePlanError where no layout could fit, before building it)."""
     mm = mesh_model(cluster, mesh, submesh=submesh)
@@ -273,7 +280,7 @@ def build_intra_op(graph: Graph, cluster: ClusterSpec, mesh: LogicalMesh, *,
     return build_problem(graph, mm, memory_budget=memory_budget, input_filter=input_filter,
                          accumulate=accumulate, grad_accum=grad_accum, caches=caches,
                          resident_budget=resident_budget, host_inputs=host_inputs,
-                         pins=pins)
+                         pins=pins, whole_step=whole_step)
 
 
 def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMesh] | None = None,
@@ -283,12 +290,12 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                   reporter: progress.Progress | None = None,
                   options: SolverOptions = SolverOptions(), caches: IlpCaches | None = None,
                   accumulate: frozenset[int] = frozenset(),
-                  host_inputs: frozenset[int] = frozenset()
+                  host_inputs: frozenset[int] = frozenset(), whole_step: bool = False
                   ) -> tuple[IntraOpResult, list[IntraOpResult | InfeasiblePlanError]]:
     """The fastest plan over ``meshes`` (default: every mesh shape of the device
     count); ``reporter`` shows each mesh's ILP as a progress step.  ``options``,
-    ``caches``, ``accumulate`` (the parameter gradients) and ``host_inputs``
-    as for :func:`solve_intra_op`."""
+    ``caches``, ``accumulate`` (the parameter gradients), ``host_inputs`` and
+    ``whole_step`` as for :func:`solve_intra_op`."""
     reporter = reporter or progress.Progress(progress.QUIET)
     n = (submesh[0] * submesh[1]) if submesh else cluster.num_devices
     meshes = meshes or candidate_meshes(n, cluster=cluster, submesh=submesh)
@@ -307,7 +314,8 @@ def best_intra_op(graph: Graph, cluster: ClusterSpec, *, meshes: list[LogicalMes
                                               input_filter=input_filter,
                                               options=options, caches=caches,
                                               accumulate=accumulate,
-                                              host_inputs=host_inputs))
+                                              host_inputs=host_inputs,
+                                              whole_step=whole_step))
         except InfeasiblePlanError as e:
             results.append(e)
     ok = [r for r in results if isinstance(r, IntraOpResult)]

@@ -64,17 +64,21 @@ def sum_all_reduces(mm: MeshModel, groups: Sequence[tuple[int, ...]], nbytes: fl
                  for ax in (tuple(sorted(g)) for g in groups) if ax)
 
 
-def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...]) -> float:
+def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...],
+               share: float = 0.0) -> float:
     """A gradient reduction's own time when XLA merges it with the step's
     others (:func:`meshplan.ilp.decode.merge_gradients`): less the fixed cost
     (:func:`meshplan.cost_model.collectives.fixed_s`) the merged collective
-    pays once."""
-    return seconds - min(seconds, fixed_s(mm, kind, axes))
+    pays once; plus ``share`` of that fixed cost (an ILP of the whole step
+    charges each of its ``n`` gradients ``1 / n`` of it: exact where every
+    gradient is reduced over the same axes)."""
+    fixed = fixed_s(mm, kind, axes)
+    return seconds - min(seconds, fixed) + share * fixed
 
 
-def merged_comm_s(mm: MeshModel, s: Strategy) -> float:
+def merged_comm_s(mm: MeshModel, s: Strategy, share: float = 0.0) -> float:
     """``s``'s communication where it reduces a gradient (:func:`unmerged_s`)."""
-    return sum(unmerged_s(mm, kind, sec, ax)
+    return sum(unmerged_s(mm, kind, sec, ax, share)
                for kind, sec, _, ax in collectives_of(s, mm.mesh.axes))
 
 

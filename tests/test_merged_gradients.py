@@ -118,3 +118,55 @@ def test_a_sum_over_two_dimensions_reduces_once_per_dimension_as_compiled(spec):
                        out_shardings=NamedSharding(mesh, P())).lower(x, x).compile()
     assert planned == sorted((c.kind, c.result_bytes) for c in parse_collectives(compiled))
     assert len(planned) == (2 if spec[1] else 1)
+
+
+def _tiny_mlp():
+    import jax.numpy as jnp
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+    def step(p, b):
+        l, g = jax.value_and_grad(loss)(p, b)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), l
+    f32 = jnp.float32
+    params = {"w1": jax.ShapeDtypeStruct((16, 32), f32), "b1": jax.ShapeDtypeStruct((32,), f32),
+              "w2": jax.ShapeDtypeStruct((32, 4), f32)}
+    batch = {"x": jax.ShapeDtypeStruct((16, 16), f32), "y": jax.ShapeDtypeStruct((16, 4), f32)}
+    return step, params, batch
+
+
+def test_a_latency_bound_step_is_not_split_for_less_than_its_merged_reduction_costs():
+    """Sweep X: on the 8 local devices a 16-example MLP's saving from
+    splitting its batch is smaller than the fixed cost of the one merged
+    all-reduce of its gradients.  The ILP prices each gradient's reduction
+    without that cost (merge_gradients adds it after), so it split the
+    weight gradients and the plan was predicted at 233 us, where the
+    replicated plan of the same step is 89 us.  Where the decoded plan
+    costs more than the ILP priced it, the ILP that charges every gradient
+    a share of that cost is solved too, and the faster plan kept."""
+    step, params, batch = _tiny_mlp()
+    local = meshplan.Cluster.local()
+    method = meshplan.ShardParallel(mesh_shape=(8,))
+    split = meshplan.plan(step, params, batch, cluster=local, method=method)
+    # (the same step with no batch to split: every layout replicated)
+    whole = meshplan.plan(step, params, batch, cluster=local, method=method, batch_argnums=())
+    assert whole.predicted.comm_bytes_per_device == 0
+    assert split.predicted.iteration_s <= whole.predicted.iteration_s * (1 + 1e-9)
+
+
+def test_meshes_are_ranked_by_the_plans_predicted_time():
+    """The moe on the 8 local devices: 4x2's ILP objective is 0.2% under
+    2x4's, but its plan is predicted 3% slower (the ILP cannot see which
+    gradient reductions its plan runs under the backward).  ShardParallel()
+    keeps the mesh whose plan is predicted fastest."""
+    from meshplan.api import plan_graph, trace_step
+    from meshplan.dp_search import Session
+    model = build_model("moe", {})
+    graph = trace_step(model.train_step, model.abstract_args, (1,), "moe")[0]
+    local, session = meshplan.Cluster.local(), Session()
+    each = {s: plan_graph(graph, local, meshplan.ShardParallel(mesh_shape=s), session=session)
+            .predicted.iteration_s for s in ((8,), (2, 4), (4, 2))}
+    best = plan_graph(graph, local, meshplan.ShardParallel(), session=session)
+    assert best.predicted.iteration_s == pytest.approx(min(each.values()), rel=1e-9)
