@@ -462,15 +462,19 @@ def forward_nodes(graph: Graph) -> list[bool]:
         batch = graph.batch_tensors
         targets |= {t for nid in ancestor_nodes(graph, late, markers)
                     for t in graph.nodes[nid].inputs if t in batch and t not in after}
-    if not targets and markers:
-        # a step returning its new state alone: the loss it computed and
-        # dropped (read by nothing, or only after the gradients: a running
-        # mean of the loss in the state) ends the forward, as a returned one does
+    if markers:
+        # the loss a step computed and dropped (read by nothing, or only
+        # after the gradients: a running mean of the loss in the state) ends
+        # the forward, as a returned one does, whatever else the step returns
+        # (a count of the batch's tokens, whose ancestors hold no layer)
         first = min(markers)
-        early = {t for n in graph.nodes[:first] for t in n.inputs}
         made = [t for n in graph.nodes[:first] for t in n.outputs]
-        targets = {t for t in made if not graph.consumers.get(t)} or \
-            {t for t in made if t not in early and t in graph.batch_tensors}
+        unread = {t for t in made if not graph.consumers.get(t)}
+        if targets:
+            targets |= unread
+        else:
+            early = {t for n in graph.nodes[:first] for t in n.inputs}
+            targets = unread or {t for t in made if t not in early and t in graph.batch_tensors}
     fwd = ancestor_nodes(graph, targets, markers)
     return [n.id in fwd for n in graph.nodes]
 

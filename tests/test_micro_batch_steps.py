@@ -497,14 +497,20 @@ def test_a_debug_callback_on_per_example_values_runs_with_each_micro_batch(metho
     assert float(par[1]["loss"]) == pytest.approx(float(ref[1]["loss"]), rel=1e-6)
 
 
-def test_a_step_returning_its_new_state_alone_pipelines():
+@pytest.mark.parametrize("metric", [None, "count", "x_sum"])
+def test_a_step_returning_its_new_state_alone_pipelines(metric):
     # no loss among the outputs: the one the step computed and dropped ends
-    # the forward (the whole step was one layer, and pp=2 "did not fit")
+    # the forward (the whole step was one layer, and pp=2 "did not fit"),
+    # also beside a metric of the batch alone, whose ancestors hold no
+    # layer (sweep W: a token count returned for logging)
     def step_fn(p, b):
         def loss(p):
             h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
             return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
-        return jax.tree.map(lambda a, c: a - 0.1 * c, p, jax.grad(loss)(p))
+        new = jax.tree.map(lambda a, c: a - 0.1 * c, p, jax.grad(loss)(p))
+        if metric is None:
+            return new
+        return new, ((b["y"] != 0).sum() if metric == "count" else b["x"].sum())
     k1, k2 = jax.random.split(jax.random.key(0))
     p = {"w1": jax.random.normal(k1, (16, 32)) * 0.1, "b1": jnp.zeros(32),
          "w2": jax.random.normal(k2, (32, 8)) * 0.1}
