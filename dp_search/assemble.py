@@ -27,6 +27,18 @@ def graph_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
                             graph.batch_argnums)
 
 
+def argument_table(graph: Graph) -> tuple[tuple[str, str], ...]:
+    """``Plan.arguments`` of a plan of ``graph``: each argument leaf's key
+    and its dtype and shape, e.g. ``("['x']", "float32[16,4]")``."""
+    prefixes = dict(graph_prefixes(graph))
+    out = []
+    for i in graph.inputs:
+        t = graph.tensors[i.tensor]
+        out.append((prefixes.get(i.argnum, "") + i.path,
+                    f"{t.dtype}[{','.join(str(d) for d in t.shape)}]"))
+    return tuple(out)
+
+
 def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: str,
                        notes: tuple[str, ...] = ()) -> Plan:
     """A one-stage Plan from the ILP's answer."""

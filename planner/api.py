@@ -14,10 +14,12 @@ import jax
 
 from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
-from .errors import MeshplanError, StalePlanError, TraceError, argument_leaf, warn
+from .errors import (MeshplanError, RuntimeStageError, StalePlanError, TraceError,
+                     argument_leaf, warn)
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
-from .plan import Plan
+from .dp_search.assemble import argument_table
+from .plan import Plan, argument_differences
 from .recompute import NONE
 from .shardings import check_arguments, check_updates_in_place
 from .planning import TracedFunction, plan_function, plan_step, trace_function
@@ -278,6 +280,8 @@ class Parallelized:
         if hit is not None:
             self._last = hit[0]
             return hit
+        _runs_here(self._given_plan.cluster if self._given_plan is not None
+                   else self.cluster or ClusterSpec.local())
         session = self.session or Session.from_env()
         traced = _trace(self.fn, args, self.batch_argnums, session)
         graph, abstract, unstacked = traced.graph, traced.args, traced.unstacked
@@ -287,15 +291,7 @@ class Parallelized:
         if self._given_plan is not None:
             p = self._given_plan
             if p.graph_fingerprint != graph.fingerprint:
-                raise StalePlanError(
-                    f"the saved plan was made for another function or other argument shapes "
-                    f"or dtypes (a saved plan holds for the shapes it was made for: a batch of "
-                    f"another size, as an epoch's last, needs a plan of its own; a Python "
-                    f"scalar is weakly typed where a jnp.int32 or jnp.float32 is not, as jax.jit "
-                    f"tells them apart; plan fingerprint "
-                    f"{p.graph_fingerprint[:12]}, this call "
-                    f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
-                    f"`meshplan plan ... --json FILE` with the same model options")
+                raise StalePlanError(_stale(p, graph))
             # (a scan's stacked layers: the plan names the per-layer arguments)
             check_arguments(p, abstract)
             check_updates_in_place(p, graph, len(abstract))
@@ -361,7 +357,11 @@ class Parallelized:
                                       for a in donated):
             raise MeshplanError(f"donate_argnums={d!r}: give an int, a sequence of ints or "
                                 "\"auto\", as jax.jit takes")
-        if any(not 0 <= a < nargs for a in donated):
+        if any(a < 0 for a in donated):
+            # (jax.jit takes them and donates nothing)
+            raise MeshplanError(f"donate_argnums={d!r}: give the donated arguments' positions "
+                                "counted from 0 (negative positions are not taken)")
+        if any(a >= nargs for a in donated):
             raise MeshplanError(f"donate_argnums={d!r} names an argument the step is not given: "
                                 f"it was called with {nargs} positional argument(s)")
         return donated
@@ -384,10 +384,20 @@ class Parallelized:
         accepts them); a keyword-only argument has no position to plan."""
         if not kwargs:
             return tuple(args)
+        name = getattr(self.fn, "__name__", "the step")
         try:
-            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+            sig = inspect.signature(self.fn)
         except (TypeError, ValueError) as e:
-            raise MeshplanError(f"{getattr(self.fn, '__name__', 'the step')}: {e}") from None
+            raise MeshplanError(f"{name}: {e}") from None
+        takes = sig.parameters.values()
+        unknown = [k for k in kwargs if k not in sig.parameters]
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in takes):
+            # (as Python and jax.jit say it, before any argument it then lacks)
+            raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}") from None
         if bound.kwargs:
             raise MeshplanError(
                 f"{getattr(self.fn, '__name__', 'the step')} takes {sorted(bound.kwargs)} by "
@@ -440,6 +450,37 @@ _TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConv
 # a rolled scan may communicate this much more than the plan predicts (and 64 KiB)
 ROLLED_COMM_SLACK = 1.1
 
+
+
+def _runs_here(cluster: ClusterSpec) -> None:
+    """Refuse, before planning, a cluster of more devices than this machine
+    runs on: its plan could not run here."""
+    have = jax.device_count()
+    if cluster.num_devices > have:
+        raise RuntimeStageError(
+            f"the cluster {cluster.name} has {cluster.num_devices} devices, but only {have} are "
+            f"available here to run on; to plan for it without running, use "
+            f"meshplan.plan(step, *args, cluster=...) or `meshplan plan --cluster FILE`; to run "
+            f"here, pass cluster=meshplan.Cluster.local()")
+
+
+def _stale(p: Plan, graph: Graph) -> str:
+    """Why a saved plan does not fit this call: the function and the
+    argument leaves that differ where the plan records them."""
+    diff = argument_differences(p.arguments, argument_table(graph)) if p.arguments else []
+    if diff:
+        what = "other arguments: " + "; ".join(diff)
+    elif p.arguments and p.function and p.function != graph.name:
+        # (the same arguments: the function's body differs, by its name too)
+        what = f"function {p.function!r}, not {graph.name!r}"
+    else:
+        what = "another function or other argument shapes or dtypes"
+    return (f"the saved plan was made for {what} (a saved plan holds for the shapes it was "
+            f"made for: a batch of another size, as an epoch's last, needs a plan of its own; "
+            f"a Python scalar is weakly typed where a jnp.int32 or jnp.float32 is not, as "
+            f"jax.jit tells them apart; plan fingerprint {p.graph_fingerprint[:12]}, this call "
+            f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
+            f"`meshplan plan ... --json FILE` with the same model options")
 
 def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[Any],
             donate_argnums: tuple[int, ...]) -> Any:
@@ -541,18 +582,42 @@ def _layer_of_node(p: Plan, traced: TracedStep) -> tuple[int, ...]:
 def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = None,
                 method: Method | None = None, batch_argnums: int | Sequence[int] = (1,),
                 donate_argnums: Any = (), plan: Plan | None = None,
-                session: Session | None = None) -> Any:
+                session: Session | None = None, **jit_options: Any) -> Any:
     """Run ``fn`` in parallel: ``meshplan.parallelize(step, cluster=..., method=...)``
     or as a decorator, with or without arguments.  ``donate_argnums`` as in
     ``jax.jit``: only the arguments named are donated (``"auto"``: every
     argument the step returns a new value of, the batch never).
-    ``session``: see :func:`plan`."""
+    ``session``: see :func:`plan`.  ``jax.jit``'s other options are refused,
+    each with what to do instead."""
+    if jit_options:
+        raise TypeError(_jit_option(sorted(jit_options)[0]))
+
     def wrap(f: Callable) -> Parallelized:
         return Parallelized(f, cluster=cluster, method=method, batch_argnums=batch_argnums,
                             donate_argnums=donate_argnums, plan=plan, session=session)
     if fn is None:
         return wrap
     return wrap(fn)
+
+
+# jax.jit's options parallelize does not take, and what a user does instead
+_JIT_INSTEAD = {
+    "static_argnums": "bind the static arguments first: "
+                      "parallelize(functools.partial(step, arg=value))",
+    "static_argnames": "bind the static arguments first: "
+                       "parallelize(functools.partial(step, arg=value))",
+    "donate_argnames": "name the donated arguments by position: donate_argnums=(0,)",
+    "in_shardings": "the plan chooses the layouts; pass plan= to fix them, or method=Manual(...)",
+    "out_shardings": "the plan chooses the layouts; pass plan= to fix them, or method=Manual(...)",
+}
+
+
+def _jit_option(name: str) -> str:
+    instead = _JIT_INSTEAD.get(name)
+    if instead is None:
+        return (f"parallelize() got an unexpected keyword argument {name!r}; it takes cluster=, "
+                "method=, batch_argnums=, donate_argnums=, plan= and session=")
+    return f"parallelize() does not take jax.jit's {name}: {instead}"
 
 
 def fused_replay(traced: TracedStep, schedule: str,

@@ -281,8 +281,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from . import planning
     if args.emit_out and not args.emit:
         raise ModelConfigError("--emit-out names the file for --emit python; add --emit python")
-    for flag, path in (("--json", args.json), ("--timeline", args.timeline),
-                       ("--emit-out", args.emit_out)):
+    # --json -: the plan JSON is what goes to stdout (the plan's text to stderr)
+    json_out = args.json == "-"
+    if json_out and args.emit and not args.emit_out:
+        raise MeshplanError("--json - and --emit python both write to stdout; give one of them "
+                            "a file: --json plan.json or --emit-out step.py")
+    for flag, path in (("--json", None if json_out else args.json),
+                       ("--timeline", args.timeline), ("--emit-out", args.emit_out)):
         if path:    # (before minutes of planning, not after)
             _check_out(path, flag)
     if args.timeline and os.path.splitext(args.timeline)[1].lower() not in _IMAGES:
@@ -306,16 +311,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .tools.snippet import python_snippet
         snippet = python_snippet(plan, len(target.args))
     # --emit python without --emit-out: the snippet is all that goes to stdout
-    say = print if snippet is None or args.emit_out else _to_stderr
+    say = print if (snippet is None or args.emit_out) and not json_out else _to_stderr
     if snippet is not None and not args.emit_out:
         print(snippet, end="")
         if args.explain:
             say(plan.explain())
     else:
-        print(plan)
+        say(plan)
         if args.explain:
-            print(plan.explain())
-    if args.json:
+            say(plan.explain())
+    if json_out:
+        print(plan.to_json())
+    elif args.json:
         _write_text(args.json, plan.to_json())
         say(f"plan written to {args.json}")
     if args.timeline:
@@ -410,6 +417,9 @@ _IMAGES = frozenset({".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".t
 
 def _check_out(path: str, flag: str, example: str = "out.json") -> None:
     """Refuse an output file that cannot be written, before the work."""
+    if path == "-":
+        raise MeshplanError(f"{flag} -: this output is not written to stdout; name a file such "
+                            f"as {example}")
     if os.path.isdir(path):
         raise MeshplanError(f"{flag} {path} is a directory; give a file name such as "
                             f"{os.path.join(path, example)}")
@@ -529,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(pp)
     pp.add_argument("--cluster", required=True, help="cluster JSON file, or 'local'")
     _add_method_args(pp)
-    pp.add_argument("--json", metavar="OUT.json", help="write the plan JSON")
+    pp.add_argument("--json", metavar="OUT.json",
+                    help="write the plan JSON ('-': to stdout, the plan's text to stderr)")
     pp.add_argument("--timeline", metavar="OUT.png", help="draw the pipeline schedule")
     pp.add_argument("--emit", choices=["python"],
                     help="python: a standalone snippet (mesh, NamedShardings, jax.jit) of a "

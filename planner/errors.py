@@ -95,11 +95,17 @@ def argument_leaf(path: Any) -> str:
     return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
 
 
+class DeletedArgumentError(RuntimeStageError, ValueError):
+    """An argument array was deleted (donated to an earlier call); a
+    ValueError too, as jax raises for one."""
+
+
 def deleted_argument(where: str) -> RuntimeStageError:
     """The error for an array a call was given after an earlier call took
     it over (donated): ``where`` names it."""
-    return RuntimeStageError(f"{where} was donated to an earlier call and has been deleted; "
-                             "pass the state that call returned")
+    return DeletedArgumentError(
+        f"{where} was donated to an earlier call (of this step or of another jitted function) "
+        "and has been deleted; pass the value that call returned in its place")
 
 
 def mark_step_failure(e: BaseException, step: str) -> None:

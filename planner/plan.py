@@ -388,6 +388,11 @@ class Plan:
     # step's forward alone (1, 0) (graph.stage_program_counts); in the JSON
     # only where not (2, 1)
     programs: tuple[int, int] = (2, 1)
+    # every argument leaf the plan was made for: its key (as ``params`` and
+    # ``batch`` write it) and its dtype and shape as traced ("float32[16,4]"):
+    # what a call with other arguments is told differs; in the JSON only where
+    # recorded (older files hold none)
+    arguments: tuple[tuple[str, str], ...] = ()
 
     def key_prefixes(self, num_args: int) -> dict[int, str]:
         """argnum -> the prefix of its leaves' keys in ``params``/``batch``,
@@ -465,6 +470,7 @@ class Plan:
             **({"reduce_grads_each_micro_batch": True} if self.reduce_grads_each_micro_batch
                else {}),
             **({"programs": list(self.programs)} if self.programs != (2, 1) else {}),
+            **({"arguments": dict(self.arguments)} if self.arguments else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -498,6 +504,7 @@ class Plan:
                 ilp_time_limit_hit=bool(d.get("ilp_time_limit_hit", False)),
                 reduce_grads_each_micro_batch=bool(d.get("reduce_grads_each_micro_batch", False)),
                 programs=_programs(d.get("programs", (2, 1))),
+                arguments=tuple((str(k), str(v)) for k, v in d.get("arguments", {}).items()),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanFormatError):
@@ -601,6 +608,27 @@ def _ranges(ids: Iterable[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(out)
+
+
+def argument_differences(planned: Sequence[tuple[str, str]],
+                         called: Sequence[tuple[str, str]], most: int = 3) -> list[str]:
+    """What differs between the argument leaves a plan was made for and a
+    call's (``Plan.arguments`` of each), each in a few words: up to
+    ``most`` leaves of another shape or dtype, then the leaves one side
+    lacks, counted."""
+    want, got = dict(planned), dict(called)
+    changed = [f"{k} is {got[k]} where the plan has {v}" for k, v in want.items()
+               if k in got and got[k] != v]
+    out = changed[:most] + ([f"{len(changed) - most} more leaves differ"]
+                            if len(changed) > most else [])
+    missing = [k for k in want if k not in got]
+    extra = [k for k in got if k not in want]
+    if missing:
+        out.append(f"{len(missing)} of the plan's {len(want)} leaves are missing (e.g. "
+                   f"{missing[0]})")
+    if extra:
+        out.append(f"{len(extra)} leaves are not in the plan (e.g. {extra[0]})")
+    return out
 
 
 def arg_prefixes(argnums: Sequence[int]) -> tuple[tuple[int, str], ...]:

@@ -18,10 +18,11 @@ import jax
 from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds, least_host_s
+from .dp_search.assemble import argument_table
 from .dp_search.stage_dp import IDLE_SHARE
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline, warn_of_scans)
-from .errors import InfeasiblePlanError, MeshplanError, warn
+from .errors import InfeasiblePlanError, MeshplanError, batch_rows, warn
 from .explain import ONE_STAGE_NOTE, alternatives
 from .offload import frees_memory, not_fitting, offloaded_bytes
 from .ilp.replicated import REPLICATED_NOTE
@@ -148,12 +149,17 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         # (the alternatives re-trace the same micro-batch sizes)
         retrace = functools.lru_cache(maxsize=None)(retrace)
     planned = _plan_request(graph, cluster, request, retrace, session, explain)
+    planned = replace(planned, plan=replace(planned.plan, arguments=argument_table(graph)))
     if explain:
         alts = alternatives(graph, cluster, planned.plan, planned.search, request,
                             retrace=retrace, session=session)
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (once a plan, however many searches ran)
     warn_of_scans(graph, planned.plan)
+    if request.pipeline is None and (why := disagreeing_batch(graph)):
+        # (a one-stage plan splits no batch by itself; the methods that do
+        # refuse this, and Auto notes it)
+        warn(f"meshplan: planned as given, but {why}")
     idle = (idle_stages(planned.plan, graph) if request.pipeline and request.pipeline.num_stages
             else None)
     if idle:
@@ -241,6 +247,20 @@ def _stage_flops(plan: Plan, graph: Graph) -> list[float] | None:
         if layer in stage_of:
             work[stage_of[layer]] += node.flops
     return work if sum(work) else None
+
+
+def disagreeing_batch(graph: Graph) -> str | None:
+    """Why the batch arguments' leaves hold no one batch (dimension 0 of
+    several sizes: most often ``batch_argnums`` naming the parameters), or
+    None."""
+    leaves = [(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+              for i in graph.inputs if i.argnum in graph.batch_argnums
+              and graph.tensors[i.tensor].shape]
+    try:
+        batch_rows(leaves)
+    except MeshplanError as e:
+        return str(e)
+    return None
 
 
 def replicated_work(graph: Graph) -> str | None:

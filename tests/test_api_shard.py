@@ -2,6 +2,7 @@
 saved plans, stale plans, re-planning, lowering, odd shapes."""
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -126,11 +127,18 @@ def test_saved_plan_reloads_runs_identically_and_stale_plan_is_refused(tmp_path)
     assert float(met_saved["loss"]) == float(met_live["loss"])
     for a, b in zip(jax.tree.leaves(out_saved), jax.tree.leaves(out_live)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # another batch size -> another graph -> the plan is stale
+    # another batch size -> another graph -> the plan is stale, and the
+    # refusal names the leaves that differ (it gave fingerprints alone)
     m2 = build_model("gpt", {"optimizer": "sgd", "batch": "16"})
     s2, b2 = m2.init(0)
-    with pytest.raises(StalePlanError, match="re-plan"):
+    with pytest.raises(StalePlanError, match="re-plan") as info:
         saved(s2, b2)
+    assert "['input_ids'] is int32[16,32] where the plan has int32[8,32]" in str(info.value)
+    # another function of the same arguments: named, as the plan records it
+    other = meshplan.parallelize(lambda s, b: m.train_step(s, {**b, "labels": b["input_ids"]}),
+                                 plan=loaded)
+    with pytest.raises(StalePlanError, match="made for function 'train_step', not '<lambda>'"):
+        other(jax.tree.map(np.array, state), batch)
 
 
 def test_plan_json_has_the_contract_keys():
@@ -231,6 +239,12 @@ def test_the_step_takes_keyword_arguments_as_jax_jit_does():
     assert lowered.as_text() == step.lower(*SMALL, 0.5).as_text()
     mesh, in_s, _ = step.shardings(SMALL[0], batch=SMALL[1], scale=0.5)
     assert len(in_s) == 3
+    # a misspelt name is named, as jax.jit names it (not the argument it
+    # then lacks: sweep X), and a missing one too, both TypeErrors
+    with pytest.raises(TypeError, match="unexpected keyword argument 'btch'"):
+        step(SMALL[0], btch=SMALL[1])
+    with pytest.raises(TypeError, match="missing a required argument: 'batch'"):
+        step(SMALL[0], scale=0.5)
 
 
 def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
@@ -246,12 +260,30 @@ def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
     (dict(cluster=8), "cluster= takes"),
     (dict(donate_argnums=(5,)), r"donate_argnums=\(5,\) names an argument"),
     (dict(donate_argnums="state"), "give an int, a sequence of ints"),
+    (dict(donate_argnums=-1), "counted from 0"),
+    # (refused before planning, where the plan was made and then refused: sweep X)
+    (dict(cluster=str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters"
+                      / "dgx-a100-x8.json")),
+     "has 64 devices, but only 8 are available here to run on; to plan for it without running"),
     (dict(batch_argnums=-1), r"batch_argnums=-1: give the batch arguments' positions counted "
                              r"from 0"),
 ])
 def test_bad_arguments_are_one_clear_error(kwargs, match):
     with pytest.raises(meshplan.MeshplanError, match=match):
         meshplan.parallelize(_small_step, **kwargs)(*SMALL)
+
+
+@pytest.mark.parametrize("option, match", [
+    ("static_argnums", r"functools.partial\(step"), ("static_argnames", "functools.partial"),
+    ("donate_argnames", r"donate_argnums=\(0,\)"), ("in_shardings", "plan="),
+    ("no_such_option", "it takes cluster=, method="),
+])
+def test_jax_jit_options_are_refused_with_what_to_do(option, match):
+    # (a bare "unexpected keyword argument" before: sweep X)
+    with pytest.raises(TypeError, match=match):
+        meshplan.parallelize(_small_step, **{option: 1})
+    with pytest.raises(TypeError, match=match):
+        meshplan.parallelize(**{option: 1})      # (as a decorator with arguments)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -433,3 +465,25 @@ def test_a_python_flag_passed_as_an_argument_is_explained():
         assert any("functools.partial" in n for n in getattr(e.value, "__notes__", ())), e.value
     par = meshplan.parallelize(functools.partial(flagged, double=True))
     np.testing.assert_allclose(float(par(p, x)[1]), 2 * float(jax.jit(step)(p, x)[1]), rtol=1e-5)
+
+
+def test_batch_argnums_naming_the_parameters_is_warned_of_under_shard_parallel():
+    # (sweep X: the plan listed the parameters as the batch and said nothing;
+    # the methods that split a batch refuse it, and Auto notes it)
+    import warnings
+    f32 = jnp.float32
+    params = {"w1": jax.ShapeDtypeStruct((16, 32), f32), "b1": jax.ShapeDtypeStruct((32,), f32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 16), f32)}
+
+    def step(p, b):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(b["x"] @ p["w1"] + p["b1"])))(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g)
+    for argnums, warned in ((0, True), (1, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            meshplan.plan(step, params, batch, cluster=local(), batch_argnums=argnums,
+                          method=meshplan.ShardParallel(mesh_shape=(8,)))
+        said = [str(w.message) for w in caught if "disagree on the batch size" in str(w.message)]
+        assert bool(said) == warned, said
+        if warned:
+            assert "argument 0['b1'] has 32 rows, argument 0['w1'] has 16" in said[0]

@@ -235,6 +235,9 @@ def _files(tmp_path):
     (["calibrate", "--out", "{tmp}/no/such/dir/c.json"], "c.json"),
     (["calibrate", "--out", "{tmp}"], "directory"),
     (["calibrate"], "--out"),
+    (["inspect", "--model", "mlp", "--json", "-"], "not written to stdout"),
+    (["plan", "--model", "mlp", "--cluster", "local", "--json", "-", "--emit", "python"],
+     "both write to stdout"),
     (["--quiet", "--verbose", "inspect", "--model", "mlp"], "--verbose"),
 ])
 def test_every_error_is_one_line_exit_2(argv, needle, usermod, tmp_path, capsys):
@@ -255,7 +258,17 @@ def test_run_refuses_a_stale_plan(tmp_path, capsys):
     code, _, err = run_here(["run", "--model", "gpt", "--model-arg", "hidden=64",
                              "--model-arg", "layers=2", "--plan", str(saved)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "another function" in err
+    # (what differs, by the leaves the plan records: sweep X)
+    assert "of the plan's" in err and "leaves are missing" in err and "not in the plan" in err
+
+
+def test_plan_json_to_stdout(capsys):
+    # --json -: the plan JSON alone on stdout, the plan's text on stderr
+    code, out, err = run_here(["plan", "--model", "mlp", "--cluster", "local", "--method",
+                               "data", "--json", "-"], capsys)
+    assert code == 0, err
+    plan = meshplan.Plan.from_json(out)
+    assert plan.method == "data" and "Plan for mlp" in err
 
 
 def test_plan_fn_prints_specs_and_devices_and_writes_json(usermod, tmp_path, capsys):

@@ -135,6 +135,10 @@ def test_emitted_snippet_runs_without_meshplan_and_matches(gpt, plan, reference,
     assert jax.tree.leaves(in_s) == jax.tree.leaves(plan.shardings(state, batch).in_shardings)
     with pytest.raises(ValueError, match="2 argument"):
         module["jit_step"](gpt.train_step, state)
+    # the state one level deeper: refused, where every layout was dropped
+    # and the step ran replicated without a word (sweep X)
+    with pytest.raises(ValueError, match="argument leaves these arguments lack"):
+        module["jit_step"](lambda s, b: gpt.train_step(s["inner"], b), {"inner": state}, batch)
 
 
 def test_cli_emit_python(tmp_path, capsys):

@@ -93,9 +93,18 @@ def make_mesh(devices=None):
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def shardings_like(tree, specs, mesh, default=P()):
+def shardings_like(tree, specs, mesh, default=P(), what="argument"):
     """A pytree like `tree` of NamedShardings, each leaf's spec looked up by
-    its keystr path in `specs` (`default` when absent; None leaves it to jit)."""
+    its keystr path in `specs` (`default` when absent; None leaves it to jit).
+    A path of `specs` that `tree` lacks is refused: the arguments are not
+    those the plan was made for, and its layouts would be dropped unsaid."""
+    paths = {{jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}}
+    missing = sorted(k for k in specs if k not in paths)
+    if missing:
+        raise ValueError(f"the plan lays out {{len(missing)}} {{what}} leaves these arguments "
+                         f"lack (e.g. {{missing[0]}}); pass the arguments the plan was made for, "
+                         "with the same pytree structure, or re-plan for these")
+
     def one(path, leaf):
         spec = specs.get(jax.tree_util.keystr(path), default)
         return None if spec is None else NamedSharding(mesh, spec)
@@ -111,7 +120,7 @@ def jit_step(train_step, *args, mesh=None, **jit_kwargs):
     mesh = make_mesh() if mesh is None else mesh
     in_shardings = tuple(shardings_like(a, s, mesh) for a, s in zip(args, IN_SPECS))
     out_shardings = shardings_like(jax.eval_shape(train_step, *args), OUT_SPECS, mesh,
-                                   default=None)
+                                   default=None, what="output")
     return jax.jit(train_step, in_shardings=in_shardings, out_shardings=out_shardings,
                    **jit_kwargs)
 
