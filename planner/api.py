@@ -451,7 +451,6 @@ _TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConv
 ROLLED_COMM_SLACK = 1.1
 
 
-
 def _runs_here(cluster: ClusterSpec) -> None:
     """Refuse, before planning, a cluster of more devices than this machine
     runs on: its plan could not run here."""
@@ -481,6 +480,7 @@ def _stale(p: Plan, graph: Graph) -> str:
             f"jax.jit tells them apart; plan fingerprint {p.graph_fingerprint[:12]}, this call "
             f"{graph.fingerprint[:12]}); re-plan for this step: meshplan.plan(...), or "
             f"`meshplan plan ... --json FILE` with the same model options")
+
 
 def _rolled(fn: Callable, p: Plan, traced: TracedFunction, abstract: Sequence[Any],
             donate_argnums: tuple[int, ...]) -> Any:
