@@ -28,13 +28,13 @@ def graph_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
 
 
 def argument_table(graph: Graph) -> tuple[tuple[str, str], ...]:
-    """``Plan.arguments`` of a plan of ``graph``: each argument leaf's key
-    and its dtype and shape, e.g. ``("['x']", "float32[16,4]")``."""
-    prefixes = dict(graph_prefixes(graph))
+    """``Plan.arguments`` of a plan of ``graph``: each argument leaf, by its
+    position and path, and its dtype and shape, e.g.
+    ``("argument 1['x']", "float32[16,4]")``."""
     out = []
     for i in graph.inputs:
         t = graph.tensors[i.tensor]
-        out.append((prefixes.get(i.argnum, "") + i.path,
+        out.append((f"argument {i.argnum}{i.path}",
                     f"{t.dtype}[{','.join(str(d) for d in t.shape)}]"))
     return tuple(out)
 
@@ -56,9 +56,7 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                                       one_stage_memory(graph, result)),
                   outputs=outputs, constraints=result.constraints, strategies=result.strategies,
                   read_constraints=tuple(getattr(result, "read_constraints", ())))
-    # one program per iteration, less what runs under compute
-    it = result.compute_s + result.comm_s + cluster.device.achieved.dispatch_s(n) \
-        - hidden_s(one_stage_work(graph, result), cluster.device.achieved.overlap_communication)
+    it = one_stage_seconds(graph, cluster, result)
     tflops = graph.total_flops / n / it / 1e12 if it > 0 else 0.0
     predicted = PlanPredicted(iteration_s=it, tflops_per_device=tflops,
                               peak_memory_bytes=int(result.peak_memory_bytes),
@@ -68,6 +66,13 @@ def plan_from_intra_op(graph: Graph, cluster: ClusterSpec, result: Any, method: 
                 stages=(stage,), num_micro_batches=1, schedule="none", batch=tuple(batch),
                 predicted=predicted, function=graph.name, batch_argnums=graph.batch_argnums,
                 arg_prefixes=graph_prefixes(graph), notes=notes)
+
+
+def one_stage_seconds(graph: Graph, cluster: ClusterSpec, result: Any) -> float:
+    """The predicted iteration of a one-stage plan from the ILP's answer:
+    one program per iteration, less what runs under compute."""
+    return (result.compute_s + result.comm_s + cluster.device.achieved.dispatch_s(result.mesh.size)
+            - hidden_s(one_stage_work(graph, result), cluster.device.achieved.overlap_communication))
 
 
 def one_stage_work(graph: Graph, result: Any) -> StageWork:

@@ -286,10 +286,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if json_out and args.emit and not args.emit_out:
         raise MeshplanError("--json - and --emit python both write to stdout; give one of them "
                             "a file: --json plan.json or --emit-out step.py")
-    for flag, path in (("--json", None if json_out else args.json),
-                       ("--timeline", args.timeline), ("--emit-out", args.emit_out)):
+    for flag, path, example in (("--json", None if json_out else args.json, "plan.json"),
+                                ("--timeline", args.timeline, "timeline.png"),
+                                ("--emit-out", args.emit_out, "shard_plan.py")):
         if path:    # (before minutes of planning, not after)
-            _check_out(path, flag)
+            _check_out(path, flag, example)
     if args.timeline and os.path.splitext(args.timeline)[1].lower() not in _IMAGES:
         raise MeshplanError(f"--timeline {args.timeline}: name an image file ending in one of "
                             f"{', '.join(sorted(_IMAGES))}")

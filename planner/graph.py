@@ -471,7 +471,12 @@ def forward_nodes(graph: Graph) -> list[bool]:
         made = [t for n in graph.nodes[:first] for t in n.outputs]
         unread = {t for t in made if not graph.consumers.get(t)}
         if targets:
-            targets |= unread
+            # (a scalar, as jax.grad's loss is: not a value the backward made
+            # and left unread, as a loop's cotangent of the batch; nor the new
+            # value of an input the step returns, BatchNorm's running
+            # statistics: update work, as outputs that update are)
+            targets |= {t for t in unread - {o.tensor for o in graph.outputs}
+                        if math.prod(graph.tensors[t].shape) == 1}
         else:
             early = {t for n in graph.nodes[:first] for t in n.inputs}
             targets = unread or {t for t in made if t not in early and t in graph.batch_tensors}

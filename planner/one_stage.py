@@ -9,7 +9,7 @@ from .cluster import ClusterSpec
 from .cost_model import default_axis_names
 from .cost_model.mesh import default_submesh
 from .dp_search import Session
-from .dp_search.assemble import plan_from_intra_op
+from .dp_search.assemble import one_stage_seconds, plan_from_intra_op
 from .errors import InfeasiblePlanError, batch_rows
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
 from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
@@ -60,13 +60,14 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
     host = host_inputs(graph, cluster) if offload else frozenset()
     if request.input_layouts is not None:
         # hand-made layouts (data parallel, Megatron): one mesh, one ILP
-        def solved(whole_step: bool) -> list:
+        def solved(meshes: list | None, whole_step: bool) -> list:
             return [solve_intra_op(graph, cluster, mesh,
                                    input_filter=InputLayouts(request.input_layouts),
                                    backend=request.backend, time_limit=request.time_limit,
                                    memory_budget=budget, options=session.solver,
                                    caches=session.ilp_caches, accumulate=grads,
                                    host_inputs=host, whole_step=whole_step)]
+        meshes = [mesh]
     else:
         meshes = None if mesh is None else [mesh]
         if meshes is None and request.tp_within_host:
@@ -74,18 +75,18 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
             meshes = within_host(candidate_meshes(cluster.num_devices, cluster=cluster,
                                                   submesh=(hosts, dph)), hosts, dph)
 
-        def solved(whole_step: bool) -> list:
+        def solved(meshes: list | None, whole_step: bool) -> list:
             return best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
                                  time_limit=request.time_limit, memory_budget=budget,
                                  reporter=session.progress, options=session.solver,
                                  caches=session.ilp_caches, accumulate=grads,
                                  host_inputs=host, whole_step=whole_step)[1]
-    results = solved(False)
-    if any(_unpriced(x) for x in results if isinstance(x, IntraOpResult)):
-        # (where the gradients' merged reduction weighs, the ILP that charges
-        # each gradient a share of its fixed cost may find the faster plan)
-        results += solved(True)
-    r = _fastest(graph, cluster, results, request.method)
+    r = _fastest(graph, cluster, solved(meshes, False))
+    if _unpriced(r):
+        # (the gradients' merged reduction weighs: the ILP that charges each
+        # gradient a share of its fixed cost may find the faster plan, on the
+        # mesh found fastest)
+        r = _fastest(graph, cluster, [r] + solved([r.mesh], True))
     plan = plan_from_intra_op(graph, cluster, r, request.method)
     same = replicated_axes(graph, r)
     if same:
@@ -111,14 +112,14 @@ def _unpriced(r: IntraOpResult) -> bool:
     return r.compute_s + r.comm_s > (1 + UNPRICED_SHARE) * r.objective_s
 
 
-def _fastest(graph: Graph, cluster: ClusterSpec, results: list, method: str) -> IntraOpResult:
+def _fastest(graph: Graph, cluster: ClusterSpec, results: list) -> IntraOpResult:
     """Of the ILP results (meshes, pricings), the one whose plan is
     predicted fastest.  The ILP's objective leaves out what the plan's time
     counts after it (gradient reductions run under the backward, a merged
     reduction's fixed cost), so two results can rank the other way by it."""
     ok = [r for r in results if isinstance(r, IntraOpResult)]
-    return min(ok, key=lambda r: (round(plan_from_intra_op(graph, cluster, r, method)
-                                        .predicted.iteration_s, 12), len(r.mesh.shape)))
+    return min(ok, key=lambda r: (round(one_stage_seconds(graph, cluster, r), 12),
+                                  len(r.mesh.shape)))
 
 
 def replicated_axes(graph: Graph, r: IntraOpResult) -> str | None:

@@ -388,8 +388,8 @@ class Plan:
     # step's forward alone (1, 0) (graph.stage_program_counts); in the JSON
     # only where not (2, 1)
     programs: tuple[int, int] = (2, 1)
-    # every argument leaf the plan was made for: its key (as ``params`` and
-    # ``batch`` write it) and its dtype and shape as traced ("float32[16,4]"):
+    # every argument leaf the plan was made for, by its position and path
+    # ("argument 1['x']"), and its dtype and shape as traced ("float32[16,4]"):
     # what a call with other arguments is told differs; in the JSON only where
     # recorded (older files hold none)
     arguments: tuple[tuple[str, str], ...] = ()

@@ -133,7 +133,8 @@ def test_saved_plan_reloads_runs_identically_and_stale_plan_is_refused(tmp_path)
     s2, b2 = m2.init(0)
     with pytest.raises(StalePlanError, match="re-plan") as info:
         saved(s2, b2)
-    assert "['input_ids'] is int32[16,32] where the plan has int32[8,32]" in str(info.value)
+    assert ("argument 1['input_ids'] is int32[16,32] where the plan has int32[8,32]"
+            in str(info.value))
     # another function of the same arguments: named, as the plan records it
     other = meshplan.parallelize(lambda s, b: m.train_step(s, {**b, "labels": b["input_ids"]}),
                                  plan=loaded)
@@ -487,3 +488,18 @@ def test_batch_argnums_naming_the_parameters_is_warned_of_under_shard_parallel()
         assert bool(said) == warned, said
         if warned:
             assert "argument 0['b1'] has 32 rows, argument 0['w1'] has 16" in said[0]
+
+
+def test_plan_arguments_name_each_leaf_by_position():
+    # (bare-array arguments: the params and batch sections both key their one
+    # argument "", and the record kept only the batch's: sweep V2)
+    def step(w, x):
+        l, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 0.1 * g, l
+    w, x = jnp.ones((8, 4)), jnp.ones((16, 8))
+    p = meshplan.plan(step, w, x, cluster=local(), method=meshplan.ShardParallel())
+    assert dict(p.arguments) == {"argument 0": "float32[8,4]", "argument 1": "float32[16,8]"}
+    assert meshplan.Plan.from_json(p.to_json()).arguments == p.arguments
+    with pytest.raises(StalePlanError, match=r"argument 0 is float32\[8,2\] where the plan "
+                                             r"has float32\[8,4\]"):
+        meshplan.parallelize(step, plan=p)(jnp.ones((8, 2)), x)

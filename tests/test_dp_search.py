@@ -569,7 +569,9 @@ def test_gradients_are_matched_to_their_parameters_only_when_unambiguous():
     def step(state, x):
         def loss(p, q):
             return jnp.sum(jnp.tanh(x @ p["w1"] + p["b1"]) @ q["w2"] + q["b2"])
-        _, gp = value_and_grad(loss)(state["p"], state["q"])
+        # (the forward reads r too, so r is a parameter like q: read by none,
+        # it would be state the update alone reads, as an EMA of the weights)
+        _, gp = value_and_grad(lambda p: loss(p, state["q"]) + loss(p, state["r"]))(state["p"])
         _, gq = value_and_grad(lambda q: loss(state["p"], q))(state["q"])
         sub = lambda a, b: a - b      # noqa: E731
         return {"p": jax.tree.map(sub, state["p"], gp), "q": jax.tree.map(sub, state["q"], gq),

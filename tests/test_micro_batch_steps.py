@@ -524,6 +524,22 @@ def test_a_step_returning_its_new_state_alone_pipelines(metric):
 
 
 
+def test_running_statistics_a_step_returns_are_not_forward_work():
+    # the dropped loss ends the forward beside a metric, but the new value of
+    # an input the step returns (the wresnet's BatchNorm running statistics,
+    # made before the backward and read by nothing) is update work: counted
+    # as forward it moved the wresnet's layers and its pipeline plan (sweep V2)
+    from meshplan.api import trace_step
+    from meshplan.graph import forward_nodes
+    from meshplan.models import build_model
+    m = build_model("wresnet", {"batch": 8, "image_size": 16, "base_width": 8, "layers": 8})
+    graph = trace_step(m.train_step, m.abstract_args, (1,), "wresnet")[0]
+    fwd = forward_nodes(graph)
+    updates = {o.tensor for o in graph.outputs if o.updates is not None}
+    assert not any(fwd[n.id] and not updates.isdisjoint(n.outputs) for n in graph.nodes)
+    assert any(fwd[n.id] for n in graph.nodes if n.primitive == "conv_general_dilated")
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_an_update_that_reads_the_loss_pipelines(m):
     # (a learning rate picked by the loss, as optax's reduce_on_plateau

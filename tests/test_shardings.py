@@ -139,6 +139,9 @@ def test_emitted_snippet_runs_without_meshplan_and_matches(gpt, plan, reference,
     # and the step ran replicated without a word (sweep X)
     with pytest.raises(ValueError, match="argument leaves these arguments lack"):
         module["jit_step"](lambda s, b: gpt.train_step(s["inner"], b), {"inner": state}, batch)
+    # ... and a step returning another structure is told so
+    with pytest.raises(ValueError, match="output leaves the step does not return"):
+        module["jit_step"](lambda s, b: gpt.train_step(s, b)[0], state, batch)
 
 
 def test_cli_emit_python(tmp_path, capsys):

@@ -100,8 +100,12 @@ def shardings_like(tree, specs, mesh, default=P(), what="argument"):
     those the plan was made for, and its layouts would be dropped unsaid."""
     paths = {{jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}}
     missing = sorted(k for k in specs if k not in paths)
+    if missing and what == "output":
+        raise ValueError(f"the plan lays out {{len(missing)}} output leaves the step does not "
+                         f"return (e.g. {{missing[0]}}): it returns another structure than the "
+                         "step planned; re-plan for this step")
     if missing:
-        raise ValueError(f"the plan lays out {{len(missing)}} {{what}} leaves these arguments "
+        raise ValueError(f"the plan lays out {{len(missing)}} argument leaves these arguments "
                          f"lack (e.g. {{missing[0]}}); pass the arguments the plan was made for, "
                          "with the same pytree structure, or re-plan for these")
 
