@@ -59,9 +59,15 @@ def _pow2(b: int) -> bool:
     return b & (b - 1) == 0
 
 
+def batch_leaves(graph: Graph) -> list[tuple[int, str]]:
+    """(dimension 0, name) of every batch argument leaf that has one
+    (:func:`meshplan.errors.batch_rows` takes them)."""
+    return [(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
+            for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape]
+
+
 def batch_size(graph: Graph) -> int:
-    size = batch_rows([(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
-                       for i in graph.inputs if i.role == BATCH and graph.tensors[i.tensor].shape])
+    size = batch_rows(batch_leaves(graph))
     if size is None:
         raise MeshplanError("pipeline planning needs a batch: pass batch_argnums naming the "
                             "arguments whose dimension 0 is the batch")

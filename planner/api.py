@@ -389,9 +389,8 @@ class Parallelized:
             sig = inspect.signature(self.fn)
         except (TypeError, ValueError) as e:
             raise MeshplanError(f"{name}: {e}") from None
-        takes = sig.parameters.values()
         unknown = [k for k in kwargs if k not in sig.parameters]
-        if unknown and not any(p.kind is p.VAR_KEYWORD for p in takes):
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             # (as Python and jax.jit say it, before any argument it then lacks)
             raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
         try:
@@ -400,7 +399,7 @@ class Parallelized:
             raise TypeError(f"{name}(): {e}") from None
         if bound.kwargs:
             raise MeshplanError(
-                f"{getattr(self.fn, '__name__', 'the step')} takes {sorted(bound.kwargs)} by "
+                f"{name} takes {sorted(bound.kwargs)} by "
                 "keyword only; meshplan plans positional arguments: give the step them by "
                 "position (functools.partial for fixed ones)")
         return tuple(bound.args)
@@ -601,14 +600,12 @@ def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = Non
 
 
 # jax.jit's options parallelize does not take, and what a user does instead
+_STATIC = "bind the static arguments first: parallelize(functools.partial(step, arg=value))"
+_LAYOUTS = "the plan chooses the layouts; pass plan= to fix them, or method=Manual(...)"
 _JIT_INSTEAD = {
-    "static_argnums": "bind the static arguments first: "
-                      "parallelize(functools.partial(step, arg=value))",
-    "static_argnames": "bind the static arguments first: "
-                       "parallelize(functools.partial(step, arg=value))",
+    "static_argnums": _STATIC, "static_argnames": _STATIC,
     "donate_argnames": "name the donated arguments by position: donate_argnums=(0,)",
-    "in_shardings": "the plan chooses the layouts; pass plan= to fix them, or method=Manual(...)",
-    "out_shardings": "the plan chooses the layouts; pass plan= to fix them, or method=Manual(...)",
+    "in_shardings": _LAYOUTS, "out_shardings": _LAYOUTS,
 }
 
 

@@ -318,7 +318,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.explain:
             say(plan.explain())
     else:
-        say(plan)
+        say(str(plan))
         if args.explain:
             say(plan.explain())
     if json_out:

@@ -19,6 +19,7 @@ from .cluster import ClusterSpec
 from .collector import with_relaxed_gc
 from .cost_model.pipeline import host_binds, least_host_s
 from .dp_search.assemble import argument_table
+from .dp_search.search import batch_leaves
 from .dp_search.stage_dp import IDLE_SHARE
 from .dp_search import (PipelineOptions, SearchStats, Session, batch_size,
                         micro_batch_candidates, search_pipeline, warn_of_scans)
@@ -253,11 +254,8 @@ def disagreeing_batch(graph: Graph) -> str | None:
     """Why the batch arguments' leaves hold no one batch (dimension 0 of
     several sizes: most often ``batch_argnums`` naming the parameters), or
     None."""
-    leaves = [(graph.tensors[i.tensor].shape[0], f"argument {i.argnum}{i.path}")
-              for i in graph.inputs if i.argnum in graph.batch_argnums
-              and graph.tensors[i.tensor].shape]
     try:
-        batch_rows(leaves)
+        batch_rows(batch_leaves(graph))
     except MeshplanError as e:
         return str(e)
     return None
