@@ -14,8 +14,8 @@ import jax
 
 from .cluster import ClusterSpec, load_cluster
 from .dp_search import Session
-from .errors import (MeshplanError, RuntimeStageError, StalePlanError, TraceError,
-                     argument_leaf, warn)
+from .errors import (CallError, MeshplanError, RuntimeStageError, StalePlanError,
+                     TraceError, argument_leaf, warn)
 from .graph import Graph, batch_shaped_draws
 from .methods import Method, ShardParallel, normalize_argnums
 from .dp_search.assemble import argument_table
@@ -392,11 +392,11 @@ class Parallelized:
         unknown = [k for k in kwargs if k not in sig.parameters]
         if unknown and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             # (as Python and jax.jit say it, before any argument it then lacks)
-            raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
+            raise CallError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{name}(): {e}") from None
+            raise CallError(f"{name}(): {e}") from None
         if bound.kwargs:
             raise MeshplanError(
                 f"{name} takes {sorted(bound.kwargs)} by "
@@ -589,7 +589,7 @@ def parallelize(fn: Callable | None = None, *, cluster: ClusterSpec | None = Non
     ``session``: see :func:`plan`.  ``jax.jit``'s other options are refused,
     each with what to do instead."""
     if jit_options:
-        raise TypeError(_jit_option(sorted(jit_options)[0]))
+        raise CallError(_jit_option(sorted(jit_options)[0]))
 
     def wrap(f: Callable) -> Parallelized:
         return Parallelized(f, cluster=cluster, method=method, batch_argnums=batch_argnums,

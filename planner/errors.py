@@ -58,6 +58,12 @@ class StalePlanError(MeshplanError, ValueError):
     """A saved plan does not belong to the function / arguments it is used with."""
 
 
+class CallError(MeshplanError, TypeError):
+    """A call Python or jax.jit would refuse as a TypeError (an unknown
+    keyword, a missing argument, a jax.jit option parallelize does not
+    take): both kinds catch it."""
+
+
 class ModelConfigError(MeshplanError, ValueError):
     """Unknown built-in model or a bad --model-arg."""
 

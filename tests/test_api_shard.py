@@ -246,6 +246,8 @@ def test_the_step_takes_keyword_arguments_as_jax_jit_does():
         step(SMALL[0], btch=SMALL[1])
     with pytest.raises(TypeError, match="missing a required argument: 'batch'"):
         step(SMALL[0], scale=0.5)
+    with pytest.raises(meshplan.MeshplanError, match="unexpected keyword argument"):
+        step(SMALL[0], btch=SMALL[1])
 
 
 def test_a_cluster_may_be_given_as_a_path_or_a_dict(tmp_path):
@@ -285,6 +287,8 @@ def test_jax_jit_options_are_refused_with_what_to_do(option, match):
         meshplan.parallelize(_small_step, **{option: 1})
     with pytest.raises(TypeError, match=match):
         meshplan.parallelize(**{option: 1})      # (as a decorator with arguments)
+    with pytest.raises(meshplan.MeshplanError):  # (meshplan's kind of error too)
+        meshplan.parallelize(_small_step, **{option: 1})
 
 
 @pytest.mark.parametrize("make,match", [
