@@ -26,12 +26,12 @@ from .caches import IlpCaches
 from .decode import (IntraOpResult, PlannedCollective, decode, explain, peak_memory, peak_parts,
                      read_layouts)
 from .intra_op import (EachMicroBatch, InputLayouts, SequenceSplit, best_intra_op, build_intra_op,
-                       candidate_meshes, memory_floor, within_host, solve_intra_op)
+                       candidate_meshes, memory_floor, within_host, solve_intra_op, solve_mesh)
 from .options import SolverOptions
 from .problem import Edge, IlpProblem, MemoryRow, Solution, brute_force
 from .solvers import solve
 
-__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "solve_intra_op",
+__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "solve_intra_op", "solve_mesh",
            "build_intra_op", "best_intra_op", "candidate_meshes",
            "within_host", "memory_floor", "decode", "peak_memory", "peak_parts", "SolverOptions",
            "IlpCaches", "IlpProblem", "Edge", "MemoryRow", "Solution", "brute_force", "solve",

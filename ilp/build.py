@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from ..cost_model.collectives import all_reduce
+from ..cost_model.collectives import all_reduce, fixed_s
 from ..cost_model.compute import compute_time, kernel_fixed_time
 from ..cost_model.fusion import (fused_bytes, fusion_bytes, kernels, materialised,
                                  materialised_results, moved_bytes)
@@ -79,6 +79,9 @@ class Group:
     # the input gradient of a matmul whose bias gradient follows it) do not
     grad_comm: list[float] = field(default_factory=list)
     grad_comm_bytes: list[float] = field(default_factory=list)
+    # per strategy: the fixed costs its gradient reductions leave out, paid
+    # once by the merged collective (priced_as_whole_step shares them out)
+    grad_fixed: list[float] = field(default_factory=list)
     # per strategy: the mesh axes over which those reductions wait for the
     # step's last micro-batch (a running sum kept whole along them)
     waits: list[frozenset[int]] = field(default_factory=list)
@@ -241,12 +244,12 @@ class Pins:
 
 
 def _restrict(g: Group, ok: list[int]) -> None:
-    """Keep only the strategies ``ok`` of group ``g``."""
-    for name in ("strategies", "specs", "reads", "cost", "compute", "comm", "comm_bytes",
-                 "comm_kinds", "steady_reads", "grad_comm", "grad_comm_bytes", "waits",
-                 "update"):
-        vals = getattr(g, name)
-        setattr(g, name, [vals[j] for j in ok])
+    """Keep only the strategies ``ok`` of group ``g`` (every per-strategy
+    list: all the list fields but the members')."""
+    for f in dataclasses.fields(g):
+        vals = getattr(g, f.name)
+        if isinstance(vals, list) and f.name not in ("members", "member_compute"):
+            setattr(g, f.name, [vals[j] for j in ok])
     g.member_compute = [[per[j] for j in ok] for per in g.member_compute]
 
 
@@ -344,9 +347,6 @@ class _Builder:
     # the mesh axes whose gradient sums the runtime keeps apart until the last
     # micro-batch (those the batch is split over); None: any
     defer_axes: frozenset[int] | None = None
-    # the share of a merged gradient reduction's fixed cost each gradient's
-    # reduction is charged (build_problem's ``whole_step``)
-    grad_share: float = 0.0
     # an operator's signature (what its OpSpace depends on) -> the OpSpace
     _spaces: dict[tuple, OpSpace | None] = field(default_factory=dict)
     # (signature, followed operand, its layout) -> map_through(...) on this mesh
@@ -388,6 +388,7 @@ class _Builder:
             g.comm_bytes = [0.0] * len(specs)
             g.grad_comm = [0.0] * len(specs)
             g.grad_comm_bytes = [0.0] * len(specs)
+            g.grad_fixed = [0.0] * len(specs)
             g.waits = [frozenset() for _ in specs]
             g.update = [[0.0, 0.0, 0.0] for _ in specs]
             g.comm_kinds = [{} for _ in specs]
@@ -523,15 +524,17 @@ class _Builder:
             t = compute_time(mm.device, node.flops / mp.shards, nbytes / mp.shards, dtype)
             t += self._fixed(node, t)
             steps = self.rs.steps(main, ms, mp.main_req)
+            fixed = 0.0
             for kind, sec, b, ax in sum_all_reduces(mm, mp.reduce_groups,
                                                     out_bytes / num_shards(mp.out, shape)):
                 if node.id in self.grad_nodes:      # (merged with the others)
-                    sec = unmerged_s(mm, kind, sec, ax, self.grad_share)
+                    sec = unmerged_s(mm, kind, sec, ax)
+                    fixed += fixed_s(mm, kind, ax)
                 steps = steps + ((kind, sec, b),)
             reads = [(node.inputs[p], req) for p, req in mp.reads
                      if graph.tensors[node.inputs[p]].shape]
             per_spec[ms] = (mp.out, t, steps, sum(x[1] for x in steps),
-                            sum(x[2] for x in steps), reads)
+                            sum(x[2] for x in steps), reads, fixed)
         got = [per_spec[ms] for ms in layouts]
         for sp, row in zip(g.specs, got):
             sp[out_t] = row[0]
@@ -544,6 +547,7 @@ class _Builder:
                 u[0], u[1], u[2] = u[0] + row[1], u[1] + row[3], u[2] + row[4]
         if node.id in self.grad_nodes:
             for i, ms in enumerate(layouts):
+                g.grad_fixed[i] += got[i][6]
                 if deferrable(axes[ms], self.defer_axes, rows[ms]):
                     g.grad_comm[i] += got[i][3]
                     g.grad_comm_bytes[i] += got[i][4]
@@ -584,8 +588,8 @@ class _Builder:
         for s in strategies:
             fixed = self._fixed(node, s.compute_s)
             # (a gradient's reduction is merged with the others)
-            comm = (merged_comm_s(self.mm, s, self.grad_share) if node.id in self.grad_nodes
-                    else s.comm_s)
+            comm, fixed_comm = (merged_comm_s(self.mm, s) if node.id in self.grad_nodes
+                                else (s.comm_s, 0.0))
             g.specs.append(dict(zip(node.outputs, s.out_specs)))
             g.reads.append([(t, sp) for t, sp in zip(node.inputs, s.in_specs) if sp is not None])
             g.steady_reads.append(self._steady(node, g.reads[-1]) if steady else set())
@@ -597,6 +601,7 @@ class _Builder:
             grad = node.id in self.grad_nodes and deferrable(
                 summed, self.defer_axes, rows_axes(graph, node.inputs, s.in_specs))
             g.grad_comm.append(comm if grad else 0.0)
+            g.grad_fixed.append(fixed_comm)
             g.waits.append(summed if grad else frozenset())
             g.grad_comm_bytes.append(s.comm_bytes if grad else 0.0)
             g.update.append([s.compute_s + fixed, comm, s.comm_bytes] if not steady
@@ -895,7 +900,7 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
                   caches: IlpCaches | None = None,
                   resident_budget: float | None = None,
                   host_inputs: frozenset[int] = frozenset(),
-                  pins: Pins | None = None, whole_step: bool = False) -> Built:
+                  pins: Pins | None = None) -> Built:
     """The ILP of ``graph`` on ``mm``.  ``input_filter(input, spec, tensor)`` may restrict
     the layouts an input can take (hand-made methods such as data parallel);
     ``pins`` fixes boundary layouts to those of neighbouring layers.
@@ -907,19 +912,16 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     state: a layer that must share a stage's memory with many others).
     ``host_inputs`` (indices into ``graph.inputs``): inputs kept in host
     memory between steps (meshplan.offload), left out of the memory rows.
-    ``whole_step``: ``graph`` is the whole step, so its gradient reductions
-    merge among themselves alone (:func:`meshplan.ilp.decode.merge_gradients`),
-    and each is charged its share of the merged collective's fixed cost,
-    which a plan of a latency-bound step would otherwise get for free (a
-    layer's are merged with its stage's other layers', which it cannot see)."""
+    Each gradient's reduction is charged without the fixed cost of the
+    collective XLA merges it into (a layer's merge with its stage's other
+    layers', which it cannot see): :func:`priced_as_whole_step` shares it
+    out where ``graph`` is the whole step."""
     caches = IlpCaches() if caches is None else caches
     b = _Builder(graph, mm, caches, _Resharding(graph, mm, caches.reshard(mm),
                                                 caches.moves(mm.shape)))
     split = step_split(graph, accumulate) if accumulate else None
     b.update_nodes, b.update_values = update_nodes(graph, accumulate, split)
     b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate, b.update_nodes)
-    if whole_step and accumulate:
-        b.grad_share = 1.0 / len(accumulate)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
     # partial gradient sums cover that axis, not the tensor-parallel ones)
     batch_axes = getattr(input_filter, "batch_axes", None)
@@ -976,3 +978,21 @@ def with_resident_cap(built: Built, cap: float) -> Built:
         raise ValueError("with_resident_cap: the problem was built with host inputs")
     problem = IlpProblem(p.names, p.costs, p.edges, p.memory + [_cap_row(built.resident_rows, cap)])
     return dataclasses.replace(built, problem=problem)
+
+
+def priced_as_whole_step(built: Built, gradients: int) -> Built:
+    """``built`` (a problem of the whole step, one micro-batch) with each of
+    its ``gradients`` parameter gradients' reductions charged ``1 /
+    gradients`` of the fixed cost (launch, ring latency) that XLA's merged
+    collective pays once (:func:`meshplan.ilp.decode.merge_gradients`; exact
+    where every gradient is reduced over the same axes).  Without it, a plan
+    of a latency-bound step gets those reductions for free and may split a
+    tiny step for less than the merged collective costs.  Only the
+    objective changes: the decode prices the merged collective itself."""
+    if built.grad_accum > 1:
+        raise ValueError("priced_as_whole_step: the problem accumulates micro-batches")
+    share = 1.0 / max(gradients, 1)
+    p = built.problem
+    costs = [c + share * np.asarray(g.grad_fixed) if any(g.grad_fixed) else c
+             for c, g in zip(p.costs, built.groups)]
+    return dataclasses.replace(built, problem=IlpProblem(p.names, costs, p.edges, p.memory))

@@ -64,22 +64,21 @@ def sum_all_reduces(mm: MeshModel, groups: Sequence[tuple[int, ...]], nbytes: fl
                  for ax in (tuple(sorted(g)) for g in groups) if ax)
 
 
-def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...],
-               share: float = 0.0) -> float:
+def unmerged_s(mm: MeshModel, kind: str, seconds: float, axes: tuple[int, ...]) -> float:
     """A gradient reduction's own time when XLA merges it with the step's
     others (:func:`meshplan.ilp.decode.merge_gradients`): less the fixed cost
     (:func:`meshplan.cost_model.collectives.fixed_s`) the merged collective
-    pays once; plus ``share`` of that fixed cost (an ILP of the whole step
-    charges each of its ``n`` gradients ``1 / n`` of it: exact where every
-    gradient is reduced over the same axes)."""
-    fixed = fixed_s(mm, kind, axes)
-    return seconds - min(seconds, fixed) + share * fixed
+    pays once."""
+    return seconds - min(seconds, fixed_s(mm, kind, axes))
 
 
-def merged_comm_s(mm: MeshModel, s: Strategy, share: float = 0.0) -> float:
-    """``s``'s communication where it reduces a gradient (:func:`unmerged_s`)."""
-    return sum(unmerged_s(mm, kind, sec, ax, share)
-               for kind, sec, _, ax in collectives_of(s, mm.mesh.axes))
+def merged_comm_s(mm: MeshModel, s: Strategy) -> tuple[float, float]:
+    """``s``'s communication where it reduces a gradient (:func:`unmerged_s`),
+    and the fixed costs it left out (an ILP of the whole step charges each of
+    its ``n`` gradients ``1 / n`` of them: :func:`meshplan.ilp.build.priced_as_whole_step`)."""
+    cs = [(kind, sec, ax) for kind, sec, _, ax in collectives_of(s, mm.mesh.axes)]
+    return (sum(unmerged_s(mm, kind, sec, ax) for kind, sec, ax in cs),
+            sum(fixed_s(mm, kind, ax) for kind, _, ax in cs))
 
 
 def node_dtype(graph: Graph, node: Node) -> str:

@@ -12,7 +12,7 @@ from .dp_search import Session
 from .dp_search.assemble import one_stage_seconds, plan_from_intra_op
 from .errors import InfeasiblePlanError, batch_rows
 from .graph import BATCH, GRAD_BOUNDARY, Graph, strip_markers
-from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_intra_op,
+from .ilp import (InputLayouts, IntraOpResult, best_intra_op, candidate_meshes, solve_mesh,
                   within_host)
 from .ilp.replicated import replicated_note, unsplit_flops
 from .offload import (check_offload, frees_memory, host_inputs, not_fitting, offloaded_bytes,
@@ -60,34 +60,23 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
     host = host_inputs(graph, cluster) if offload else frozenset()
     if request.input_layouts is not None:
         # hand-made layouts (data parallel, Megatron): one mesh, one ILP
-        def solved(meshes: list | None, whole_step: bool) -> list:
-            return [solve_intra_op(graph, cluster, mesh,
-                                   input_filter=InputLayouts(request.input_layouts),
-                                   backend=request.backend, time_limit=request.time_limit,
-                                   memory_budget=budget, options=session.solver,
-                                   caches=session.ilp_caches, accumulate=grads,
-                                   host_inputs=host, whole_step=whole_step)]
-        meshes = [mesh]
+        results = solve_mesh(graph, cluster, mesh,
+                             input_filter=InputLayouts(request.input_layouts),
+                             backend=request.backend, time_limit=request.time_limit,
+                             memory_budget=budget, options=session.solver,
+                             caches=session.ilp_caches, accumulate=grads, host_inputs=host,
+                             whole_step=True)
     else:
         meshes = None if mesh is None else [mesh]
         if meshes is None and request.tp_within_host:
             hosts, dph = default_submesh(cluster, cluster.num_devices)
             meshes = within_host(candidate_meshes(cluster.num_devices, cluster=cluster,
                                                   submesh=(hosts, dph)), hosts, dph)
-
-        def solved(meshes: list | None, whole_step: bool) -> list:
-            return best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
-                                 time_limit=request.time_limit, memory_budget=budget,
-                                 reporter=session.progress, options=session.solver,
-                                 caches=session.ilp_caches, accumulate=grads,
-                                 host_inputs=host, whole_step=whole_step)[1]
-    results = solved(meshes, False)
-    unpriced = [x.mesh for x in results if isinstance(x, IntraOpResult) and _unpriced(x)]
-    if unpriced:
-        # (where the gradients' merged reduction weighs, the ILP that charges
-        # each gradient a share of its fixed cost may find the faster plan;
-        # on the fastest mesh alone it missed a tiny MLP's by 8%)
-        results += solved(unpriced, True)
+        results = best_intra_op(graph, cluster, meshes=meshes, backend=request.backend,
+                                time_limit=request.time_limit, memory_budget=budget,
+                                reporter=session.progress, options=session.solver,
+                                caches=session.ilp_caches, accumulate=grads,
+                                host_inputs=host, whole_step=True)[1]
     r = _fastest(graph, cluster, results)
     plan = plan_from_intra_op(graph, cluster, r, request.method)
     same = replicated_axes(graph, r)
@@ -98,20 +87,6 @@ def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Ses
     if offload:
         plan = with_offload(plan, graph, cluster, dict(plan.arg_prefixes))
     return plan
-
-
-# the ILP's objective short of its decoded time by more than this share:
-# solve again with the gradients' merged reduction priced (_plan)
-UNPRICED_SHARE = 0.02
-
-
-def _unpriced(r: IntraOpResult) -> bool:
-    """Whether the decoded plan costs ``UNPRICED_SHARE`` more than the ILP
-    priced it: the fixed cost of the merged gradient reduction
-    (:func:`meshplan.ilp.decode.merge_gradients`), which the ILP of
-    per-gradient costs cannot see (a latency-bound step split for a saving
-    smaller than that cost: sweep X, 233 us where replicating is 89 us)."""
-    return r.compute_s + r.comm_s > (1 + UNPRICED_SHARE) * r.objective_s
 
 
 def _fastest(graph: Graph, cluster: ClusterSpec, results: list) -> IntraOpResult:

@@ -489,7 +489,7 @@ def test_a_tiny_model_stays_one_program_where_the_host_time_is_known():
     # program known, Auto() plans one program.  Without it Auto() planned
     # three stages, predicted at 427 us against the one program's 687 us:
     # that one program's ILP split the weight gradients for less than the
-    # fixed cost of their merged all-reduce.  Priced (one_stage._unpriced),
+    # fixed cost of their merged all-reduce.  Priced (ilp.intra_op.underpriced),
     # the one program is predicted at 340 us and wins without it too.
     from meshplan.models import build_model
     m = build_model("mlp", {"layers": 2, "hidden": 32, "in_dim": 32, "out_dim": 10,

@@ -170,3 +170,27 @@ def test_meshes_are_ranked_by_the_plans_predicted_time():
             .predicted.iteration_s for s in ((8,), (2, 4), (4, 2))}
     best = plan_graph(graph, local, meshplan.ShardParallel(), session=session)
     assert best.predicted.iteration_s == pytest.approx(min(each.values()), rel=1e-9)
+
+
+def test_whole_step_pricing_adds_one_fixed_cost_where_every_gradient_reduces_alike():
+    """A data-parallel step reduces each of its gradients over the data axis,
+    and XLA merges them into one all-reduce: the problem priced as the
+    whole step (ilp.build.priced_as_whole_step) charges each of the n
+    gradients 1/n of that collective's fixed cost, so the plan's objective
+    rises by exactly one fixed cost."""
+    from meshplan.api import trace_step
+    from meshplan.graph import GRAD_BOUNDARY, strip_markers
+    from meshplan.ilp import InputLayouts, build_intra_op, solve
+    from meshplan.ilp.build import priced_as_whole_step
+    step, params, batch = _tiny_mlp()
+    graph = trace_step(step, (params, batch), (1,), "mlp")[0]
+    grads = frozenset(t for n in graph.nodes if n.primitive == GRAD_BOUNDARY for t in n.inputs)
+    graph = strip_markers(graph)
+    local, mesh = meshplan.Cluster.local(), LogicalMesh(("data",), (8,))
+    built = build_intra_op(graph, local, mesh, input_filter=InputLayouts(), accumulate=grads)
+    whole = priced_as_whole_step(built, len(grads))
+    choice = list(solve(built.problem).choice)
+    extra = whole.problem.objective(choice) - built.problem.objective(choice)
+    assert len(grads) == 3
+    assert extra == pytest.approx(fixed_s(mesh_model(local, mesh), "all-reduce", (0,)), rel=1e-9)
+    assert whole.problem.objective(choice) > built.problem.objective(choice)

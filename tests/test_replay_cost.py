@@ -146,8 +146,14 @@ def test_dropping_strategies_keeps_every_per_strategy_figure_aligned():
                  "steady_reads", "grad_comm", "grad_comm_bytes", "update"):
         setattr(g, name, list(per))
     g.waits = [frozenset({0}), frozenset(), frozenset({1})]
+    # (the merged reduction's fixed costs too: priced_as_whole_step adds them
+    # to the problem's costs, which a hand-made method's pins had cut)
+    g.grad_fixed = [1.0, 2.0, 3.0]
+    g.members = [7, 8]
     g.member_compute = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
     _restrict(g, [0, 2])
     assert g.strategies == ["a", "c"] and g.size == 2
     assert g.waits == [frozenset({0}), frozenset({1})]
+    assert g.grad_fixed == [1.0, 3.0] and g.members == [7, 8]
+    assert all(len(getattr(g, f)) == 2 for f in ("specs", "cost", "update", "grad_comm"))
     assert g.member_compute == [[1.0, 3.0], [4.0, 6.0]]
