@@ -2,7 +2,8 @@
 
 An intermediate tensor is live from the node that produces it to its last
 reader; an output of the step stays live to the end, except the new value of
-an input that the step updates (it takes over the input's donated buffer).
+an input that the step updates (it takes over the input's donated buffer;
+unless the caller keeps that input, ``Graph.undonated``).
 Inputs are resident for the whole step.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ class Liveness:
 
 def liveness(graph: Graph) -> Liveness:
     n = len(graph.nodes)
-    aliased = {o.tensor for o in graph.outputs if o.updates is not None}
+    aliased = {o.tensor for o in graph.outputs
+               if o.updates is not None and o.updates not in graph.undonated}
     outputs = {o.tensor for o in graph.outputs}
     last_use: dict[int, int] = {}
     for node in graph.nodes:

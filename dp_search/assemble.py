@@ -121,10 +121,10 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
     comm_bytes = 0.0
     for k, (st, devices, opt) in enumerate(zip(res.stages, placements, choice.chosen())):
         remat, mem, mesh_k = opt.remat, opt.memory_bytes, opt.mesh
+        upto = st.first + opt.recompute_layers if opt.recompute_layers else st.last + 1
         if opt.recompute == SELECTIVE:
             recomputed += B * sum(lay.selective_flops[st.first:st.last + 1])
         elif remat:
-            upto = st.first + opt.recompute_layers if opt.recompute_layers else st.last + 1
             recomputed += B * sum(lay.replay_flops[st.first:upto])
         mesh = meshes_of[st.submesh][mesh_k]
         params: dict[str, tuple] = {}
@@ -144,6 +144,13 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 compute += (1 + again) * lc.cast_s - lc.cast_s / B
             comm += lc.comm_s
             cbytes += lc.comm_bytes
+            # (what the stage's programs run: a recomputed forward too)
+            if opt.recompute == SELECTIVE:
+                compute += lc.selective_s
+            elif remat and l < upto:
+                compute += lc.replay_compute_s
+                comm += lc.replay_comm_s
+                cbytes += lc.replay_comm_bytes
             # (the result may come from a structurally equal layer: its ids)
             ids = dict(zip(lc.tensors, canonical_tensors(subs[l])))
             for t, spec in lc.result.constraints:

@@ -581,9 +581,12 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     # cost seconds for a 96-block model)
     dims = batch_dim or {}
     rows = tuple(sorted((t, dims[t]) for t in used if t in dims))
+    # (undonated: the step's inputs by index; a layer's are others, and the
+    # stages' memory counts updates in place, as their runtime runs them)
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
                               tensors=tuple(tensors), inputs=tuple(inputs),
-                              outputs=tuple(outputs), warnings=(), batch_dims=rows)
+                              outputs=tuple(outputs), warnings=(), batch_dims=rows,
+                              undonated=frozenset())
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 

@@ -79,6 +79,8 @@ class LayerCost:
     program_temp: float | None = None
     # the FLOPs it runs unsplit over each mesh axis (ilp.replicated)
     unsplit: Unsplit = Unsplit()
+    # the bytes of the collectives full recomputation runs again (replay_comm_s)
+    replay_comm_bytes: float = 0.0
 
     @property
     def transient_bytes(self) -> float:
@@ -525,7 +527,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     # reads, from the layer's kept inputs; a forward value read only by the
     # next layer (the block's last projection) is kept as a boundary, and
     # XLA drops the replayed operators nothing reads
-    replay = r.seconds_of(frozenset(ancestor_nodes(sub, set(saved))))
+    replayed = frozenset(ancestor_nodes(sub, set(saved)))
+    replay = r.seconds_of(replayed)
     again, sel_saved = selective if selective else (frozenset(), saved)
     # (nor does its selective replay cast the weights again)
     again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
@@ -544,7 +547,8 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      sel_kept if again else None, cast_s, copies, replay[1],
                      sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
                      rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else (),
-                     temps, unsplit_flops(sub, mesh, r.strategies))
+                     temps, unsplit_flops(sub, mesh, r.strategies),
+                     replay_comm_bytes=r.bytes_of(replayed))
 
 
 def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],

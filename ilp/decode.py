@@ -274,11 +274,18 @@ class IntraOpResult:
     # placeholder's, e.g. element-wise updates of an input): what replaying
     # part of the graph costs (recomputation)
     node_seconds: tuple[tuple[int, float, float], ...] = ()
+    # (node id, bytes): the bytes of its group's collectives under the
+    # group's first operator, as node_seconds puts their seconds
+    node_bytes: tuple[tuple[int, float], ...] = ()
 
     def seconds_of(self, nodes: frozenset[int]) -> tuple[float, float]:
         """(compute, comm) of the groups whose first operator is among ``nodes``."""
         mine = [(c, m) for n, c, m in self.node_seconds if n in nodes]
         return sum(c for c, _ in mine), sum(m for _, m in mine)
+
+    def bytes_of(self, nodes: frozenset[int]) -> float:
+        """What the collectives of :meth:`seconds_of`'s groups send per device."""
+        return sum(b for n, b in self.node_bytes if n in nodes)
 
     def describe(self) -> str:
         s = self.solution
@@ -326,30 +333,39 @@ def decode(graph: Graph, mm: MeshModel, built: Built, sol: Solution) -> IntraOpR
     comm_bytes = sum(pc.nbytes for pc in planned)
     by_kind: dict[str, float] = {}
     paid: dict[int, float] = {}     # group -> seconds of its collectives
+    sent: dict[int, float] = {}     # group -> their bytes
     for pc in planned:
         by_kind[pc.kind] = by_kind.get(pc.kind, 0.0) + pc.nbytes
         paid[pc.group] = paid.get(pc.group, 0.0) + pc.seconds
+        sent[pc.group] = sent.get(pc.group, 0.0) + pc.nbytes
     return IntraOpResult(mm.mesh, sol.objective, compute, comm, comm_bytes, peak, input_specs,
                          output_specs, tuple(constraints), tuple(strategies), sol, len(groups),
                          tuple(sorted(by_kind.items())), planned, read_constraints,
                          grad_steps(built, choice, planned),
                          frozenset().union(*(g.waits[c] for g, c in zip(groups, choice)
                                              if g.waits and built.grad_accum > 1)),
-                         node_seconds(built, choice, paid))
+                         node_seconds(built, choice, paid),
+                         tuple((node_seconds_key(built.groups[gid]), b)
+                               for gid, b in sorted(sent.items())))
 
 
 def _compute_by_node(g, c: int, built: Built) -> list[tuple[int, float, bool]]:
     """``(node, compute_s, is the update's)`` making up ``g.compute[c]``: each
     follower's own, the rest under the group's first operator (-1: none),
     the update's share of that rest apart (it runs once a step)."""
-    first = first_node(g)
+    first = node_seconds_key(g)
     once = 1.0 / built.grad_accum if built.grad_accum > 1 else 1.0
     own = [(nid, mc[c] * once, True) if nid in built.update_nodes else (nid, mc[c], False)
            for nid, mc in zip(g.members, g.member_compute)]
     root_update = g.update[c][0] - sum(s for _, s, upd in own if upd)
     rest = g.compute[c] - sum(s for _, s, _ in own) - root_update
-    first = -1 if first is None else first
     return [(first, rest, False), (first, root_update, True), *own]
+
+
+def node_seconds_key(g) -> int:
+    """The node :func:`node_seconds` puts a group's collectives under."""
+    first = first_node(g)
+    return -1 if first is None else first
 
 
 def node_seconds(built: Built, choice, paid: dict[int, float]
@@ -439,11 +455,13 @@ def peak_parts(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpe
                         for i in graph.inputs if i.role == PARAM)
     parts = {f"input:{role}": b for role, b in resident.items()}
     parts.update(forward=0.0, grads=0.0, other=0.0)
+    # (a kept argument's new value: shaped like it, no gradient)
+    kept = {o.tensor for o in graph.outputs if o.updates in graph.undonated}
     for t in live:
         key = (graph.tensors[t].shape, graph.tensors[t].dtype)
         if fwd[made_by[t]]:
             parts["forward"] += local(t)
-        elif unclaimed[key] > 0:
+        elif unclaimed[key] > 0 and t not in kept:
             unclaimed[key] -= 1
             parts["grads"] += local(t)
         else:

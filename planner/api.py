@@ -5,6 +5,7 @@ This module sits on top of every pass: it plans through
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -36,17 +37,23 @@ from .trace.unstack import Unstacked
 
 def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
          method: Method | None = None, batch_argnums: int | Sequence[int] = (1,),
-         session: Session | None = None, explain: bool = False) -> Plan:
+         donate_argnums: Any = "auto", session: Session | None = None,
+         explain: bool = False) -> Plan:
     """Plan ``fn(*args)`` for ``cluster`` (default: the local devices).
     ``args`` may be concrete arrays or ``jax.ShapeDtypeStruct`` pytrees.
     ``session``: a :class:`meshplan.dp_search.Session` to plan in (its
     progress reporter and layer-cost cache; default a new one).
     ``explain``: also plan the alternatives (data parallel, ZeRO-3,
     intra-operator only, other numbers of stages, a Megatron-style grid) and
-    keep them in the plan: ``plan.explain()`` prints them."""
+    keep them in the plan: ``plan.explain()`` prints them.
+    ``donate_argnums``: as the step will run (:func:`parallelize`); the
+    predicted memory holds an updated argument's new value beside the old
+    one where it is not donated.  Default ``"auto"``: the arguments the step
+    updates are donated, as a train loop does."""
     cluster, method = _cluster(cluster), _method(method)
     session = session or Session.from_env()
     traced = _trace(fn, args, _argnums(batch_argnums), session)
+    traced = with_donation(traced, donated_argnums(donate_argnums, traced.graph, len(args)))
     return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
                          session, explain=explain).plan
 
@@ -68,6 +75,39 @@ def trace_step(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, 
 # --------------------------------------------------------------------------
 # parallelize
 # --------------------------------------------------------------------------
+
+def donated_argnums(d: Any, graph: Graph, nargs: int) -> tuple[int, ...]:
+    """The argument positions ``donate_argnums`` ``d`` names (as jax.jit
+    takes it; ``"auto"``: every argument the step updates but the batch)."""
+    if d == "auto":
+        updated = {graph.inputs[o.updates].argnum for o in graph.outputs if o.updates is not None}
+        return tuple(sorted(a for a in updated if a not in graph.batch_argnums))
+    if d is None:
+        return ()
+    donated = (d,) if isinstance(d, int) and not isinstance(d, bool) else \
+        tuple(d) if isinstance(d, (tuple, list)) else None
+    if donated is None or not all(isinstance(a, int) and not isinstance(a, bool)
+                                  for a in donated):
+        raise MeshplanError(f"donate_argnums={d!r}: give an int, a sequence of ints or "
+                            "\"auto\", as jax.jit takes")
+    if any(a < 0 for a in donated):
+        # (jax.jit takes them and donates nothing)
+        raise MeshplanError(f"donate_argnums={d!r}: give the donated arguments' positions "
+                            "counted from 0 (negative positions are not taken)")
+    if any(a >= nargs for a in donated):
+        raise MeshplanError(f"donate_argnums={d!r} names an argument the step is not given: "
+                            f"it was called with {nargs} positional argument(s)")
+    return donated
+
+
+def with_donation(traced: TracedFunction, donated: Sequence[int]) -> TracedFunction:
+    """``traced`` whose Graph knows which arguments the caller keeps: an
+    updated argument that is not donated needs a buffer for its new value
+    beside the old one (``Graph.undonated``), as jax.jit allocates it."""
+    g = traced.graph
+    kept = frozenset(k for k, i in enumerate(g.inputs) if i.argnum not in donated)
+    return dataclasses.replace(traced, graph=dataclasses.replace(g, undonated=kept))
+
 
 def _argnums(batch_argnums: Any) -> tuple[int, ...]:
     try:
@@ -296,8 +336,10 @@ class Parallelized:
             check_arguments(p, abstract)
             check_updates_in_place(p, graph, len(abstract))
         else:
-            p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method,
-                              session).plan
+            # (the memory it predicts holds what jax.jit holds: an updated
+            # argument the caller keeps has its new value beside it)
+            p = plan_function(with_donation(traced, self._donate(graph, len(args))),
+                              self.cluster or ClusterSpec.local(), self.method, session).plan
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
         executable = self._executable(p, traced)
@@ -345,26 +387,7 @@ class Parallelized:
                                replay=_replay(p, graph))
 
     def _donate(self, graph: Graph, nargs: int) -> tuple[int, ...]:
-        if self.donate_argnums == "auto":
-            updated = {graph.inputs[o.updates].argnum for o in graph.outputs if o.updates is not None}
-            return tuple(sorted(a for a in updated if a not in graph.batch_argnums))
-        if self.donate_argnums is None:
-            return ()
-        d = self.donate_argnums
-        donated = (d,) if isinstance(d, int) and not isinstance(d, bool) else \
-            tuple(d) if isinstance(d, (tuple, list)) else None
-        if donated is None or not all(isinstance(a, int) and not isinstance(a, bool)
-                                      for a in donated):
-            raise MeshplanError(f"donate_argnums={d!r}: give an int, a sequence of ints or "
-                                "\"auto\", as jax.jit takes")
-        if any(a < 0 for a in donated):
-            # (jax.jit takes them and donates nothing)
-            raise MeshplanError(f"donate_argnums={d!r}: give the donated arguments' positions "
-                                "counted from 0 (negative positions are not taken)")
-        if any(a >= nargs for a in donated):
-            raise MeshplanError(f"donate_argnums={d!r} names an argument the step is not given: "
-                                f"it was called with {nargs} positional argument(s)")
-        return donated
+        return donated_argnums(self.donate_argnums, graph, nargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = self._positional(args, kwargs)

@@ -155,6 +155,10 @@ class Graph:
     # subgraph's values at several micro-batches, where known
     # (batch_dims_between); empty: not known
     batch_dims: tuple[tuple[int, int], ...] = ()
+    # indices into ``inputs`` of the arguments the caller keeps (not
+    # donated, as jax.jit's ``donate_argnums`` says): an input's new value
+    # then needs a buffer of its own (cost_model.memory.liveness)
+    undonated: frozenset[int] = frozenset()
 
     # ---- derived views (computed once, cached on the instance) ----------
     @functools.cached_property
