@@ -289,9 +289,14 @@ def replicated_work(graph: Graph) -> str | None:
     nbytes = sum(b for _, b in by.values()) / total_bytes
     if max(flops, nbytes) < REPLICATED_SHARE:
         return None
-    top = sorted(by.items(), key=lambda kv: -max(kv[1][0] / total_flops, kv[1][1] / total_bytes))
-    parts = ", ".join(f"{k} ({f / total_flops:.0%} of FLOPs, {b / 2**20:.1f} MiB)"
-                      for k, (f, b) in top[:4])
+    def weight(fb: list[float]) -> float:
+        return max(fb[0] / total_flops, fb[1] / total_bytes)
+    top = sorted(by.items(), key=lambda kv: -weight(kv[1]))
+    # (each with both shares, as either may be why it is named; those that
+    # weigh nothing, e.g. a top_k on a few logits, are left out)
+    named = [kv for kv in top[:4] if weight(kv[1]) >= 0.005] or top[:1]
+    parts = ", ".join(f"{k} ({f / total_flops:.0%} of FLOPs, {b / total_bytes:.0%} of bytes: "
+                      f"{b / 2**20:.1f} MiB)" for k, (f, b) in named)
     return (f"{flops:.0%} of the step's FLOPs and {nbytes:.0%} of the bytes its operations make "
             f"run replicated on every device, in operations with no sharding rule: {parts}")
 

@@ -597,3 +597,16 @@ def test_random_draws_trace_with_no_unknown_primitive():
         warnings.simplefilter("error")
         graph = trace(step, jax.random.key(0), jnp.ones((8, 4)), batch_argnums=(1,))
     assert graph.warnings == ()
+
+
+def test_replicated_work_names_what_weighs_with_the_share_that_put_it_there():
+    """Sweep X (stop 92): the list named a top_k at "0% of FLOPs" beside the
+    fft that made up the share: each part now gives both its shares, and one
+    that weighs nothing is left out."""
+    def loss_of(h):     # (the top_k of one example's last row: next to nothing)
+        return GATHERED["fft"](h) + GATHERED["top_k"](h[:1, :1, :1])
+    graph = trace(_step(loss_of), W, X[:64], batch_argnums=(1,), warn=False)
+    assert any(n.primitive == "top_k" and node_space(graph, n) is None for n in graph.nodes)
+    said = replicated_work(graph) or ""
+    assert "fft (" in said and "of bytes: " in said
+    assert "top_k" not in said
