@@ -22,6 +22,7 @@ from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import (accumulation_s, host_binds, in_flight, pipeline_host_s,
                                    shared_compute_iteration_s, stage_send_s, step_buffers)
 from ..errors import InfeasiblePlanError
+from ..graph import BATCH, GRAD_BOUNDARY, INFERRED_GRADIENTS
 from ..ilp import Pins
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
@@ -285,6 +286,7 @@ class StageCosts:
         # caps) -- a bound on the count's best (best_pipeline)
         self.relaxed = relaxed
         self._layer: dict[tuple[int, int, int, int], LayerCost | None] = {}
+        self._per_shard: dict[int, bool] = {}      # data shards -> _traces_per_shard
         self._groups: dict[tuple[int, int, int], list[GroupCost | None]] = {}
         # (gi, gj, m, k, tighten) -> _priced's answer; -> _levels' largest layer state
         self._prices: dict[tuple[int, int, int, int, int], tuple | None] = {}
@@ -460,11 +462,27 @@ class StageCosts:
         def runs_per_shard(p: LayerCost, first: bool) -> bool:
             reads, sent = next(((r, s) for a, r, s in p.rows_cut if a == axes), (True, True))
             return reads and (sent or not first)
-        if all(runs_per_shard(p, n == 0) for n, p in enumerate(parts)):
+        shards = math.prod(self.lay.meshes_of[m][k].shape[a] for a in axes)
+        if self._traces_per_shard(shards) and all(runs_per_shard(p, n == 0)
+                                                  for n, p in enumerate(parts)):
             return 0.0, 0.0
         more = self.lay.B - 1
         return (more * sum(p.deferred_s for p in waiting),
                 more * sum(p.deferred_bytes for p in waiting))
+
+    def _traces_per_shard(self, shards: int) -> bool:
+        """Whether the runtime can trace the step at a data shard's rows of a
+        micro-batch (runtime.pipeline_partial): not at one example where
+        meshplan found the step's gradients itself (trace.micro.ONE_EXAMPLE:
+        JAX leaves out the broadcasts it tells them by)."""
+        if shards not in self._per_shard:
+            g = self.lay.g
+            rows = min((g.tensors[i.tensor].shape[i.batch_dim or 0] for i in g.inputs
+                        if i.role == BATCH and g.tensors[i.tensor].shape), default=0)
+            inferred = any(n.primitive == GRAD_BOUNDARY and n.scope == INFERRED_GRADIENTS
+                           for n in g.nodes)
+            self._per_shard[shards] = not (inferred and rows // shards < 2)
+        return self._per_shard[shards]
 
     def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float
                     ) -> list[GroupCost | None]:

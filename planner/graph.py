@@ -389,6 +389,9 @@ def topological(nodes: Iterable[Node]) -> bool:
 PIPELINE_BOUNDARY = "meshplan_pipeline_boundary"
 GRAD_BOUNDARY = "meshplan_grad_boundary"
 GRAD_MARKER = GRAD_BOUNDARY
+# the scope of the gradient marker meshplan adds where the step has none
+# (trace.micro.infer_gradients)
+INFERRED_GRADIENTS = "meshplan_inferred_gradients"
 IDENTITY_MARKERS = frozenset({PIPELINE_BOUNDARY, GRAD_BOUNDARY})
 
 

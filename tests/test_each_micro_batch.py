@@ -271,3 +271,41 @@ def test_recomputation_the_method_asks_for_is_not_called_memory_binding(
     assert p.predicted.iteration_s == 1.2
     assert not any(planning.BINDS in n for n in p.notes), p.notes
     assert any(planning.ASKED in n for n in p.notes), p.notes
+
+
+def test_data_shards_of_one_example_are_priced_as_reducing_each_micro_batch():
+    """Sweep A (stop 93): with micro-batches of one example per data shard
+    the runtime cannot trace the step at a shard's rows where meshplan found
+    its gradients itself (trace.micro.ONE_EXAMPLE), so every backward
+    all-reduces its gradients (runtime.pipeline_partial); the plan charged
+    one reduction a step, a quarter of what the last stage sends.  The stage
+    DP now prices it as the runtime runs it."""
+    import jax.numpy as jnp
+    import optax
+    tx = optax.sgd(0.1)
+    params = {"layers": [{"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                          "b": jax.ShapeDtypeStruct((64,), jnp.float32)} for _ in range(4)],
+              "head": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+
+    def step(state, batch):
+        def loss_fn(p):
+            x = batch["x"]
+            for layer in p["layers"]:
+                x = x + jnp.tanh(x @ layer["w"] + layer["b"])
+            return optax.softmax_cross_entropy_with_integer_labels(x @ p["head"],
+                                                                   batch["y"]).mean()
+        loss, g = jax.value_and_grad(loss_fn)(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt": opt}, {"loss": loss}
+    state = {"params": params, "opt": jax.eval_shape(tx.init, params)}
+    batch = {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32),
+             "y": jax.ShapeDtypeStruct((16,), jnp.int32)}
+    # (16 rows, 4 micro-batches, 4 data shards: one example each)
+    s = meshplan.parallelize(step, method=meshplan.Manual(dp=4, tp=1, pp=2, num_micro_batches=4))
+    compiled = s.lower(state, batch).compile()
+    last = len(s.plan.stages) - 1
+    actual = sum(compiled.runs(key) * hlo.collective_bytes_per_call(co.as_text())
+                 for key, co in compiled.stage(last).items())
+    assert any(key[0] == "B" and hlo.collective_bytes_per_call(co.as_text())
+               for key, co in compiled.stage(last).items())     # (a backward reduces)
+    assert s.plan.stages[last].predicted.comm_bytes == pytest.approx(actual, rel=0.01)

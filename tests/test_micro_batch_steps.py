@@ -21,7 +21,7 @@ import pytest
 
 import meshplan
 from _steps import tanh_mlp_loss
-from meshplan.graph import GRAD_BOUNDARY
+from meshplan.graph import GRAD_BOUNDARY, INFERRED_GRADIENTS
 from meshplan.models import build_model
 
 SGD = optax.sgd(0.1)
@@ -150,7 +150,7 @@ def test_meshplan_markers_take_precedence():
     from meshplan.trace.tracer import trace_micro
     g = trace_micro(_step(meshplan.value_and_grad), (_state(), BATCH), 2, (1,))
     marks = [n for n in g.nodes if n.primitive == GRAD_BOUNDARY]
-    assert len(marks) == 1 and marks[0].scope != "meshplan_inferred_gradients"
+    assert len(marks) == 1 and marks[0].scope != INFERRED_GRADIENTS
     # the user's marker: on the gradient pytree, the parameters' shapes
     assert sorted(g.tensors[t].shape for t in marks[0].inputs) == [(16, 32), (32, 4), (32, 32)]
 

@@ -191,6 +191,39 @@ def test_micro_batches_as_many_rows_as_there_are_layers_pipeline():
     _assert_trees_close(par, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_a_constant_shaped_like_the_micro_batch_is_made_per_layer_at_every_size():
+    """Sweep A (stop 93): a zeros_like of the activation made outside the
+    scan (flax's Dropout leaves one) has a stacked bias's shape when a
+    micro-batch has as many rows as there are layers; it was then stacked
+    lazily, read whole by every layer, where at full batch each layer makes
+    its own: the step "traced to other operations" and 4 micro-batches were
+    refused (2 and 8 ran)."""
+    L, D = 4, 32
+    w = jax.random.normal(jax.random.key(0), (L, D, D)) / np.sqrt(D)
+    params = {"w": w, "b": jnp.zeros((L, D)), "head": jnp.ones((D, 8)) / D}
+
+    def step_fn(p, batch):
+        def loss(p):
+            x = batch["x"]
+            zeros = jnp.zeros(x.shape)
+
+            def body(h, wb):
+                a = h @ wb[0] + wb[1]
+                return h + jnp.where(a > 0, a, zeros), None
+            h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
+            return jnp.mean((h @ p["head"]) ** 2)
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), {"loss": l}
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, D))}
+    step = meshplan.parallelize(step_fn, method=meshplan.PipeshardParallel(
+        stages=2, num_micro_batches=4))
+    par, metrics = step(params, batch)
+    ref, ref_metrics = jax.jit(step_fn)(params, batch)
+    assert step.plan.num_micro_batches == 4 and len(step.plan.stages) == 2
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    _assert_trees_close(par, ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", [meshplan.ShardParallel(),
                                     meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)])
 def test_donated_stacked_arrays_are_deleted_as_jit_deletes_them(method):

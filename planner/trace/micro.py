@@ -63,7 +63,7 @@ import jax
 import numpy as np
 
 from ..errors import TraceError, mark_step_failure, warn
-from ..graph import GRAD_BOUNDARY, Graph, draw_batch_dims, forward_nodes
+from ..graph import GRAD_BOUNDARY, INFERRED_GRADIENTS, Graph, draw_batch_dims, forward_nodes
 from ..markers import grad_marker_eqn
 from ..traced import FlatEqn, FlatJaxpr, computed_into
 from .scaling import batch_scaling
@@ -472,7 +472,7 @@ def _insert_marker(flat: FlatJaxpr, grads: list[int]) -> FlatJaxpr:
         return fe if ins == fe.invars else dataclasses.replace(fe, invars=ins)
 
     marker = FlatEqn(grad_marker_eqn([flat.avals[g] for g in grads]), tuple(grads), outs,
-                     False, "meshplan_inferred_gradients")
+                     False, INFERRED_GRADIENTS)
     moved_set = set(moved)
     order = ([eqns[k] for k in range(pos) if k not in moved_set] + [marker]
              + [rewire(eqns[k]) for k in moved] + [rewire(fe) for fe in eqns[pos:]])

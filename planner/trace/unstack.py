@@ -158,9 +158,12 @@ def _broadcast(eqn: Any, invals: Sequence[Any], shapes: frozenset[tuple[int, ...
     stacked update): a lazy stack, so the pieces need not be sliced out of
     it.  (Not any leading axis of a layer count: a value of the batch whose
     rows are as many would be made where it is first read, at one batch
-    size but not at another.)"""
+    size but not at another.  Nor a constant's: a ``zeros_like`` of an
+    activation whose rows happen to be as many as the layers is a constant
+    each layer makes again, as at any other batch size.)"""
     shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
-    if tuple(shape) not in shapes or 0 in dims or isinstance(invals[0], _Stack):
+    if tuple(shape) not in shapes or 0 in dims or isinstance(invals[0], (_Stack, _Const)) \
+            or isinstance(eqn.invars[0], jcore.Literal):
         return None
     x = _whole(invals[0])
     return [_Stack(shape[0],
