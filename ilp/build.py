@@ -811,12 +811,14 @@ def step_row(graph: Graph, shape: tuple[int, ...], groups: list[Group],
     """The memory row of node position ``step``: ``resident`` plus each value
     live there (but ``held``, among the resident already) in its group's layouts."""
     coefs = {gid: v.copy() for gid, v in resident.items()}
+    kept = graph.kept_updates
     for t in live.live_at(step):
         if t not in group_of_tensor or t in held:
             continue
-        g = groups[group_of_tensor[t]]
+        at = kept.get(t, t)     # (a kept argument's new value: in its layout)
+        g = groups[group_of_tensor[at]]
         nb = graph.tensors[t].nbytes
-        v = np.array([nb / num_shards(s[t], shape) for s in g.specs])
+        v = np.array([nb / num_shards(s[at], shape) for s in g.specs])
         coefs[g.gid] = coefs[g.gid] + v if g.gid in coefs else v
     return MemoryRow(coefs, budget, name=f"mem_node{step}")
 
@@ -835,11 +837,14 @@ def rows_over(graph: Graph, shape: tuple[int, ...], built: Built, choice, k: int
     groups, gt = built.groups, built.group_of_tensor
     live = built.live or stored_liveness(graph)
 
+    kept = graph.kept_updates
+
     def local(t: int) -> float:
         if t not in gt or t in built.held:
             return 0.0
-        g = groups[gt[t]]
-        return graph.tensors[t].nbytes / num_shards(g.specs[choice[g.gid]][t], shape)
+        at = kept.get(t, t)
+        g = groups[gt[at]]
+        return graph.tensors[t].nbytes / num_shards(g.specs[choice[g.gid]][at], shape)
     base = sum(float(v[choice[gid]]) for gid, v in built.memory_base.items())
     total = base + live_bytes(live.intervals, len(graph.nodes), local)
     over = Liveness(live.intervals, np.where(total > budget * (1 + 1e-9) + 1e-6, total, 0.0))

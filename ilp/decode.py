@@ -470,8 +470,11 @@ def peak_parts(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpe
 
 
 def _local(graph: Graph, shape: tuple[int, ...], tensor_spec: dict[int, ISpec]):
+    kept = graph.kept_updates
+
     def local(t: int) -> float:
-        spec = tensor_spec.get(t)
+        # (a kept argument's new value is returned in the argument's layout)
+        spec = tensor_spec.get(kept.get(t, t))
         nb = graph.tensors[t].nbytes
         return nb / num_shards(spec, shape) if spec is not None else nb
     return local

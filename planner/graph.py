@@ -181,6 +181,14 @@ class Graph:
         return frozenset(o.tensor for o in self.outputs)
 
     @functools.cached_property
+    def kept_updates(self) -> dict[int, int]:
+        """The new value of each argument the caller keeps (``undonated``)
+        -> that argument's tensor: a buffer of its own, in the argument's
+        layout (the step returns it so), from where it is made to the end."""
+        return {o.tensor: self.inputs[o.updates].tensor for o in self.outputs
+                if o.updates is not None and o.updates in self.undonated}
+
+    @functools.cached_property
     def output_of_tensor(self) -> dict[int, GraphOutput]:
         """tensor id -> the output returning it (the last, if several do)."""
         return {o.tensor: o for o in self.outputs}
