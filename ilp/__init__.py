@@ -31,8 +31,8 @@ from .options import SolverOptions
 from .problem import Edge, IlpProblem, MemoryRow, Solution, brute_force
 from .solvers import solve
 
-__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "solve_intra_op", "solve_mesh",
-           "build_intra_op", "best_intra_op", "candidate_meshes",
+__all__ = ("IntraOpResult", "EachMicroBatch", "InputLayouts", "SequenceSplit", "solve_intra_op",
+           "solve_mesh", "build_intra_op", "best_intra_op", "candidate_meshes",
            "within_host", "memory_floor", "decode", "peak_memory", "peak_parts", "SolverOptions",
            "IlpCaches", "IlpProblem", "Edge", "MemoryRow", "Solution", "brute_force", "solve",
            "build_problem", "explain", "read_layouts", "Built", "InputFilter", "Pins",

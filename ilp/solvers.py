@@ -437,7 +437,7 @@ def _infeasible(p: IlpProblem) -> InfeasiblePlanError:
     budget = min((r.budget for r in p.memory), default=None)
     need = p.min_memory()
     msg = (f"the model does not fit: it needs at least {human_bytes(need)} per device "
-           f"(lower bound over all shardings of this mesh) but the budget is "
+           f"(a lower bound over the layouts the method allows on this mesh) but the budget is "
            f"{human_bytes(budget or 0)}; use more devices, pipeline stages, remat, "
            "smaller micro-batches or a cluster with more memory per device")
     return InfeasiblePlanError(msg, budget_bytes=int(budget) if budget is not None else None,
