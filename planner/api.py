@@ -5,7 +5,6 @@ This module sits on top of every pass: it plans through
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
@@ -53,9 +52,9 @@ def plan(fn: Callable, *args: Any, cluster: ClusterSpec | None = None,
     cluster, method = _cluster(cluster), _method(method)
     session = session or Session.from_env()
     traced = _trace(fn, args, _argnums(batch_argnums), session)
-    traced = with_donation(traced, donated_argnums(donate_argnums, traced.graph, len(args)))
     return plan_function(traced, cluster or ClusterSpec.local(), method or ShardParallel(),
-                         session, explain=explain).plan
+                         session, explain=explain,
+                         donated=donated_argnums(donate_argnums, traced.graph, len(args))).plan
 
 
 def plan_graph(graph: Graph, cluster: ClusterSpec, method: Method, *,
@@ -98,15 +97,6 @@ def donated_argnums(d: Any, graph: Graph, nargs: int) -> tuple[int, ...]:
         raise MeshplanError(f"donate_argnums={d!r} names an argument the step is not given: "
                             f"it was called with {nargs} positional argument(s)")
     return donated
-
-
-def with_donation(traced: TracedFunction, donated: Sequence[int]) -> TracedFunction:
-    """``traced`` whose Graph knows which arguments the caller keeps: an
-    updated argument that is not donated needs a buffer for its new value
-    beside the old one (``Graph.undonated``), as jax.jit allocates it."""
-    g = traced.graph
-    kept = frozenset(k for k, i in enumerate(g.inputs) if i.argnum not in donated)
-    return dataclasses.replace(traced, graph=dataclasses.replace(g, undonated=kept))
 
 
 def _argnums(batch_argnums: Any) -> tuple[int, ...]:
@@ -338,8 +328,8 @@ class Parallelized:
         else:
             # (the memory it predicts holds what jax.jit holds: an updated
             # argument the caller keeps has its new value beside it)
-            p = plan_function(with_donation(traced, self._donate(graph, len(args))),
-                              self.cluster or ClusterSpec.local(), self.method, session).plan
+            p = plan_function(traced, self.cluster or ClusterSpec.local(), self.method, session,
+                              donated=self._donate(graph, len(args))).plan
         # [multi-host] every process runs process 0's plan (one process: p itself)
         p = agree_on_plan(p)
         executable = self._executable(p, traced)

@@ -108,10 +108,19 @@ def _trace_function(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[
 
 
 def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
-                  session: Session, *, explain: bool = False) -> Planned:
+                  session: Session, *, explain: bool = False,
+                  donated: Sequence[int] | None = None) -> Planned:
     """Plan a traced step; the plan notes a scan rewrite.  ``explain``: see
-    :func:`plan_step`."""
-    planned = plan_step(traced.graph, cluster, method, retrace=traced.retrace, session=session,
+    :func:`plan_step`.  ``donated``: the argument positions the step runs
+    donated (None: every argument it updates); an updated argument the
+    caller keeps needs a buffer for its new value beside the old one
+    (``Graph.undonated``), as jax.jit allocates it."""
+    graph = traced.graph
+    if donated is not None:
+        # (the session's trace and retracer stay shared: only this plan's Graph)
+        graph = replace(graph, undonated=frozenset(
+            k for k, i in enumerate(graph.inputs) if i.argnum not in donated))
+    planned = plan_step(graph, cluster, method, retrace=traced.retrace, session=session,
                         explain=explain)
     u = traced.unstacked
     if u is None or u.note in planned.plan.notes:
