@@ -27,8 +27,8 @@ class Liveness:
 
 def liveness(graph: Graph) -> Liveness:
     n = len(graph.nodes)
-    aliased = {o.tensor for o in graph.outputs
-               if o.updates is not None and o.updates not in graph.undonated}
+    aliased = {o.tensor for o in graph.outputs if o.updates is not None} \
+        - graph.kept_updates.keys()
     outputs = {o.tensor for o in graph.outputs}
     last_use: dict[int, int] = {}
     for node in graph.nodes:

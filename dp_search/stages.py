@@ -22,7 +22,7 @@ from ..cost_model.overlap import Backward, StageWork, hidden_s
 from ..cost_model.pipeline import (accumulation_s, host_binds, in_flight, pipeline_host_s,
                                    shared_compute_iteration_s, stage_send_s, step_buffers)
 from ..errors import InfeasiblePlanError
-from ..graph import BATCH, GRAD_BOUNDARY, INFERRED_GRADIENTS
+from ..graph import GRAD_BOUNDARY, INFERRED_GRADIENTS
 from ..ilp import Pins
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
@@ -477,8 +477,7 @@ class StageCosts:
         JAX leaves out the broadcasts it tells them by)."""
         if shards not in self._per_shard:
             g = self.lay.g
-            rows = min((g.tensors[i.tensor].shape[i.batch_dim or 0] for i in g.inputs
-                        if i.role == BATCH and g.tensors[i.tensor].shape), default=0)
+            rows = min(g.batch_rows, default=0)
             inferred = any(n.primitive == GRAD_BOUNDARY and n.scope == INFERRED_GRADIENTS
                            for n in g.nodes)
             self._per_shard[shards] = not (inferred and rows // shards < 2)

@@ -225,6 +225,13 @@ class Graph:
         return frozenset(nodes)
 
     @functools.cached_property
+    def batch_rows(self) -> frozenset[int]:
+        """The rows of the batch arguments' leaves (one size where the step
+        is given one batch)."""
+        return frozenset(self.tensors[i.tensor].shape[i.batch_dim or 0] for i in self.inputs
+                         if i.role == BATCH and self.tensors[i.tensor].shape)
+
+    @functools.cached_property
     def batch_tensors(self) -> frozenset[int]:
         """The values computed from the batch: its arguments' leaves (a layer
         subgraph's boundary values that carry rows) and what is made from them."""

@@ -49,7 +49,7 @@ def _kept_hint(err: InfeasiblePlanError, graph: Graph) -> InfeasiblePlanError:
     """``err`` saying how donation would help, where the step keeps state
     the caller did not donate (its new value then needs memory of its own)."""
     kept = sorted({graph.inputs[o.updates].argnum for o in graph.outputs
-                   if graph.kept_updates.get(o.tensor) is not None})
+                   if o.tensor in graph.kept_updates})
     if not kept:
         return err
     return InfeasiblePlanError(

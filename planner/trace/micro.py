@@ -253,9 +253,7 @@ ONE_EXAMPLE = ("micro-batches of one example trace to other operations than the 
 
 def _one_example(graph: Graph) -> bool:
     """Whether the micro-batch holds one example (its batch leaves' rows)."""
-    rows = {graph.tensors[i.tensor].shape[i.batch_dim or 0] for i in graph.inputs
-            if i.role == "batch" and graph.tensors[i.tensor].shape}
-    return rows == {1}
+    return graph.batch_rows == {1}
 
 
 def _per_example(micro: FlatJaxpr, full: FlatJaxpr) -> set[int]:
