@@ -581,12 +581,14 @@ def layer_subgraph(graph: Graph, layering: Layering, first: int, last: int,
     # cost seconds for a 96-block model)
     dims = batch_dim or {}
     rows = tuple(sorted((t, dims[t]) for t in used if t in dims))
-    # (undonated: the step's inputs by index; a layer's are others, and the
-    # stages' memory counts updates in place, as their runtime runs them)
+    # (the step's arguments the caller keeps, by this layer's numbering: the
+    # stage holds their new values beside the old, LayerCost.kept_new_bytes)
+    kept = {graph.inputs[k].tensor for k in graph.undonated}
     sub = dataclasses.replace(graph, name=f"{graph.name}[{first}:{last}]", nodes=nodes,
                               tensors=tuple(tensors), inputs=tuple(inputs),
                               outputs=tuple(outputs), warnings=(), batch_dims=rows,
-                              undonated=frozenset())
+                              undonated=frozenset(k for k, i in enumerate(inputs)
+                                                  if i.tensor in kept))
     return dataclasses.replace(sub, fingerprint=structural_hash(sub))
 
 
@@ -726,5 +728,7 @@ def structural_hash(graph: Graph) -> str:
              for n in graph.nodes]
     outs = [(r[o.tensor], o.updates is not None) for o in graph.outputs]
     rows = sorted((r[t], d) for t, d in graph.batch_dims if t in r)
+    # (the kept arguments only where there are: every other hash stays as it was)
+    kept = (sorted(graph.undonated),) if graph.undonated else ()
     # (params are plain, deterministic Python data: their repr is canonical)
-    return hashlib.sha256(repr((ins, nodes, outs, rows)).encode()).hexdigest()
+    return hashlib.sha256(repr((ins, nodes, outs, rows) + kept).encode()).hexdigest()

@@ -174,7 +174,8 @@ def layer_problems(g: Graph, B: int, cluster: ClusterSpec, opts: PipelineOptions
     wanted = max(default_layers(g, cluster), need)
     key = None
     if analyses is not None and g.fingerprint:      # (a fingerprint names the content)
-        key = (g.fingerprint, opts.num_layers, frozenset(batch_dim.items()) if batch_dim else None)
+        key = (g.fingerprint, opts.num_layers, frozenset(batch_dim.items()) if batch_dim else None,
+               g.undonated)
     a = analyses.get(key) if key is not None else None
     if a is None or not a.serves(wanted, need):
         a = analyse_layers(g, wanted, need, opts.num_layers, batch_dim)

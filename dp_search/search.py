@@ -172,7 +172,7 @@ def search_pipeline(graph: Graph, cluster: ClusterSpec, opts: PipelineOptions, *
         try:
             if B > 1:
                 regraphed[0] += 1
-            g = graph if B == 1 else retrace(B)  # type: ignore[misc]
+            g = graph if B == 1 else retrace(B).kept_like(graph)  # type: ignore[misc]
         except TraceError as e:
             # (kept for later: without its traceback, whose frames would hold
             # this search's graphs in a reference cycle until a full collection)

@@ -81,6 +81,9 @@ class LayerCost:
     unsplit: Unsplit = Unsplit()
     # the bytes of the collectives full recomputation runs again (replay_comm_s)
     replay_comm_bytes: float = 0.0
+    # the new values of the arguments the caller keeps (Graph.undonated),
+    # held beside the old ones from the update to the step's end
+    kept_new_bytes: float = 0.0
 
     @property
     def transient_bytes(self) -> float:
@@ -115,6 +118,10 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
      options, resident_cap, base, forward, pins, seed) = job
     t0 = time.perf_counter()
     keep = base is None and resident_cap is None
+    if sub.undonated:
+        # (the layer's plan holds its updates in place; the new values kept
+        # beside the old are its stage's to count: LayerCost.kept_new_bytes)
+        sub = dataclasses.replace(sub, undonated=frozenset())
     try:
         if base is None:
             # (a layer runs in a stage's forward and backward programs)
@@ -509,6 +516,11 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     cast_s = _nodes_s(sub, [n for n in sub.nodes if n.outputs and n.outputs[0] in copied],
                       specs, mesh, cluster)
     resident += copies
+    # the new values of the arguments the caller keeps, in their layouts: the
+    # update program makes them beside the old ones (Graph.undonated)
+    updated = set(sub.kept_updates.values())
+    kept_new = sum(local(inp.tensor, spec) for inp, spec in zip(sub.inputs, r.input_specs)
+                   if inp.tensor in updated)
     # (a backward reads the copy, not a micro-batch's own cast)
     saved = frozenset(saved) - copied
     kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in saved)
@@ -548,7 +560,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      sum(pc.seconds for pc in deferred), sum(pc.nbytes for pc in deferred),
                      rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else (),
                      temps, unsplit_flops(sub, mesh, r.strategies),
-                     replay_comm_bytes=r.bytes_of(replayed))
+                     replay_comm_bytes=r.bytes_of(replayed), kept_new_bytes=kept_new)
 
 
 def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],

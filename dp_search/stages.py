@@ -66,6 +66,7 @@ class GroupCost:
     # copy_bytes): one run of their casts, and their bytes among resident_bytes
     cast_s: float = 0.0
     copy_bytes: float = 0.0
+    kept_new_bytes: float = 0.0    # LayerCost.kept_new_bytes, summed
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
@@ -88,7 +89,8 @@ class GroupCost:
                          selective_compute_s=sum(p.compute_s + p.selective_s for p in parts),
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
                          cast_s=sum(p.cast_s for p in parts),
-                         copy_bytes=sum(p.copy_bytes for p in parts))
+                         copy_bytes=sum(p.copy_bytes for p in parts),
+                         kept_new_bytes=sum(p.kept_new_bytes for p in parts))
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
@@ -101,7 +103,7 @@ class GroupCost:
         first = rows[0]
         time_s = resident = saved = remat = boundary = grads = optimizer = 0
         selective = selective_saved = compute = remat_compute = selective_compute = 0
-        cast = copy = 0
+        cast = copy = kept_new = 0
         transient, activation = first.transient_bytes, first.activation_bytes
         selective_transient = first.selective_transient_bytes
         for r in rows:
@@ -119,6 +121,7 @@ class GroupCost:
             selective_compute += r.selective_compute_s
             cast += r.cast_s
             copy += r.copy_bytes
+            kept_new += r.kept_new_bytes
             transient = max(transient, r.transient_bytes)
             activation = max(activation, r.activation_bytes)
             selective_transient = max(selective_transient, r.selective_transient_bytes)
@@ -127,7 +130,7 @@ class GroupCost:
                          compute_s=compute, remat_compute_s=remat_compute,
                          selective_compute_s=selective_compute,
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
-                         cast_s=cast, copy_bytes=copy)
+                         cast_s=cast, copy_bytes=copy, kept_new_bytes=kept_new)
 
     def work(self, recompute: str, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
@@ -155,11 +158,17 @@ class GroupCost:
         ``remat``: a bool (True: full) or a :data:`meshplan.recompute.RECOMPUTE` name."""
         _, kept, working = self.way(recompute_name(remat))
         held = self.held_grads(one_program)
-        total = self.resident_bytes + held + keep * kept + working
+        total = self.resident_bytes + held + self.passes_bytes(keep * kept + working)
         return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
                                   optimizer=self.optimizer_bytes,
                                   grads=held or min(self.grad_bytes, working),
                                   activations=keep * kept)
+
+    def passes_bytes(self, passes: float) -> float:
+        """What the step holds beyond its state and gradients: ``passes``,
+        the micro-batches' kept values and working set, or after them the
+        update's new values of arguments the caller keeps."""
+        return max(passes, self.kept_new_bytes)
 
     def as_full(self) -> "GroupCost":
         """These layers recomputing fully, as the figures of no recomputation
@@ -630,7 +639,8 @@ class StageCosts:
                     continue
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and w.recompute == NONE else keep
-                mem = w.cost.resident_bytes + held + n_kept * w.kept + w.working
+                mem = (w.cost.resident_bytes + held
+                       + w.cost.passes_bytes(n_kept * w.kept + w.working))
                 # (capped plans hold smaller gradient sums too: at least the
                 # parameters split evenly, where they follow their layout)
                 left = lay.budget - min(held, grads_floor) - n_kept * w.kept - w.working

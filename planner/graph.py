@@ -188,6 +188,15 @@ class Graph:
         return {o.tensor: self.inputs[o.updates].tensor for o in self.outputs
                 if o.updates is not None and o.updates in self.undonated}
 
+    def kept_like(self, step: "Graph") -> "Graph":
+        """This Graph (``step`` traced again: another micro-batch count)
+        with the arguments ``step``'s caller keeps, matched by leaf."""
+        if not step.undonated:
+            return self
+        kept = {(step.inputs[k].argnum, step.inputs[k].path) for k in step.undonated}
+        return dataclasses.replace(self, undonated=frozenset(
+            k for k, i in enumerate(self.inputs) if (i.argnum, i.path) in kept))
+
     @functools.cached_property
     def output_of_tensor(self) -> dict[int, GraphOutput]:
         """tensor id -> the output returning it (the last, if several do)."""

@@ -29,33 +29,17 @@ def plan_one_stage(graph: Graph, cluster: ClusterSpec, request: PlanRequest, ses
     optimizer state in host memory; "auto" does so only where the plan does
     not fit without it and the cluster's host memory is separate
     (:mod:`meshplan.offload`)."""
+    if request.offload == "optimizer":
+        return _plan(graph, cluster, request, session, memory_budget, offload=True)
     try:
-        if request.offload == "optimizer":
-            return _plan(graph, cluster, request, session, memory_budget, offload=True)
-        try:
-            return _plan(graph, cluster, request, session, memory_budget, offload=False)
-        except InfeasiblePlanError as e:
-            if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
-                raise
-            try:
-                return _plan(graph, cluster, request, session, memory_budget, offload=True)
-            except InfeasiblePlanError:
-                raise not_fitting(e, cluster) from None
+        return _plan(graph, cluster, request, session, memory_budget, offload=False)
     except InfeasiblePlanError as e:
-        raise _kept_hint(e, graph) from None
-
-
-def _kept_hint(err: InfeasiblePlanError, graph: Graph) -> InfeasiblePlanError:
-    """``err`` saying how donation would help, where the step keeps state
-    the caller did not donate (its new value then needs memory of its own)."""
-    kept = sorted({graph.inputs[o.updates].argnum for o in graph.outputs
-                   if o.tensor in graph.kept_updates})
-    if not kept:
-        return err
-    return InfeasiblePlanError(
-        f"{err} (the new value of argument(s) {kept} is held beside the old one: they are not "
-        f"donated; donate_argnums={tuple(kept)!r} lets the step update them in place, as "
-        "jax.jit does)", budget_bytes=err.budget_bytes, needed_bytes=err.needed_bytes)
+        if request.offload != "auto" or not frees_memory(cluster) or not offloaded_bytes(graph):
+            raise
+        try:
+            return _plan(graph, cluster, request, session, memory_budget, offload=True)
+        except InfeasiblePlanError:
+            raise not_fitting(e, cluster) from None
 
 
 def _plan(graph: Graph, cluster: ClusterSpec, request: PlanRequest, session: Session,

@@ -128,6 +128,19 @@ def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
     return replace(planned, plan=replace(planned.plan, notes=planned.plan.notes + (u.note,)))
 
 
+def kept_hint(err: InfeasiblePlanError, graph: Graph) -> InfeasiblePlanError:
+    """``err`` saying how donation would help, where the step keeps state
+    the caller did not donate (its new value then needs memory of its own)."""
+    kept = sorted({graph.inputs[o.updates].argnum for o in graph.outputs
+                   if o.tensor in graph.kept_updates})
+    if not kept:
+        return err
+    return InfeasiblePlanError(
+        f"{err} (the new value of argument(s) {kept} is held beside the old one: they are not "
+        f"donated; donate_argnums={tuple(kept)!r} lets the step update them in place, as "
+        "jax.jit does)", budget_bytes=err.budget_bytes, needed_bytes=err.needed_bytes)
+
+
 def retracer(fn: Callable, abstract: Sequence[Any], batch_argnums: tuple[int, ...],
              name: str, graph: Graph | None = None) -> Callable[[int], Graph]:
     """``retrace(B)``: the step traced with its batch split into ``B`` micro-batches.
@@ -158,7 +171,10 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
     if explain and retrace is not None:
         # (the alternatives re-trace the same micro-batch sizes)
         retrace = functools.lru_cache(maxsize=None)(retrace)
-    planned = _plan_request(graph, cluster, request, retrace, session, explain)
+    try:
+        planned = _plan_request(graph, cluster, request, retrace, session, explain)
+    except InfeasiblePlanError as e:
+        raise kept_hint(e, graph) from None
     planned = replace(planned, plan=replace(planned.plan, arguments=argument_table(graph)))
     if explain:
         alts = alternatives(graph, cluster, planned.plan, planned.search, request,

@@ -16,7 +16,9 @@ its running sums, the activations in flight (what its backward reads from
 the forward, times the micro-batches the schedule keeps) -- plus the
 largest arena of intermediates of its programs
 (``memory_analysis().temp_size_in_bytes``; their outputs are the
-activations and sums already counted, or values sent on).
+activations and sums already counted, or values sent on) -- or, where it is
+more, what its update programs make beside the state they do not take over
+(outputs not aliased to a donated input: the caller keeps the old state).
 """
 from __future__ import annotations
 
@@ -219,10 +221,14 @@ class StageMemory:
     activations: int        # kept from forward to backward, times the micro-batches in flight
     in_flight: int          # micro-batches whose activations are kept at once
     programs: int           # the largest temp (XLA's arena of intermediates) of its programs
+    # the update programs' outputs in buffers of their own (not donated
+    # state): held from the update, when the activations are gone, to the end
+    updated: int = 0
 
     @property
     def total(self) -> int:
-        return self.state + self.running_sums + self.activations + self.programs
+        return self.state + self.running_sums + max(self.activations + self.programs,
+                                                    self.updated)
 
     def to_dict(self) -> dict[str, int]:
         return {**{f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)},
@@ -287,12 +293,14 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
                         or made == ("B", s)):
                     seen.add(x)
                     kept += _device_bytes(v.shape, v.dtype, v.sharding)
-        work = 0
+        work = updated = 0
         for k in keys:
             mem = program_memory(compiled[k])
             # (outputs are the activations and sums counted above, or
             # values sent on: the arena of intermediates is what adds)
             work = max(work, mem["temp"])
+            if k[0] == "A":
+                updated += mem["output"] - mem["alias"]
         out.append(StageMemory(s, int(state), int(sums), int(kept * in_flight[s]),
-                               int(in_flight[s]), int(work)))
+                               int(in_flight[s]), int(work), int(updated)))
     return out

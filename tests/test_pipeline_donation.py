@@ -11,6 +11,7 @@ import pytest
 import meshplan
 from meshplan.models import build_model
 from meshplan.runtime.pipeline import PipelineExecutable
+from meshplan.runtime.pipeline_lower import stage_memory
 
 CONFIG = {"optimizer": "adam", "layers": "4"}
 STEPS = 3
@@ -298,3 +299,43 @@ def test_a_donated_leaf_the_step_never_reads_stays_alive_as_under_jit():
         state = {"opt": jax.tree.map(jax.numpy.zeros_like, p), "params": p}
         f(state, batch)
         assert [x.is_deleted() for x in jax.tree.leaves(state)] == [False, False, True, True], f
+
+
+def test_a_kept_state_is_counted_beside_its_new_value_in_each_stage():
+    # Without donation every update program makes the stage's new state in
+    # buffers of its own, while the caller's old state stays: the stage's
+    # predicted memory holds both (it assumed the state updated in place)
+    m, state, batch = _model()
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+
+    def stages(donate):
+        plan = meshplan.plan(m.train_step, state, batch, method=method, donate_argnums=donate)
+        step = meshplan.parallelize(m.train_step, plan=plan, donate_argnums=donate)
+        compiled = step.lower(state, batch).compile()
+        return plan, stage_memory(step._entry((state, batch))[1], compiled)
+
+    kept, kept_mem = stages(())
+    given, given_mem = stages((0,))
+    for s, (a, b) in enumerate(zip(kept.stages, given.stages)):
+        made = kept_mem[s].updated
+        assert made >= kept_mem[s].state * 0.99 and given_mem[s].updated < 0.01 * made
+        # at the update the stage holds its state, gradient sums and new state
+        floor = kept_mem[s].state + kept_mem[s].running_sums + made
+        assert a.predicted.memory_bytes >= 0.99 * floor, (s, a.predicted.memory_bytes, floor)
+        assert b.predicted.memory_bytes < a.predicted.memory_bytes
+
+
+def test_a_pipeline_that_fits_only_with_donation_says_so():
+    from meshplan.errors import InfeasiblePlanError
+    m, state, batch = _model()
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+    fits = meshplan.plan(m.train_step, state, batch, method=method, donate_argnums=(0,))
+    d = meshplan.Cluster.local().to_dict()
+    # (room for the largest stage donated, not for its new state beside it)
+    d["device"]["memory_bytes"] = int(max(s.predicted.memory_bytes for s in fits.stages) / 0.8)
+    tight = meshplan.Cluster.from_dict(d)
+    assert meshplan.plan(m.train_step, state, batch, method=method, cluster=tight,
+                         donate_argnums=(0,)).stages
+    with pytest.raises(InfeasiblePlanError, match=r"donate_argnums=\(0,\) lets the step"):
+        meshplan.plan(m.train_step, state, batch, method=method, cluster=tight,
+                      donate_argnums=())
