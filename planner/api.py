@@ -21,7 +21,7 @@ from .methods import Method, ShardParallel, normalize_argnums
 from .dp_search.assemble import argument_table
 from .plan import Plan, argument_differences
 from .recompute import NONE
-from .shardings import check_arguments, check_updates_in_place
+from .shardings import UNROLLED_SCAN, check_arguments, check_updates_in_place
 from .planning import TracedFunction, plan_function, plan_step, trace_function
 from .planning import retracer  # noqa: F401 (re-exported)
 from .trace import trace_for_run
@@ -274,10 +274,7 @@ class Parallelized:
         if rolled is not None:      # (the scan runs rolled: the plan's layouts stacked)
             return rolled
         if isinstance(executable, _Unstacking):
-            raise MeshplanError(
-                "this step's lax.scan over stacked layers was unrolled for planning, so the plan "
-                "lays out per-layer arguments that the step as written never sees; run it with "
-                "meshplan.parallelize, or write the step without the scan for a plain jax.jit")
+            raise MeshplanError(UNROLLED_SCAN)
         return p.shardings(*args, step=getattr(executable, "fn", self.fn))
 
     def split_layers(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:

@@ -129,11 +129,12 @@ def plan_function(traced: TracedFunction, cluster: ClusterSpec, method: Method,
 
 
 def kept_hint(err: InfeasiblePlanError, graph: Graph) -> InfeasiblePlanError:
-    """``err`` saying how donation would help, where the step keeps state
-    the caller did not donate (its new value then needs memory of its own)."""
+    """``err`` saying how donation would help, where memory is what does
+    not fit (a budget is named) and the step keeps state the caller did not
+    donate (its new value then needs memory of its own)."""
     kept = sorted({graph.inputs[o.updates].argnum for o in graph.outputs
                    if o.tensor in graph.kept_updates})
-    if not kept:
+    if not kept or err.budget_bytes is None:
         return err
     return InfeasiblePlanError(
         f"{err} (the new value of argument(s) {kept} is held beside the old one: they are not "
@@ -182,9 +183,11 @@ def plan_step(graph: Graph, cluster: ClusterSpec, method: Method, *,
         planned = replace(planned, plan=replace(planned.plan, alternatives=alts))
     # (once a plan, however many searches ran)
     warn_of_scans(graph, planned.plan)
-    if request.pipeline is None and (why := disagreeing_batch(graph)):
+    one_program = request.pipeline is None or any(
+        n.startswith(NO_BATCH_NOTE) for n in planned.plan.notes)
+    if one_program and (why := disagreeing_batch(graph)):
         # (a one-stage plan splits no batch by itself; the methods that do
-        # refuse this, and Auto notes it)
+        # refuse this, and Auto plans one program, noted, and says so here)
         warn(f"meshplan: planned as given, but {why}")
     idle = (idle_stages(planned.plan, graph) if request.pipeline and request.pipeline.num_stages
             else None)

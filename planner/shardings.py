@@ -16,7 +16,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import tpu
-from .errors import ClusterSpecError, PlanFormatError, RuntimeStageError, StalePlanError
+from .errors import (ClusterSpecError, MeshplanError, PlanFormatError, RuntimeStageError,
+                     StalePlanError)
 from .specs import Spec, spec_axes, spec_str
 
 if TYPE_CHECKING:      # (annotations only: plan.py imports this module)
@@ -235,6 +236,14 @@ def _out_shardings(st: Stage, mesh: Mesh, out_tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, out_tree)
 
 
+# (Unstacked.note says this of a plan whose step scans over stacked layers)
+UNROLLED_MARK = "stacked layers was unrolled"
+UNROLLED_SCAN = (
+    "this step's lax.scan over stacked layers was unrolled for planning, so the plan lays out "
+    "per-layer arguments that the step as written never sees; run it with "
+    "meshplan.parallelize, or write the step without the scan for a plain jax.jit")
+
+
 def check_arguments(plan: Plan, args: Sequence[Any]) -> None:
     """Refuse arguments the plan was not made for: too few, or leaves the
     plan names that are missing (another structure, another model)."""
@@ -253,6 +262,8 @@ def check_arguments(plan: Plan, args: Sequence[Any]) -> None:
     for st in plan.stages:
         named.update(st.params)
     missing = sorted(k for k in named if k not in present)
+    if missing and any(UNROLLED_MARK in n for n in plan.notes):
+        raise MeshplanError(UNROLLED_SCAN)
     if missing:
         raise StalePlanError(
             f"the plan names {len(missing)} argument leaf/leaves these arguments lack (e.g. "

@@ -190,8 +190,8 @@ def _usable_donations(traced: TracedStep, donate_argnums: tuple[int, ...]) -> fr
         else:
             unused.append(f"argument {a}{path} ({aval.dtype}{list(shape)})")
     if unused:
-        warn(f"donated {', '.join(unused)} not used: no output of its shape and dtype is left "
-             "for it; kept alive, as jax.jit keeps it")
+        warn(f"meshplan: donated {', '.join(unused)} not used: no output of its shape and "
+             "dtype is left for it; kept alive, as jax.jit keeps it")
     return frozenset(usable)
 
 
@@ -329,10 +329,10 @@ class PipelineExecutable:
                 str(getattr(flat.avals.get(o), "dtype", "")) == "float16"
                 and (split.value_degree.get(o) or 0) < 0 for o in fe.outvars)
                 for k, fe in enumerate(flat.eqns)):
-            warn(f"the backward runs in float16 with {m} micro-batches: each one's cotangents "
-                 f"are those of its own mean loss, {m} times the whole batch's, so a loss scale "
-                 f"that fits the whole batch may overflow here where it does not under jax.jit; "
-                 f"leave {m}x room in the loss scale, or plan with num_micro_batches=1")
+            warn(f"meshplan: the backward runs in float16 with {m} micro-batches: each one's "
+                 f"cotangents are those of its own mean loss, {m} times the whole batch's, so a "
+                 "loss scale that fits the whole batch may overflow here where it does not under "
+                 f"jax.jit; leave {m}x room in the loss scale, or plan with num_micro_batches=1")
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
         self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
         # [multi-host] the caller's state stays whole: only running sums are donated

@@ -472,9 +472,11 @@ def test_a_python_flag_passed_as_an_argument_is_explained():
     np.testing.assert_allclose(float(par(p, x)[1]), 2 * float(jax.jit(step)(p, x)[1]), rtol=1e-5)
 
 
-def test_batch_argnums_naming_the_parameters_is_warned_of_under_shard_parallel():
+@pytest.mark.parametrize("method", [meshplan.ShardParallel(mesh_shape=(8,)), meshplan.Auto()])
+def test_batch_argnums_naming_the_parameters_is_warned_of_where_it_plans(method):
     # (sweep X: the plan listed the parameters as the batch and said nothing;
-    # the methods that split a batch refuse it, and Auto notes it)
+    # the methods that split a batch refuse it.  Auto plans one program and
+    # said so only in a note: sweep A of stop 94)
     import warnings
     f32 = jnp.float32
     params = {"w1": jax.ShapeDtypeStruct((16, 32), f32), "b1": jax.ShapeDtypeStruct((32,), f32)}
@@ -487,7 +489,7 @@ def test_batch_argnums_naming_the_parameters_is_warned_of_under_shard_parallel()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             meshplan.plan(step, params, batch, cluster=local(), batch_argnums=argnums,
-                          method=meshplan.ShardParallel(mesh_shape=(8,)))
+                          method=method)
         said = [str(w.message) for w in caught if "disagree on the batch size" in str(w.message)]
         assert bool(said) == warned, said
         if warned:

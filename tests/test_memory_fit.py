@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 
 import meshplan
@@ -227,6 +228,15 @@ def test_a_kept_argument_is_counted_in_its_own_layout_and_donation_is_suggested(
     with pytest.raises(InfeasiblePlanError, match=r"donate_argnums=\(0,\) lets the step"):
         meshplan.parallelize(m.train_step, cluster=tight, method=meshplan.DataParallel(
             offload="none"), donate_argnums=()).plan_for(*args)
+    # (a refusal memory has no part in says nothing of donation: sweep A of stop 94)
+    rows12 = (args[0], jax.tree.map(lambda x: jax.ShapeDtypeStruct((12,) + x.shape[1:], x.dtype),
+                                    args[1]))
+    for method, given, said in ((meshplan.Manual(dp=8, num_micro_batches=4), args,
+                                 "do not split over the 8"),
+                                (meshplan.DataParallel(), rows12, "does not split over 8")):
+        with pytest.raises(InfeasiblePlanError, match=said) as e:
+            meshplan.parallelize(m.train_step, method=method, donate_argnums=()).plan_for(*given)
+        assert "donate" not in str(e.value)
     step = meshplan.parallelize(m.train_step, cluster=tight, method=meshplan.ShardParallel(),
                                 donate_argnums=())
     plan = step.plan_for(*args)

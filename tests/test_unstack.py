@@ -273,3 +273,23 @@ def test_layers_in_a_scan_plan_as_the_same_layers_in_a_loop():
     assert plans[0].stages[0].logical_mesh == plans[1].stages[0].logical_mesh
     specs = [sorted(str(s) for _, s in p.stages[0].params) for p in plans]
     assert specs[0] == specs[1]
+
+
+def test_shardings_of_an_unrolled_scan_say_why_not_stale():
+    # (sweep A of stop 94: Plan.shardings called the plan stale for the very
+    # arguments it was made for; step.shardings said why)
+    def step(params, batch):
+        def loss(p):
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"], p["stack"])
+            return jnp.mean(h ** 2)
+        value, g = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), {"loss": value}
+    params = {"stack": jax.ShapeDtypeStruct((4, 16, 16), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+    method = meshplan.ShardParallel()
+    plan = meshplan.plan(step, params, batch, method=method)
+    for why in (lambda: plan.shardings(params, batch, step=step),
+                lambda: meshplan.parallelize(step, method=method).shardings(params, batch)):
+        with pytest.raises(meshplan.MeshplanError, match="unrolled for planning") as e:
+            why()
+        assert not isinstance(e.value, meshplan.StalePlanError)

@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 from ..errors import MeshplanError, deleted_argument
 from ..flops import ELEMENTWISE   # (over stacked operands they run piece by piece)
 from ..graph import GRAD_BOUNDARY, PIPELINE_BOUNDARY, Graph, stacked_scan_inputs
+from ..shardings import UNROLLED_MARK
 from .calls import INLINE_CALLS, REMAT_CALLS, _closed_parts
 
 __all__ = ["Unstacked", "unstack_scanned_layers"]
@@ -285,7 +286,7 @@ class Unstacked:
 
     @property
     def note(self) -> str:
-        return (f"the lax.scan over {layer_counts(self.shapes)} stacked layers was unrolled: each layer's "
+        return (f"the lax.scan over {layer_counts(self.shapes)} {UNROLLED_MARK}: each layer's "
                 "parameters and optimizer state are planned as their own inputs (paths "
                 "ending in the layer index); the step's arguments and results keep "
                 "their stacked form (step.split_layers keeps them per layer)")
