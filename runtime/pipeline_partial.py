@@ -353,18 +353,23 @@ def _data_parallel(t: Task, dims: Mapping[int, int], axes: Sequence[str],
                    layout: Callable[[int], NamedSharding | None]) -> bool:
     """Does the plan run backward ``t`` data-parallel over ``axes``: every
     value cut along the batch planned cut over them there (an input planned
-    whole is cut where it enters: a local slice)?  (A running sum planned
-    cut over them is kept whole per data shard, like the others, and cut
-    once a step where the means program reduces it.)"""
+    whole is cut where it enters: a local slice), and at least one so cut?
+    (A running sum planned cut over them is kept whole per data shard, like
+    the others, and cut once a step where the means program reduces it.  A
+    backward planned on whole rows makes whole gradients: cut here, its sums
+    would add the reduction the plan does without.)"""
+    cut = False
     for x, d in dims.items():
         sh = layout(x)
         entry = tuple(sh.spec)[d] if sh is not None and d < len(sh.spec) else None
         got = (entry,) if isinstance(entry, str) else tuple(entry or ())
         whole = sh is not None and not any(
             a in (e if isinstance(e, (list, tuple)) else (e,)) for e in sh.spec for a in axes)
-        if got[:len(axes)] != tuple(axes) and not (x in t.inputs and whole):
+        if got[:len(axes)] == tuple(axes):
+            cut = True
+        elif not (x in t.inputs and whole):
             return False
-    return True
+    return cut
 
 
 def _cut(big: Any, small: Any, d: int) -> int | None | bool:

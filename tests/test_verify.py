@@ -140,3 +140,15 @@ def test_searched_pipeline_stages_communicate_as_predicted(model):
     assert len(rows) == 2 and any(r.actual_comm_bytes for r in rows)
     for r in rows:
         assert abs(r.comm_rel_error) <= 0.1, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
+
+
+def test_a_stage_planned_on_whole_rows_keeps_no_partial_sums():
+    # Manual(dp=1, tp=2): the batch is whole, so the runtime tries the mesh's
+    # axes as data axes.  Stage 0's backward is planned on whole rows (its
+    # gradients whole, nothing to reduce); cut into rows anyway, its partial
+    # sums added an all-reduce of every gradient a step (+67% over the plan)
+    from meshplan.tools.verify import verify_pipeline
+    rows = verify_pipeline("mlp", 1, 2, 4, 2, "1f1b", overrides={"layers": "4"})
+    for r in rows:
+        assert abs(r.comm_rel_error) <= 0.02, (r.stage, r.predicted_comm_bytes,
+                                               r.actual_by_kind)
