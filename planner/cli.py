@@ -357,9 +357,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ModelConfigError(f"--plan runs the saved plan as it is; drop {', '.join(given)} "
                                    "(or drop --plan to plan with them)")
         try:
-            text = open(args.plan).read()
+            text = open(args.plan, encoding="utf-8").read()
         except OSError as e:
             raise ModelConfigError(f"cannot read plan {args.plan}: {e.strerror}") from e
+        except UnicodeDecodeError:
+            raise ModelConfigError(f"{args.plan} is not a plan: not a text file; give the JSON "
+                                   "that meshplan plan --json wrote") from None
         step = parallelize(target.train_step, plan=Plan.from_json(text), donate_argnums=(0,))
     else:
         from .cluster import ClusterSpec
@@ -602,6 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:   # (named by the subcommand, whose --help lists what it takes)
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    for name in ("json", "timeline", "emit_out", "out", "plan", "cluster", "fn"):
+        if getattr(args, name, None) == "":     # (--json= would write nothing, silently)
+            getattr(args, "parser", parser).error(
+                f"--{name.replace('_', '-')} needs a file name, got an empty one")
     reporter = progress.Progress(args.verbosity)
     try:
         from .dp_search import Session
@@ -613,6 +620,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MeshplanError as e:
         print("meshplan: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`meshplan ... | head`): stop quietly; point
+        # stdout at /dev/null so that the interpreter's final flush is quiet too
+        # (before Exception, which it is)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:
         line = step_failure(e)      # (the user's --fn step failing as it is traced)
         if line is None:
@@ -622,11 +635,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # the reader went away (`meshplan ... | head`): stop quietly; point
-        # stdout at /dev/null so that the interpreter's final flush is quiet too
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 if __name__ == "__main__":

@@ -268,10 +268,10 @@ class Stage:
             devices=tuple(int(x) for x in d["devices"]),
             submesh=(int(d["submesh"][0]), int(d["submesh"][1])),
             logical_mesh=LogicalMesh.from_dict(d["logical_mesh"]),
-            remat=bool(d.get("remat", False)),
+            remat=_flag(d.get("remat", False), "remat"),
             recompute=str(d.get("recompute", "")),
             recompute_layers=int(d.get("recompute_layers", 0)),
-            keep_casts=bool(d.get("keep_casts", True)),
+            keep_casts=_flag(d.get("keep_casts", True), "keep_casts"),
             params=_specs(d["params"], "params"),
             predicted=Predicted.from_dict(d["predicted"]),
             outputs=_specs(d.get("outputs", {}), "outputs"),
@@ -319,6 +319,24 @@ def _specs(table: Mapping[str, Any], section: str) -> SpecTable:
     return tuple(out)
 
 
+def _flag(v: Any, name: str) -> bool:
+    """A JSON true or false (not "yes", which bool() would take)."""
+    if not isinstance(v, bool):
+        raise PlanFormatError(f"malformed plan JSON: {name} must be true or false, got {v!r}")
+    return v
+
+
+def _whole(v: Any, name: str) -> int:
+    """A JSON integer (not 2.5, "2" or true, which int() would take)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlanFormatError(f"malformed plan JSON: {name} must be an integer, got {v!r}")
+    return v
+
+
+# the schedules a plan names: one stage's "none", and Manual's (methods.SCHEDULES)
+PLAN_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
+
+
 def _check_structure(plan: "Plan") -> None:
     """Refuse a plan (a hand edit) whose stages, devices or micro-batch
     count no runtime can follow."""
@@ -334,7 +352,20 @@ def _check_structure(plan: "Plan") -> None:
                               "one-stage plan was made for one program of the whole batch; "
                               "set it to 1, or re-plan with num_micro_batches="
                               f"{plan.num_micro_batches}")
+    if plan.schedule not in PLAN_SCHEDULES:
+        raise PlanFormatError(bad + f"schedule {plan.schedule!r} is none of "
+                              f"{', '.join(PLAN_SCHEDULES)}")
+    held: dict[int, int] = {}
     for k, st in enumerate(plan.stages):
+        first, last = st.layers
+        if first > last:
+            raise PlanFormatError(bad + f"stage {k} has layers {first}..{last}; give the first "
+                                  "layer, then the last")
+        for l in range(first, last + 1):
+            if l in held:
+                raise PlanFormatError(bad + f"layer {l} is in stages {held[l]} and {k}; give "
+                                      "each layer to one stage")
+            held[l] = k
         twice = sorted(x for x, n in Counter(st.devices).items() if n > 1)
         if twice:
             raise PlanFormatError(bad + f"stage {k} lists device {twice[0]} twice; each device "
@@ -342,6 +373,10 @@ def _check_structure(plan: "Plan") -> None:
         if len(st.devices) != st.logical_mesh.size:
             raise PlanFormatError(bad + f"stage {k} has {len(st.devices)} devices for its mesh "
                                   f"{st.logical_mesh} of {st.logical_mesh.size}; give as many")
+        if st.submesh[0] * st.submesh[1] != len(st.devices):
+            raise PlanFormatError(bad + f"stage {k} has submesh {st.submesh[0]}x{st.submesh[1]} "
+                                  f"for its {len(st.devices)} devices; give hosts x devices per "
+                                  "host of them")
 
 
 def _remat_note(s: Stage) -> str:
@@ -481,6 +516,9 @@ class Plan:
         if not isinstance(d, Mapping):
             raise PlanFormatError("a plan must be a JSON object")
         fmt = d.get("format")
+        if isinstance(fmt, str) and fmt.startswith("meshplan.cluster/"):
+            raise PlanFormatError("this is a cluster file, not a plan: give the JSON that "
+                                  "meshplan plan --json (or Plan.to_json) wrote")
         if fmt != PLAN_FORMAT:
             raise PlanFormatError(
                 f"plan format {fmt!r} is not supported by this meshplan (it reads {PLAN_FORMAT!r}); "
@@ -491,7 +529,7 @@ class Plan:
                 function=str(d.get("function", "")),
                 cluster=ClusterSpec.from_dict(d["cluster"]),
                 method=str(d["method"]),
-                num_micro_batches=int(d["num_micro_batches"]),
+                num_micro_batches=_whole(d["num_micro_batches"], "num_micro_batches"),
                 schedule=str(d["schedule"]),
                 batch_argnums=tuple(int(x) for x in d.get("batch_argnums", (1,))),
                 arg_prefixes=tuple((int(a), str(p)) for a, p in d.get("arg_prefixes", [])),

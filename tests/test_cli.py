@@ -177,6 +177,8 @@ def _files(tmp_path):
     (tmp_path / "notjson.plan").write_text("not json")
     (tmp_path / "noformat.plan").write_text('{"format": "meshplan.plan/1"}')
     (tmp_path / "oldformat.plan").write_text('{"format": "meshplan.plan/0"}')
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    (tmp_path / "real.plan").write_text('{"format": "meshplan.plan/1", "stages": []}')
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -242,6 +244,11 @@ def _files(tmp_path):
     (["plan", "--model", "mlp", "--cluster", "local", "--json", "-", "--emit", "python"],
      "both write to stdout"),
     (["--quiet", "--verbose", "inspect", "--model", "mlp"], "--verbose"),
+    # (sweep C of stop 94: written nowhere, a traceback, and files of the other kind)
+    (["plan", "--model", "mlp", "--cluster", "local", "--json="], "--json needs a file name"),
+    (["run", "--model", "mlp", "--plan", "{tmp}/image.png"], "not a text file"),
+    (["run", "--model", "mlp", "--plan", DGX], "this is a cluster file, not a plan"),
+    (["cluster", "validate", "{tmp}/real.plan"], "this is a plan file, not a cluster"),
 ])
 def test_every_error_is_one_line_exit_2(argv, needle, usermod, tmp_path, capsys):
     _files(tmp_path)
@@ -325,3 +332,14 @@ def test_progress_on_a_terminal(monkeypatch):
     with progress.Progress(progress.QUIET, stream=tty).step("quiet"):
         pass
     assert tty.getvalue() == before
+
+
+def test_a_reader_that_goes_away_stops_it_quietly():
+    # (`meshplan inspect ... | head -1`: the handler stood after `except
+    # Exception`, which caught the BrokenPipeError first: sweep C of stop 94)
+    proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli", "inspect", "--model", "mlp",
+                             "--top", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -235,6 +235,16 @@ def _stage0(d):
     (lambda d: d.pop("stages"), "the key 'stages' is missing"),
     (lambda d: _stage0(d).pop("devices"), "in stages[0]: the key 'devices' is missing"),
     (lambda d: _stage0(d).update(params=None), "in stages[0]: a value has the wrong type"),
+    # (hand edits that ran as something else, or as written: sweep C of stop 94)
+    (lambda d: d.update(num_micro_batches=2.5), "must be an integer, got 2.5"),
+    (lambda d: d.update(num_micro_batches="1"), "must be an integer, got '1'"),
+    (lambda d: d.update(num_micro_batches=True), "must be an integer, got True"),
+    (lambda d: _stage0(d).update(remat="yes"), "remat must be true or false"),
+    (lambda d: d.update(schedule="foo"), "schedule 'foo' is none of"),
+    (lambda d: _stage0(d).update(layers=[1, 0]), "stage 0 has layers 1..0"),
+    (lambda d: d["stages"].append(json.loads(json.dumps(_stage0(d)))),
+     "layer 0 is in stages 0 and 1"),
+    (lambda d: _stage0(d).update(submesh=[3, 5]), "submesh 3x5 for its 8 devices"),
 ])
 def test_a_plan_file_no_runtime_can_follow_is_one_clear_error(edit, words):
     step, p, batch = _mlp_step()
