@@ -478,9 +478,13 @@ def _stale(p: Plan, graph: Graph) -> str:
     diff = argument_differences(p.arguments, argument_table(graph)) if p.arguments else []
     if diff:
         what = "other arguments: " + "; ".join(diff)
-    elif p.arguments and p.function and p.function != graph.name:
-        # (the same arguments: the function's body differs, by its name too)
-        what = f"function {p.function!r}, not {graph.name!r}"
+    elif p.arguments:
+        # (the same arguments: the operations differ; a name may differ only
+        # by how it was called, the CLI's model against its train_step)
+        named = (f"; the plan names function {p.function!r}, this is {graph.name!r}"
+                 if p.function and p.function != graph.name else "")
+        what = ("the same arguments but other operations (the step's code or the model's "
+                f"options differ{named})")
     else:
         what = "another function or other argument shapes or dtypes"
     return (f"the saved plan was made for {what} (a saved plan holds for the shapes it was "
