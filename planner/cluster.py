@@ -723,9 +723,11 @@ def parse_cluster(data: Any, *, source: str = "<dict>") -> ClusterSpec:
     ``source`` (a file name) is appended to error messages.
     """
     r = _Reader(source)
-    if isinstance(data, dict) and str(data.get("format", "")).startswith("meshplan.plan/"):
-        raise r.fail("$.format", "this is a plan file, not a cluster: give a cluster JSON (one "
-                     "in examples/clusters, or what meshplan calibrate wrote)")
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if isinstance(fmt, str) and fmt.startswith("meshplan.plan/"):
+        raise r.fail("$.format", f"is {fmt!r}: this is a plan file, not a cluster "
+                     f"({CLUSTER_FORMAT}); give a cluster JSON (one in examples/clusters, or "
+                     "what meshplan calibrate wrote)")
     if _tpu.is_tpu_file(data):
         return ClusterSpec(**_tpu.parse_tpu(data, r, lambda top: _header(r, top),
                                             lambda v, path: _device(r, v, path), LinkSpec))
