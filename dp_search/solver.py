@@ -546,8 +546,10 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     again, sel_saved = frozenset(again) - copied, frozenset(sel_saved) - copied
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     # the arena of intermediates its forward, backward and update programs need
+    # (updates in place: the kept new values are kept_new, counted by the stage)
+    plain = dataclasses.replace(sub, undonated=frozenset()) if sub.undonated else sub
     temps = program_temp_bytes(
-        sub, stored_liveness(sub).intervals, [n.id in fwd_nodes for n in sub.nodes],
+        plain, stored_liveness(plain).intervals, [n.id in fwd_nodes for n in sub.nodes],
         saved | crossing | copied, accumulate, update_nodes(sub, frozenset(accumulate))[0],
         grad_accum > 1,
         lambda t: local(t, specs[t]) if t in specs else sub.tensors[t].nbytes)

@@ -158,16 +158,19 @@ class GroupCost:
         ``remat``: a bool (True: full) or a :data:`meshplan.recompute.RECOMPUTE` name."""
         _, kept, working = self.way(recompute_name(remat))
         held = self.held_grads(one_program)
-        total = self.resident_bytes + held + self.passes_bytes(keep * kept + working)
+        total = self.resident_bytes + held + self.passes_bytes(keep * kept + working, one_program)
         return MemoryBreakdown.of(total, params=self.resident_bytes - self.optimizer_bytes,
                                   optimizer=self.optimizer_bytes,
                                   grads=held or min(self.grad_bytes, working),
                                   activations=keep * kept)
 
-    def passes_bytes(self, passes: float) -> float:
+    def passes_bytes(self, passes: float, one_program: bool) -> float:
         """What the step holds beyond its state and gradients: ``passes``,
-        the micro-batches' kept values and working set, or after them the
-        update's new values of arguments the caller keeps."""
+        the micro-batches' kept values and working set, then the update's
+        new values of arguments the caller keeps (a program of its own, after
+        them; in one program its outputs, beside them all along)."""
+        if one_program:
+            return passes + self.kept_new_bytes
         return max(passes, self.kept_new_bytes)
 
     def as_full(self) -> "GroupCost":
@@ -640,7 +643,7 @@ class StageCosts:
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and w.recompute == NONE else keep
                 mem = (w.cost.resident_bytes + held
-                       + w.cost.passes_bytes(n_kept * w.kept + w.working))
+                       + w.cost.passes_bytes(n_kept * w.kept + w.working, whole))
                 # (capped plans hold smaller gradient sums too: at least the
                 # parameters split evenly, where they follow their layout)
                 left = lay.budget - min(held, grads_floor) - n_kept * w.kept - w.working

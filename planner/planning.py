@@ -136,9 +136,12 @@ def kept_hint(err: InfeasiblePlanError, graph: Graph) -> InfeasiblePlanError:
                    if o.tensor in graph.kept_updates})
     if not kept or err.budget_bytes is None:
         return err
+    # (with those donated already: naming the kept alone would undo them)
+    updated = sorted({graph.inputs[o.updates].argnum for o in graph.outputs
+                      if o.updates is not None})
     return InfeasiblePlanError(
         f"{err} (the new value of argument(s) {kept} is held beside the old one: they are not "
-        f"donated; donate_argnums={tuple(kept)!r} lets the step update them in place, as "
+        f"donated; donate_argnums={tuple(updated)!r} lets the step update them in place, as "
         "jax.jit does)", budget_bytes=err.budget_bytes, needed_bytes=err.needed_bytes)
 
 

@@ -242,3 +242,30 @@ def test_a_kept_argument_is_counted_in_its_own_layout_and_donation_is_suggested(
     plan = step.plan_for(*args)
     held, _ = compiled_memory(step.lower(*args).compile())
     assert plan.predicted.peak_memory_bytes <= budget and held <= budget
+
+
+def test_the_donation_hint_names_every_argument_the_step_updates():
+    # (sweep V of stop 94: a caller donating argument 0 and keeping 1 was told
+    # donate_argnums=(1,), which would stop donating argument 0)
+    import jax.numpy as jnp
+    from meshplan.errors import InfeasiblePlanError
+
+    def step(params, ema, batch):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["a"]) - batch["y"]) ** 2))(params)
+        params = jax.tree.map(lambda p, g: p - 0.01 * g, params, g)
+        return params, [0.9 * e + 0.1 * params["a"] for e in ema], {"loss": loss}
+    f32 = jnp.float32
+    params = {"a": jax.ShapeDtypeStruct((128, 128), f32)}
+    ema = [jax.ShapeDtypeStruct((128, 128), f32)] * 4
+    batch = {"x": jax.ShapeDtypeStruct((16, 128), f32), "y": jax.ShapeDtypeStruct((16, 128), f32)}
+    method = meshplan.Manual(dp=8)
+    fits = meshplan.plan(step, params, ema, batch, method=method, batch_argnums=(2,),
+                         donate_argnums=(0, 1))
+    d = meshplan.Cluster.local().to_dict()
+    d["device"]["memory_bytes"] = int(fits.predicted.peak_memory_bytes / 0.9 * 1.01)
+    tight = meshplan.Cluster.from_dict(d)
+    with pytest.raises(InfeasiblePlanError, match=r"argument\(s\) \[1\] is held beside the old "
+                                                  r"one.*donate_argnums=\(0, 1\) lets"):
+        meshplan.plan(step, params, ema, batch, method=method, cluster=tight, batch_argnums=(2,),
+                      donate_argnums=(0,))

@@ -339,3 +339,39 @@ def test_a_pipeline_that_fits_only_with_donation_says_so():
     with pytest.raises(InfeasiblePlanError, match=r"donate_argnums=\(0,\) lets the step"):
         meshplan.plan(m.train_step, state, batch, method=method, cluster=tight,
                       donate_argnums=())
+
+
+def _small_gpt():
+    m = build_model("gpt", {"layers": "2", "hidden": "32", "heads": "2", "seq_len": "16",
+                            "vocab": "256", "batch": "8"})
+    state, batch = jax.device_get(m.init(0))
+    return m, state, batch
+
+
+def test_a_kept_state_is_counted_once_in_a_stage():
+    # (sweep V of stop 94: the layer's program temporaries held the new
+    # values too, so the stage counted them twice: +19..+29%)
+    m, state, batch = _small_gpt()
+    method = meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=4, schedule="gpipe")
+    plan = meshplan.plan(m.train_step, state, batch, method=method, donate_argnums=())
+    step = meshplan.parallelize(m.train_step, plan=plan, donate_argnums=())
+    mem = stage_memory(step._entry((state, batch))[1], step.lower(state, batch).compile())
+    for s in (1, 2):        # (the blocks' stages: stage 0 updates the tied embedding)
+        got, want = plan.stages[s].predicted.memory_bytes, mem[s].total
+        assert 0.9 * want <= got <= 1.1 * want, (s, got, want)
+
+
+def test_one_program_holds_its_new_state_beside_everything():
+    # one stage, one micro-batch: one program, whose outputs are buffers of
+    # their own all along (not after the passes, as in a pipeline's update)
+    m, state, batch = _small_gpt()
+    method = meshplan.PipeshardParallel(stages=1, num_micro_batches=1)
+    kept, given = (meshplan.plan(m.train_step, state, batch, method=method, donate_argnums=d)
+                   for d in ((), (0,)))
+    from meshplan.tools.verify import compiled_memory
+    step = meshplan.parallelize(m.train_step, plan=kept, donate_argnums=())
+    _, parts = compiled_memory(step.lower(state, batch).compile())
+    rise = kept.stages[0].predicted.memory_bytes - given.stages[0].predicted.memory_bytes
+    # (the outputs: the new state, and the metrics' few bytes)
+    assert parts["alias"] == 0 and 0.98 * parts["output"] <= rise <= parts["output"], (
+        rise, parts)
