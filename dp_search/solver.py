@@ -118,10 +118,9 @@ def solve_job(job: tuple, caches: IlpCaches | None = None
      options, resident_cap, base, forward, pins, seed) = job
     t0 = time.perf_counter()
     keep = base is None and resident_cap is None
-    if sub.undonated:
-        # (the layer's plan holds its updates in place; the new values kept
-        # beside the old are its stage's to count: LayerCost.kept_new_bytes)
-        sub = dataclasses.replace(sub, undonated=frozenset())
+    # (the layer's plan holds its updates in place; the new values kept
+    # beside the old are its stage's to count: LayerCost.kept_new_bytes)
+    sub = sub.in_place()
     try:
         if base is None:
             # (a layer runs in a stage's forward and backward programs)
@@ -547,7 +546,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     sel_kept = sum(local(t, specs[t]) if t in specs else sub.tensors[t].nbytes for t in sel_saved)
     # the arena of intermediates its forward, backward and update programs need
     # (updates in place: the kept new values are kept_new, counted by the stage)
-    plain = dataclasses.replace(sub, undonated=frozenset()) if sub.undonated else sub
+    plain = sub.in_place()
     temps = program_temp_bytes(
         plain, stored_liveness(plain).intervals, [n.id in fwd_nodes for n in sub.nodes],
         saved | crossing | copied, accumulate, update_nodes(sub, frozenset(accumulate))[0],

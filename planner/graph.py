@@ -188,6 +188,11 @@ class Graph:
         return {o.tensor: self.inputs[o.updates].tensor for o in self.outputs
                 if o.updates is not None and o.updates in self.undonated}
 
+    def in_place(self) -> "Graph":
+        """This Graph with every update taking over its argument's buffer (a
+        layer's own plan: its stage counts the kept new values)."""
+        return dataclasses.replace(self, undonated=frozenset()) if self.undonated else self
+
     def kept_like(self, step: "Graph") -> "Graph":
         """This Graph (``step`` traced again: another micro-batch count)
         with the arguments ``step``'s caller keeps, matched by leaf."""

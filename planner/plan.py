@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .alternatives import Alternative, comm_share, describe_plan, explain_text
 from .cluster import ClusterSpec
 from .errors import PlanFormatError
+from .methods import SCHEDULES
 from .recompute import FULL, RECOMPUTE, SELECTIVE, recompute_name
 
 # what a stage may keep in host memory between steps (meshplan.offload)
@@ -333,8 +334,8 @@ def _whole(v: Any, name: str) -> int:
     return v
 
 
-# the schedules a plan names: one stage's "none", and Manual's (methods.SCHEDULES)
-PLAN_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
+# the schedules a plan names: one stage's "none", and those a method may ask for
+PLAN_SCHEDULES = ("none",) + tuple(s for s in SCHEDULES if s != "auto")
 
 
 def _check_structure(plan: "Plan") -> None:
