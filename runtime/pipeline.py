@@ -49,10 +49,12 @@ cached second call of a program given an array of another submesh).
 
 Donation (``donate_argnums`` as in ``jax.jit``): the running sums of the
 gradients are always taken over by the program that adds to them (and by
-the mean); a leaf of a donated argument is taken over by the last update
-program of the one stage that reads it, where an output of its shape can
-reuse its buffer (:func:`~meshplan.runtime.pipeline_programs.donations`;
-fixed per program, so the bookkeeping is static).  The caller's arrays of
+the mean); a leaf of a donated argument, and a value one update program
+makes for another of its stage, is taken over by the last update program
+reading it (every micro-batch program runs before the first update, so a
+tied weight is too), where an output of its shape can reuse its buffer
+(:func:`~meshplan.runtime.pipeline_programs.donations`; fixed per program,
+so the bookkeeping is static).  The caller's arrays of
 donated arguments are deleted once the step is dispatched, except those
 the step returns as they are and those no output of their shape and dtype
 could reuse (kept and warned about, as jax.jit does); a deleted array passed
@@ -338,7 +340,7 @@ class PipelineExecutable:
         # [multi-host] the caller's state stays whole: only running sums are donated
         if xp is not None:
             self.donated = self.released = frozenset()
-        self.donations = donations(split, flat, self.donated, self.wiring.leaf_readers, m)
+        self.donations = donations(split, flat, self.donated, m)
         # data-parallel gradients reduced once per step (see pipeline_partial;
         # it rewrites whole backwards, not zb-h1's W programs, and replays
         # each on a data shard's rows: not where a statistic of the

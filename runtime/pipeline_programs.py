@@ -196,26 +196,34 @@ def build_programs(split: StepSplit, flat: FlatJaxpr, layouts: StageLayouts,
 
 
 def donations(split: StepSplit, flat: FlatJaxpr, donated: frozenset[int],
-              leaf_readers: Mapping[int, tuple[int, ...]], m: int) -> dict[tuple, tuple[int, ...]]:
+              m: int) -> dict[tuple, tuple[int, ...]]:
     """Per task key, the input positions its program donates: every running
-    sum (ours alone), and each leaf of ``donated`` (the caller's state) in the
-    last update program of the one stage reading it, where an output of the
-    same shape and dtype can take its buffer.  A leaf read by several stages
-    (tied weights) or returned as it is is not donated: another program or
-    the caller still reads it (jax 0.10.2 crashes on an already-donated array)."""
+    sum (ours alone), and, in the last update program reading it, each leaf
+    of ``donated`` (the caller's state) and each value an earlier update of
+    the same stage made, where an output of the same shape and dtype can
+    take its buffer.  Every micro-batch program runs before the first
+    update, so only updates can read a value after its last update reader:
+    a tied weight, read by several stages, is taken over by the last update
+    reading it.  What the step returns as it is stays (jax 0.10.2 crashes on
+    an already-donated array)."""
     leaf_ids = set(flat.invars)
     returned = returned_leaves(split, flat)
-    last: dict[tuple[int, int], tuple[tuple, int]] = {}     # (leaf, stage) -> (task key, position)
+    handed = {x for x in flat.outvars if isinstance(x, int)}
     updates = sorted((k for k in split.tasks if k[0] == "A"), key=lambda k: (k[2], k[1]))
+    made = {x: k for k in updates for x in split.tasks[k].outputs}
+    last: dict[int, tuple[tuple, int]] = {}     # value -> (its last update reader, position)
     for key in updates:
-        t = split.tasks[key]
-        for pos, x in enumerate(t.inputs):
+        for pos, x in enumerate(split.tasks[key].inputs):
             src = x if x in leaf_ids or x in split.producer else split.alias.get(x, x)
-            if src in donated and src not in returned and leaf_readers.get(src) == (key[1],):
-                last[(src, key[1])] = (key, pos)
+            last[src] = (key, pos)
     out: dict[tuple, list[int]] = {}
-    for (src, _), (key, pos) in last.items():
-        out.setdefault(key, []).append(pos)
+    leaf_pos = set()
+    for src, (key, pos) in last.items():
+        if src in donated and src not in returned:
+            out.setdefault(key, []).append(pos)
+            leaf_pos.add((key, pos))
+        elif src in made and made[src][1] == key[1] and src not in handed:
+            out.setdefault(key, []).append(pos)
     for key, t in split.tasks.items():
         if key[0] != "A" and m > 1 and t.accumulate:
             out.setdefault(key, []).extend(range(len(t.inputs), len(t.inputs) + len(t.accumulate)))
@@ -224,7 +232,8 @@ def donations(split: StepSplit, flat: FlatJaxpr, donated: frozenset[int],
         t = split.tasks[key]
         free = [_aval_key(flat.avals.get(x)) for x in list(t.outputs) + list(t.accumulate)]
         keep = []
-        for pos in sorted(positions):
+        # (the caller's leaves first: their buffers are reused as under jax.jit)
+        for pos in sorted(positions, key=lambda p: (p < len(t.inputs) and (key, p) not in leaf_pos, p)):
             if pos >= len(t.inputs):             # a running sum: its new value takes it
                 keep.append(pos)
                 continue
@@ -233,7 +242,7 @@ def donations(split: StepSplit, flat: FlatJaxpr, donated: frozenset[int],
                 free.remove(want)
                 keep.append(pos)
         if keep:
-            result[key] = tuple(keep)
+            result[key] = tuple(sorted(keep))
     return result
 
 

@@ -90,28 +90,41 @@ def test_a_deleted_argument_is_refused_before_anything_runs():
 
 
 @pytest.mark.extended
-def test_a_weight_two_stages_read_is_deleted_after_the_step_not_taken_over():
-    # a tied embedding: the first stage updates it, the last reads it again
-    m = build_model("gpt", {"layers": "2", "hidden": "32", "heads": "2", "seq_len": "16",
-                            "vocab": "256", "batch": "8", "optimizer": "sgd"})
+def test_a_weight_two_stages_read_is_taken_over_by_its_last_update():
+    # a tied embedding: the first stage updates it, the last reads it too.
+    # Every micro-batch program runs before the updates, so the last update
+    # reading it may take its buffer, and adam's moments, made by one update
+    # program and finished by the next, are taken over there as well
+    m = build_model("gpt", {"optimizer": "adam"})        # (vocab 256, hidden 64)
     state, batch = jax.device_get(m.init(0))
-    plan = meshplan.plan(m.train_step, state, batch,
-                         method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    method = meshplan.Manual(dp=2, tp=1, pp=4, num_micro_batches=2, schedule="gpipe")
+    with pytest.warns(UserWarning, match="stages were asked for"):
+        plan = meshplan.plan(m.train_step, state, batch, method=method)
     step = meshplan.parallelize(m.train_step, plan=plan, donate_argnums=(0,))
-    ref_state, _ = jax.jit(m.train_step)(state, batch)
-    ref_state, ref_metrics = jax.jit(m.train_step)(ref_state, batch)
+    ref = jax.jit(m.train_step)
+    ref_state, _ = ref(state, batch)
+    ref_state, ref_metrics = ref(ref_state, batch)
     state = _on_devices(state)
     for _ in range(2):
         old = state
         state, metrics = step(state, batch)
         assert all(x.is_deleted() for x in jax.tree.leaves(old))
     ex = step._fast[1]
-    wte = next(i for i, (a, path) in ex.arg_path.items() if path.endswith("['wte']"))
+    wte = next(i for i, (a, path) in ex.arg_path.items() if path == "['params']['wte']")
     assert len(ex.wiring.leaf_readers[wte]) == 2
     taken = {ex.split.tasks[k].inputs[p] for k, ps in ex.donations.items() for p in ps
              if p < len(ex.split.tasks[k].inputs)}
-    assert wte not in taken and taken      # the other leaves are taken over
+    assert wte in taken
+    # (adam moves a weight whose gradient is near zero by about its learning
+    # rate either way: the micro-batches' summation order shows as 1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    # what the first stage's updates hold beside its state: not the table and
+    # its moments again (three of them before), scalars and one table at most
+    first = stage_memory(ex, step.lower(state, batch).compile())[0]
+    table = 256 * 64 * 4
+    assert first.updated <= table + 1024, first
 
 
 def _lr_step(state, batch):
