@@ -19,6 +19,7 @@ from .interleave import group_memory
 from .layers import BOUNDARY, canonical_tensors
 from .problem import LayerProblems
 from .stages import PipelineChoice, StageCosts, place_stages
+from .zero_bubble import ZB_H1
 
 
 def graph_prefixes(graph: Graph) -> tuple[tuple[int, str], ...]:
@@ -172,7 +173,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                 else:
                     params.setdefault(key, spec)
         joint_s, joint_bytes = costs.joint(st.first, st.last, st.submesh, mesh_k, opt.tighten)
-        lost_s, lost_bytes = costs.undeferred(st.first, st.last, st.submesh, mesh_k, opt.tighten)
+        lost_s, lost_bytes = costs.undeferred(st.first, st.last, st.submesh, mesh_k, opt.tighten,
+                                              every=schedule == ZB_H1)
         comm, cbytes = comm + joint_s + lost_s, cbytes + joint_bytes + lost_bytes
         sub = submeshes[st.submesh]
         # (the new value of an updated argument leaf keeps its layout, as the

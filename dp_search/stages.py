@@ -452,15 +452,17 @@ class StageCosts:
             return self._flow(f, maker, reader, m, k)
         return joint_cost(self.flows, i, j, cost)
 
-    def undeferred(self, i: int, j: int, m: int, k: int, tighten: float = 1
-                   ) -> tuple[float, float]:
+    def undeferred(self, i: int, j: int, m: int, k: int, tighten: float = 1,
+                   every: bool = False) -> tuple[float, float]:
         """Seconds and bytes per micro-batch that layers ``i..j`` as one stage
         on mesh ``k`` of submesh ``m`` add where the stage's backward cannot
         run on each data shard's rows over the axes its gradient sums wait on
         (``LayerCost.rows_cut`` of every layer, the cotangents it hands back
-        of the first): the runtime then reduces the stage's gradients every
-        micro-batch (runtime.pipeline_partial), so each waiting reduction,
-        priced at a 1/B share, is paid whole each time."""
+        of the first), or anywhere (``every``: ZB-H1, whose weight-gradient
+        programs the runtime does not replay per shard): the runtime then
+        reduces the stage's gradients every micro-batch
+        (runtime.pipeline_partial), so each waiting reduction, priced at a
+        1/B share, is paid whole each time."""
         if self.lay.B == 1:
             return 0.0, 0.0
         parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
@@ -475,8 +477,8 @@ class StageCosts:
             reads, sent = next(((r, s) for a, r, s in p.rows_cut if a == axes), (True, True))
             return reads and (sent or not first)
         shards = math.prod(self.lay.meshes_of[m][k].shape[a] for a in axes)
-        if self._traces_per_shard(shards) and all(runs_per_shard(p, n == 0)
-                                                  for n, p in enumerate(parts)):
+        if not every and self._traces_per_shard(shards) and all(
+                runs_per_shard(p, n == 0) for n, p in enumerate(parts)):
             return 0.0, 0.0
         more = self.lay.B - 1
         return (more * sum(p.deferred_s for p in waiting),
@@ -637,6 +639,10 @@ class StageCosts:
                 continue
             send, c, ways = priced
             held = c.held_grads(whole)
+            # (ZB-H1's gradients are reduced every micro-batch wherever they
+            # could wait: what _priced charged only where the rows forbid it)
+            lost = (self.undeferred(i, j, m, k, tighten, every=True)[0]
+                    - self.undeferred(i, j, m, k, tighten)[0]) if schedule == ZB_H1 else 0.0
             for w in ways:
                 if w.layers and (whole or not partial_ok):
                     continue
@@ -650,8 +656,8 @@ class StageCosts:
                 if tighten == 1 and (room[0] is None or left > room[0]):
                     room[0] = left
                 if (mem <= lay.budget or self.relaxed) \
-                        and (best is None or w.latency_s < best.latency_s):
-                    best = StageOption(w.latency_s, w.recompute != NONE, mem, k, send,
+                        and (best is None or w.latency_s + lost < best.latency_s):
+                    best = StageOption(w.latency_s + lost, w.recompute != NONE, mem, k, send,
                                        w.cost.memory(n_kept, w.as_way, whole), w.recompute,
                                        tighten, w.layers, w.keep_casts,
                                        w.cost.work(w.as_way, send, lay.B).per_micro_batch_comm_s)
