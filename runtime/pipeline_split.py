@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import jax
 
@@ -224,7 +224,8 @@ def split_step(flat: FlatJaxpr, forward: Sequence[bool], layer_of_node: Sequence
     for k in (*drawn, *hoisted, *stats):
         phase[k] = "R"
     moved = _keep_pipeline(flat.eqns, phase, eqn_stage, flow.producer_eqn)
-    tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn, flow.alias)
+    tasks, producer = _tasks(flat.eqns, phase, eqn_stage, flow.producer_eqn, flow.alias,
+                             {x for x in flat.outvars if isinstance(x, int)})
     _ahead_inputs(tasks, flat, flow, stats)
     needed_by = _wire_inputs(tasks, flat.eqns, flow.const_ids)
     for o, i in flow.alias.items():      # (a gradient an update program sums)
@@ -537,15 +538,16 @@ def _keep_pipeline(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[in
 
 
 def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
-           producer_eqn: dict[int, int], alias: dict[int, int]
+           producer_eqn: dict[int, int], alias: dict[int, int], returned: AbstractSet[int]
            ) -> tuple[dict[tuple, Task], dict[int, tuple]]:
     """(tasks, id -> key of the task making it).  Apply levels: a stage's
     update work is cut where it needs a value computed by another stage's
     update work, or a gradient an update program sums (the update reads the
-    marker's output, which the driver finds under the marker's input)."""
+    marker's output, which the driver finds under the marker's input).  An
+    update equation whose values only a later level of its stage reads runs
+    there (a tied weight's moments decayed early would cross as new tables)."""
     level_of_id: dict[int, int] = {}
-    tasks: dict[tuple, Task] = {}
-    producer: dict[int, tuple] = {}
+    level: dict[int, int] = {}
     for k, fe in enumerate(eqns):
         ph, s = phase[k], eqn_stage[k]
         if ph == "M":
@@ -553,10 +555,7 @@ def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
                 i = alias.get(o)
                 if i in level_of_id:
                     level_of_id[o] = level_of_id[i] + 1
-            continue
-        if ph == "K":
-            continue
-        if ph == "A":
+        elif ph == "A":
             lvl = 0
             for x in fe.invars:
                 if isinstance(x, int) and x in level_of_id:
@@ -564,9 +563,27 @@ def _tasks(eqns: Sequence[FlatEqn], phase: list[str], eqn_stage: list[int],
                     lvl = max(lvl, level_of_id[x] + (eqn_stage[pk] != s))
             for o in fe.outvars:
                 level_of_id[o] = lvl
-            key = ("A", s, lvl)
-        else:
-            key = (ph, s)
+            level[k] = lvl
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, fe in enumerate(eqns):
+        for x in fe.invars:
+            if isinstance(x, int):
+                readers[x].append(k)
+    for k in sorted(level, reverse=True):
+        outs = eqns[k].outvars
+        if not outs or any(o in returned for o in outs):
+            continue
+        users = [c for o in outs for c in readers[o]]
+        if users and all(c in level for c in users):
+            level[k] = max(level[k], min(level[c] - (eqn_stage[c] != eqn_stage[k])
+                                         for c in users))
+    tasks: dict[tuple, Task] = {}
+    producer: dict[int, tuple] = {}
+    for k, fe in enumerate(eqns):
+        ph, s = phase[k], eqn_stage[k]
+        if ph in ("M", "K"):
+            continue
+        key = ("A", s, level[k]) if ph == "A" else (ph, s)
         if key not in tasks:
             tasks[key] = Task(ph, s, key[2] if ph == "A" else 0)
         tasks[key].eqns.append(k)
