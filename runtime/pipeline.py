@@ -59,7 +59,8 @@ donated arguments are deleted once the step is dispatched, except those
 the step returns as they are and those no output of their shape and dtype
 could reuse (kept and warned about, as jax.jit does); a deleted array passed
 in is refused before anything runs (jax 0.10.2 crashes on a call with an
-already-donated array).  Across processes only the running sums are donated.
+already-donated array).  Across processes only our own values (running sums, what one
+update program makes for the next) are donated.
 
 Across processes (``jax.distributed``; see
 :mod:`meshplan.runtime.pipeline_transport`): every process runs this driver
@@ -337,7 +338,7 @@ class PipelineExecutable:
                  f"jax.jit; leave {m}x room in the loss scale, or plan with num_micro_batches=1")
         self.layouts = StageLayouts(plan, self.meshes, traced, split)
         self.wiring = wire(split, flat, self.schedule, m, self.layouts.is_batch, self.groups)
-        # [multi-host] the caller's state stays whole: only running sums are donated
+        # [multi-host] the caller's state stays whole: only our own values are donated
         if xp is not None:
             self.donated = self.released = frozenset()
         self.donations = donations(split, flat, self.donated, m)
