@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from meshplan.errors import MeshplanError
 from meshplan.graph import packed_bytes
+from meshplan.schedule import max_in_flight
 
 from .pipeline_split import CONCAT
 
@@ -246,21 +247,24 @@ def program_memory(compiled: Any) -> dict[str, int]:
 
 def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
-    return packed_bytes(math.prod(shard), str(jax.numpy.dtype(dtype)))
+    # (a typed PRNG key's dtype, "key<fry>", is no numpy dtype; graph sizes it)
+    name = str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) \
+        else str(jax.numpy.dtype(dtype))
+    return packed_bytes(math.prod(shard), name)
 
 
 def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
                  in_flight: list[int] | None = None) -> list[StageMemory]:
     """What each stage of ``ex`` keeps on one device during a call.
     ``in_flight``: micro-batches in flight per stage (default the schedule's
-    bound: GPipe all of them, 1F1B ``p - s``, ZB-H1 ``p``; or ``last_stats['max_in_flight']``
-    of a call)."""
+    bound, :func:`meshplan.schedule.max_in_flight`, the driver's own order; or
+    ``last_stats['max_in_flight']`` of a call)."""
     flat, lay, split, m, p = ex.flat, ex.layouts, ex.split, ex.m, ex.p
     leaf_ids = set(flat.invars)
     copies = {o for k in split.hoisted for o in flat.eqns[k].outvars}
     if in_flight is None:
-        in_flight = [m if ex.schedule == "gpipe" else min(m, p) if ex.schedule == "zb-h1"
-                     else min(m, p - s) for s in range(p)]
+        groups = len(set(ex.groups))
+        in_flight = list(max_in_flight(ex.schedule, groups, m, p // groups))
     out = []
     for s in range(p):
         keys = [k for k in compiled.compiled if k[1] == s]

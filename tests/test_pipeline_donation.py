@@ -395,3 +395,32 @@ def test_one_program_holds_its_new_state_beside_everything():
     # (the outputs: the new state, and the metrics' few bytes)
     assert parts["alias"] == 0 and 0.98 * parts["output"] <= rise <= parts["output"], (
         rise, parts)
+
+
+def test_stage_memory_counts_a_typed_prng_key_in_the_state():
+    # (flax nnx's Rngs keep jax.random.key in the state: "key<fry>" is no
+    # numpy dtype, and the memory check raised TypeError on it)
+    import jax.numpy as jnp
+    ks = jax.random.split(jax.random.key(0), 4)
+    state = {"w": [jax.random.normal(k, (32, 32)) / 6 for k in ks], "rng": jax.random.key(1)}
+    batch = {"x": jax.random.normal(jax.random.key(2), (16, 32))}
+
+    def step(state, batch):
+        rng, sub = jax.random.split(state["rng"])
+
+        def loss(ws):
+            h = batch["x"]
+            for i, w in enumerate(ws):
+                h = jnp.tanh(h @ w)
+                h = jnp.where(jax.random.bernoulli(jax.random.fold_in(sub, i), 0.9, h.shape),
+                              h / 0.9, 0)
+            return jnp.mean(h ** 2)
+        g = jax.grad(loss)(state["w"])
+        return {"w": [w - 0.1 * d for w, d in zip(state["w"], g)], "rng": rng}
+
+    step_p = meshplan.parallelize(step, method=meshplan.Manual(dp=2, tp=2, pp=2,
+                                                               num_micro_batches=2))
+    step_p(state, batch)
+    mem = stage_memory(step_p._entry((state, batch))[1], step_p.lower(state, batch).compile())
+    # each stage's weights are whole kilobytes; the key adds its two uint32
+    assert len(mem) == 2 and all(m.state % 1024 == 8 for m in mem), mem
