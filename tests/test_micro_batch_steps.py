@@ -624,6 +624,26 @@ def test_batch_leaves_that_disagree_on_dimension_0_are_named():
                       method=meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
 
 
+def test_per_example_arguments_outside_batch_argnums_are_named_with_the_fix():
+    # labels and weights passed as arguments of their own, batch_argnums left
+    # at (1,): the micro-batch trace fails, and the error says which to add
+    def step_fn(p, x, y, w):
+        def loss(p):
+            per = jnp.sum((jnp.tanh(x @ p["w"]) - y) ** 2, axis=1)
+            return jnp.sum(per * w) / jnp.sum(w)
+        l, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), l
+    args = ({"w": jnp.ones((8, 4))}, jnp.ones((16, 8)), jnp.ones((16, 4)), jnp.ones((16,)))
+    method = meshplan.Manual(dp=2, tp=2, pp=2, num_micro_batches=2)
+    with pytest.raises(meshplan.MeshplanError, match=r"Argument\(s\) 2 \(y\), 3 \(w\) have "
+                       r"dimension 0 of the batch's size 16 but are not in batch_argnums=\(1,\): "
+                       r"if they are per-example, pass batch_argnums=\(1, 2, 3\)"):
+        meshplan.plan(step_fn, *args, cluster=meshplan.Cluster.local(), method=method)
+    plan = meshplan.plan(step_fn, *args, cluster=meshplan.Cluster.local(), method=method,
+                         batch_argnums=(1, 2, 3))
+    assert plan.num_micro_batches == 2
+
+
 def test_the_next_key_split_off_with_the_batchs_keys_is_refused_with_the_fix():
     # split(key, B + 1): the next key and one key an example from one split
     def step_fn(state, batch):

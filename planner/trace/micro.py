@@ -75,12 +75,14 @@ __all__ = ("micro_step", "mark_full_batch", "infer_gradients", "draw_equations",
 BatchDraw = tuple[int, int, tuple[int, ...]]
 
 
-def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, Any]:
+def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "",
+             suspects: str = "") -> tuple[Any, Any]:
     """``jax.make_jaxpr(fn, return_shape=True)(*args)``.  A failure at the
     arguments as given is the function's own: it is raised as it is, as
     ``jax.jit`` raises it, with a note saying meshplan was tracing it.  A
     failure at another size (``where``) becomes one TraceError that says so
-    and keeps the cause (the search tries other sizes)."""
+    and keeps the cause (the search tries other sizes); ``suspects``, the
+    likeliest cause at micro-batch size, ends the hint."""
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
@@ -89,7 +91,7 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
             raise
         hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
                 "batch arguments: is dimension 0 the batch in each of them, and does the step "
-                "take the batch size from x.shape[0] rather than from a constant?)"
+                f"take the batch size from x.shape[0] rather than from a constant?{suspects})"
                 if where == " at micro-batch size" else "")
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}{where}: "
                          f"{type(e).__name__}: {' '.join(str(e).split())}{hint}") from e
@@ -97,7 +99,7 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "") -> tuple[Any, A
 
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
                build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
-               infer: bool = True, scaling: int = 0) -> tuple[Any, ...]:
+               infer: bool = True, scaling: int = 0, suspects: str = "") -> tuple[Any, ...]:
     """``fn`` traced at ``micro_args`` (the batch cut into micro-batches):
     (closed jaxpr, output shapes, flat stream with the gradient marker, its
     Graph, (the draws over the batch, :func:`draw_equations`), its
@@ -105,8 +107,9 @@ def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any]
     out_shape, flat)`` makes the Graph of a flat stream.  ``infer`` False
     (one micro-batch): the trace as it is.  ``scaling``: the number of
     micro-batches, to analyse how the values scale with the batch (the
-    runtime's combination of micro-batches); 0: not analysed."""
-    closed, out_shape = jaxpr_of(fn, micro_args, " at micro-batch size")
+    runtime's combination of micro-batches); 0: not analysed.  ``suspects``:
+    see :func:`jaxpr_of`."""
+    closed, out_shape = jaxpr_of(fn, micro_args, " at micro-batch size", suspects)
     flat = flatten(closed)
     graph = build_graph(closed, micro_args, out_shape, flat)
     marked = any(fe.eqn.primitive.name == GRAD_BOUNDARY for fe in flat.eqns)

@@ -599,7 +599,8 @@ def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
     def build(closed: Any, a: Sequence[Any], out_shape: Any, flat: FlatJaxpr) -> Graph:
         return graph_from_jaxpr(closed, a, out_shape, batch_argnums=batch_argnums, name=name,
                                 argnames=_argnames(fn, len(a)), flat=flat)
-    out = micro_step(fn, args, micro, build, infer=m > 1, scaling=m if scaling else 0)
+    out = micro_step(fn, args, micro, build, infer=m > 1, scaling=m if scaling else 0,
+                     suspects=_unlisted_batch_args(fn, args, batch_argnums))
     if m > 1:
         return out
     closed, out_shape, flat, graph, draws, scaled = out
@@ -653,6 +654,28 @@ def _grow(x: Any, k: int) -> Any:
         return x
     return jax.ShapeDtypeStruct((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype,
                                 weak_type=_weak(x))
+
+
+def _unlisted_batch_args(fn: Callable, args: tuple[Any, ...],
+                         batch_argnums: tuple[int, ...]) -> str:
+    """The arguments outside ``batch_argnums`` with a leaf whose dimension 0
+    is the batch's size (per-example labels or weights passed on their own,
+    the commonest cause of a step that does not trace at micro-batch size),
+    as the end of that error's hint; "" if none."""
+    rows = {int(l.shape[0]) for a in batch_argnums if a < len(args)
+            for l in jax.tree_util.tree_leaves(args[a]) if getattr(l, "shape", ())}
+    if len(rows) != 1:
+        return ""
+    names = _argnames(fn, len(args))
+    found = [i for i, a in enumerate(args) if i not in batch_argnums
+             and any(tuple(getattr(l, "shape", ()))[:1] == tuple(rows)
+                     for l in jax.tree_util.tree_leaves(a))]
+    if not found:
+        return ""
+    which = ", ".join(f"{i} ({names[i]})" for i in found)
+    return (f" Argument(s) {which} have dimension 0 of the batch's size {rows.pop()} but are "
+            f"not in batch_argnums={batch_argnums}: if they are per-example, pass "
+            f"batch_argnums={tuple(sorted({*batch_argnums, *found}))}.")
 
 
 def _micro_batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], m: int) -> int:
