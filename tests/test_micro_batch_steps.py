@@ -299,12 +299,16 @@ def test_per_example_keys_and_a_vmapped_draw_pipeline_with_micro_batches():
     assert step.plan.num_micro_batches == 4
 
 
-@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("raw", [False, True, "legacy"])
 def test_per_example_keys_the_batch_holds_pipeline_with_micro_batches(raw):
     # (the equinox idiom with the keys made by the data pipeline: row i
     # draws with keys[i] at any micro-batch size); keys whose rows are
-    # mixed (reversed) are still refused
+    # mixed (reversed) are still refused.  "legacy": raw uint32 keys handed
+    # to jax.random as they are (each call wraps and unwraps them), folded
+    # and split per layer
     def one(p, x, key):
+        if raw == "legacy":
+            key = jax.random.split(jax.random.fold_in(key, 3))[0]
         key = jax.random.wrap_key_data(key) if raw else key
         keep = jax.random.bernoulli(jax.random.split(key)[1], 0.8, (32,))
         return jnp.where(keep, jnp.tanh(x @ p["w1"]), 0.0) @ p["w2"]

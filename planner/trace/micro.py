@@ -506,7 +506,8 @@ def _draws(flat: FlatJaxpr, per_example: set[int], full: FlatJaxpr,
 # equations that keep a key per row the row's own (its leading dimension the
 # batch's, untouched): the key may be split, folded with a value no example
 # owns, or have its per-row parts cut out
-_ROW_KEYS = frozenset({"random_wrap", "random_split", "random_fold_in", "slice", "squeeze"})
+_ROW_KEYS = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in", "slice",
+                       "squeeze"})
 
 
 def _keyed_by_rows(flat: FlatJaxpr, key: Any, batch: set[int], per_example: set[int],
