@@ -26,10 +26,11 @@ from ..graph import GRAD_BOUNDARY, INFERRED_GRADIENTS
 from ..ilp import Pins
 from ..plan import MemoryBreakdown
 from ..recompute import FULL, NONE, SELECTIVE, recompute_name
+from ..schedule import peak_kept, schedule_order
 from ..units import human_bytes
 from .interleave import CHUNKS, interleave, why_not_interleaved
 from .joints import Flow, flow_cost, joint_cost, layer_flows
-from .zero_bubble import ZB_H1, kept_parts, w_share, zero_bubble
+from .zero_bubble import ZB_H1, kept_parts, w_shares, zero_bubble
 from .options import PipelineOptions
 from .problem import LayerProblems
 from .solver import TIGHTEN, LayerCost, LayerSolver
@@ -309,7 +310,8 @@ class StageCosts:
         # why the DP's stages could not run interleaved (the error when only it was asked)
         self.not_interleaved: str | None = None
         self.not_zero_bubble: str | None = None     # (the same for ZB-H1)
-        self._zb_kept: tuple[list[float], list[float]] | None = None   # .zero_bubble.kept_parts
+        # (.zero_bubble.kept_parts, and each layer's kept bytes after fusion)
+        self._zb_kept: tuple[tuple[list[float], list[float]], list[float]] | None = None
         # Where two layers of a stage disagree on the layout of a value one
         # hands the other, the stage program reshards it every micro-batch
         # (the runtime constrains each layer to its plan): charged under any
@@ -581,13 +583,19 @@ class StageCosts:
         return lay.max_stages if lay.max_stages and lay.max_stages == lay.min_stages else None
 
     def zb_extra(self, first: int, last: int, s: int, p: int) -> float:
-        """[zb-h1] the micro-batches a stage of layers ``first..last`` with
-        ``s`` stages from it to the last keeps past their B, beyond 1F1B's
-        count, as whole micro-batches of its kept activations."""
+        """[zb-h1] what a stage of layers ``first..last`` with ``s`` stages
+        from it to the last (of ``p``) keeps at most, in whole micro-batches of
+        its kept activations, beyond 1F1B's count: its order walked with what
+        each micro-batch keeps until its B and then until its W."""
+        lay = self.lay
+        if p == s:      # (the first stage sends no gradient back: 1F1B's one backward)
+            return 0.0
         if self._zb_kept is None:
-            self._zb_kept = kept_parts(self.lay.g, self.lay.layering)
-        B = self.lay.B
-        return (min(B, p) - min(B, s)) * w_share(self._zb_kept, first, last)
+            self._zb_kept = (kept_parts(lay.g, lay.layering),
+                             [sum(lay.g.tensors[t].nbytes for t in ts) for ts in lay.saved])
+        fw, bw = w_shares(*self._zb_kept, first, last)
+        kinds = [k for k, _ in schedule_order(ZB_H1, p - s, p, lay.B)]
+        return max(0.0, peak_kept(kinds, 1.0, bw, fw + bw) - min(lay.B, s))
 
     def best(self, gi: int, gj: int, m: int, s: int, schedule: str,
              keep: int | None = None, extra: float = 0.0) -> StageOption | None:

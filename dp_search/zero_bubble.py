@@ -4,9 +4,10 @@ interleaved ones).
 The DP's stages are kept (it priced them with 1F1B's in-flight counts, or
 where the request fixes the stage count with ZB-H1's); ZB-H1 keeps ``min(B,
 p)`` micro-batches on every stage (:func:`meshplan.schedule.max_in_flight`),
-stage ``s`` from the last ``min(B, s)`` of them whole as 1F1B does and the
-others only with what their ``W`` still reads (:func:`kept_parts`: the
-driver frees the rest after their ``B``), so each stage is priced again and
+whole until their ``B``, then only what their ``W`` still reads
+(:func:`kept_parts`: the driver frees the rest after their ``B``); the most
+a stage holds at once is walked through its order
+(:func:`meshplan.schedule.peak_kept`), so each stage is priced again and
 the plan is dropped where one no longer fits.  Each stage's latency is cut into its
 forward ``F``, input-gradient ``B`` and weight-gradient ``W`` by the FLOPs
 of those parts of its layers (:func:`backward_parts`: by dependence, as the
@@ -26,7 +27,7 @@ from .layers import Layering
 from .problem import LayerProblems
 from .stage_dp import DPResult, StageChoice
 
-__all__ = ("ZB_H1", "backward_parts", "zero_bubble")
+__all__ = ("ZB_H1", "backward_parts", "kept_parts", "w_shares", "zero_bubble")
 
 ZB_H1 = "zb-h1"
 
@@ -66,36 +67,40 @@ def backward_parts(g: Graph, layering: Layering) -> tuple[list[float], list[floa
 
 
 def kept_parts(g: Graph, layering: Layering) -> tuple[list[float], list[float]]:
-    """Per layer the bytes one micro-batch keeps for its backward (forward
-    values its backward reads) and those it still keeps once B ran (what W
-    reads: forward values and B's results).  After its B a micro-batch
-    holds only the second (the driver frees what nothing else reads)."""
+    """Per layer the bytes one micro-batch keeps past its B for its W: the
+    forward values W reads, and B's results W reads.  (The runtime frees the
+    rest of what the forward kept after B: :func:`meshplan.schedule.peak_kept`.)"""
     L, layer, fwd = layering.num_layers, layering.layer_of_node, layering.forward
     down, end = _input_gradient_nodes(g, layering)
     made = g.producer
-    kept: list[set[int]] = [set() for _ in range(L)]
-    after_b: list[set[int]] = [set() for _ in range(L)]
+    from_f: list[set[int]] = [set() for _ in range(L)]
+    from_b: list[set[int]] = [set() for _ in range(L)]
     for n in g.nodes[:end]:
         l = layer[n.id]
-        if fwd[n.id] or not 0 <= l < L:
+        if fwd[n.id] or down[n.id] or not 0 <= l < L:
             continue
         for t in n.inputs:
             k = made.get(t)
             if k is None:
                 continue        # parameters and batch pieces: not per micro-batch
             if fwd[k]:
-                kept[l].add(t)
-            if not down[n.id] and (fwd[k] or down[k]):
-                after_b[l].add(t)
-    size = [sum(g.tensors[t].nbytes for t in ts) for ts in kept]
-    return size, [sum(g.tensors[t].nbytes for t in ts) for ts in after_b]
+                from_f[l].add(t)
+            elif down[k]:
+                from_b[l].add(t)
+    return ([sum(g.tensors[t].nbytes for t in ts) for ts in from_f],
+            [sum(g.tensors[t].nbytes for t in ts) for ts in from_b])
 
 
-def w_share(kept: tuple[list[float], list[float]], first: int, last: int) -> float:
-    """Of what layers ``first..last`` keep per micro-batch, the share kept
-    from their B until their W (at most all of it)."""
-    full = sum(kept[0][first:last + 1])
-    return min(1.0, sum(kept[1][first:last + 1]) / full) if full > 0 else 0.0
+def w_shares(parts: tuple[list[float], list[float]], kept: list[float], first: int,
+             last: int) -> tuple[float, float]:
+    """Of what layers ``first..last`` keep per micro-batch for their backward
+    (``kept``, after fusion), the shares W still reads past B: the forward's
+    values (at most all of them) and B's results."""
+    full = sum(kept[first:last + 1])
+    if full <= 0:
+        return 0.0, 0.0
+    return (min(1.0, sum(parts[0][first:last + 1]) / full),
+            sum(parts[1][first:last + 1]) / full)
 
 
 def zero_bubble(res: DPResult, lay: LayerProblems, costs: Any

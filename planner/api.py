@@ -640,11 +640,10 @@ def fused_replay(traced: TracedStep, schedule: str,
     With the plan's layering, layer by layer as the planner's activation
     memory counts it (``dp_search/problem``: a chain is not followed into
     another layer, whose value entering it is kept); else over the whole
-    step.  None under ZB-H1, whose weight gradients are cut from backwards
-    that replay nothing."""
+    step.  (ZB-H1: its B and W programs each replay what they read of them.)"""
     from meshplan.cost_model.fusion import RECOMPUTABLE, backward_reads, kept_after_fusion
     g = traced.graph
-    if g is None or schedule == "zb-h1":
+    if g is None:
         return frozenset()
     fwd = traced.forward
     if len(layer_of_node) == len(g.nodes):

@@ -26,10 +26,12 @@ longer waits for the ``W``s."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from .errors import MeshplanError
 
-__all__ = ["Block", "schedule_order", "group_order", "max_in_flight", "ScheduleError"]
+__all__ = ["Block", "schedule_order", "group_order", "max_in_flight", "peak_kept",
+           "ScheduleError"]
 
 
 class ScheduleError(MeshplanError, ValueError):
@@ -118,3 +120,27 @@ def max_in_flight(schedule: str, groups: int, m: int, chunks: int = 1) -> tuple[
             now[k] += 1 if kind == "F" else -1
             most[k] = max(most[k], now[k])
     return tuple(most)
+
+
+def peak_kept(kinds: Iterable[str], forward: float, backward: float, after_b: float) -> float:
+    """The most a stage keeps at once between its programs, walking its
+    ``kinds`` in order ("F", "B", "W" per micro-batch, as its devices run
+    them): each forward keeps ``forward`` for its backward; a ``B`` adds
+    ``backward`` (what it makes for its ``W``) and, where a ``W`` follows,
+    then frees all but ``after_b`` (what ``W`` reads: its forward's values
+    and ``B``'s), which the ``W`` frees.  With no ``W`` the ``B`` frees all.
+    (The runtime frees a micro-batch's values after their last reader.)"""
+    kinds = list(kinds)
+    has_w = "W" in kinds
+    live = peak = 0.0
+    for kind in kinds:
+        if kind == "F":
+            live += forward
+        elif kind == "B":
+            live += backward
+            peak = max(peak, live)
+            live -= forward + backward - (after_b if has_w else 0.0)
+        elif kind == "W":
+            live -= after_b
+        peak = max(peak, live)
+    return peak

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 
 from meshplan.errors import MeshplanError
 from meshplan.graph import packed_bytes
-from meshplan.schedule import max_in_flight
+from meshplan.schedule import peak_kept
 
 from .pipeline_split import CONCAT
 
@@ -253,18 +253,52 @@ def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     return packed_bytes(math.prod(shard), name)
 
 
-def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
-                 in_flight: list[int] | None = None) -> list[StageMemory]:
-    """What each stage of ``ex`` keeps on one device during a call.
-    ``in_flight``: micro-batches in flight per stage (default the schedule's
-    bound, :func:`meshplan.schedule.max_in_flight`, the driver's own order; or
-    ``last_stats['max_in_flight']`` of a call)."""
+def _kept_through_order(ex: "PipelineExecutable", compiled: PipelineCompiled,
+                        s: int) -> tuple[int, int, int]:
+    """(bytes one micro-batch keeps between its programs, the most they add
+    up to on stage ``s`` in the driver's order, the most micro-batches in
+    flight there).  Kept: what this stage's forward makes (or, remat, what
+    it received and keeps) for its ``B`` or ``W``, and what ``B`` makes for
+    ``W``."""
+    split, leaf_ids = ex.split, set(ex.flat.invars)
+    sizes: dict[str, dict[int, int]] = {"B": {}, "W": {}}
+    made_by_b: set[int] = set()
+    if split.tasks.get(("F", s)) is not None:
+        for kind in ("B", "W"):
+            b = split.tasks.get((kind, s))
+            if b is None:
+                continue
+            for x, v in zip(b.inputs, compiled.inputs[(kind, s)]):
+                made = split.producer.get(x)
+                if x not in leaf_ids and made is not None and (
+                        (made[0] == "F" and (made[1] == s or x in ex.wiring.keep[s]))
+                        or made == ("B", s)):
+                    sizes[kind][x] = _device_bytes(v.shape, v.dtype, v.sharding)
+                    if made == ("B", s):
+                        made_by_b.add(x)
+    both = {**sizes["B"], **sizes["W"]}
+    from_f = sum(n for x, n in both.items() if x not in made_by_b)
+    from_b = sum(sizes["W"][x] for x in made_by_b if x in sizes["W"])
+    after_b = sum(sizes["W"].values())      # (what W still reads, B's results among it)
+    kinds = [kind for kind, st, _ in ex.wiring.order if st == s]
+    closes = "W" if "W" in kinds else "B"
+    now = most = 0
+    for kind in kinds:
+        now += 1 if kind == "F" else -1 if kind == closes else 0
+        most = max(most, now)
+    peak = peak_kept(kinds, from_f, from_b, after_b)
+    return from_f + from_b, peak, most
+
+
+def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled) -> list[StageMemory]:
+    """What each stage of ``ex`` keeps on one device during a call.  The
+    activations are walked through the driver's own order
+    (``ex.wiring.order``), as it frees them: a micro-batch's values live from
+    the program that makes them to the last one that reads them (ZB-H1: what
+    only ``B`` reads goes after ``B``, what ``W`` reads after ``W``)."""
     flat, lay, split, m, p = ex.flat, ex.layouts, ex.split, ex.m, ex.p
     leaf_ids = set(flat.invars)
     copies = {o for k in split.hoisted for o in flat.eqns[k].outvars}
-    if in_flight is None:
-        groups = len(set(ex.groups))
-        in_flight = list(max_in_flight(ex.schedule, groups, m, p // groups))
     out = []
     for s in range(p):
         keys = [k for k in compiled.compiled if k[1] == s]
@@ -281,22 +315,7 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
         sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
                    for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B", "W")
                              for x in split.tasks[k].accumulate)) if m > 1 else 0
-        kept = 0
-        seen: set[int] = set()
-        for kind in ("B", "W") if split.tasks.get(("F", s)) is not None else ():
-            b = split.tasks.get((kind, s))
-            if b is None:
-                continue
-            for x, v in zip(b.inputs, compiled.inputs[(kind, s)]):
-                # what the backward reads from this stage's forward (or, remat,
-                # what the forward received and keeps for it; zb-h1: what B
-                # keeps for W)
-                made = split.producer.get(x)
-                if x not in leaf_ids and x not in seen and made is not None and (
-                        (made[0] == "F" and (made[1] == s or x in ex.wiring.keep[s]))
-                        or made == ("B", s)):
-                    seen.add(x)
-                    kept += _device_bytes(v.shape, v.dtype, v.sharding)
+        _, peak, in_flight = _kept_through_order(ex, compiled, s)
         work = updated = 0
         for k in keys:
             mem = program_memory(compiled[k])
@@ -305,6 +324,6 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled,
             work = max(work, mem["temp"])
             if k[0] == "A":
                 updated += mem["output"] - mem["alias"]
-        out.append(StageMemory(s, int(state), int(sums), int(kept * in_flight[s]),
-                               int(in_flight[s]), int(work), int(updated)))
+        out.append(StageMemory(s, int(state), int(sums), int(peak), int(in_flight),
+                               int(work), int(updated)))
     return out

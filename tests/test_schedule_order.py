@@ -91,3 +91,19 @@ def test_every_group_runs_its_own_chunks_only():
     for p, m in itertools.product((2, 4), (4, 8)):
         for g in range(p):
             assert {k % p for _, k, _ in group_order("interleaved", g, p, m, 2)} == {g}
+
+
+def test_peak_kept_walks_what_each_micro_batch_keeps_until_b_and_w():
+    from meshplan.schedule import peak_kept, schedule_order
+    # without W a stage keeps each micro-batch whole until its B
+    for p, m in ((4, 8), (2, 2)):
+        for s in range(p):
+            kinds = [k for k, _ in schedule_order("1f1b", s, p, m)]
+            assert peak_kept(kinds, 3.0, 0.0, 0.0) == 3.0 * max_in_flight("1f1b", p, m)[s]
+    # F F B W: 2 kept, B adds 0.5 (peak 2.5) and frees all but 0.7, W the 0.7
+    assert peak_kept("FFBW", 1.0, 0.5, 0.7) == 2.5
+    assert peak_kept("FBWFBW", 1.0, 0.5, 0.7) == 1.5
+    # ZB-H1's last stage keeps each micro-batch's W part until the end
+    kinds = [k for k, _ in schedule_order("zb-h1", 3, 4, 4)]
+    assert kinds == ["F", "B"] * 4 + ["W"] * 4
+    assert peak_kept(kinds, 1.0, 0.25, 0.5) == 1.0 + 0.25 + 3 * 0.5
