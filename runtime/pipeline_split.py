@@ -744,6 +744,8 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
     (None: all); the others' are replayed as with no recomputation.
     ``kinds``: the backward tasks that replay (ZB-H1: its B and its W, each
     what it reads; one that replays already is left as it is)."""
+    maker = {o: key for key, t in tasks.items() for k in t.eqns for o in eqns[k].outvars} \
+        if "W" in kinds else {}
     for kind, s in sorted({key[:2] for key in tasks if key[0] in kinds}):
         r = recompute_name(remat[s] if s < len(remat) else NONE)
         f, b = tasks.get(("F", s)), tasks.get((kind, s))
@@ -755,10 +757,16 @@ def _replay_forwards(tasks: dict[tuple, Task], eqns: Sequence[FlatEqn], remat: S
         want = {x for x in b.inputs if x in made}
         if not want:
             continue
+        # (a W replays from what its forward made alone: the values the
+        # forward received from other programs reach F and B only, the
+        # remat copies the driver keeps, Wiring.keep)
+        foreign = set() if kind == "B" else {
+            x for x in f.inputs if isinstance(x, int) and maker.get(x, f.key) != f.key}
         replay: set[int] = set()
         for k in reversed(f.eqns):
             if ((r == FULL and (part is None or k in part)) or k in again_ok) \
-                    and any(o in want for o in eqns[k].outvars):
+                    and any(o in want for o in eqns[k].outvars) \
+                    and not any(x in foreign for x in eqns[k].invars if isinstance(x, int)):
                 replay.add(k)
                 want.update(x for x in eqns[k].invars if isinstance(x, int))
         if not replay:
@@ -799,7 +807,8 @@ def _outputs_and_deps(tasks: dict[tuple, Task], flat: FlatJaxpr, producer: dict[
                               for o in eqns[k].outvars)
             bad = [o for k in t.eqns if k in ahead and k not in stats
                    for o in eqns[k].outvars if o in t.outputs and (
-                       o in out_ids or any(c[0] not in ("F", "B") for c in needed_by.get(o, ())))]
+                       o in out_ids or any(c[0] not in ("F", "B", "W")
+                                                for c in needed_by.get(o, ())))]
             if bad:
                 raise MeshplanError(
                     f"random bits drawn over the batch (tensor t{bad[0]}) are read outside the "
