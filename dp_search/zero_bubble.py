@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..contributions import graph_ops, once_a_step
 from ..cost_model.pipeline import zb_h1_iteration_s
 from ..graph import GRAD_BOUNDARY, Graph
 from .layers import Layering
@@ -39,12 +40,15 @@ def _input_gradient_nodes(g: Graph, layering: Layering) -> tuple[list[bool], int
     L, layer, fwd = layering.num_layers, layering.layer_of_node, layering.forward
     end = min((n.id for n in g.nodes if n.primitive == GRAD_BOUNDARY), default=len(g.nodes))
     users = g.consumers
+    # (the sum of a tied weight's contributions runs once a step, in the
+    # update: a contribution is a weight gradient, W's, as the runtime cuts it)
+    once, _ = once_a_step(graph_ops(g), layer, GRAD_BOUNDARY, users)
     down = [False] * len(g.nodes)
     for n in reversed(g.nodes[:end]):
         l = layer[n.id]
         if fwd[n.id] or not 0 <= l < L:
             continue
-        down[n.id] = any(not fwd[c] and c < end
+        down[n.id] = any(not fwd[c] and c < end and c not in once
                          and (layer[c] < l or (layer[c] == l and down[c]))
                          for t in n.outputs for c in users.get(t, ()))
     return down, end

@@ -172,10 +172,13 @@ def test_zb_h1_stages_keep_what_the_plan_counts():
     # value of those chains: +46% a micro-batch on these stages), and the
     # planner walks the stage's order with what each micro-batch keeps until
     # its B and then until its W (it charged 1F1B's count plus a share:
-    # -37% and -40% against the runtime's peak here)
+    # -37% and -40% against the runtime's peak here).  The last stage's W
+    # computes the tied head's contribution to the embedding's gradient (its
+    # sum runs once a step): the planner took it for input-gradient work, and
+    # charged 43% of that stage's activations
     from meshplan.tools.verify import verify_pipeline
     rows = verify_pipeline("gpt", 2, 1, 4, 4, "zb-h1")
-    for r in rows[1:3]:
+    for r in rows[1:]:
         got = dict(r.predicted_memory_parts)["activations"]
         want = dict(r.memory_parts)["activations"]
         assert abs(got - want) <= 0.05 * want, (r.stage, got, want)
