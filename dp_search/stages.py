@@ -68,6 +68,7 @@ class GroupCost:
     cast_s: float = 0.0
     copy_bytes: float = 0.0
     kept_new_bytes: float = 0.0    # LayerCost.kept_new_bytes, summed
+    reduced_grad_bytes: float = 0.0    # LayerCost.reduced_grad_bytes, summed
 
     @staticmethod
     def of_layers(parts: Sequence[LayerCost]) -> "GroupCost":
@@ -91,7 +92,9 @@ class GroupCost:
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
                          cast_s=sum(p.cast_s for p in parts),
                          copy_bytes=sum(p.copy_bytes for p in parts),
-                         kept_new_bytes=sum(p.kept_new_bytes for p in parts))
+                         kept_new_bytes=sum(p.kept_new_bytes for p in parts),
+                         reduced_grad_bytes=sum(p.grad_bytes if p.reduced_grad_bytes is None
+                                                else p.reduced_grad_bytes for p in parts))
 
     @staticmethod
     def of_groups(rows: Sequence["GroupCost"]) -> "GroupCost":
@@ -104,7 +107,7 @@ class GroupCost:
         first = rows[0]
         time_s = resident = saved = remat = boundary = grads = optimizer = 0
         selective = selective_saved = compute = remat_compute = selective_compute = 0
-        cast = copy = kept_new = 0
+        cast = copy = kept_new = reduced = 0
         transient, activation = first.transient_bytes, first.activation_bytes
         selective_transient = first.selective_transient_bytes
         for r in rows:
@@ -123,6 +126,7 @@ class GroupCost:
             cast += r.cast_s
             copy += r.copy_bytes
             kept_new += r.kept_new_bytes
+            reduced += r.reduced_grad_bytes
             transient = max(transient, r.transient_bytes)
             activation = max(activation, r.activation_bytes)
             selective_transient = max(selective_transient, r.selective_transient_bytes)
@@ -131,7 +135,8 @@ class GroupCost:
                          compute_s=compute, remat_compute_s=remat_compute,
                          selective_compute_s=selective_compute,
                          backward=bw, remat_backward=rbw, selective_backward=sbw,
-                         cast_s=cast, copy_bytes=copy, kept_new_bytes=kept_new)
+                         cast_s=cast, copy_bytes=copy, kept_new_bytes=kept_new,
+                         reduced_grad_bytes=reduced)
 
     def work(self, recompute: str, send_s: float, num_micro_batches: int) -> StageWork:
         """The stage's work per micro-batch for cost_model.overlap."""
@@ -164,6 +169,11 @@ class GroupCost:
                                   optimizer=self.optimizer_bytes,
                                   grads=held or min(self.grad_bytes, working),
                                   activations=keep * kept)
+
+    def reducing_each(self) -> "GroupCost":
+        """These layers in a stage that reduces its gradients every
+        micro-batch: their running sums in their parameters' layouts."""
+        return GroupCost(**{**vars(self), "grad_bytes": self.reduced_grad_bytes})
 
     def passes_bytes(self, passes: float, one_program: bool) -> float:
         """What the step holds beyond its state and gradients: ``passes``,
@@ -488,15 +498,18 @@ class StageCosts:
 
     def _traces_per_shard(self, shards: int) -> bool:
         """Whether the runtime can trace the step at a data shard's rows of a
-        micro-batch (runtime.pipeline_partial): not at one example where
-        meshplan found the step's gradients itself (trace.micro.ONE_EXAMPLE:
-        JAX leaves out the broadcasts it tells them by)."""
+        micro-batch (runtime.pipeline_partial): where the shards divide the
+        rows (a micro-batch of one sequence cannot be cut over the devices
+        that cut its tokens), and not at one example where meshplan found
+        the step's gradients itself (trace.micro.ONE_EXAMPLE: JAX leaves out
+        the broadcasts it tells them by)."""
         if shards not in self._per_shard:
             g = self.lay.g
             rows = min(g.batch_rows, default=0)
             inferred = any(n.primitive == GRAD_BOUNDARY and n.scope == INFERRED_GRADIENTS
                            for n in g.nodes)
-            self._per_shard[shards] = not (inferred and rows // shards < 2)
+            self._per_shard[shards] = rows >= shards and rows % shards == 0 \
+                and not (inferred and rows // shards < 2)
         return self._per_shard[shards]
 
     def _stage_rows(self, gi: int, gj: int, m: int, k: int, tighten: float
@@ -646,14 +659,20 @@ class StageCosts:
             if priced is None:
                 continue
             send, c, ways = priced
-            held = c.held_grads(whole)
             # (ZB-H1's gradients are reduced every micro-batch wherever they
             # could wait: what _priced charged only where the rows forbid it)
-            lost = (self.undeferred(i, j, m, k, tighten, every=True)[0]
-                    - self.undeferred(i, j, m, k, tighten)[0]) if schedule == ZB_H1 else 0.0
+            every = self.undeferred(i, j, m, k, tighten, every=schedule == ZB_H1)
+            lost = (every[0] - self.undeferred(i, j, m, k, tighten)[0]) \
+                if schedule == ZB_H1 else 0.0
+            # (a stage reducing every micro-batch keeps its sums as its
+            # parameters are laid out, not whole over the data axes)
+            each = every[1] > 0
+            held = (c.reducing_each() if each else c).held_grads(whole)
             for w in ways:
                 if w.layers and (whole or not partial_ok):
                     continue
+                if each:
+                    w = w._replace(cost=w.cost.reducing_each())
                 # (a recomputing stage's backward stays one program: 1F1B's count)
                 n_kept = keep + extra if extra and w.recompute == NONE else keep
                 mem = (w.cost.resident_bytes + held
