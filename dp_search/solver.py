@@ -85,8 +85,9 @@ class LayerCost:
     # held beside the old ones from the update to the step's end
     kept_new_bytes: float = 0.0
     # its gradients' running sums where its stage reduces them every
-    # micro-batch (in their parameters' layouts; grad_bytes holds them whole
-    # over the axes their reduction waits on); None: grad_bytes
+    # micro-batch (in the gradients' planned layouts, as the runtime keeps
+    # them; grad_bytes holds them whole over the axes their reduction waits
+    # on); None: grad_bytes
     reduced_grad_bytes: float | None = None
 
     @property
@@ -492,7 +493,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     micro-batches, their sums over ``r.waiting_axes`` reduced once a step
     (ilp.accumulation.deferrable)."""
     specs = dict(r.constraints)
-    resident = boundary = grads = reduced = optimizer = 0.0
+    resident = boundary = grads = optimizer = 0.0
     # With several micro-batches a gradient's running sum waits unreduced
     # over the axes its makers' deferred sums cover: whole along them
     waiting = r.waiting_axes if grad_accum > 1 and accumulate else frozenset()
@@ -509,7 +510,6 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
             resident += local(inp.tensor, spec)
         if inp.role == PARAM:
             grads += local(inp.tensor, spec, waiting)
-            reduced += local(inp.tensor, spec)
         elif inp.role == OPT_STATE:
             optimizer += local(inp.tensor, spec)
         elif inp.role == BOUNDARY and (entering is None or inp.tensor in entering):
@@ -535,7 +535,7 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
     steps = list(r.grad_steps)
     fwd_nodes = forward_of(sub, frozenset(saved) | crossing, accumulate)
     if ancestor_nodes(sub, [o.tensor for o in sub.outputs]) <= fwd_nodes:
-        grads = reduced = 0.0   # (no backward: an evaluation step's layer makes no gradients)
+        grads = 0.0     # (no backward: an evaluation step's layer makes no gradients)
     if steps:   # the forward runs before the backward: it hides no reduction
         forward, _ = r.seconds_of(fwd_nodes)
         steps[0] = (max(steps[0][0] - forward, 0.0), steps[0][1])
@@ -567,7 +567,9 @@ def layer_cost_from_result(sub: Graph, r: IntraOpResult, mesh: LogicalMesh,
                      rows_cut_over(sub, r, mesh, saved, crossing) if grad_accum > 1 else (),
                      temps, unsplit_flops(sub, mesh, r.strategies),
                      replay_comm_bytes=r.bytes_of(replayed), kept_new_bytes=kept_new,
-                     reduced_grad_bytes=reduced if waiting else None)
+                     reduced_grad_bytes=sum(local(t, specs[t]) if t in specs
+                                            else sub.tensors[t].nbytes for t in accumulate)
+                     if waiting and grads else None)
 
 
 def rows_cut_over(sub: Graph, r: IntraOpResult, mesh: LogicalMesh, saved: frozenset[int],

@@ -172,7 +172,7 @@ class GroupCost:
 
     def reducing_each(self) -> "GroupCost":
         """These layers in a stage that reduces its gradients every
-        micro-batch: their running sums in their parameters' layouts."""
+        micro-batch: their running sums in the gradients' planned layouts."""
         return GroupCost(**{**vars(self), "grad_bytes": self.reduced_grad_bytes})
 
     def passes_bytes(self, passes: float, one_program: bool) -> float:
@@ -664,8 +664,8 @@ class StageCosts:
             every = self.undeferred(i, j, m, k, tighten, every=schedule == ZB_H1)
             lost = (every[0] - self.undeferred(i, j, m, k, tighten)[0]) \
                 if schedule == ZB_H1 else 0.0
-            # (a stage reducing every micro-batch keeps its sums as its
-            # parameters are laid out, not whole over the data axes)
+            # (a stage reducing every micro-batch keeps its sums as the
+            # gradients are laid out, not whole over the data axes)
             each = every[1] > 0
             held = (c.reducing_each() if each else c).held_grads(whole)
             for w in ways:

@@ -928,13 +928,8 @@ def build_problem(graph: Graph, mm: MeshModel, *, memory_points: int = 4,
     b.update_nodes, b.update_values = update_nodes(graph, accumulate, split)
     b.grad_nodes, b.grad_tensors = gradient_only(graph, accumulate, b.update_nodes)
     # (a hand-made method splits the batch over axis 0 only: the runtime's
-    # partial gradient sums cover that axis, not the tensor-parallel ones.
-    # Where that axis is one device the batch stays whole, and the runtime
-    # keeps partial sums over whichever axes a stage's backward cuts the
-    # rows over, runtime.pipeline_partial._candidate_axes: any, by rows)
+    # partial gradient sums cover that axis, not the tensor-parallel ones)
     batch_axes = getattr(input_filter, "batch_axes", None)
-    if batch_axes and all(mm.shape[a] == 1 for a in batch_axes):
-        batch_axes = None
     b.defer_axes = None if batch_axes is None else frozenset(batch_axes)
     if grad_accum > 1:
         b.once = 1.0 / grad_accum
