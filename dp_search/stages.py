@@ -310,6 +310,7 @@ class StageCosts:
         self.relaxed = relaxed
         self._layer: dict[tuple[int, int, int, int], LayerCost | None] = {}
         self._per_shard: dict[int, bool] = {}      # data shards -> _traces_per_shard
+        self._undeferred: dict[tuple, tuple[float, float]] = {}     # (undeferred's)
         self._groups: dict[tuple[int, int, int], list[GroupCost | None]] = {}
         # (gi, gj, m, k, tighten) -> _priced's answer; -> _levels' largest layer state
         self._prices: dict[tuple[int, int, int, int, int], tuple | None] = {}
@@ -477,6 +478,13 @@ class StageCosts:
         1/B share, is paid whole each time."""
         if self.lay.B == 1:
             return 0.0, 0.0
+        key = (i, j, m, k, tighten, every)
+        if key not in self._undeferred:
+            self._undeferred[key] = self._undeferred_of(i, j, m, k, tighten, every)
+        return self._undeferred[key]
+
+    def _undeferred_of(self, i: int, j: int, m: int, k: int, tighten: float,
+                       every: bool) -> tuple[float, float]:
         parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
         if any(p is None for p in parts):
             return 0.0, 0.0
