@@ -137,12 +137,12 @@ def test_the_search_names_the_counts_memory_kept_from_a_faster_plan():
 
 
 @pytest.mark.extended
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the relaxed bound is not a bound here. With 4 micro-batches a "
-    "capped plan of stage 0 (tighten 4) is 3% faster than its uncapped one: it "
-    "holds half the gradient sums, whose accumulation the layer ILP does not "
-    "price, and its extra collectives hide under compute"))
 def test_the_pruned_search_plans_as_the_exhaustive_one_where_caps_speed_a_stage():
+    # (xfail until stop 95: with 4 micro-batches a capped plan of stage 0 was
+    # 3% faster than its uncapped one, holding half the gradient sums, so
+    # the relaxed bound pruned the winner.  Since stop 96 ZB-H1, priced with
+    # what its stages keep, wins both searches at 2 micro-batches; the capped
+    # plan at 4 no longer decides, which is not to say that gap is closed)
     _, cluster, graph, rt, session, opts = _tight_mlp(2_000_000)
     pruned, full = (search_pipeline(graph, cluster, dataclasses.replace(
         opts, prune_micro_batches=prune), method_name="auto", retrace=rt, session=session)[0]
