@@ -254,10 +254,9 @@ def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
 
 
 def _kept_through_order(ex: "PipelineExecutable", compiled: PipelineCompiled,
-                        s: int) -> tuple[int, int, int]:
-    """(bytes one micro-batch keeps between its programs, the most they add
-    up to on stage ``s`` in the driver's order, the most micro-batches in
-    flight there).  Kept: what this stage's forward makes (or, remat, what
+                        s: int) -> tuple[int, int]:
+    """(the most the micro-batches' kept values add up to on stage ``s`` in
+    the driver's order, the most micro-batches in flight there).  Kept: what this stage's forward makes (or, remat, what
     it received and keeps) for its ``B`` or ``W``, and what ``B`` makes for
     ``W``."""
     split, leaf_ids = ex.split, set(ex.flat.invars)
@@ -286,8 +285,7 @@ def _kept_through_order(ex: "PipelineExecutable", compiled: PipelineCompiled,
     for kind in kinds:
         now += 1 if kind == "F" else -1 if kind == closes else 0
         most = max(most, now)
-    peak = peak_kept(kinds, from_f, from_b, after_b)
-    return from_f + from_b, peak, most
+    return int(peak_kept(kinds, from_f, from_b, after_b)), most
 
 
 def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled) -> list[StageMemory]:
@@ -315,7 +313,7 @@ def stage_memory(ex: "PipelineExecutable", compiled: PipelineCompiled) -> list[S
         sums = sum(_device_bytes(a.shape, a.dtype, a.sharding)
                    for a in (ex.sums.struct(x, s) for k in keys if k[0] in ("F", "B", "W")
                              for x in split.tasks[k].accumulate)) if m > 1 else 0
-        _, peak, in_flight = _kept_through_order(ex, compiled, s)
+        peak, in_flight = _kept_through_order(ex, compiled, s)
         work = updated = 0
         for k in keys:
             mem = program_memory(compiled[k])

@@ -76,13 +76,13 @@ BatchDraw = tuple[int, int, tuple[int, ...]]
 
 
 def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "",
-             suspects: str = "") -> tuple[Any, Any]:
+             suspects: Callable[[], str] | None = None) -> tuple[Any, Any]:
     """``jax.make_jaxpr(fn, return_shape=True)(*args)``.  A failure at the
     arguments as given is the function's own: it is raised as it is, as
     ``jax.jit`` raises it, with a note saying meshplan was tracing it.  A
     failure at another size (``where``) becomes one TraceError that says so
-    and keeps the cause (the search tries other sizes); ``suspects``, the
-    likeliest cause at micro-batch size, ends the hint."""
+    and keeps the cause (the search tries other sizes); ``suspects()``, the
+    likeliest cause at micro-batch size (asked on failure only), ends the hint."""
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
@@ -91,7 +91,8 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "",
             raise
         hint = (" (a micro-batch is the first rows, along dimension 0, of every leaf of the "
                 "batch arguments: is dimension 0 the batch in each of them, and does the step "
-                f"take the batch size from x.shape[0] rather than from a constant?{suspects})"
+                f"take the batch size from x.shape[0] rather than from a constant?"
+                f"{suspects() if suspects else ''})"
                 if where == " at micro-batch size" else "")
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}{where}: "
                          f"{type(e).__name__}: {' '.join(str(e).split())}{hint}") from e
@@ -99,7 +100,8 @@ def jaxpr_of(fn: Callable, args: Sequence[Any], where: str = "",
 
 def micro_step(fn: Callable, full_args: Sequence[Any], micro_args: Sequence[Any],
                build_graph: Callable[[Any, Sequence[Any], Any, FlatJaxpr], Graph], *,
-               infer: bool = True, scaling: int = 0, suspects: str = "") -> tuple[Any, ...]:
+               infer: bool = True, scaling: int = 0,
+               suspects: Callable[[], str] | None = None) -> tuple[Any, ...]:
     """``fn`` traced at ``micro_args`` (the batch cut into micro-batches):
     (closed jaxpr, output shapes, flat stream with the gradient marker, its
     Graph, (the draws over the batch, :func:`draw_equations`), its

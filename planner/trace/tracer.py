@@ -600,7 +600,7 @@ def _micro(fn: Callable, args: tuple[Any, ...], micro: tuple[Any, ...],
         return graph_from_jaxpr(closed, a, out_shape, batch_argnums=batch_argnums, name=name,
                                 argnames=_argnames(fn, len(a)), flat=flat)
     out = micro_step(fn, args, micro, build, infer=m > 1, scaling=m if scaling else 0,
-                     suspects=_unlisted_batch_args(fn, args, batch_argnums))
+                     suspects=lambda: _unlisted_batch_args(fn, args, batch_argnums))
     if m > 1:
         return out
     closed, out_shape, flat, graph, draws, scaled = out
