@@ -53,9 +53,10 @@ def _check_run(name, plan, pp):
     assert [s.in_flight for s in mem] == list(ex.last_stats["max_in_flight"])
 
 
-# (mlp 1x2x4 mb4: eight virtual stages, where the in-flight bound is not
-# min(m, p - s))
-FAST = [("mlp", 2, 2, 2, 2), ("mlp", 2, 2, 2, 4), ("mlp", 1, 2, 4, 4),
+# (mlp 1x2x4 mb4, -m extended: eight virtual stages, where the in-flight
+# bound is not min(m, p - s))
+FAST = [("mlp", 2, 2, 2, 2), ("mlp", 2, 2, 2, 4),
+        pytest.param("mlp", 1, 2, 4, 4, marks=pytest.mark.extended),
         pytest.param("gpt", 2, 2, 2, 2, marks=pytest.mark.extended)]
 SLOW = [("gpt", 2, 2, 2, 4), ("mlp", 2, 2, 2, 8), ("gpt", 2, 2, 2, 8),
         ("mlp", 1, 2, 4, 8), ("gpt", 1, 2, 4, 4), ("gpt", 1, 2, 4, 8)]

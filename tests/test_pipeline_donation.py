@@ -397,6 +397,7 @@ def test_one_program_holds_its_new_state_beside_everything():
         rise, parts)
 
 
+@pytest.mark.extended
 def test_stage_memory_counts_a_typed_prng_key_in_the_state():
     # (flax nnx's Rngs keep jax.random.key in the state: "key<fry>" is no
     # numpy dtype, and the memory check raised TypeError on it)

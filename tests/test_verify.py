@@ -154,6 +154,7 @@ def test_a_stage_planned_on_whole_rows_keeps_no_partial_sums():
                                                r.actual_by_kind)
 
 
+@pytest.mark.extended
 def test_zb_h1_stages_pay_the_reduction_of_every_micro_batch():
     # the runtime keeps no partial gradient sums under ZB-H1 (its W programs
     # are not replayed per data shard), so each stage all-reduces its
@@ -166,6 +167,7 @@ def test_zb_h1_stages_pay_the_reduction_of_every_micro_batch():
                                                r.actual_by_kind)
 
 
+@pytest.mark.extended
 def test_zb_h1_stages_keep_what_the_plan_counts():
     # ZB-H1's B and W each replay the element-wise chains they read, so a
     # forward keeps what it keeps under 1F1B (cut before the replay, every
@@ -184,6 +186,7 @@ def test_zb_h1_stages_keep_what_the_plan_counts():
         assert abs(got - want) <= 0.05 * want, (r.stage, got, want)
 
 
+@pytest.mark.extended
 def test_micro_batches_of_one_row_reduce_every_micro_batch_as_planned():
     # PipeshardParallel(stages=4) on gpt with micro-batches of one sequence:
     # the layer ILPs let gradient sums wait over axes that cut the tokens
