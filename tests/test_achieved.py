@@ -606,6 +606,7 @@ def test_an_evaluation_pipeline_runs_a_forward_program_per_micro_batch_and_no_up
     assert plan.to_dict()["programs"] == [1, 0]
 
 
+@pytest.mark.extended
 def test_the_host_time_counts_the_buffers_the_programs_take_and_make():
     # the plan counts its stage programs' arrays from the graph; the programs
     # that run take and make about as many (an H200 run: gpt-small 2081

@@ -282,6 +282,7 @@ def test_a_hand_plan_of_the_searched_shape_is_no_faster():
     assert HAND_MADE_NOTE in auto.notes
 
 
+@pytest.mark.extended
 def test_a_one_stage_plan_by_the_whole_graph_ilp_does_not_claim_hand_layouts():
     """moe on the 8 local devices: the search's one stage takes a hand plan's
     layouts, then the whole-graph ILP's plan of that stage, as fast, replaces

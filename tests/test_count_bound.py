@@ -73,6 +73,7 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
         (full.num_micro_batches, len(full.stages))
 
 
+@pytest.mark.extended
 def test_a_count_whose_relaxed_plan_fits_takes_it_as_the_full_search_would():
     # a small gpt on eight 80 GB GPUs: memory binds nothing, so the relaxed
     # search's plan fits as it is and no capped layer ILP is needed for it

@@ -99,6 +99,7 @@ def test_plan_json_is_byte_identical_across_runs_and_hash_seeds() -> None:
         assert not any(n.rstrip().endswith(" s") for n in notes), (label, notes)
 
 
+@pytest.mark.extended
 def test_planning_twice_in_one_process_with_fresh_sessions_is_byte_identical() -> None:
     # a searched pipeline: micro-batch counts rewritten from the first trace
     from meshplan.dp_search import Session
@@ -134,6 +135,7 @@ def test_a_plan_records_an_ilp_stopped_by_its_time_limit() -> None:
     assert not full.ilp_time_limit_hit and "ilp_time_limit_hit" not in json.loads(full.to_json())
 
 
+@pytest.mark.extended
 def test_a_plan_records_a_time_limit_hit_by_a_plan_it_was_chosen_over(monkeypatch) -> None:
     # a losing candidate whose ILP stopped at its time limit might have won
     # with more time: the plan chosen over it says so too

@@ -156,6 +156,7 @@ def test_a_latency_bound_step_is_not_split_for_less_than_its_merged_reduction_co
     assert split.predicted.iteration_s <= whole.predicted.iteration_s * (1 + 1e-9)
 
 
+@pytest.mark.extended
 def test_meshes_are_ranked_by_the_plans_predicted_time():
     """The moe on the 8 local devices: 4x2's ILP objective is 0.2% under
     2x4's, but its plan is predicted 3% slower (the ILP cannot see which

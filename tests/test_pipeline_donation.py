@@ -381,6 +381,7 @@ def test_a_kept_state_is_counted_once_in_a_stage():
         assert 0.9 * want <= got <= 1.1 * want, (s, got, want)
 
 
+@pytest.mark.extended
 def test_one_program_holds_its_new_state_beside_everything():
     # one stage, one micro-batch: one program, whose outputs are buffers of
     # their own all along (not after the passes, as in a pipeline's update)

@@ -312,6 +312,7 @@ def test_1f1b_holds_at_most_p_minus_s_micro_batches_of_activations():
     assert in_flight == allowed
 
 
+@pytest.mark.extended
 def test_gpipe_holds_all_micro_batches():
     # the same count for GPipe reaches m on the first stage: the counter counts
     pp, mb = 2, 4

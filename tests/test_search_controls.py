@@ -60,6 +60,7 @@ def test_tp_within_host_plans_no_axis_but_data_across_hosts():
             assert dph % math.prod(s.logical_mesh.shape[1:]) == 0
 
 
+@pytest.mark.extended
 def test_micro_batch_counts_schedules_and_max_stages_bound_the_search(gpt):
     p = _plan(gpt, meshplan.Auto(tp_within_host=True, num_micro_batches=(2,),
                                  schedule=("gpipe",)))
@@ -300,6 +301,7 @@ def test_shard_remat_flag_defaults_to_none_and_takes_the_same_names():
     assert p.remat is None
 
 
+@pytest.mark.extended
 def test_shard_remat_auto_is_no_slower_than_recomputing_nothing():
     # (it priced only the layer by layer plans: 2.51 ms on gpt against the
     # whole-graph ILP's 2.10 ms without recomputation, which fits)

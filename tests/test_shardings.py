@@ -239,6 +239,7 @@ def test_a_recomputing_one_stage_plans_shardings_run_step_after_step(gpt, method
         assert got.sharding.is_equivalent_to(want, got.ndim)
 
 
+@pytest.mark.extended
 def test_cli_emit_of_a_scanned_step_is_refused_and_explain_goes_to_stderr(capsys):
     # (the plan keys per-layer arguments the stacked step never sees: every
     # spec of the snippet would have matched nothing, unsaid)
