@@ -176,6 +176,8 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
         lost_s, lost_bytes = costs.undeferred(st.first, st.last, st.submesh, mesh_k, opt.tighten,
                                               every=schedule == ZB_H1)
         comm, cbytes = comm + joint_s + lost_s, cbytes + joint_bytes + lost_bytes
+        deferred = costs.deferred_axes(st.first, st.last, st.submesh, mesh_k, opt.tighten,
+                                       every=schedule == ZB_H1)
         sub = submeshes[st.submesh]
         # (the new value of an updated argument leaf keeps its layout, as the
         # whole-graph ILP's plans record it: a plain jit of the plan needs it)
@@ -197,7 +199,9 @@ def pipeline_plan(full: Graph, lay: LayerProblems, choice: PipelineChoice, costs
                                                 int(round(cbytes * B))),
                             constraints=tuple(sorted(constraints.items())),
                             read_constraints=tuple((t, q, sp) for (t, q), sp in sorted(reads.items())),
-                            device_group=k % p if choice.chunks > 1 else -1))
+                            device_group=k % p if choice.chunks > 1 else -1,
+                            deferred_axes=tuple(mesh.axes[a] for a in deferred) if B > 1
+                            else None))
         peak_mem = max(peak_mem, int(mem))
         comm_bytes = max(comm_bytes, cbytes * B)
     if choice.chunks > 1:       # a device group holds all its chunks

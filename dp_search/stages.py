@@ -483,15 +483,34 @@ class StageCosts:
             self._undeferred[key] = self._undeferred_of(i, j, m, k, tighten, every)
         return self._undeferred[key]
 
-    def _undeferred_of(self, i: int, j: int, m: int, k: int, tighten: float,
-                       every: bool) -> tuple[float, float]:
+    def deferred_axes(self, i: int, j: int, m: int, k: int, tighten: float = 1,
+                      every: bool = False) -> tuple[int, ...]:
+        """The mesh axes over which the gradient sums of layers ``i..j`` as
+        one stage wait for the step's last micro-batch (``Stage.deferred_axes``):
+        its layers' waiting axes where the runtime can keep partial sums over
+        them (:meth:`undeferred` adds nothing), else none (each micro-batch's
+        gradients are reduced)."""
+        if self.lay.B == 1:
+            return ()
+        _, waiting, axes = self._waiting(i, j, m, k, tighten)
+        return axes if waiting and self.undeferred(i, j, m, k, tighten, every) == (0.0, 0.0) \
+            else ()
+
+    def _waiting(self, i: int, j: int, m: int, k: int, tighten: float
+                 ) -> tuple[list[LayerCost | None], list[LayerCost], tuple[int, ...]]:
+        """(the members' costs, those whose gradient sums wait, the axes they wait over)."""
         parts = [self.member(l, j, m, k, tighten) for l in range(i, j + 1)]
         if any(p is None for p in parts):
-            return 0.0, 0.0
+            return parts, [], ()
         waiting = [p for p in parts if p.deferred_s or p.deferred_bytes]
+        return parts, waiting, tuple(sorted(set().union(*(p.result.waiting_axes
+                                                          for p in waiting))))
+
+    def _undeferred_of(self, i: int, j: int, m: int, k: int, tighten: float,
+                       every: bool) -> tuple[float, float]:
+        parts, waiting, axes = self._waiting(i, j, m, k, tighten)
         if not waiting:
             return 0.0, 0.0
-        axes = tuple(sorted(set().union(*(p.result.waiting_axes for p in waiting))))
 
         def runs_per_shard(p: LayerCost, first: bool) -> bool:
             reads, sent = next(((r, s) for a, r, s in p.rows_cut if a == axes), (True, True))

@@ -218,6 +218,11 @@ class Stage:
     # interleaved plans: the device group (physical stage) this virtual stage
     # runs on, stages of one group sharing its devices; -1: its own devices
     device_group: int = -1
+    # with several micro-batches: the mesh axes over which the gradient sums
+    # wait unreduced for the step's last micro-batch, reduced once a step
+    # (the runtime keeps partial sums over them); () each micro-batch's
+    # gradients are reduced; None: not recorded (the runtime decides)
+    deferred_axes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_KINDS:
@@ -260,6 +265,8 @@ class Stage:
                                 "outputs": list(self.host_outputs)}}
                if self.offload != "none" else {}),
             **({"device_group": self.device_group} if self.device_group >= 0 else {}),
+            **({"deferred_axes": list(self.deferred_axes)}
+               if self.deferred_axes is not None else {}),
         }
 
     @classmethod
@@ -284,6 +291,8 @@ class Stage:
             host_params=tuple(str(k) for k in d.get("host_memory", {}).get("params", ())),
             host_outputs=tuple(str(k) for k in d.get("host_memory", {}).get("outputs", ())),
             device_group=int(d.get("device_group", -1)),
+            deferred_axes=(None if d.get("deferred_axes") is None
+                           else tuple(str(a) for a in d["deferred_axes"])),
         )
 
 

@@ -154,7 +154,11 @@ def _partial_sums(retrace: Callable[[int], TracedStep], traced: TracedStep, plan
     by_size: dict[int, set[int]] = {}
     for s, mesh in enumerate(meshes):
         d = math.prod(dict(mesh.shape)[a] for a in axes)
-        if d > 1:
+        # (where the plan records the axes its sums wait over, only those:
+        # over others it priced each micro-batch's reduction, and the
+        # running sums cut as reduced)
+        waits = plan.stages[s].deferred_axes
+        if d > 1 and (waits is None or set(axes) <= set(waits)):
             by_size.setdefault(d, set()).add(s)
     found: dict[int, PartialSums] = {}
     for d, stages in sorted(by_size.items()):

@@ -3,6 +3,7 @@ each micro-batch (ZeRO-2's way): running sums in the parameters' layout
 instead of whole per data shard.  The runtime then keeps no partial sums, and
 the plan charges what runs."""
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -309,3 +310,24 @@ def test_data_shards_of_one_example_are_priced_as_reducing_each_micro_batch():
     assert any(key[0] == "B" and hlo.collective_bytes_per_call(co.as_text())
                for key, co in compiled.stage(last).items())     # (a backward reduces)
     assert s.plan.stages[last].predicted.comm_bytes == pytest.approx(actual, rel=0.01)
+
+
+def test_a_stages_deferred_axes_round_trip_and_files_without_them_leave_it_to_the_runtime():
+    # a pipeline plan records, per stage, the axes its gradient sums wait
+    # over (runtime.pipeline_partial keeps partial sums over those alone)
+    m = build_model("mlp", {"layers": 4, "hidden": 32, "batch": 16})
+    plan = meshplan.plan(m.train_step, *m.abstract_args,
+                         cluster=meshplan.ClusterSpec.local(),
+                         method=meshplan.Manual(dp=4, tp=1, pp=2, num_micro_batches=4))
+    axes = [s.deferred_axes for s in plan.stages]
+    assert all(a is not None and set(a) <= set(s.logical_mesh.axes)
+               for a, s in zip(axes, plan.stages)), axes
+    # (a data-parallel mlp: its sums wait over the data axis, reduced once a step)
+    assert all("data" in a for a in axes), axes
+    d = json.loads(plan.to_json())
+    assert [s["deferred_axes"] for s in d["stages"]] == [list(a) for a in axes]
+    assert [s.deferred_axes for s in meshplan.Plan.from_json(plan.to_json()).stages] == axes
+    for s in d["stages"]:
+        del s["deferred_axes"]
+    assert all(s.deferred_axes is None
+               for s in meshplan.Plan.from_json(json.dumps(d)).stages)

@@ -186,6 +186,22 @@ def test_zb_h1_stages_keep_what_the_plan_counts():
         assert abs(got - want) <= 0.05 * want, (r.stage, got, want)
 
 
+def test_a_stage_keeps_partial_sums_only_over_the_axes_its_plan_defers():
+    # gpt Manual(1,2,4): the head stage cuts its tokens over the model axis,
+    # and its layer ILP priced the tied weight's gradient reduced each
+    # micro-batch (no sums wait: Stage.deferred_axes is empty).  The runtime
+    # kept partial sums over the model axis regardless (one reduction a
+    # step: -19% communication against the plan, running sums twice the
+    # plan's); now it does what the plan priced
+    from meshplan.tools.verify import verify_pipeline
+    rows = verify_pipeline("gpt", 1, 2, 4, 4, "1f1b")
+    for r in rows:
+        assert abs(r.comm_rel_error) <= 0.01, (r.stage, r.predicted_comm_bytes, r.actual_by_kind)
+        got = dict(r.predicted_memory_parts)["grads"]
+        want = dict(r.memory_parts)["running_sums"]
+        assert abs(got - want) <= 0.01 * want + 16, (r.stage, got, want)
+
+
 @pytest.mark.extended
 def test_micro_batches_of_one_row_reduce_every_micro_batch_as_planned():
     # PipeshardParallel(stages=4) on gpt with micro-batches of one sequence:
