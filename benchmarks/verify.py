@@ -7,7 +7,8 @@ the plan's comm_bytes_per_device and peak memory with the compiled HLO and
 writes benchmarks/results/verify.md and verify.csv.
 
 Pipeline rows (one per stage): gpt and mlp under Manual with 2 stages of
-2x2 devices and 4 stages of 2, every stage program compiled as the pipeline
+2x2 devices and 4 stages of 2, gpt and moe with 4 stages of 1x2 (no data
+parallelism), every stage program compiled as the pipeline
 runs it, against the stage's predicted communication and memory (see
 meshplan.tools.verify.verify_pipeline); written to verify_pipeline.md.
 
@@ -32,7 +33,10 @@ import _fake_devices  # noqa: E402,F401  (before jax: 8 fake CPU devices)
 MODELS = ("mlp", "gpt", "moe", "wresnet")
 MESHES = ((8,), (2, 4), (4, 2), (2, 2, 2))
 # (model, dp, tp, pp, micro-batches, schedule)
+# (gpt 1x2 x4 stages: the head cuts its tokens over the model axis, where
+# the plan reduces the tied weight's gradient every micro-batch)
 PIPELINES = (("gpt", 2, 2, 2, 4, "1f1b"), ("gpt", 2, 1, 4, 2, "gpipe"),
+             ("gpt", 1, 2, 4, 4, "1f1b"), ("moe", 1, 2, 4, 4, "1f1b"),
              ("mlp", 2, 2, 2, 4, "1f1b"), ("mlp", 2, 1, 4, 2, "gpipe"))
 # searched (PipeshardParallel(stages=pp) on 8 devices): model, stages, micro-batches, schedule
 SEARCHED = (("gpt", 2, 4, "1f1b"), ("mlp", 2, 4, "1f1b"))
