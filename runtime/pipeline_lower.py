@@ -256,9 +256,9 @@ def _device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
 def _kept_through_order(ex: "PipelineExecutable", compiled: PipelineCompiled,
                         s: int) -> tuple[int, int]:
     """(the most the micro-batches' kept values add up to on stage ``s`` in
-    the driver's order, the most micro-batches in flight there).  Kept: what this stage's forward makes (or, remat, what
-    it received and keeps) for its ``B`` or ``W``, and what ``B`` makes for
-    ``W``."""
+    the driver's order, the most micro-batches in flight there).  Kept: what
+    this stage's forward makes (or, remat, what it received and keeps) for
+    its ``B`` or ``W``, and what ``B`` makes for ``W``."""
     split, leaf_ids = ex.split, set(ex.flat.invars)
     sizes: dict[str, dict[int, int]] = {"B": {}, "W": {}}
     made_by_b: set[int] = set()
