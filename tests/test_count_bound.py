@@ -38,6 +38,22 @@ def _total(lay, cluster, opts, solver, relaxed: bool) -> float:
         return math.inf
 
 
+def _bounds_under_best(m, cluster, graph, rt, session, opts) -> int:
+    """Check every micro-batch count's relaxed bound against the count's
+    best; the number of counts with a plan."""
+    solver = LayerSolver(cluster, opts, session)
+    planned = 0
+    for B in micro_batch_candidates(m.config["batch"], None):
+        g = graph if B == 1 else rt(B)
+        lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
+        best, bound = (_total(lay, cluster, opts, solver, relaxed) for relaxed in (False, True))
+        assert bound <= best * (1 + 1e-9), (
+            f"{cluster.name}, {m.config}, {B} micro-batches: relaxed {bound:.6g} s above the "
+            f"count's best {best:.6g} s")
+        planned += best < math.inf
+    return planned
+
+
 # (seconds each on 2 busy cores: 0 and 2 under 10, the extended ones under 25,
 # the slow ones 45-280)
 DEFAULT, SLOW = (0, 2), (1, 5, 6, 11, 14, 15)
@@ -53,17 +69,8 @@ def test_relaxed_bound_is_below_every_counts_best(seed):
     rt = retracer(m.train_step, m.abstract_args, m.batch_argnums, "step")
     session = Session(workers=1)
     opts = meshplan.Auto().request(cluster.num_devices).pipeline
-    solver = LayerSolver(cluster, opts, session)
-    planned = 0
-    for B in micro_batch_candidates(m.config["batch"], None):
-        g = graph if B == 1 else rt(B)
-        lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
-        best, bound = (_total(lay, cluster, opts, solver, relaxed) for relaxed in (False, True))
-        assert bound <= best * (1 + 1e-9), (
-            f"{cluster.name}, {m.config}, {B} micro-batches: relaxed {bound:.6g} s above the "
-            f"count's best {best:.6g} s")
-        planned += best < math.inf
-    assert planned, "no micro-batch count has a plan: the case tests nothing"
+    assert _bounds_under_best(m, cluster, graph, rt, session, opts), \
+        "no micro-batch count has a plan: the case tests nothing"
     # the pruned search plans as the exhaustive one does
     pruned, full = (search_pipeline(graph, cluster, dataclasses.replace(
         opts, prune_micro_batches=prune), method_name="auto", retrace=rt, session=session)[0]
@@ -146,16 +153,7 @@ def test_the_relaxed_bound_keeps_ways_a_cap_makes_fit(memory_bytes):
     # split evenly was tried (stop 98): at 2.0 MB it exceeded the best of 1
     # and 4 micro-batches by 14% and 0.2%.  Every count's bound stays under
     # its best here.
-    m, cluster, graph, rt, session, opts = _tight_mlp(memory_bytes)
-    solver = LayerSolver(cluster, opts, session)
-    planned = 0
-    for B in micro_batch_candidates(m.config["batch"], None):
-        g = graph if B == 1 else rt(B)
-        lay = layer_problems(g, B, cluster, opts, batch_dims_between(graph, g, B))
-        best, bound = (_total(lay, cluster, opts, solver, relaxed) for relaxed in (False, True))
-        assert bound <= best * (1 + 1e-9), f"{B} micro-batches: {bound:.6g} > {best:.6g}"
-        planned += best < math.inf
-    assert planned >= 5
+    assert _bounds_under_best(*_tight_mlp(memory_bytes)) >= 5
 
 
 @pytest.mark.extended
